@@ -1,0 +1,247 @@
+"""Communicator: one rank's handle on a group. Collectives run in this process, on the group's
+shared buffers; the daemon is only consulted for the dispatch table and holds this rank's lease."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from nodecomm import _native, host_memory
+from nodecomm.errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    NodecommError,
+    PeerLostError,
+    from_rpc_error,
+)
+from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+from .lease import Lease
+
+log = logging.getLogger("nodecomm.client")
+
+DTYPE_CODES = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
+DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_CPU_PATHS = frozenset({Path.ONESHOT, Path.TWOSHOT})
+
+
+@dataclass
+class Mapping:
+    address: int
+    size_bytes: int
+
+
+class Communicator:
+    """A rank's membership in a group. Build it with `nodecomm.connect`.
+
+    Collectives are blocking and must be called by every rank of the group in the same order with
+    the same sizes, like torch.distributed's. Every wait is bounded by the operation timeout the
+    daemon announced, and ends early with PeerLostError when a peer dies.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: str,
+        rank: int,
+        world_size: int,
+        group_id: int,
+        channel: grpc.Channel,
+        control: Mapping,
+        buffers: list[Mapping],
+        capacity_bytes: int,
+        dtypes: frozenset[torch.dtype],
+        table: DispatchTable,
+        timing_sample_period: int,
+        operation_timeout: float,
+    ):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.group_id = group_id
+        self._channel = channel
+        self._stub = pb_grpc.ControlStub(channel)
+        self._control = control
+        self._buffers = buffers
+        self._dtypes = dtypes
+        self._table = table
+        self._sample_period = max(1, timing_sample_period)
+        self._operation_timeout = operation_timeout
+        self._ops = 0
+        self._closed = False
+        self._native = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, capacity_bytes)
+        self._lease = Lease(self._stub, group_id, rank, control.address, self._set_table)
+
+    def _start(self, timeout: float) -> None:
+        try:
+            self._lease.start(timeout)
+        except (TimeoutError, ConnectionError) as error:
+            self.close()
+            raise DaemonUnavailableError(f"could not open the session: {error}", group=self.group, rank=self.rank) from None
+
+    def _set_table(self, table: DispatchTable) -> None:
+        if table.epoch >= self._table.epoch:
+            self._table = table
+
+    # -- collectives -----------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+        """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
+
+        tensor: contiguous CPU tensor of float32, float16 or bfloat16, the same shape on every rank.
+        path: force "oneshot" or "twoshot"; by default the daemon's table picks by size. Every path
+        gives the same bits: fp32 accumulation in rank order 0..n-1, one rounding.
+        """
+        self._check_usable()
+        self._check_tensor(tensor, "tensor")
+        if out is None:
+            out = torch.empty_like(tensor)
+        elif out.shape != tensor.shape or out.dtype != tensor.dtype or not out.is_contiguous() or out.device.type != "cpu":
+            raise InvalidArgumentError(
+                f"out must be a contiguous CPU tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                f"got shape {tuple(out.shape)} dtype {out.dtype}", group=self.group, rank=self.rank,
+            )
+        nbytes = tensor.numel() * tensor.element_size()
+        chosen = self._table.path_for(nbytes) if path is None else self._forced_path(path)
+        sampled = self._ops % self._sample_period == 0
+        self._ops += 1
+        started = time.perf_counter() if sampled else 0.0
+        try:
+            self._native.all_reduce(
+                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype],
+                chosen.to_proto(), self._operation_timeout,
+            )
+        except NodecommError as error:
+            raise self._located(error) from None
+        if sampled:
+            self._lease.report(chosen, nbytes, time.perf_counter() - started)
+        return out
+
+    def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Gather every rank's `tensor`; returns `out` of shape [world_size, *tensor.shape]."""
+        self._check_usable()
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise InvalidArgumentError("tensor must be a contiguous CPU tensor", group=self.group, rank=self.rank)
+        shape = (self.world_size, *tensor.shape)
+        if out is None:
+            out = torch.empty(shape, dtype=tensor.dtype)
+        elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
+            raise InvalidArgumentError(
+                f"out must be contiguous with shape {shape} and dtype {tensor.dtype}, got {tuple(out.shape)} {out.dtype}",
+                group=self.group, rank=self.rank,
+            )
+        try:
+            self._native.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(),
+                                    self._operation_timeout)
+        except NodecommError as error:
+            raise self._located(error) from None
+        return out
+
+    def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self._check_usable()
+        try:
+            self._native.barrier(self._operation_timeout)
+        except NodecommError as error:
+            raise self._located(error) from None
+
+    def thresholds(self) -> DispatchTable:
+        """The dispatch table in force: size ranges -> path, and where each boundary came from."""
+        return self._table
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
+        if self._lease.lost_reason is not None:
+            raise DaemonUnavailableError(
+                f"{self._lease.lost_reason}; close this communicator and connect again",
+                group=self.group, rank=self.rank,
+            )
+        reason, detail = _native.abort_state(self._control.address)
+        if reason:
+            raise self._aborted(reason, detail)
+
+    def _aborted(self, reason: int, detail: int) -> NodecommError:
+        message = self._lease.event_message
+        if reason == _native.ABORT_PEER_LOST:
+            text = message or f"peer rank {detail} was lost"
+            return PeerLostError(f"group aborted: {text}", group=self.group, rank=self.rank)
+        if reason == _native.ABORT_PEER_LEFT:
+            return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
+        if reason == _native.ABORT_STALLED:
+            return PeerLostError(f"group aborted: rank {detail} timed out waiting for a peer", group=self.group, rank=self.rank)
+        return DaemonUnavailableError("group aborted: the daemon is gone or shutting down", group=self.group, rank=self.rank)
+
+    def _located(self, error: NodecommError) -> NodecommError:
+        located = type(error)(error.detail, group=self.group, rank=self.rank)
+        return located
+
+    def _check_tensor(self, tensor: torch.Tensor, name: str) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank)
+        if tensor.device.type != "cpu":
+            raise InvalidArgumentError(f"{name} is on {tensor.device}; this is a CPU group", group=self.group, rank=self.rank)
+        if tensor.dtype not in self._dtypes:
+            allowed = sorted(str(d).removeprefix("torch.") for d in self._dtypes)
+            raise InvalidArgumentError(
+                f"{name} has dtype {tensor.dtype}; this group was formed for {allowed}", group=self.group, rank=self.rank
+            )
+        if not tensor.is_contiguous():
+            raise InvalidArgumentError(f"{name} must be contiguous", group=self.group, rank=self.rank)
+
+    def _forced_path(self, name: str) -> Path:
+        try:
+            path = Path.parse(name)
+        except ValueError as error:
+            raise InvalidArgumentError(str(error), group=self.group, rank=self.rank) from None
+        if path not in _CPU_PATHS:
+            raise InvalidArgumentError(
+                f"path {name!r} is not available to a CPU group; expected 'oneshot' or 'twoshot'",
+                group=self.group, rank=self.rank,
+            )
+        return path
+
+    # -- teardown --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the group, end the lease and unmap the buffers. Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._lease.lost_reason is None:
+            try:
+                self._stub.Leave(pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank), timeout=5.0)
+            except grpc.RpcError as error:
+                log.info("leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))})
+        self._lease.close()
+        self._native = None
+        for mapping in (self._control, *self._buffers):
+            host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+        self._channel.close()
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_closed", True) is False:
+            warnings.warn(
+                f"nodecomm Communicator for group {self.group!r} rank {self.rank} was not closed; "
+                "call close() or use it as a context manager", ResourceWarning, stacklevel=1,
+            )
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"Communicator(group={self.group!r}, rank={self.rank}, world_size={self.world_size}, pid={os.getpid()}, {state})"

@@ -1,0 +1,112 @@
+"""The rank's Session stream: its lease with the daemon, run on a background thread.
+
+Down the stream come threshold tables and group events; up go batches of sampled timings. If the
+stream breaks while the communicator is open, the daemon is gone: the lease sets the group's abort
+word (so peers spinning in a barrier stop too) and the communicator's next call raises
+DaemonUnavailableError.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from nodecomm import _native
+from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+log = logging.getLogger("nodecomm.client")
+
+_BATCH = 32
+_FLUSH_SECONDS = 1.0
+
+
+class Lease:
+    def __init__(
+        self,
+        stub: pb_grpc.ControlStub,
+        group_id: int,
+        rank: int,
+        control_address: int,
+        on_table: Callable[[DispatchTable], None],
+    ):
+        self._stub = stub
+        self._group_id = group_id
+        self._rank = rank
+        self._control = control_address
+        self._on_table = on_table
+        self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
+        self._pending: list[pb.Timing] = []
+        self._last_flush = time.monotonic()
+        self._ready = threading.Event()
+        self._closing = False
+        self.lost_reason: str | None = None  # why the daemon is unusable, once it is
+        self.event_message: str | None = None  # the last group event's message
+        self._call = None
+        self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{rank}", daemon=True)
+
+    def start(self, timeout: float) -> None:
+        self._outbox.put(pb.SessionUp(hello=pb.SessionHello(group_id=self._group_id, rank=self._rank)))
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"the daemon did not accept the session within {timeout:.1f} s")
+        if self.lost_reason is not None:
+            raise ConnectionError(self.lost_reason)
+
+    def _requests(self) -> Iterator[pb.SessionUp]:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            yield message
+
+    def _run(self) -> None:
+        try:
+            self._call = self._stub.Session(self._requests())
+            for message in self._call:
+                kind = message.WhichOneof("kind")
+                if kind == "thresholds":
+                    self._on_table(DispatchTable.from_proto(message.thresholds))
+                elif message.event.kind == pb.READY:
+                    self._ready.set()
+                else:
+                    self.event_message = message.event.message
+                    if message.event.kind == pb.DRAINING:
+                        self.lost_reason = "the daemon is shutting down"
+            if not self._closing and self.lost_reason is None:
+                self.lost_reason = "the daemon ended this rank's session"
+        except grpc.RpcError as error:
+            if not self._closing:
+                self.lost_reason = f"the daemon connection was lost ({error.code().name}: {error.details()})"
+        finally:
+            if not self._closing:
+                _native.abort_group(self._control, _native.ABORT_DAEMON_LOST, self._rank)
+                log.warning("session lost", extra={"rank": self._rank, "reason": self.lost_reason})
+            self._ready.set()
+
+    def report(self, path: Path, nbytes: int, seconds: float) -> None:
+        self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds))
+        now = time.monotonic()
+        if len(self._pending) >= _BATCH or now - self._last_flush > _FLUSH_SECONDS:
+            self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
+            self._pending = []
+            self._last_flush = now
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self._pending:
+            self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
+            self._pending = []
+        self._outbox.put(None)
+        if self._call is not None:
+            self._call.cancel()
+        if self._thread.is_alive():
+            self._thread.join(timeout)

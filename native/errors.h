@@ -1,0 +1,28 @@
+// errors.h — the native side of nodecomm.errors. Each class maps 1:1 to a Python class there;
+// messages carry the file:line that raised them.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+
+namespace nodecomm {
+
+enum class ErrorKind { kInvalidArgument, kDeadlineExceeded, kPeerLost, kDaemonUnavailable, kInternal };
+
+struct Error : std::runtime_error {
+  ErrorKind kind;
+  Error(ErrorKind k, const std::string& message) : std::runtime_error(message), kind(k) {}
+};
+
+[[noreturn]] inline void raise(ErrorKind kind, const char* file, int line, const std::string& what) {
+  std::string where(file);
+  const auto slash = where.find_last_of('/');
+  if (slash != std::string::npos) where = where.substr(slash + 1);
+  throw Error(kind, what + " (" + where + ":" + std::to_string(line) + ")");
+}
+
+}  // namespace nodecomm
+
+#define NODECOMM_RAISE(kind, what) ::nodecomm::raise(::nodecomm::ErrorKind::kind, __FILE__, __LINE__, (what))
+#define NODECOMM_CHECK(cond, what) \
+  do { if (!(cond)) NODECOMM_RAISE(kInvalidArgument, what); } while (0)

@@ -1,0 +1,256 @@
+// shm.h — the CPU transport: all-reduce, all-gather and barrier among processes whose buffers
+// live in host shared memory (memfd segments the daemon hands out).
+//
+// Layout of each rank's buffer (shm_buffer_bytes):
+//   [0, kHeaderBytes)       arrival flags, one 64-byte line per peer: peer p stores its barrier
+//                           epoch into line p of every rank's buffer (no atomics across peers)
+//   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
+// and of the group's control segment (kControlBytes): word 0 is the abort word, written by the
+// daemon or by a rank that gives up on the group.
+//
+// Ordering: a rank copies its input into its slot, then stores its epoch into every peer's flag
+// line with release semantics; a reader acquires the flag before reading the slot. Operation k
+// uses slot k % 2. A rank reuses a slot two operations later only after passing the barrier of the
+// operation in between, which no peer reaches before it has finished reading that slot, so no
+// extra pre-write barrier is needed.
+#pragma once
+
+#include <sched.h>
+#include <time.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "errors.h"
+#include "numerics.h"
+
+namespace nodecomm::shm {
+
+constexpr int kMaxRanks = 16;
+constexpr std::size_t kLineBytes = 64;
+constexpr int kNumSlots = 2;
+constexpr std::size_t kHeaderBytes = kMaxRanks * kLineBytes;
+constexpr std::size_t kControlBytes = 4096;
+
+// Abort reasons in the control segment; equal to what nodecomm.client expects.
+enum AbortReason : std::uint64_t {
+  kNotAborted = 0, kPeerLost = 1, kDaemonLost = 2, kShutdown = 3, kStalled = 4, kPeerLeft = 5
+};
+
+// Algorithms; equal to nodecomm.v1.Path values.
+enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
+
+inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+inline std::size_t slot_stride(std::size_t slot_bytes) { return round_up(slot_bytes, kLineBytes); }
+inline std::size_t shm_buffer_bytes(std::size_t slot_bytes) {
+  return kHeaderBytes + kNumSlots * slot_stride(slot_bytes);
+}
+
+// The abort word packs reason << 32 | detail so that one compare-and-swap publishes both; the
+// first reason wins, since later failures are consequences of it.
+inline void abort_group(std::uintptr_t control, std::uint64_t reason, std::uint64_t detail) {
+  auto* word = reinterpret_cast<std::uint64_t*>(control);
+  std::uint64_t expected = 0;
+  __atomic_compare_exchange_n(word, &expected, (reason << 32) | (detail & 0xFFFFFFFFu), false,
+                              __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+}
+
+inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t control) {
+  const std::uint64_t word = __atomic_load_n(reinterpret_cast<const std::uint64_t*>(control), __ATOMIC_ACQUIRE);
+  return {word >> 32, word & 0xFFFFFFFFu};
+}
+
+// Sum `n` slots element-wise over [begin, end) into out: fp32 accumulation in rank order, one
+// rounding. Blocked so the accumulator stays in L1 and the loops vectorise.
+template <typename T>
+void reduce_range(const std::uint8_t* const* slots, int n, T* out, std::size_t begin, std::size_t end) {
+  constexpr std::size_t kBlock = 2048;
+  float acc[kBlock];
+  for (std::size_t b = begin; b < end; b += kBlock) {
+    const std::size_t len = std::min(kBlock, end - b);
+    const T* first = reinterpret_cast<const T*>(slots[0]) + b;
+    for (std::size_t i = 0; i < len; ++i) acc[i] = to_float(first[i]);
+    for (int r = 1; r < n; ++r) {
+      const T* src = reinterpret_cast<const T*>(slots[r]) + b;
+      for (std::size_t i = 0; i < len; ++i) acc[i] += to_float(src[i]);
+    }
+    for (std::size_t i = 0; i < len; ++i) out[b + i] = from_float<T>(acc[i]);
+  }
+}
+
+class ShmGroup {
+ public:
+  // buffers: each rank's buffer as mapped in this process, in rank order.
+  ShmGroup(int rank, int world_size, std::vector<std::uintptr_t> buffers, std::uintptr_t control,
+           std::size_t slot_bytes)
+      : rank_(rank), world_size_(world_size), buffers_(std::move(buffers)), control_(control),
+        slot_bytes_(slot_bytes) {
+    NODECOMM_CHECK(world_size >= 1 && world_size <= kMaxRanks,
+                   "world_size " + std::to_string(world_size) + " is outside 1.." + std::to_string(kMaxRanks));
+    NODECOMM_CHECK(rank >= 0 && rank < world_size,
+                   "rank " + std::to_string(rank) + " is outside 0.." + std::to_string(world_size - 1));
+    NODECOMM_CHECK(int(buffers_.size()) == world_size,
+                   "expected " + std::to_string(world_size) + " buffers, got " + std::to_string(buffers_.size()));
+    NODECOMM_CHECK(slot_bytes >= kLineBytes, "slot_bytes must be at least 64");
+    NODECOMM_CHECK(control != 0, "control segment address is null");
+  }
+
+  int rank() const { return rank_; }
+  int world_size() const { return world_size_; }
+  std::uint64_t barrier_epoch() const { return barrier_epoch_; }
+  std::uint64_t op_epoch() const { return op_epoch_; }
+
+  // out may equal in. count elements of dtype on every rank (all ranks pass the same count).
+  void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
+                  double timeout_s) {
+    switch (dtype) {
+      case DType::kFloat32: return all_reduce_typed<float>(in, out, count, algorithm, timeout_s);
+      case DType::kFloat16: return all_reduce_typed<Float16>(in, out, count, algorithm, timeout_s);
+      case DType::kBFloat16: return all_reduce_typed<BFloat16>(in, out, count, algorithm, timeout_s);
+    }
+    NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(int(dtype)));
+  }
+
+  // out holds world_size * nbytes: rank r's input lands at out + r * nbytes.
+  void all_gather(std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
+    const std::size_t chunk = slot_bytes_ / kLineBytes * kLineBytes;
+    for (std::size_t offset = 0; offset < nbytes; offset += chunk) {
+      const std::size_t len = std::min(chunk, nbytes - offset);
+      std::uint8_t* mine = stage(reinterpret_cast<const std::uint8_t*>(in) + offset, len);
+      barrier(timeout_s);
+      const std::size_t slot = slot_offset();
+      for (int r = 0; r < world_size_; ++r) {
+        const std::uint8_t* src = r == rank_ ? mine : peer(r) + slot;
+        std::memcpy(reinterpret_cast<std::uint8_t*>(out) + std::size_t(r) * nbytes + offset, src, len);
+      }
+      ++op_epoch_;
+    }
+  }
+
+  // Every rank arrives, then waits for every other rank (bounded by timeout_s, honours abort).
+  void barrier(double timeout_s) {
+    const std::uint64_t epoch = ++barrier_epoch_;
+    for (int r = 0; r < world_size_; ++r) {
+      auto* flag = reinterpret_cast<std::uint64_t*>(peer(r) + std::size_t(rank_) * kLineBytes);
+      __atomic_store_n(flag, epoch, __ATOMIC_RELEASE);
+    }
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_) wait_flag(r, epoch, timeout_s);
+    }
+  }
+
+ private:
+  std::uint8_t* peer(int r) const { return reinterpret_cast<std::uint8_t*>(buffers_[r]); }
+  std::size_t slot_offset() const { return kHeaderBytes + (op_epoch_ % kNumSlots) * slot_stride(slot_bytes_); }
+
+  std::uint8_t* stage(const std::uint8_t* src, std::size_t len) {
+    std::uint8_t* mine = peer(rank_) + slot_offset();
+    std::memcpy(mine, src, len);
+    return mine;
+  }
+
+  template <typename T>
+  void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, Algorithm algorithm,
+                        double timeout_s) {
+    NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
+                   "unknown algorithm code " + std::to_string(int(algorithm)) + "; expected 1 (oneshot) or 2 (twoshot)");
+    const std::size_t chunk_elems = slot_bytes_ / sizeof(T) / 16 * 16;
+    const std::uint8_t* slots[kMaxRanks];
+    for (std::size_t begin = 0; begin < count; begin += chunk_elems) {
+      const std::size_t len = std::min(chunk_elems, count - begin);
+      stage(reinterpret_cast<const std::uint8_t*>(in) + begin * sizeof(T), len * sizeof(T));
+      barrier(timeout_s);
+      const std::size_t slot = slot_offset();
+      for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot;
+      T* dst = reinterpret_cast<T*>(out) + begin;
+      if (algorithm == Algorithm::kOneshot) {
+        reduce_range<T>(slots, world_size_, dst, 0, len);
+      } else {
+        // Reduce-scatter: this rank reduces its segment into its own slot, where peers gather it.
+        const std::size_t per = round_up((len + world_size_ - 1) / world_size_, 16);
+        auto segment = [&](int r) {
+          const std::size_t lo = std::min(len, std::size_t(r) * per);
+          return std::pair<std::size_t, std::size_t>(lo, std::min(len, lo + per));
+        };
+        const auto [lo, hi] = segment(rank_);
+        reduce_range<T>(slots, world_size_, reinterpret_cast<T*>(peer(rank_) + slot), lo, hi);
+        barrier(timeout_s);
+        for (int r = 0; r < world_size_; ++r) {
+          const auto [rlo, rhi] = segment(r);
+          std::memcpy(dst + rlo, slots[r] + rlo * sizeof(T), (rhi - rlo) * sizeof(T));
+        }
+      }
+      ++op_epoch_;
+    }
+  }
+
+  // Spin briefly, then yield, then sleep: ranks may outnumber cores.
+  void wait_flag(int r, std::uint64_t epoch, double timeout_s) {
+    const auto* flag = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes);
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point start{};
+    for (std::uint64_t spins = 0;; ++spins) {
+      if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) >= epoch) return;
+      const auto [reason, detail] = abort_state(control_);
+      if (reason != kNotAborted) raise_aborted(reason, detail);
+      if (spins < 4096) {
+        __builtin_ia32_pause();
+        continue;
+      }
+      if (spins == 4096) start = Clock::now();
+      if ((spins & 63) == 0) {
+        const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+        if (waited > timeout_s) raise_stalled(r, epoch, waited);
+        if (waited > 0.002) {
+          const timespec nap{0, 50000};
+          nanosleep(&nap, nullptr);
+          continue;
+        }
+      }
+      sched_yield();
+    }
+  }
+
+  [[noreturn]] void raise_aborted(std::uint64_t reason, std::uint64_t detail) const {
+    const std::string who = "rank " + std::to_string(rank_) + ": ";
+    switch (reason) {
+      case kPeerLost:
+        NODECOMM_RAISE(kPeerLost, who + "group aborted: peer rank " + std::to_string(detail) + " was lost");
+      case kDaemonLost:
+        NODECOMM_RAISE(kDaemonUnavailable, who + "group aborted: the daemon connection was lost");
+      case kShutdown:
+        NODECOMM_RAISE(kDaemonUnavailable, who + "group aborted: the daemon is shutting down");
+      case kPeerLeft:
+        NODECOMM_RAISE(kPeerLost, who + "group closed: peer rank " + std::to_string(detail) + " left");
+      case kStalled:
+        NODECOMM_RAISE(kPeerLost, who + "group aborted: rank " + std::to_string(detail) +
+                                      " timed out waiting for a peer");
+      default:
+        NODECOMM_RAISE(kInternal, who + "group aborted with unknown reason " + std::to_string(reason));
+    }
+  }
+
+  [[noreturn]] void raise_stalled(int r, std::uint64_t epoch, double waited) {
+    const auto* flag = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes);
+    const std::uint64_t seen = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
+    abort_group(control_, kStalled, std::uint64_t(rank_));
+    NODECOMM_RAISE(kDeadlineExceeded, "rank " + std::to_string(rank_) + " waited " + std::to_string(waited) +
+                                          " s for rank " + std::to_string(r) + " at barrier epoch " +
+                                          std::to_string(epoch) + " (its flag reads " + std::to_string(seen) + ")");
+  }
+
+  int rank_;
+  int world_size_;
+  std::vector<std::uintptr_t> buffers_;
+  std::uintptr_t control_;
+  std::size_t slot_bytes_;
+  std::uint64_t barrier_epoch_ = 0;
+  std::uint64_t op_epoch_ = 0;
+};
+
+}  // namespace nodecomm::shm

@@ -1,0 +1,37 @@
+"""nodecomm: a per-node communication sidecar for multi-GPU inference engines.
+
+    import nodecomm
+    with nodecomm.connect(group="tp0", rank=r, world_size=n) as comm:
+        y = comm.all_reduce(x)
+"""
+
+from nodecomm.byte_size import parse_byte_size
+from nodecomm.errors import (
+    DaemonUnavailableError,
+    DeadlineExceededError,
+    GroupMismatchError,
+    InvalidArgumentError,
+    NodecommError,
+    PeerLostError,
+)
+
+__all__ = [
+    "Communicator",
+    "DaemonUnavailableError",
+    "DeadlineExceededError",
+    "GroupMismatchError",
+    "InvalidArgumentError",
+    "NodecommError",
+    "PeerLostError",
+    "connect",
+    "parse_byte_size",
+]
+
+
+def __getattr__(name: str):
+    # The client needs torch; the daemon imports this package without it.
+    if name in ("connect", "Communicator"):
+        from nodecomm import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'nodecomm' has no attribute {name!r}")

@@ -1,0 +1,104 @@
+"""The one exception hierarchy of nodecomm, and its one mapping to gRPC status codes.
+
+The daemon raises these; its servicer turns them into a status with `status_code_for`; the client
+turns a status back into the same class with `from_rpc_error`. The native module raises the same
+classes (it looks them up here), so a caller catches one hierarchy whatever failed.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class NodecommError(Exception):
+    """Base of every nodecomm error. `group` and `rank` say whose operation failed, when known."""
+
+    def __init__(self, message: str, *, group: str | None = None, rank: int | None = None):
+        self.group = group
+        self.rank = rank
+        where = []
+        if group is not None:
+            where.append(f"group {group!r}")
+        if rank is not None:
+            where.append(f"rank {rank}")
+        prefix = f"[{', '.join(where)}] " if where else ""
+        super().__init__(prefix + message if message and not message.startswith(prefix) else message)
+        self.detail = message
+
+
+class InvalidArgumentError(NodecommError, ValueError):
+    """A request or a call was malformed: the message names the field and what was expected."""
+
+
+class GroupMismatchError(NodecommError):
+    """The ranks of a group disagree on world size or geometry; raised on every rank."""
+
+
+class AlreadyExistsError(NodecommError):
+    """The rank is already taken in a group that is forming or formed under that name."""
+
+
+class NotFoundError(NodecommError):
+    """The named group (or rank within it) does not exist on this daemon."""
+
+
+class DeadlineExceededError(NodecommError, TimeoutError):
+    """A wait ran out of time: a join whose peers never came, or a collective whose peer stalled."""
+
+
+class PeerLostError(NodecommError):
+    """A peer rank's lease ended (it died or left) while the group was in use; the group is aborted."""
+
+
+class DaemonUnavailableError(NodecommError, ConnectionError):
+    """The daemon cannot be reached, restarted under this rank, or is shutting down."""
+
+
+class ResourceExhaustedError(NodecommError):
+    """An allocation or a quota failed; nothing was kept."""
+
+
+class PermissionDeniedError(NodecommError):
+    """The caller's credentials do not match what the request claims."""
+
+
+class InternalError(NodecommError):
+    """A bug or an unexpected system failure; the message carries the cause."""
+
+
+_STATUS_BY_CLASS: dict[type[NodecommError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    GroupMismatchError: grpc.StatusCode.FAILED_PRECONDITION,
+    AlreadyExistsError: grpc.StatusCode.ALREADY_EXISTS,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    PeerLostError: grpc.StatusCode.ABORTED,
+    DaemonUnavailableError: grpc.StatusCode.UNAVAILABLE,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    InternalError: grpc.StatusCode.INTERNAL,
+}
+_CLASS_BY_STATUS = {code: cls for cls, code in _STATUS_BY_CLASS.items()}
+# Statuses gRPC itself produces without a daemon-side error behind them.
+_CLASS_BY_STATUS[grpc.StatusCode.CANCELLED] = DaemonUnavailableError
+_CLASS_BY_STATUS[grpc.StatusCode.UNKNOWN] = InternalError
+
+
+def status_code_for(error: NodecommError) -> grpc.StatusCode:
+    """The gRPC status code the daemon answers with for `error`."""
+    for cls in type(error).__mro__:
+        if cls in _STATUS_BY_CLASS:
+            return _STATUS_BY_CLASS[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def from_rpc_error(
+    error: grpc.RpcError, *, group: str | None = None, rank: int | None = None
+) -> NodecommError:
+    """The nodecomm error for a failed RPC, keeping the daemon's message."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    details = (error.details() if hasattr(error, "details") else None) or str(error)
+    cls = _CLASS_BY_STATUS.get(code, InternalError)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        details = f"daemon unavailable: {details}"
+    return cls(details, group=group, rank=rank)

@@ -1,0 +1,166 @@
+"""The dispatch table: which path carries an all-reduce of a given size.
+
+This is the one place that decides the path for a size. The daemon builds a table from its
+boundaries (override > calibrated > default) and pushes it to every rank of a group; ranks look
+sizes up in it with `path_for`. All ranks of a group hold the same table at the same epoch, so they
+dispatch identically.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from dataclasses import dataclass, field
+
+from nodecomm.byte_size import format_byte_size
+from nodecomm.v1 import control_pb2 as pb
+
+
+class Path(str, enum.Enum):
+    ONESHOT = "oneshot"
+    TWOSHOT = "twoshot"
+    DMA = "dma"
+    NCCL = "nccl"
+    SERVICE = "service"
+
+    @classmethod
+    def parse(cls, name: str) -> Path:
+        try:
+            return cls(name.lower())
+        except ValueError:
+            known = ", ".join(p.value for p in cls)
+            raise ValueError(f"unknown path {name!r}: expected one of {known}") from None
+
+    def to_proto(self) -> int:
+        return pb.Path.Value(self.name)
+
+    @classmethod
+    def from_proto(cls, value: int) -> Path:
+        return cls[pb.Path.Name(value)]
+
+
+class Source(str, enum.Enum):
+    DEFAULT = "default"
+    CALIBRATED = "calibrated"
+    OVERRIDE = "override"
+
+
+# The boundaries, in the order they are shown. A `*_max_bytes` boundary sends sizes up to and
+# including it to its path; `dma_min_bytes` sends sizes from it up to DMA.
+BOUNDARY_NAMES = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes")
+
+
+@dataclass(frozen=True)
+class Boundary:
+    name: str
+    value_bytes: int | None  # None: the path is off
+    source: Source
+
+    def describe(self) -> str:
+        return f"{self.name}={format_byte_size(self.value_bytes)} ({self.source.value})"
+
+
+@dataclass(frozen=True)
+class DispatchTable:
+    """Ordered size ranges -> path. `range_max[i]` is inclusive; the last range is unbounded."""
+
+    epoch: int
+    range_max: tuple[int, ...]   # inclusive upper ends of all ranges but the last
+    range_paths: tuple[Path, ...]  # one more than range_max
+    boundaries: tuple[Boundary, ...] = field(default=())
+
+    def path_for(self, nbytes: int) -> Path:
+        return self.range_paths[bisect.bisect_left(self.range_max, nbytes)]
+
+    def boundary(self, name: str) -> Boundary:
+        for b in self.boundaries:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def paths(self) -> frozenset[Path]:
+        return frozenset(self.range_paths)
+
+    def rows(self) -> list[tuple[str, str, Path]]:
+        """(from, to, path) rows for display, sizes spelled as byte sizes."""
+        rows = []
+        low = 0
+        for high, path in zip((*self.range_max, None), self.range_paths):
+            rows.append((format_byte_size(low), "inf" if high is None else format_byte_size(high), path))
+            low = (high or 0) + 1
+        return rows
+
+    def to_proto(self) -> pb.ThresholdTable:
+        table = pb.ThresholdTable(epoch=self.epoch)
+        for high, path in zip(self.range_max, self.range_paths):
+            table.ranges.add(max_bytes=high, path=path.to_proto())
+        table.ranges.add(unbounded=True, path=self.range_paths[-1].to_proto())
+        for b in self.boundaries:
+            entry = table.boundaries.add(name=b.name, source=pb.BoundarySource.Value(b.source.name))
+            if b.value_bytes is not None:
+                entry.value_bytes = b.value_bytes
+        return table
+
+    @classmethod
+    def from_proto(cls, table: pb.ThresholdTable) -> DispatchTable:
+        ranges = list(table.ranges)
+        if not ranges or not ranges[-1].unbounded or any(r.unbounded for r in ranges[:-1]):
+            raise ValueError("a threshold table needs exactly one unbounded range, the last")
+        bounded = ranges[:-1]
+        boundaries = tuple(
+            Boundary(
+                b.name,
+                b.value_bytes if b.HasField("value_bytes") else None,
+                Source[pb.BoundarySource.Name(b.source)],
+            )
+            for b in table.boundaries
+        )
+        return cls(
+            epoch=table.epoch,
+            range_max=tuple(r.max_bytes for r in bounded),
+            range_paths=tuple(Path.from_proto(r.path) for r in ranges),
+            boundaries=boundaries,
+        )
+
+
+def build_table(boundaries: dict[str, Boundary], fallback: Path, epoch: int) -> DispatchTable:
+    """Turn boundaries into ranges. `fallback` carries every size no boundary claims.
+
+    The rule, in order: DMA from dma_min_bytes; oneshot up to oneshot_max_bytes; twoshot up to
+    twoshot_max_bytes; otherwise the fallback (twoshot on CPU groups, NCCL on GPU groups).
+    """
+    value = {name: b.value_bytes for name, b in boundaries.items()}
+
+    def rule(nbytes: int) -> Path:
+        dma_min = value.get("dma_min_bytes")
+        if dma_min is not None and nbytes >= dma_min:
+            return Path.DMA
+        oneshot_max = value.get("oneshot_max_bytes")
+        if oneshot_max is not None and nbytes <= oneshot_max:
+            return Path.ONESHOT
+        twoshot_max = value.get("twoshot_max_bytes")
+        if twoshot_max is not None and nbytes <= twoshot_max:
+            return Path.TWOSHOT
+        return fallback
+
+    # The rule is constant between these points, so evaluating it at each range's top is exact.
+    points = {value.get("oneshot_max_bytes"), value.get("twoshot_max_bytes")}
+    if value.get("dma_min_bytes") is not None:
+        points.add(value["dma_min_bytes"] - 1)
+    points = sorted(p for p in points if p is not None and p >= 0)
+    range_max: list[int] = []
+    range_paths: list[Path] = []
+    for point in points:
+        path = rule(point)
+        if range_paths and range_paths[-1] == path:
+            range_max[-1] = point
+        else:
+            range_max.append(point)
+            range_paths.append(path)
+    tail = rule(1 << 62)
+    if range_paths and range_paths[-1] == tail:
+        range_max.pop()
+        range_paths.pop()
+    range_paths.append(tail)
+    ordered = tuple(boundaries[n] for n in BOUNDARY_NAMES if n in boundaries)
+    return DispatchTable(epoch, tuple(range_max), tuple(range_paths), ordered)

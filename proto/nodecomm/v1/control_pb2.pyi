@@ -1,0 +1,255 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+
+class Path(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PATH_UNSPECIFIED: _ClassVar[Path]
+    ONESHOT: _ClassVar[Path]
+    TWOSHOT: _ClassVar[Path]
+    DMA: _ClassVar[Path]
+    NCCL: _ClassVar[Path]
+    SERVICE: _ClassVar[Path]
+
+class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    MEMORY_KIND_UNSPECIFIED: _ClassVar[MemoryKind]
+    HOST_MEMFD: _ClassVar[MemoryKind]
+    CUDA_VMM_FD: _ClassVar[MemoryKind]
+    CUDA_IPC_LEGACY: _ClassVar[MemoryKind]
+
+class BoundarySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BOUNDARY_SOURCE_UNSPECIFIED: _ClassVar[BoundarySource]
+    DEFAULT: _ClassVar[BoundarySource]
+    CALIBRATED: _ClassVar[BoundarySource]
+    OVERRIDE: _ClassVar[BoundarySource]
+
+class GroupEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GROUP_EVENT_UNSPECIFIED: _ClassVar[GroupEventKind]
+    READY: _ClassVar[GroupEventKind]
+    PEER_LOST: _ClassVar[GroupEventKind]
+    DRAINING: _ClassVar[GroupEventKind]
+DTYPE_UNSPECIFIED: DType
+FLOAT32: DType
+FLOAT16: DType
+BFLOAT16: DType
+PATH_UNSPECIFIED: Path
+ONESHOT: Path
+TWOSHOT: Path
+DMA: Path
+NCCL: Path
+SERVICE: Path
+MEMORY_KIND_UNSPECIFIED: MemoryKind
+HOST_MEMFD: MemoryKind
+CUDA_VMM_FD: MemoryKind
+CUDA_IPC_LEGACY: MemoryKind
+BOUNDARY_SOURCE_UNSPECIFIED: BoundarySource
+DEFAULT: BoundarySource
+CALIBRATED: BoundarySource
+OVERRIDE: BoundarySource
+GROUP_EVENT_UNSPECIFIED: GroupEventKind
+READY: GroupEventKind
+PEER_LOST: GroupEventKind
+DRAINING: GroupEventKind
+
+class Geometry(_message.Message):
+    __slots__ = ("capacity_bytes", "dtypes")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    rank: int
+    world_size: int
+    device: str
+    geometry: Geometry
+    pid: int
+    join_timeout_seconds: float
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("owner_rank", "size_bytes")
+    OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    owner_rank: int
+    size_bytes: int
+    def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_SAMPLE_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    claim_token: bytes
+    descriptor_socket: str
+    memory_kind: MemoryKind
+    control: Segment
+    buffers: _containers.RepeatedCompositeFieldContainer[Segment]
+    thresholds: ThresholdTable
+    timing_sample_period: int
+    operation_timeout_seconds: float
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Boundary(_message.Message):
+    __slots__ = ("name", "value_bytes", "source")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value_bytes: int
+    source: BoundarySource
+    def __init__(self, name: _Optional[str] = ..., value_bytes: _Optional[int] = ..., source: _Optional[_Union[BoundarySource, str]] = ...) -> None: ...
+
+class PathRange(_message.Message):
+    __slots__ = ("max_bytes", "unbounded", "path")
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UNBOUNDED_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    max_bytes: int
+    unbounded: bool
+    path: Path
+    def __init__(self, max_bytes: _Optional[int] = ..., unbounded: _Optional[bool] = ..., path: _Optional[_Union[Path, str]] = ...) -> None: ...
+
+class ThresholdTable(_message.Message):
+    __slots__ = ("epoch", "ranges", "boundaries")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    ranges: _containers.RepeatedCompositeFieldContainer[PathRange]
+    boundaries: _containers.RepeatedCompositeFieldContainer[Boundary]
+    def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ...) -> None: ...
+
+class Timing(_message.Message):
+    __slots__ = ("path", "bytes", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: Path
+    bytes: int
+    seconds: float
+    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class SessionUp(_message.Message):
+    __slots__ = ("hello", "timings")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    hello: SessionHello
+    timings: TimingBatch
+    def __init__(self, hello: _Optional[_Union[SessionHello, _Mapping]] = ..., timings: _Optional[_Union[TimingBatch, _Mapping]] = ...) -> None: ...
+
+class SessionHello(_message.Message):
+    __slots__ = ("group_id", "rank")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    rank: int
+    def __init__(self, group_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class TimingBatch(_message.Message):
+    __slots__ = ("timings",)
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    timings: _containers.RepeatedCompositeFieldContainer[Timing]
+    def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ...) -> None: ...
+
+class GroupEvent(_message.Message):
+    __slots__ = ("kind", "rank", "message")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    kind: GroupEventKind
+    rank: int
+    message: str
+    def __init__(self, kind: _Optional[_Union[GroupEventKind, str]] = ..., rank: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SessionDown(_message.Message):
+    __slots__ = ("thresholds", "event")
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    thresholds: ThresholdTable
+    event: GroupEvent
+    def __init__(self, thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., event: _Optional[_Union[GroupEvent, _Mapping]] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("group", "group_id", "rank")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetThresholdsRequest(_message.Message):
+    __slots__ = ("group",)
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    def __init__(self, group: _Optional[str] = ...) -> None: ...
+
+class ListGroupsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GroupInfo(_message.Message):
+    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    group_id: int
+    world_size: int
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    live_ranks: _containers.RepeatedScalarFieldContainer[int]
+    state: str
+    device_kind: str
+    reserved_bytes: int
+    geometry: Geometry
+    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ...) -> None: ...
+
+class ListGroupsReply(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[GroupInfo]
+    def __init__(self, groups: _Optional[_Iterable[_Union[GroupInfo, _Mapping]]] = ...) -> None: ...

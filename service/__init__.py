@@ -1,0 +1,1 @@
+"""The nodecomm daemon (nodecommd)."""

@@ -1,0 +1,167 @@
+"""The daemon's configuration: one frozen dataclass, one precedence rule.
+
+    built-in defaults  <  TOML file (--config / NODECOMM_CONFIG)  <  NODECOMM_* environment  <  flags
+
+Every field can be set at every level under the same name: `socket` in the file, NODECOMM_SOCKET in
+the environment, --socket on the command line. Byte sizes accept what parse_byte_size accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nodecomm.byte_size import parse_byte_size
+from nodecomm.socket_path import default_socket_path
+from nodecomm.thresholds import BOUNDARY_NAMES
+
+ENV_PREFIX = "NODECOMM_"
+
+# Tuned defaults live here. oneshot_max_bytes for CPU groups was read off `nodecomm bench --device
+# cpu --world-size 2` on a 2-core machine: oneshot wins below the crossover, twoshot above it.
+DEFAULT_CPU_ONESHOT_MAX_BYTES = 256 << 10
+DEFAULT_DMA_MIN_BYTES = 6 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class DaemonConfig:
+    socket: str = dataclasses.field(default_factory=default_socket_path)
+    # The companion socket that passes file descriptors; empty: "<socket>.fd" beside the socket.
+    descriptor_socket: str = ""
+    # "host:port" on a loopback address, or empty for no TCP listener.
+    tcp_address: str = ""
+    # "host:port" for Prometheus /metrics, or "off".
+    metrics_address: str = "127.0.0.1:9464"
+    state_dir: str = ""
+    join_timeout_seconds: float = 60.0
+    operation_timeout_seconds: float = 60.0
+    # A rank that does not open its Session stream this long after Join is treated as lost.
+    session_grace_seconds: float = 10.0
+    # A claim token not used within this long is dropped.
+    claim_token_ttl_seconds: float = 60.0
+    timing_sample_period: int = 64
+    max_capacity_bytes: int = 1 << 30
+    drain_grace_seconds: float = 5.0
+    log_level: str = "INFO"
+    log_format: str = "json"
+    # Boundary overrides: absent means "not overridden"; None means "switched off".
+    overrides: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.socket:
+            raise ValueError("socket: expected a filesystem path for the Unix socket, got an empty string")
+        if not self.descriptor_socket:
+            object.__setattr__(self, "descriptor_socket", self.socket + ".fd")
+        if self.tcp_address:
+            host = _split_address("tcp_address", self.tcp_address)[0]
+            if not ipaddress.ip_address(host).is_loopback:
+                raise ValueError(
+                    f"tcp_address {self.tcp_address!r}: expected a loopback address (127.0.0.0/8 or ::1); "
+                    "the control plane is not exposed beyond the node"
+                )
+        if self.metrics_address != "off":
+            _split_address("metrics_address", self.metrics_address)
+        for name in ("join_timeout_seconds", "operation_timeout_seconds", "session_grace_seconds",
+                     "claim_token_ttl_seconds", "drain_grace_seconds"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
+        if self.timing_sample_period < 1:
+            raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
+        if self.max_capacity_bytes < 64:
+            raise ValueError(f"max_capacity_bytes: expected at least 64, got {self.max_capacity_bytes}")
+        unknown = set(self.overrides) - set(BOUNDARY_NAMES)
+        if unknown:
+            raise ValueError(f"unknown threshold overrides {sorted(unknown)}: expected {list(BOUNDARY_NAMES)}")
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"log_format: expected 'json' or 'text', got {self.log_format!r}")
+        object.__setattr__(self, "overrides", dict(self.overrides))
+
+    @property
+    def metrics_host_port(self) -> tuple[str, int] | None:
+        return None if self.metrics_address == "off" else _split_address("metrics_address", self.metrics_address)
+
+
+def _split_address(field: str, address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        ipaddress.ip_address(host)
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"{field} {address!r}: expected 'ip:port', e.g. '127.0.0.1:9464'") from None
+    if not sep or not 0 <= number <= 65535:
+        raise ValueError(f"{field} {address!r}: expected 'ip:port' with a port in 0..65535")
+    return host, number
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "overrides"}
+
+
+def _coerce(name: str, value: Any, where: str) -> Any:
+    """Turn a file, environment or flag value into the field's type, naming where it came from."""
+    if name in BOUNDARY_NAMES:
+        try:
+            return parse_byte_size(str(value))
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
+    kind = _FIELDS[name].type
+    try:
+        if kind == "int":
+            return parse_byte_size(str(value)) if name.endswith("_bytes") else int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: expected {kind} for {name}, got {value!r} ({error})") from None
+
+
+def _apply(values: dict[str, Any], overrides: dict[str, int | None], source: Mapping[str, Any], where: str) -> None:
+    for key, value in source.items():
+        name = key.replace("-", "_")
+        if name == "thresholds" and isinstance(value, Mapping):
+            _apply(values, overrides, value, f"{where} [thresholds]")
+        elif name in BOUNDARY_NAMES:
+            overrides[name] = _coerce(name, value, f"{where} {key}")
+        elif name in _FIELDS:
+            values[name] = _coerce(name, value, f"{where} {key}")
+        else:
+            known = ", ".join(sorted([*_FIELDS, *BOUNDARY_NAMES]))
+            raise ValueError(f"{where}: unknown setting {key!r}; known settings: {known}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nodecommd",
+        description="The nodecomm daemon: owns a node's shared communication buffers and serves the control plane.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", help="TOML file (also NODECOMM_CONFIG)")
+    for name, field in _FIELDS.items():
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=field.type.upper().split()[0])
+    for name in BOUNDARY_NAMES:
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="SIZE|off")
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> DaemonConfig:
+    environ = os.environ if environ is None else environ
+    flags = vars(build_parser().parse_args(argv))
+    values: dict[str, Any] = {}
+    overrides: dict[str, int | None] = {}
+    config_file = flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
+    if config_file:
+        with open(config_file, "rb") as handle:
+            _apply(values, overrides, tomllib.load(handle), f"config file {config_file}")
+    env = {
+        key[len(ENV_PREFIX):].lower(): value
+        for key, value in environ.items()
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in (*_FIELDS, *BOUNDARY_NAMES)
+    }
+    _apply(values, overrides, env, "environment")
+    _apply(values, overrides, flags, "command line")
+    return DaemonConfig(**values, overrides=overrides)

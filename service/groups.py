@@ -1,0 +1,468 @@
+"""GroupRegistry: groups from their first Join to their last departure.
+
+Lifecycle: ranks arrive (Join) into a forming group; once all `world_size` ranks agree, memory is
+allocated and every rank is answered at once; each rank then holds a Session stream (its lease).
+A lease that ends without Leave means a dead rank: the group's abort word is set so peers spinning
+in a barrier return an error, and the name is free to form again at once. The memory is released
+when every rank is gone. Everything here runs on the daemon's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+
+from nodecomm import _native
+from nodecomm.errors import (
+    AlreadyExistsError,
+    DaemonUnavailableError,
+    DeadlineExceededError,
+    GroupMismatchError,
+    InvalidArgumentError,
+    NodecommError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.v1 import control_pb2 as pb
+
+from .allocator import HostGroupMemory, allocate_host_group
+from .config import DEFAULT_CPU_ONESHOT_MAX_BYTES, DaemonConfig
+from .handles import ClaimTable, PendingClaim
+from .metrics import DaemonMetrics, size_bucket
+
+log = logging.getLogger("nodecomm.groups")
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
+MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    group: str
+    rank: int
+    world_size: int
+    device: str
+    capacity_bytes: int
+    dtypes: tuple[int, ...]
+    pid: int
+
+    @classmethod
+    def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
+        return cls(
+            group=request.group,
+            rank=request.rank,
+            world_size=request.world_size,
+            device=request.device,
+            capacity_bytes=request.geometry.capacity_bytes,
+            dtypes=tuple(sorted(set(request.geometry.dtypes))),
+            pid=request.pid,
+        )
+
+    # The fields every rank must agree on, with how to show a value in an error.
+    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes")
+
+    @property
+    def device_kind(self) -> str:
+        return "cpu" if self.device == "cpu" else "cuda"
+
+    def shown(self, name: str) -> str:
+        value = getattr(self, name)
+        if name == "dtypes":
+            return "[" + ", ".join(_DTYPE_NAMES[d] for d in value) + "]"
+        return str(value)
+
+
+def validate_join(args: JoinArgs, config: DaemonConfig) -> None:
+    where = dict(group=args.group or None, rank=args.rank)
+    if not _GROUP_NAME.fullmatch(args.group):
+        raise InvalidArgumentError(
+            f"group name {args.group[:160]!r}: expected 1-128 characters from [A-Za-z0-9._:/-], "
+            "starting with a letter or digit",
+        )
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgumentError(f"world_size {args.world_size}: expected 1..{MAX_WORLD_SIZE}", **where)
+    if not 0 <= args.rank < args.world_size:
+        raise InvalidArgumentError(f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where)
+    if args.device != "cpu":
+        raise InvalidArgumentError(
+            f"device {args.device!r}: this daemon serves CPU groups only; expected 'cpu'", **where
+        )
+    if args.capacity_bytes < 64:
+        raise InvalidArgumentError(f"geometry.capacity_bytes {args.capacity_bytes}: expected at least 64", **where)
+    if args.capacity_bytes > config.max_capacity_bytes:
+        raise ResourceExhaustedError(
+            f"geometry.capacity_bytes {args.capacity_bytes} exceeds this daemon's max_capacity_bytes "
+            f"{config.max_capacity_bytes}", **where,
+        )
+    if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
+        raise InvalidArgumentError(
+            f"geometry.dtypes {list(args.dtypes)}: expected one or more of {sorted(_DTYPE_NAMES.values())}", **where
+        )
+    if args.pid <= 0:
+        raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
+
+
+@dataclass
+class Arrival:
+    args: JoinArgs
+    future: asyncio.Future
+
+
+@dataclass
+class FormingGroup:
+    """Ranks that have arrived for a name that is not formed yet."""
+
+    name: str
+    arrivals: dict[int, Arrival] = field(default_factory=dict)
+    # Set once the ranks disagreed: every rank of this attempt gets the same error.
+    failure: NodecommError | None = None
+    failed_ranks: set[int] = field(default_factory=set)
+    failed_at: float = 0.0
+
+
+@dataclass
+class Member:
+    rank: int
+    pid: int
+    session: asyncio.Queue | None = None
+    session_seen: bool = False
+    left: bool = False
+    lost: bool = False
+
+    @property
+    def gone(self) -> bool:
+        return self.left or self.lost
+
+
+@dataclass
+class Group:
+    name: str
+    group_id: int
+    args: JoinArgs  # rank 0's, which every rank agreed with
+    memory: HostGroupMemory
+    table: DispatchTable
+    members: dict[int, Member]
+    state: str = "active"  # "active" | "aborted"
+    formed_at: float = field(default_factory=time.monotonic)
+
+    def broadcast(self, message: pb.SessionDown) -> None:
+        for member in self.members.values():
+            if member.session is not None:
+                member.session.put_nowait(message)
+
+
+class GroupRegistry:
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, claims: ClaimTable, descriptor_socket: str):
+        self.config = config
+        self.metrics = metrics
+        self.claims = claims
+        self.descriptor_socket = descriptor_socket
+        self._forming: dict[str, FormingGroup] = {}
+        self._active: dict[str, Group] = {}  # by name: the group that owns the name now
+        self._groups: dict[int, Group] = {}  # by id: every group not yet released
+        self._draining = False
+        self._table_epoch = 0
+        for boundary in self.default_boundaries().values():
+            if boundary.value_bytes is not None:
+                metrics.threshold.labels(boundary.name, boundary.source.value).set(boundary.value_bytes)
+
+    # -- thresholds ----------------------------------------------------------------------------
+
+    def default_boundaries(self) -> dict[str, Boundary]:
+        """CPU groups: oneshot up to the crossover, twoshot beyond. Overrides win over defaults."""
+        name = "oneshot_max_bytes"
+        if name in self.config.overrides:
+            return {name: Boundary(name, self.config.overrides[name], Source.OVERRIDE)}
+        return {name: Boundary(name, DEFAULT_CPU_ONESHOT_MAX_BYTES, Source.DEFAULT)}
+
+    def new_table(self) -> DispatchTable:
+        self._table_epoch += 1
+        return build_table(self.default_boundaries(), Path.TWOSHOT, self._table_epoch)
+
+    def table_for(self, name: str) -> DispatchTable:
+        if not name:
+            return build_table(self.default_boundaries(), Path.TWOSHOT, 0)
+        group = self._active.get(name)
+        if group is None:
+            raise NotFoundError(f"no active group named {name!r}", group=name)
+        return group.table
+
+    # -- join ----------------------------------------------------------------------------------
+
+    async def join(self, args: JoinArgs, timeout: float) -> pb.JoinReply:
+        try:
+            reply = await self._join(args, timeout)
+        except NodecommError as error:
+            self.metrics.joins.labels(type(error).__name__).inc()
+            raise
+        self.metrics.joins.labels("ok").inc()
+        return reply
+
+    async def _join(self, args: JoinArgs, timeout: float) -> pb.JoinReply:
+        if self._draining:
+            raise DaemonUnavailableError("the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank)
+        validate_join(args, self.config)
+        active = self._active.get(args.group)
+        if active is not None:
+            raise AlreadyExistsError(
+                f"a group with this name is already formed (id {active.group_id}, world_size "
+                f"{active.args.world_size}); every rank must leave, or be lost, before it can form again",
+                group=args.group, rank=args.rank,
+            )
+        forming = self._forming.get(args.group)
+        if forming is not None and forming.failure is not None:
+            expired = time.monotonic() - forming.failed_at > self.config.join_timeout_seconds
+            if args.rank in forming.failed_ranks or expired:
+                forming = None  # a new attempt after the failed one
+            else:
+                forming.failed_ranks.add(args.rank)
+                raise forming.failure
+        if forming is None:
+            forming = self._forming[args.group] = FormingGroup(args.group)
+        if args.rank in forming.arrivals:
+            other = forming.arrivals[args.rank].args
+            raise AlreadyExistsError(
+                f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once",
+                group=args.group, rank=args.rank,
+            )
+        mismatch = self._disagreement(forming, args)
+        if mismatch is not None:
+            self._fail_forming(forming, mismatch)
+            forming.failed_ranks.add(args.rank)
+            raise mismatch
+        arrival = Arrival(args, asyncio.get_running_loop().create_future())
+        forming.arrivals[args.rank] = arrival
+        self._update_gauges()
+        if len(forming.arrivals) == args.world_size:
+            self._form(forming)
+        try:
+            return await asyncio.wait_for(asyncio.shield(arrival.future), timeout)
+        except asyncio.TimeoutError:
+            self._withdraw(forming, args.rank)
+            missing = sorted(set(range(args.world_size)) - set(forming.arrivals))
+            raise DeadlineExceededError(
+                f"ranks {missing} did not join within {timeout:.1f} s "
+                f"(joined: {sorted(forming.arrivals) or 'none'} besides this rank)",
+                group=args.group, rank=args.rank,
+            ) from None
+        except asyncio.CancelledError:
+            self._withdraw(forming, args.rank)
+            raise
+
+    def _disagreement(self, forming: FormingGroup, args: JoinArgs) -> GroupMismatchError | None:
+        for name in JoinArgs.AGREED:
+            values = {r: a.args.shown(name) for r, a in forming.arrivals.items()}
+            values[args.rank] = args.shown(name)
+            if len(set(values.values())) > 1:
+                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
+                return GroupMismatchError(
+                    f"ranks disagree on {name}: {detail}; nothing was allocated", group=args.group
+                )
+        return None
+
+    def _fail_forming(self, forming: FormingGroup, error: NodecommError) -> None:
+        forming.failure = error
+        forming.failed_at = time.monotonic()
+        for rank, arrival in forming.arrivals.items():
+            forming.failed_ranks.add(rank)
+            if not arrival.future.done():
+                arrival.future.set_exception(error)
+        forming.arrivals.clear()
+        log.warning("join failed", extra={"group": forming.name, "error": str(error)})
+
+    def _withdraw(self, forming: FormingGroup, rank: int) -> None:
+        arrival = forming.arrivals.get(rank)
+        if arrival is not None and not arrival.future.done():
+            del forming.arrivals[rank]
+        if not forming.arrivals and forming.failure is None and self._forming.get(forming.name) is forming:
+            del self._forming[forming.name]
+        self._update_gauges()
+
+    def _form(self, forming: FormingGroup) -> None:
+        first = forming.arrivals[0].args
+        try:
+            memory = allocate_host_group(first.group, first.world_size, first.capacity_bytes)
+        except ResourceExhaustedError as error:
+            self._fail_forming(forming, error)
+            del self._forming[forming.name]
+            return
+        group_id = secrets.randbits(63)
+        group = Group(
+            name=first.group,
+            group_id=group_id,
+            args=first,
+            memory=memory,
+            table=self.new_table(),
+            members={r: Member(r, a.args.pid) for r, a in forming.arrivals.items()},
+        )
+        del self._forming[forming.name]
+        self._active[group.name] = group
+        self._groups[group_id] = group
+        expires = time.monotonic() + self.config.claim_token_ttl_seconds
+        for rank, arrival in sorted(forming.arrivals.items()):
+            token = self.claims.issue(PendingClaim(memory.descriptors(), arrival.args.pid, group.name, rank, expires))
+            reply = pb.JoinReply(
+                group_id=group_id,
+                claim_token=token,
+                descriptor_socket=self.descriptor_socket,
+                memory_kind=pb.HOST_MEMFD,
+                control=pb.Segment(owner_rank=-1, size_bytes=memory.control_bytes),
+                thresholds=group.table.to_proto(),
+                timing_sample_period=self.config.timing_sample_period,
+                operation_timeout_seconds=self.config.operation_timeout_seconds,
+            )
+            for owner in range(first.world_size):
+                reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
+            arrival.future.set_result(reply)
+        self.metrics.reserved.labels("host").inc(memory.reserved_bytes)
+        self._update_gauges()
+        asyncio.get_running_loop().call_later(self.config.session_grace_seconds, self._check_sessions, group_id)
+        log.info(
+            "group formed",
+            extra={"group": group.name, "group_id": group_id, "world_size": first.world_size,
+                   "capacity_bytes": first.capacity_bytes, "reserved_bytes": memory.reserved_bytes},
+        )
+
+    # -- sessions ------------------------------------------------------------------------------
+
+    def open_session(self, group_id: int, rank: int) -> asyncio.Queue:
+        group = self._groups.get(group_id)
+        if group is None or rank not in group.members:
+            raise NotFoundError(f"no group with id {group_id} has rank {rank}", rank=rank)
+        member = group.members[rank]
+        if member.session_seen:
+            raise AlreadyExistsError("this rank already opened its session", group=group.name, rank=rank)
+        if member.gone or group.state != "active":
+            raise NotFoundError(f"the group is {group.state} and this rank is no longer a member", group=group.name, rank=rank)
+        member.session = asyncio.Queue()
+        member.session_seen = True
+        member.session.put_nowait(pb.SessionDown(event=pb.GroupEvent(kind=pb.READY, rank=rank)))
+        self._update_gauges()
+        return member.session
+
+    def close_session(self, group_id: int, rank: int) -> None:
+        """The stream ended. Without a Leave first, the rank is lost."""
+        group = self._groups.get(group_id)
+        if group is None or rank not in group.members:
+            return
+        member = group.members[rank]
+        member.session = None
+        if not member.left and not member.lost:
+            member.lost = True
+            self._abort(group, _native.ABORT_PEER_LOST, rank, f"rank {rank}'s session ended without Leave")
+        self._release_if_empty(group)
+        self._update_gauges()
+
+    def record_timings(self, group_id: int, rank: int, timings: list[pb.Timing]) -> None:
+        for timing in timings:
+            if timing.seconds < 0 or timing.path not in pb.Path.values():
+                continue
+            path = pb.Path.Name(timing.path).lower()
+            self.metrics.sampled_ops.labels("all_reduce", path).inc()
+            self.metrics.op_seconds.labels("all_reduce", path, size_bucket(timing.bytes)).observe(timing.seconds)
+
+    def _check_sessions(self, group_id: int) -> None:
+        group = self._groups.get(group_id)
+        if group is None or group.state != "active":
+            return
+        for member in group.members.values():
+            if not member.session_seen and not member.gone:
+                member.lost = True
+                self._abort(
+                    group, _native.ABORT_PEER_LOST, member.rank,
+                    f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s of joining",
+                )
+        self._release_if_empty(group)
+
+    # -- leave, abort, release -----------------------------------------------------------------
+
+    def leave(self, name: str, group_id: int, rank: int) -> None:
+        group = self._groups.get(group_id)
+        if group is None or group.name != name:
+            raise NotFoundError(f"no group named {name!r} with id {group_id}", group=name or None, rank=rank)
+        member = group.members.get(rank)
+        if member is None or member.left:
+            raise NotFoundError(f"rank {rank} is not a member of this group", group=name, rank=rank)
+        member.left = True
+        if any(not m.gone for m in group.members.values()):
+            # Peers still using the group must not wait for this rank forever.
+            self._abort(group, _native.ABORT_PEER_LEFT, rank, f"rank {rank} left", quiet=True)
+        self._release_if_empty(group)
+        self._update_gauges()
+
+    def _abort(self, group: Group, reason: int, rank: int, message: str, quiet: bool = False) -> None:
+        group.memory.abort(reason, rank)
+        if group.state == "active":
+            group.state = "aborted"
+            if self._active.get(group.name) is group:
+                del self._active[group.name]
+            reason_name = {
+                _native.ABORT_PEER_LOST: "peer_lost", _native.ABORT_PEER_LEFT: "peer_left",
+                _native.ABORT_SHUTDOWN: "shutdown",
+            }.get(reason, "other")
+            self.metrics.aborts.labels(reason_name).inc()
+            kind = pb.DRAINING if reason == _native.ABORT_SHUTDOWN else pb.PEER_LOST
+            group.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
+            (log.info if quiet else log.warning)("group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message})
+
+    def _release_if_empty(self, group: Group) -> None:
+        if group.group_id not in self._groups:
+            return
+        if all(m.gone and m.session is None for m in group.members.values()):
+            if self._active.get(group.name) is group:
+                del self._active[group.name]
+            del self._groups[group.group_id]
+            self.metrics.reserved.labels("host").dec(group.memory.reserved_bytes)
+            group.memory.close()
+            log.info("group released", extra={"group": group.name, "group_id": group.group_id})
+
+    # -- operator views and shutdown -------------------------------------------------------------
+
+    def list_groups(self) -> list[pb.GroupInfo]:
+        infos = []
+        for forming in self._forming.values():
+            if forming.arrivals:
+                any_args = next(iter(forming.arrivals.values())).args
+                infos.append(pb.GroupInfo(
+                    name=forming.name, world_size=any_args.world_size, joined_ranks=sorted(forming.arrivals),
+                    state="joining", device_kind=any_args.device_kind,
+                ))
+        for group in self._groups.values():
+            infos.append(pb.GroupInfo(
+                name=group.name, group_id=group.group_id, world_size=group.args.world_size,
+                joined_ranks=sorted(group.members),
+                live_ranks=sorted(r for r, m in group.members.items() if m.session is not None and not m.gone),
+                state=group.state, device_kind=group.args.device_kind, reserved_bytes=group.memory.reserved_bytes,
+                geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
+            ))
+        return infos
+
+    def drain(self) -> None:
+        """Refuse new joins, tell every rank, abort every group, end every session."""
+        self._draining = True
+        for forming in list(self._forming.values()):
+            self._fail_forming(forming, DaemonUnavailableError("the daemon is shutting down", group=forming.name))
+        self._forming.clear()
+        for group in list(self._groups.values()):
+            self._abort(group, _native.ABORT_SHUTDOWN, 0, "the daemon is shutting down")
+            for member in group.members.values():
+                if member.session is not None:
+                    member.session.put_nowait(None)  # ends the stream
+                    member.session = None
+                member.lost = member.lost or not member.left
+            self._release_if_empty(group)
+        self._update_gauges()
+
+    def _update_gauges(self) -> None:
+        self.metrics.groups.labels("joining").set(sum(1 for f in self._forming.values() if f.arrivals))
+        self.metrics.groups.labels("active").set(sum(1 for g in self._groups.values() if g.state == "active"))
+        self.metrics.groups.labels("aborted").set(sum(1 for g in self._groups.values() if g.state == "aborted"))
+        self.metrics.ranks.set(
+            sum(1 for g in self._groups.values() for m in g.members.values() if m.session is not None and not m.gone)
+        )

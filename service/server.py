@@ -1,0 +1,206 @@
+"""nodecommd: the gRPC control plane over the GroupRegistry, the descriptor socket, /metrics, and
+a graceful drain on SIGTERM/SIGINT (health NOT_SERVING, refuse joins, tell ranks, free, exit 0)."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import uvloop
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from nodecomm.errors import NodecommError, status_code_for
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+from .config import DaemonConfig, load_config
+from .groups import GroupRegistry, JoinArgs
+from .handles import ClaimTable, DescriptorServer
+from .logs import configure_logging
+from .metrics import DaemonMetrics
+
+log = logging.getLogger("nodecomm.server")
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
+
+
+def rpc(method):
+    """Time the handler and answer a NodecommError with its status code and message."""
+
+    @functools.wraps(method)
+    async def handler(self: ControlServicer, request, context: grpc.aio.ServicerContext):
+        started = time.perf_counter()
+        try:
+            return await method(self, request, context)
+        except NodecommError as error:
+            code = status_code_for(error)
+            self.metrics.rpc_errors.labels(method.__name__, code.name).inc()
+            await context.abort(code, str(error))
+        finally:
+            self.metrics.rpc_seconds.labels(method.__name__).observe(time.perf_counter() - started)
+
+    return handler
+
+
+class ControlServicer(pb_grpc.ControlServicer):
+    def __init__(self, registry: GroupRegistry, metrics: DaemonMetrics, config: DaemonConfig):
+        self.registry = registry
+        self.metrics = metrics
+        self.config = config
+
+    @rpc
+    async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
+        timeout = request.join_timeout_seconds if request.join_timeout_seconds > 0 else self.config.join_timeout_seconds
+        remaining = context.time_remaining()
+        if remaining is not None:
+            timeout = min(timeout, max(remaining - 0.05, 0.0))
+        return await self.registry.join(JoinArgs.from_request(request), timeout)
+
+    async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank")
+        group_id, rank = first.hello.group_id, first.hello.rank
+        try:
+            queue = self.registry.open_session(group_id, rank)
+        except NodecommError as error:
+            await context.abort(status_code_for(error), str(error))
+
+        async def pump_up() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("kind") == "timings":
+                    self.registry.record_timings(group_id, rank, list(message.timings.timings))
+
+        upstream = asyncio.ensure_future(pump_up())
+        upstream.add_done_callback(lambda _: queue.put_nowait(None))
+        try:
+            while True:
+                message = await queue.get()
+                if message is None:
+                    break
+                yield message
+        finally:
+            upstream.cancel()
+            self.registry.close_session(group_id, rank)
+
+    @rpc
+    async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        self.registry.leave(request.group, request.group_id, request.rank)
+        return pb.LeaveReply()
+
+    @rpc
+    async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
+        return self.registry.table_for(request.group).to_proto()
+
+    @rpc
+    async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
+        return pb.ListGroupsReply(groups=self.registry.list_groups())
+
+
+def _prepare_socket_path(path: str) -> None:
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, mode=0o750, exist_ok=True)
+    if os.path.exists(path):
+        os.unlink(path)  # a stale socket from a previous run
+
+
+async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int:
+    metrics = DaemonMetrics()
+    claims = ClaimTable()
+    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket)
+
+    _prepare_socket_path(config.socket)
+    _prepare_socket_path(config.descriptor_socket)
+    descriptors = DescriptorServer(
+        config.descriptor_socket, claims,
+        on_claim=lambda result, detail: (metrics.claims.labels(result).inc(),
+                                         log.info("descriptor claim", extra={"result": result, "detail": detail})),
+    )
+
+    server = grpc.aio.server(options=[
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.max_receive_message_length", 4 << 20),
+    ])
+    pb_grpc.add_ControlServicer_to_server(ControlServicer(registry, metrics, config), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    server.add_insecure_port(f"unix:{config.socket}")
+    if config.tcp_address:
+        server.add_insecure_port(config.tcp_address)
+
+    metrics_server = None
+    metrics_address = config.metrics_host_port
+    if metrics_address is not None:
+        metrics_server, _ = start_http_server(metrics_address[1], addr=metrics_address[0], registry=metrics.registry)
+        metrics_address = (metrics_address[0], metrics_server.server_port)
+
+    await server.start()
+    os.chmod(config.socket, 0o660)
+    descriptors.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def sweep_tokens() -> None:
+        while True:
+            await asyncio.sleep(max(1.0, config.claim_token_ttl_seconds / 4))
+            dropped = claims.drop_expired()
+            if dropped:
+                metrics.claims.labels("expired").inc(dropped)
+
+    sweeper = asyncio.ensure_future(sweep_tokens())
+    log.info(
+        "nodecommd serving",
+        extra={"socket": config.socket, "descriptor_socket": config.descriptor_socket,
+               "tcp_address": config.tcp_address or None,
+               "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
+               "pid": os.getpid(),
+               "thresholds": [b.describe() for b in registry.default_boundaries().values()]},
+    )
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+
+    log.info("draining")
+    await health_servicer.enter_graceful_shutdown()
+    registry.drain()
+    await server.stop(config.drain_grace_seconds)
+    sweeper.cancel()
+    descriptors.stop()
+    if metrics_server is not None:
+        metrics_server.shutdown()
+    for path in (config.socket,):
+        if os.path.exists(path):
+            os.unlink(path)
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except (ValueError, OSError) as error:
+        print(f"nodecommd: {error}", file=sys.stderr)
+        return 2
+    configure_logging(config.log_level, config.log_format)
+    return uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
