@@ -31,6 +31,7 @@ log = logging.getLogger("nodecomm.client")
 DTYPE_CODES = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
 DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _CPU_PATHS = frozenset({Path.ONESHOT, Path.TWOSHOT})
+_PATH_CODES = {path: path.to_proto() for path in Path}
 
 
 @dataclass
@@ -104,7 +105,7 @@ class Communicator:
         self._check_tensor(tensor, "tensor")
         if out is None:
             out = torch.empty_like(tensor)
-        elif out.shape != tensor.shape or out.dtype != tensor.dtype or not out.is_contiguous() or out.device.type != "cpu":
+        elif out.shape != tensor.shape or out.dtype != tensor.dtype or not out.is_contiguous() or not out.is_cpu:
             raise InvalidArgumentError(
                 f"out must be a contiguous CPU tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
                 f"got shape {tuple(out.shape)} dtype {out.dtype}", group=self.group, rank=self.rank,
@@ -117,7 +118,7 @@ class Communicator:
         try:
             self._native.all_reduce(
                 tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype],
-                chosen.to_proto(), self._operation_timeout,
+                _PATH_CODES[chosen], self._operation_timeout,
             )
         except NodecommError as error:
             raise self._located(error) from None
@@ -187,9 +188,11 @@ class Communicator:
         return located
 
     def _check_tensor(self, tensor: torch.Tensor, name: str) -> None:
+        if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype in self._dtypes and tensor.is_contiguous():
+            return  # the common case, checked cheaply
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank)
-        if tensor.device.type != "cpu":
+        if not tensor.is_cpu:
             raise InvalidArgumentError(f"{name} is on {tensor.device}; this is a CPU group", group=self.group, rank=self.rank)
         if tensor.dtype not in self._dtypes:
             allowed = sorted(str(d).removeprefix("torch.") for d in self._dtypes)

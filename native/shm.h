@@ -15,6 +15,7 @@
 // extra pre-write barrier is needed.
 #pragma once
 
+#include <immintrin.h>
 #include <sched.h>
 #include <time.h>
 
@@ -36,6 +37,9 @@ constexpr std::size_t kLineBytes = 64;
 constexpr int kNumSlots = 2;
 constexpr std::size_t kHeaderBytes = kMaxRanks * kLineBytes;
 constexpr std::size_t kControlBytes = 4096;
+// Large payloads move in chunks of at most this many bytes, so each chunk's staging stays in cache
+// between the copy in and the peers' reads (measured on the CPU bench; see docs/bench-cpu.md).
+constexpr std::size_t kPipelineChunkBytes = 1 << 20;
 
 // Abort reasons in the control segment; equal to what nodecomm.client expects.
 enum AbortReason : std::uint64_t {
@@ -65,21 +69,58 @@ inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t contro
   return {word >> 32, word & 0xFFFFFFFFu};
 }
 
+// Block conversions between an element type and the fp32 accumulator. The generic ones vectorise
+// as written; fp16 uses F16C where the build enables it, since compilers do not vectorise
+// _Float16 conversions without AVX512-FP16.
+template <typename T>
+inline void widen(const T* src, float* acc, std::size_t len) {
+  for (std::size_t i = 0; i < len; ++i) acc[i] = to_float(src[i]);
+}
+template <typename T>
+inline void accumulate(const T* src, float* acc, std::size_t len) {
+  for (std::size_t i = 0; i < len; ++i) acc[i] += to_float(src[i]);
+}
+template <typename T>
+inline void narrow(const float* acc, T* dst, std::size_t len) {
+  for (std::size_t i = 0; i < len; ++i) dst[i] = from_float<T>(acc[i]);
+}
+
+#ifdef __F16C__
+inline void widen_f16(const Float16* src, float* acc, std::size_t len, bool add) {
+  std::size_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+    if (add) v = _mm256_add_ps(_mm256_loadu_ps(acc + i), v);
+    _mm256_storeu_ps(acc + i, v);
+  }
+  for (; i < len; ++i) acc[i] = add ? acc[i] + to_float(src[i]) : to_float(src[i]);
+}
+template <> inline void widen<Float16>(const Float16* src, float* acc, std::size_t len) { widen_f16(src, acc, len, false); }
+template <> inline void accumulate<Float16>(const Float16* src, float* acc, std::size_t len) { widen_f16(src, acc, len, true); }
+template <> inline void narrow<Float16>(const float* acc, Float16* dst, std::size_t len) {
+  std::size_t i = 0;
+  for (; i + 8 <= len; i += 8) {
+    const __m256 v = _mm256_loadu_ps(acc + i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (std::size_t j = i; j < i + 8; ++j) dst[j] = from_float<Float16>(acc[j]);  // canonical NaNs
+    }
+  }
+  for (; i < len; ++i) dst[i] = from_float<Float16>(acc[i]);
+}
+#endif
+
 // Sum `n` slots element-wise over [begin, end) into out: fp32 accumulation in rank order, one
-// rounding. Blocked so the accumulator stays in L1 and the loops vectorise.
+// rounding. Blocked so the accumulator stays in L1.
 template <typename T>
 void reduce_range(const std::uint8_t* const* slots, int n, T* out, std::size_t begin, std::size_t end) {
   constexpr std::size_t kBlock = 2048;
-  float acc[kBlock];
+  alignas(64) float acc[kBlock];
   for (std::size_t b = begin; b < end; b += kBlock) {
     const std::size_t len = std::min(kBlock, end - b);
-    const T* first = reinterpret_cast<const T*>(slots[0]) + b;
-    for (std::size_t i = 0; i < len; ++i) acc[i] = to_float(first[i]);
-    for (int r = 1; r < n; ++r) {
-      const T* src = reinterpret_cast<const T*>(slots[r]) + b;
-      for (std::size_t i = 0; i < len; ++i) acc[i] += to_float(src[i]);
-    }
-    for (std::size_t i = 0; i < len; ++i) out[b + i] = from_float<T>(acc[i]);
+    widen(reinterpret_cast<const T*>(slots[0]) + b, acc, len);
+    for (int r = 1; r < n; ++r) accumulate(reinterpret_cast<const T*>(slots[r]) + b, acc, len);
+    narrow(acc, out + b, len);
   }
 }
 
@@ -159,33 +200,56 @@ class ShmGroup {
                         double timeout_s) {
     NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
                    "unknown algorithm code " + std::to_string(int(algorithm)) + "; expected 1 (oneshot) or 2 (twoshot)");
-    const std::size_t chunk_elems = slot_bytes_ / sizeof(T) / 16 * 16;
-    const std::uint8_t* slots[kMaxRanks];
+    const std::size_t chunk_elems = std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16;
     for (std::size_t begin = 0; begin < count; begin += chunk_elems) {
       const std::size_t len = std::min(chunk_elems, count - begin);
-      stage(reinterpret_cast<const std::uint8_t*>(in) + begin * sizeof(T), len * sizeof(T));
-      barrier(timeout_s);
-      const std::size_t slot = slot_offset();
-      for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot;
+      const T* src = reinterpret_cast<const T*>(in) + begin;
       T* dst = reinterpret_cast<T*>(out) + begin;
       if (algorithm == Algorithm::kOneshot) {
-        reduce_range<T>(slots, world_size_, dst, 0, len);
+        oneshot_chunk(src, dst, len, timeout_s);
       } else {
-        // Reduce-scatter: this rank reduces its segment into its own slot, where peers gather it.
-        const std::size_t per = round_up((len + world_size_ - 1) / world_size_, 16);
-        auto segment = [&](int r) {
-          const std::size_t lo = std::min(len, std::size_t(r) * per);
-          return std::pair<std::size_t, std::size_t>(lo, std::min(len, lo + per));
-        };
-        const auto [lo, hi] = segment(rank_);
-        reduce_range<T>(slots, world_size_, reinterpret_cast<T*>(peer(rank_) + slot), lo, hi);
-        barrier(timeout_s);
-        for (int r = 0; r < world_size_; ++r) {
-          const auto [rlo, rhi] = segment(r);
-          std::memcpy(dst + rlo, slots[r] + rlo * sizeof(T), (rhi - rlo) * sizeof(T));
-        }
+        twoshot_chunk(src, dst, len, timeout_s);
       }
       ++op_epoch_;
+    }
+  }
+
+  // Stage the whole chunk, barrier, and sum every rank's slot.
+  template <typename T>
+  void oneshot_chunk(const T* src, T* dst, std::size_t len, double timeout_s) {
+    stage(reinterpret_cast<const std::uint8_t*>(src), len * sizeof(T));
+    barrier(timeout_s);
+    const std::uint8_t* slots[kMaxRanks];
+    for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
+    reduce_range<T>(slots, world_size_, dst, 0, len);
+  }
+
+  // Reduce-scatter then all-gather. Rank r owns segment r: it reduces it from its own input and
+  // the peers' staged copies, writes the result to dst and to its slot, and after a second
+  // barrier copies the other segments' results from their owners' slots. Only the segments that
+  // peers read are staged, so each rank moves (n-1)/n of the chunk through shared memory twice.
+  template <typename T>
+  void twoshot_chunk(const T* src, T* dst, std::size_t len, double timeout_s) {
+    const std::size_t per = round_up((len + world_size_ - 1) / world_size_, 16);
+    auto lo = [&](int r) { return std::min(len, std::size_t(r) * per); };
+    auto hi = [&](int r) { return std::min(len, std::size_t(r + 1) * per); };
+    const std::size_t slot = slot_offset();
+    T* mine = reinterpret_cast<T*>(peer(rank_) + slot);
+    for (int r = 0; r < world_size_; ++r) {
+      if (r != rank_) std::memcpy(mine + lo(r), src + lo(r), (hi(r) - lo(r)) * sizeof(T));
+    }
+    barrier(timeout_s);
+    const std::uint8_t* sources[kMaxRanks];
+    for (int r = 0; r < world_size_; ++r) {
+      sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src) : peer(r) + slot;
+    }
+    const std::size_t begin = lo(rank_), end = hi(rank_);
+    reduce_range<T>(sources, world_size_, dst, begin, end);
+    std::memcpy(mine + begin, dst + begin, (end - begin) * sizeof(T));
+    barrier(timeout_s);
+    for (int r = 0; r < world_size_; ++r) {
+      if (r == rank_) continue;
+      std::memcpy(dst + lo(r), reinterpret_cast<const T*>(peer(r) + slot) + lo(r), (hi(r) - lo(r)) * sizeof(T));
     }
   }
 

@@ -1,0 +1,126 @@
+"""The `nodecomm` command: status, thresholds and bench against the node's daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from nodecomm.byte_size import format_byte_size, parse_byte_size
+from nodecomm.errors import NodecommError, from_rpc_error
+from nodecomm.socket_path import default_socket_path, grpc_target
+from nodecomm.thresholds import DispatchTable
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+
+def _stub(socket: str | None) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
+    channel = grpc.insecure_channel(grpc_target(socket or default_socket_path()))
+    return channel, pb_grpc.ControlStub(channel)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel, stub = _stub(args.socket)
+    with channel:
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+        groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    if args.json:
+        print(json.dumps({
+            "health": status,
+            "groups": [{
+                "name": g.name, "group_id": g.group_id, "state": g.state, "world_size": g.world_size,
+                "device_kind": g.device_kind, "joined_ranks": list(g.joined_ranks), "live_ranks": list(g.live_ranks),
+                "reserved_bytes": g.reserved_bytes, "capacity_bytes": g.geometry.capacity_bytes,
+            } for g in groups],
+        }, indent=2))
+        return 0
+    print(f"daemon: {status} ({args.socket or default_socket_path()})")
+    print(f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10}")
+    for g in groups:
+        live = ",".join(map(str, g.live_ranks)) or "-"
+        print(f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} {format_byte_size(g.reserved_bytes):>10}")
+    if not groups:
+        print("(no groups)")
+    return 0
+
+
+def cmd_thresholds(args: argparse.Namespace) -> int:
+    channel, stub = _stub(args.socket)
+    with channel:
+        table = DispatchTable.from_proto(stub.GetThresholds(pb.GetThresholdsRequest(group=args.group or ""), timeout=args.timeout))
+    if args.json:
+        print(json.dumps({
+            "epoch": table.epoch,
+            "ranges": [{"from": lo, "to": hi, "path": path.value} for lo, hi, path in table.rows()],
+            "boundaries": [{"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value} for b in table.boundaries],
+        }, indent=2))
+        return 0
+    print(f"dispatch table (epoch {table.epoch}){' for group ' + args.group if args.group else ' for new CPU groups'}")
+    for lo, hi, path in table.rows():
+        print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
+    for boundary in table.boundaries:
+        print(f"  {boundary.describe()}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from nodecomm.client.bench import BASELINE, format_table, run_bench, sizes_between, write_json
+
+    if args.device != "cpu":
+        print("nodecomm bench: this build benchmarks CPU groups only (--device cpu)", file=sys.stderr)
+        return 2
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if BASELINE not in paths and not args.no_baseline:
+        paths.append(BASELINE)
+    sizes = sizes_between(parse_byte_size(args.min_bytes), parse_byte_size(args.max_bytes))
+    rows = run_bench(args.world_size, sizes, paths, args.dtype, args.socket)
+    print(format_table(rows, args.world_size, args.dtype))
+    if args.json:
+        write_json(args.json, rows, args.world_size, args.dtype)
+    return 1 if any(r.wrong for r in rows) else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="nodecomm", description="Inspect and measure the node's nodecomm daemon.")
+    parser.add_argument("--socket", help="daemon socket (default: $NODECOMM_SOCKET or the daemon's default path)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    status = commands.add_parser("status", help="daemon health and its groups")
+    status.add_argument("--json", action="store_true")
+    status.set_defaults(run=cmd_status)
+
+    thresholds = commands.add_parser("thresholds", help="the dispatch table in force")
+    thresholds.add_argument("--group", help="a formed group's table (default: the table for new CPU groups)")
+    thresholds.add_argument("--json", action="store_true")
+    thresholds.set_defaults(run=cmd_thresholds)
+
+    bench = commands.add_parser("bench", help="all-reduce latency and bandwidth per path, beside gloo")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--world-size", type=int, default=2)
+    bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    bench.add_argument("--min-bytes", default="1KiB")
+    bench.add_argument("--max-bytes", default="64MiB")
+    bench.add_argument("--paths", default="oneshot,twoshot,auto", help="comma-separated: oneshot, twoshot, auto, gloo")
+    bench.add_argument("--no-baseline", action="store_true", help="skip the gloo baseline")
+    bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    bench.set_defaults(run=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except grpc.RpcError as error:
+        print(f"nodecomm {args.command}: {from_rpc_error(error)}", file=sys.stderr)
+        return 1
+    except (NodecommError, ValueError) as error:
+        print(f"nodecomm {args.command}: {error}", file=sys.stderr)
+        return 1
