@@ -244,11 +244,11 @@ class GroupRegistry:
         try:
             return await asyncio.wait_for(asyncio.shield(arrival.future), timeout)
         except asyncio.TimeoutError:
+            joined = sorted(forming.arrivals)
+            missing = sorted(set(range(args.world_size)) - set(joined))
             self._withdraw(forming, args.rank)
-            missing = sorted(set(range(args.world_size)) - set(forming.arrivals))
             raise DeadlineExceededError(
-                f"ranks {missing} did not join within {timeout:.1f} s "
-                f"(joined: {sorted(forming.arrivals) or 'none'} besides this rank)",
+                f"ranks {missing} did not join within {timeout:.1f} s (joined: {joined}); nothing was allocated",
                 group=args.group, rank=args.rank,
             ) from None
         except asyncio.CancelledError:

@@ -1,0 +1,196 @@
+"""Shared harness: a real daemon on a temporary socket, and rank processes against one deadline."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodecomm.socket_path import grpc_target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Daemon:
+    """nodecommd as a subprocess. `start()` blocks until its health service says SERVING."""
+
+    directory: Path
+    extra_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    process: subprocess.Popen | None = None
+    metrics_port: int = 0
+    starts: int = 0
+
+    @property
+    def socket(self) -> str:
+        return str(self.directory / "nodecomm.sock")
+
+    @property
+    def log_path(self) -> Path:
+        return self.directory / f"daemon-{self.starts}.log"
+
+    def start(self, timeout: float = 30.0) -> Daemon:
+        self.starts += 1
+        self.metrics_port = free_port()
+        args = [
+            sys.executable, "-m", "nodecomm.service.server", "--socket", self.socket,
+            "--metrics-address", f"127.0.0.1:{self.metrics_port}", "--log-level", "DEBUG", *self.extra_args,
+        ]
+        env = {**os.environ, **self.env}
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+            if self.healthy(timeout=0.5):
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon not serving within {timeout} s:\n{self.log_path.read_text()}")
+
+    def healthy(self, timeout: float = 2.0) -> bool:
+        if not os.path.exists(self.socket):
+            return False
+        with grpc.insecure_channel(grpc_target(self.socket)) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            except grpc.RpcError:
+                return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else None
+        self.process.send_signal(sig)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+        finally:
+            self._log.close()
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+
+@pytest.fixture
+def daemon(tmp_path: Path):
+    instance = Daemon(tmp_path).start()
+    try:
+        yield instance
+    finally:
+        instance.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def make_daemon(tmp_path: Path):
+    """A daemon factory for tests that need flags or environment of their own."""
+    made: list[Daemon] = []
+
+    def make(*extra_args: str, env: dict[str, str] | None = None) -> Daemon:
+        instance = Daemon(tmp_path / f"d{len(made)}", list(extra_args), env or {})
+        instance.directory.mkdir()
+        made.append(instance)
+        return instance.start()
+
+    try:
+        yield make
+    finally:
+        for instance in made:
+            instance.stop(signal.SIGKILL)
+
+
+def _rank_entry(target: Callable, rank: int, args: tuple, results: mp.Queue) -> None:
+    try:
+        results.put((rank, "ok", target(rank, *args)))
+    except BaseException as error:  # reported to the test, which decides
+        results.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
+
+
+@dataclass
+class Ranks:
+    """Rank processes started together; `results()` waits for all of them against one deadline."""
+
+    processes: dict[int, mp.Process]
+    queue: mp.Queue
+    deadline: float
+
+    def results(self) -> dict[int, tuple[str, object]]:
+        collected: dict[int, tuple[str, object]] = {}
+        while len(collected) < len(self.processes):
+            remaining = self.deadline - time.monotonic()
+            try:
+                rank, status, value = self.queue.get(timeout=max(0.1, remaining))
+            except queue.Empty:
+                if remaining <= 0:
+                    missing = sorted(set(self.processes) - set(collected))
+                    raise TimeoutError(f"ranks {missing} did not finish before the deadline") from None
+                dead = [r for r, p in self.processes.items() if r not in collected and p.exitcode is not None]
+                for r in dead:
+                    collected[r] = ("died", self.processes[r].exitcode)
+                continue
+            collected[rank] = (status, value)
+        return collected
+
+    def values(self) -> dict[int, object]:
+        """Every rank's return value; fails the test with the first rank's traceback otherwise."""
+        out = {}
+        for rank, (status, value) in sorted(self.results().items()):
+            if status != "ok":
+                detail = value[2] if isinstance(value, tuple) else value
+                pytest.fail(f"rank {rank} {status}: {detail}")
+            out[rank] = value
+        return out
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        os.kill(self.processes[rank].pid, sig)
+
+    def close(self) -> None:
+        for process in self.processes.values():
+            if process.is_alive():
+                process.kill()
+        for process in self.processes.values():
+            process.join(timeout=10)
+
+
+@pytest.fixture
+def spawn_ranks():
+    """spawn_ranks(target, world_size, *args, timeout=...) -> Ranks; survivors are killed afterwards."""
+    started: list[Ranks] = []
+    context = mp.get_context("spawn")
+
+    def spawn(target: Callable, ranks: int | list[int], *args, timeout: float = 120.0) -> Ranks:
+        results = context.Queue()
+        numbers = list(range(ranks)) if isinstance(ranks, int) else ranks
+        processes = {r: context.Process(target=_rank_entry, args=(target, r, args, results), daemon=True) for r in numbers}
+        for process in processes.values():
+            process.start()
+        group = Ranks(processes, results, time.monotonic() + timeout)
+        started.append(group)
+        return group
+
+    try:
+        yield spawn
+    finally:
+        for group in started:
+            group.close()

@@ -1,0 +1,148 @@
+"""Rank programs the tests run in separate processes (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import nodecomm
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rank `rank`'s input: random normals scaled per rank, so the rank order of the sum matters."""
+    base = torch.randn(count, generator=torch.Generator().manual_seed(seed))
+    return (base * (1.0 + rank / 7.0) + rank * 1e-3).to(dtype)
+
+
+def reference_sum(world_size: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """fp32 accumulation in rank order 0..n-1, rounded once."""
+    acc = rank_input(0, count, dtype, seed).float()
+    for rank in range(1, world_size):
+        acc += rank_input(rank, count, dtype, seed).float()
+    return acc.to(dtype)
+
+
+def all_reduce_cases(rank: int, world_size: int, socket: str, cases: list[tuple[str, int]]) -> list[str]:
+    """Run every (dtype, count) case through both algorithms; return the mismatches found."""
+    problems = []
+    with nodecomm.connect("exact", rank, world_size, socket=socket, timeout=60) as comm:
+        for index, (dtype_name, count) in enumerate(cases):
+            dtype = DTYPES[dtype_name]
+            x = rank_input(rank, count, dtype, seed=index)
+            expected = reference_sum(world_size, count, dtype, seed=index).view(BITS[dtype])
+            results = {}
+            for path in ("oneshot", "twoshot", None):
+                y = comm.all_reduce(x, path=path)
+                results[path] = y
+                if not torch.equal(y.view(BITS[dtype]), expected):
+                    wrong = int((y.view(BITS[dtype]) != expected).sum())
+                    problems.append(f"{dtype_name} count={count} path={path}: {wrong} elements differ from the reference")
+            if not torch.equal(x, rank_input(rank, count, dtype, seed=index)):
+                problems.append(f"{dtype_name} count={count}: the input was modified")
+            inplace = x.clone()
+            comm.all_reduce(inplace, out=inplace, path="twoshot")
+            if not torch.equal(inplace.view(BITS[dtype]), expected):
+                problems.append(f"{dtype_name} count={count}: in-place twoshot differs")
+    return problems
+
+
+def gather_and_barrier(rank: int, world_size: int, socket: str) -> list[str]:
+    problems = []
+    with nodecomm.connect("gather", rank, world_size, socket=socket, timeout=60) as comm:
+        for count in (0, 1, 5, (3 << 20) + 1):
+            x = torch.full((count,), rank, dtype=torch.int32).view(torch.float32)  # rank-filled payload
+            out = comm.all_gather(x)
+            expected = torch.arange(world_size, dtype=torch.int32).repeat_interleave(count).view(world_size, count)
+            if not torch.equal(out.view(torch.int32), expected):
+                problems.append(f"all_gather count={count} misrouted")
+        for _ in range(50):
+            comm.barrier()
+    return problems
+
+
+def join_only(rank: int, world_size: int, socket: str, group: str, kwargs: dict) -> str:
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=kwargs.pop("timeout", 20), **kwargs) as comm:
+        y = comm.all_reduce(torch.ones(4))
+        return f"ok {y.tolist()}"
+
+
+def reduce_until_error(rank: int, world_size: int, socket: str, group: str, report) -> tuple[str, str, float]:
+    """All-reduce in a loop until something fails; returns (error class, message, time of failure)."""
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=30) as comm:
+        x = torch.ones(1 << 16)
+        comm.all_reduce(x)
+        report.put(("running", rank))
+        try:
+            while True:
+                comm.all_reduce(x)
+        except nodecomm.NodecommError as error:
+            return type(error).__name__, str(error), time.time()
+
+
+def survive_daemon_restart(rank: int, world_size: int, socket: str, commands, report) -> dict:
+    outcome = {}
+    comm = nodecomm.connect("restart", rank, world_size, socket=socket, timeout=30)
+    outcome["before"] = comm.all_reduce(torch.full((8,), float(rank + 1))).tolist()
+    report.put(("connected", rank))
+    assert commands.get(timeout=60) == "daemon restarted"
+    try:
+        comm.all_reduce(torch.ones(8))
+        outcome["after_restart"] = "no error"
+    except nodecomm.NodecommError as error:
+        outcome["after_restart"] = type(error).__name__
+        outcome["message"] = str(error)
+    comm.close()
+    with nodecomm.connect("restart", rank, world_size, socket=socket, timeout=30) as again:
+        outcome["reconnected"] = again.all_reduce(torch.full((8,), float(rank + 1))).tolist()
+    return outcome
+
+
+def stall_peer(rank: int, world_size: int, socket: str) -> tuple[str, str, float]:
+    """Rank 0 all-reduces; rank 1 never does (a broken barrier): rank 0 must time out."""
+    with nodecomm.connect("stall", rank, world_size, socket=socket, timeout=30) as comm:
+        if rank == 1:
+            time.sleep(6)
+            return "slept", "", 0.0
+        started = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(16))
+        except nodecomm.NodecommError as error:
+            return type(error).__name__, str(error), time.monotonic() - started
+        return "no error", "", time.monotonic() - started
+
+
+def misuse(rank: int, world_size: int, socket: str) -> dict:
+    """Bad calls on a live communicator: each must raise a clear InvalidArgumentError."""
+    seen = {}
+    with nodecomm.connect("misuse", rank, world_size, socket=socket, timeout=30, dtypes=("float32",)) as comm:
+        calls = {
+            "dtype": lambda: comm.all_reduce(torch.ones(4, dtype=torch.float16)),
+            "not_tensor": lambda: comm.all_reduce([1.0, 2.0]),
+            "strided": lambda: comm.all_reduce(torch.ones(8)[::2]),
+            "out_shape": lambda: comm.all_reduce(torch.ones(4), out=torch.empty(5)),
+            "path": lambda: comm.all_reduce(torch.ones(4), path="teleport"),
+            "gpu_path": lambda: comm.all_reduce(torch.ones(4), path="dma"),
+        }
+        for name, call in calls.items():
+            try:
+                call()
+                seen[name] = "no error"
+            except nodecomm.InvalidArgumentError as error:
+                seen[name] = str(error)
+        seen["still_works"] = comm.all_reduce(torch.ones(4)).tolist()
+        seen["table"] = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
+    try:
+        comm.all_reduce(torch.ones(4))
+        seen["closed"] = "no error"
+    except nodecomm.InvalidArgumentError as error:
+        seen["closed"] = str(error)
+    comm.close()  # twice is harmless
+    return seen

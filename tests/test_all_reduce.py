@@ -1,0 +1,41 @@
+"""All-reduce through the real daemon and rank processes, compared by bits with an fp32
+rank-order reference; oneshot and twoshot must agree with it and with each other."""
+
+import pytest
+
+import ranks
+
+MiB = 1 << 20
+SMALL_CASES = [
+    (dtype, count)
+    for dtype in ("float32", "float16", "bfloat16")
+    for count in (0, 1, 7, 1001, (MiB // 2) + 3)  # (MiB//2)+3 elements: 1 MiB + 6 bytes in 16-bit types
+] + [("float32", (MiB // 4) + 3)]
+LARGE_CASES = [("float32", 16 * MiB), ("bfloat16", 32 * MiB)]  # 64 MiB payloads, chunked
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_bit_exact_against_reference(daemon, spawn_ranks, world_size):
+    cases = SMALL_CASES + (LARGE_CASES if world_size in (1, 2, 8) else LARGE_CASES[:1])
+    results = spawn_ranks(ranks.all_reduce_cases, world_size, world_size, daemon.socket, cases, timeout=600).values()
+    problems = {rank: p for rank, p in results.items() if p}
+    assert not problems, problems
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_routes_by_rank_and_barrier(daemon, spawn_ranks, world_size):
+    results = spawn_ranks(ranks.gather_and_barrier, world_size, world_size, daemon.socket).values()
+    assert all(p == [] for p in results.values()), results
+
+
+def test_misuse_raises_clear_errors(daemon, spawn_ranks):
+    seen = spawn_ranks(ranks.misuse, 2, 2, daemon.socket).values()[0]
+    assert "dtype torch.float16" in seen["dtype"] and "float32" in seen["dtype"]
+    assert "torch.Tensor" in seen["not_tensor"]
+    assert "contiguous" in seen["strided"]
+    assert "shape (4,)" in seen["out_shape"]
+    assert "unknown path 'teleport'" in seen["path"]
+    assert "not available to a CPU group" in seen["gpu_path"]
+    assert seen["still_works"] == [2.0] * 4
+    assert seen["table"][0][2] == "oneshot" and seen["table"][-1][2] == "twoshot"
+    assert "closed" in seen["closed"]

@@ -1,0 +1,66 @@
+"""The nodecomm command against a running daemon, and timings reaching its metrics."""
+
+import json
+import multiprocessing as mp
+import subprocess
+import sys
+import urllib.request
+
+import ranks
+
+
+def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())", *args],
+        capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_status_and_thresholds_show_a_live_group(daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.reduce_until_error, 2, 2, daemon.socket, "shown", report, timeout=120)
+    for _ in range(2):
+        report.get(timeout=60)
+    status = nodecomm_cli("--socket", daemon.socket, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    document = json.loads(status.stdout)
+    assert document["health"] == "SERVING"
+    (shown,) = document["groups"]
+    assert shown["name"] == "shown" and shown["state"] == "active" and shown["live_ranks"] == [0, 1]
+    assert shown["reserved_bytes"] > 2 * shown["capacity_bytes"]
+    human = nodecomm_cli("--socket", daemon.socket, "status")
+    assert "shown" in human.stdout and "active" in human.stdout
+    table = nodecomm_cli("--socket", daemon.socket, "thresholds", "--group", "shown", "--json")
+    assert json.loads(table.stdout)["boundaries"][0]["name"] == "oneshot_max_bytes"
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'nodecomm_groups{state="active"} 1.0' in metrics
+    assert 'nodecomm_ranks 2.0' in metrics
+    group.kill(0)
+    group.results()
+
+
+def test_sampled_timings_reach_the_daemon(make_daemon, spawn_ranks):
+    daemon = make_daemon("--timing-sample-period", "1")
+    spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "timed", {}).values()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    sampled = [l for l in metrics.splitlines() if l.startswith("nodecomm_sampled_operations_total{")]
+    assert any('path="oneshot"' in l and float(l.split()[-1]) >= 2 for l in sampled), sampled
+    assert "nodecomm_operation_seconds_bucket" in metrics
+
+
+def test_threshold_override_reaches_ranks(make_daemon, spawn_ranks):
+    daemon = make_daemon(env={"NODECOMM_ONESHOT_MAX_BYTES": "off"})
+    table = nodecomm_cli("--socket", daemon.socket, "thresholds")
+    assert "oneshot_max_bytes=off (override)" in table.stdout
+    seen = spawn_ranks(ranks.misuse, 2, 2, daemon.socket).values()[0]
+    assert seen["table"] == [("0", "inf", "twoshot")]
+
+
+def test_bench_smoke_prints_the_table_and_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = nodecomm_cli("bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "busbw(GB/s)" in result.stdout and "gloo" in result.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["path"] for r in rows} == {"oneshot", "twoshot", "auto", "gloo"}
+    assert len(rows) == 3 * 4 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)

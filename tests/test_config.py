@@ -1,0 +1,46 @@
+import pytest
+
+from nodecomm.service.config import load_config
+
+
+def test_precedence_defaults_file_environment_flags(tmp_path):
+    config_file = tmp_path / "nodecomm.toml"
+    config_file.write_text(
+        'socket = "/tmp/from-file.sock"\njoin_timeout_seconds = 7\ntiming_sample_period = 8\n'
+        '[thresholds]\noneshot_max_bytes = "32KiB"\ndma_min_bytes = "24MB"\n'
+    )
+    env = {"NODECOMM_CONFIG": str(config_file), "NODECOMM_JOIN_TIMEOUT_SECONDS": "9", "NODECOMM_DMA_MIN_BYTES": "off"}
+    config = load_config(["--timing-sample-period", "16"], env)
+    assert config.socket == "/tmp/from-file.sock"  # file over default
+    assert config.join_timeout_seconds == 9.0  # environment over file
+    assert config.timing_sample_period == 16  # flag over file
+    assert config.overrides == {"oneshot_max_bytes": 32 << 10, "dma_min_bytes": None}  # env "off" over file
+    assert config.descriptor_socket == "/tmp/from-file.sock.fd"
+    assert load_config([], {}).operation_timeout_seconds == 60.0  # built-in default
+
+
+@pytest.mark.parametrize(
+    "argv, env, message",
+    [
+        (["--tcp-address", "10.0.0.1:5000"], {}, "loopback"),
+        (["--join-timeout-seconds", "0"], {}, "positive"),
+        (["--metrics-address", "localhost"], {}, "ip:port"),
+        ([], {"NODECOMM_ONESHOT_MAX_BYTES": "-5"}, "'-5'"),
+        ([], {"NODECOMM_MAX_CAPACITY_BYTES": "lots"}, "lots"),
+        (["--log-format", "xml"], {}, "log_format"),
+    ],
+)
+def test_bad_values_name_the_setting(argv, env, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(argv, env)
+
+
+def test_unknown_file_setting(tmp_path):
+    config_file = tmp_path / "bad.toml"
+    config_file.write_text("sokcet = '/tmp/x'\n")
+    with pytest.raises(ValueError, match="unknown setting 'sokcet'"):
+        load_config(["--config", str(config_file)], {})
+
+
+def test_loopback_tcp_allowed():
+    assert load_config(["--tcp-address", "127.0.0.1:50051"], {}).tcp_address == "127.0.0.1:50051"

@@ -1,0 +1,94 @@
+"""Faults: a killed rank, a stalled peer, a daemon restart, a drain. Nothing may hang."""
+
+import multiprocessing as mp
+import signal
+import time
+
+import grpc
+
+import ranks
+from nodecomm.socket_path import grpc_target
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+
+def test_killed_rank_makes_peers_raise_and_the_name_forms_again(daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.reduce_until_error, 3, 3, daemon.socket, "victim", report, timeout=120)
+    for _ in range(3):
+        assert report.get(timeout=60)[0] == "running"
+    time.sleep(0.3)  # well inside the loop of collectives
+    killed_at = time.time()
+    group.kill(1)
+    results = group.results()
+    assert results[1][0] == "died"
+    for rank in (0, 2):
+        status, (name, message, failed_at) = results[rank]
+        assert status == "ok"
+        assert name == "PeerLostError", message
+        assert "rank 1" in message and "'victim'" in message
+        assert failed_at - killed_at < 10.0
+    again = spawn_ranks(ranks.join_only, 3, 3, daemon.socket, "victim", {}).values()
+    assert set(again.values()) == {"ok [3.0, 3.0, 3.0, 3.0]"}
+    assert "session ended without Leave" in daemon.log()
+
+
+def test_stalled_peer_times_out_with_who_and_where(make_daemon, spawn_ranks):
+    daemon = make_daemon("--operation-timeout-seconds", "1.5")
+    results = spawn_ranks(ranks.stall_peer, 2, 2, daemon.socket, timeout=60).values()
+    name, message, waited = results[0]
+    assert name == "DeadlineExceededError", message
+    assert "waited" in message and "for rank 1" in message and "barrier epoch" in message
+    assert 1.4 < waited < 8.0
+
+
+def test_daemon_restart_does_not_corrupt_a_running_rank(daemon, spawn_ranks):
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
+    group = spawn_ranks(_restart_rank, 2, daemon.socket, report, commands, timeout=120)
+    for _ in range(2):
+        assert report.get(timeout=60)[0] == "connected"
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    time.sleep(0.5)
+    for queue in commands:
+        queue.put("daemon restarted")
+    for rank, outcome in group.values().items():
+        assert outcome["before"] == [3.0] * 8
+        assert outcome["after_restart"] == "DaemonUnavailableError", outcome
+        assert outcome["reconnected"] == [3.0] * 8
+
+
+def _restart_rank(rank, socket_path, report, commands):
+    return ranks.survive_daemon_restart(rank, 2, socket_path, commands[rank], report)
+
+
+def test_sigterm_drains_and_exits_zero(daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.reduce_until_error, 2, 2, daemon.socket, "drained", report, timeout=120)
+    for _ in range(2):
+        assert report.get(timeout=60)[0] == "running"
+    assert daemon.stop(signal.SIGTERM) == 0
+    for rank, (name, message, _) in group.values().items():
+        assert name == "DaemonUnavailableError", message
+    log = daemon.log()
+    assert "draining" in log and "stopped" in log
+
+
+def test_connect_without_daemon_is_daemon_unavailable(tmp_path):
+    import pytest
+
+    import nodecomm
+
+    started = time.monotonic()
+    with pytest.raises(nodecomm.DaemonUnavailableError, match="daemon unavailable"):
+        nodecomm.connect("g", 0, 1, socket=str(tmp_path / "absent.sock"), timeout=2)
+    assert time.monotonic() - started < 10
+
+
+def test_list_groups_tracks_lifecycle(daemon, spawn_ranks):
+    spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "listed", {}).values()
+    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel:
+        groups = pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=5).groups
+    assert groups == []  # both ranks left: released
+    assert "group released" in daemon.log()

@@ -1,0 +1,171 @@
+"""Join: agreement before allocation, and bad requests answered with a clear status."""
+
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+import ranks
+from nodecomm.socket_path import grpc_target
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+
+def stub_for(daemon):
+    channel = grpc.insecure_channel(grpc_target(daemon.socket))
+    return channel, pb_grpc.ControlStub(channel)
+
+
+def join_request(group="g", rank=0, world_size=2, capacity=1 << 20, dtypes=(pb.FLOAT32,), timeout=5.0, pid=None):
+    import os
+
+    return pb.JoinRequest(
+        group=group, rank=rank, world_size=world_size, device="cpu",
+        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes), pid=pid or os.getpid(),
+        join_timeout_seconds=timeout,
+    )
+
+
+def reserved_bytes(daemon) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    line = next(l for l in text.splitlines() if l.startswith('nodecomm_reserved_bytes{kind="host"}'))
+    return float(line.split()[-1])
+
+
+@pytest.mark.parametrize(
+    "field, per_rank",
+    [
+        ("world_size", [{"world": 2}, {"world": 3}]),
+        ("dtypes", [{}, {"dtypes": ("float32", "bfloat16")}]),
+        ("capacity_bytes", [{}, {"capacity_bytes": 1 << 20}]),
+    ],
+)
+def test_mismatch_fails_every_rank_before_allocation(daemon, spawn_ranks, field, per_rank):
+    group = spawn_ranks(_mismatched_join, 2, daemon.socket, per_rank, timeout=60)
+    results = group.results()
+    for rank, (status, value) in results.items():
+        assert status == "error", (rank, value)
+        name, message, _ = value
+        assert name == "GroupMismatchError", message
+        assert f"disagree on {field}" in message and "rank 0 has" in message and "rank 1 has" in message
+    assert reserved_bytes(daemon) == 0
+
+
+def _mismatched_join(rank, socket_path, per_rank):
+    options = dict(per_rank[rank])
+    world = options.pop("world", 2)
+    return ranks.join_only(rank, world, socket_path, "mismatch", options)
+
+
+def test_last_rank_mismatch_fails_the_waiting_ranks_too(daemon, spawn_ranks):
+    group = spawn_ranks(_third_differs, 3, daemon.socket, timeout=60)
+    for rank, (status, value) in group.results().items():
+        assert status == "error" and value[0] == "GroupMismatchError", (rank, value)
+        assert "rank 2 has 2097152" in value[1]
+
+
+def _third_differs(rank, socket_path):
+    if rank == 2:
+        time.sleep(1.0)  # arrives last
+    return ranks.join_only(rank, 3, socket_path, "late", {"capacity_bytes": (2 << 20) if rank == 2 else (1 << 20)})
+
+
+def test_join_deadline_names_missing_ranks(daemon):
+    channel, stub = stub_for(daemon)
+    with channel, pytest.raises(grpc.RpcError) as raised:
+        stub.Join(join_request(group="lonely", world_size=3, timeout=0.5), timeout=10)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "ranks [1, 2] did not join" in raised.value.details()
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, code, text",
+    [
+        ({"world_size": -1}, grpc.StatusCode.INVALID_ARGUMENT, "world_size -1: expected 1..16"),
+        ({"world_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "world_size 0"),
+        ({"world_size": 17}, grpc.StatusCode.INVALID_ARGUMENT, "expected 1..16"),
+        ({"rank": 2, "world_size": 2}, grpc.StatusCode.INVALID_ARGUMENT, "rank 2: expected 0..1"),
+        ({"rank": -3}, grpc.StatusCode.INVALID_ARGUMENT, "rank -3"),
+        ({"group": ""}, grpc.StatusCode.INVALID_ARGUMENT, "group name ''"),
+        ({"group": "x" * 5000}, grpc.StatusCode.INVALID_ARGUMENT, "expected 1-128 characters"),
+        ({"group": "a b\x00"}, grpc.StatusCode.INVALID_ARGUMENT, "group name"),
+        ({"capacity": 0}, grpc.StatusCode.INVALID_ARGUMENT, "capacity_bytes 0"),
+        ({"capacity": 1 << 40}, grpc.StatusCode.RESOURCE_EXHAUSTED, "max_capacity_bytes"),
+        ({"dtypes": ()}, grpc.StatusCode.INVALID_ARGUMENT, "geometry.dtypes"),
+        ({"dtypes": (42,)}, grpc.StatusCode.INVALID_ARGUMENT, "geometry.dtypes [42]"),
+        ({"pid": -5}, grpc.StatusCode.INVALID_ARGUMENT, "pid -5"),
+    ],
+)
+def test_bad_join_requests(daemon, request_kwargs, code, text):
+    channel, stub = stub_for(daemon)
+    with channel:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Join(join_request(**request_kwargs), timeout=10)
+        assert raised.value.code() == code
+        assert text in raised.value.details()
+        assert stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
+
+
+def test_duplicate_rank_is_refused_and_the_first_keeps_waiting(daemon):
+    channel, stub = stub_for(daemon)
+    with channel:
+        first = stub.Join.future(join_request(group="dup", timeout=3.0), timeout=10)
+        time.sleep(0.3)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Join(join_request(group="dup"), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "rank 0 is already joining" in raised.value.details()
+        groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups
+        assert [(g.name, g.state, list(g.joined_ranks)) for g in groups] == [("dup", "joining", [0])]
+        with pytest.raises(grpc.RpcError) as waited:
+            first.result()
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_leave_unknown_group(daemon):
+    channel, stub = stub_for(daemon)
+    with channel, pytest.raises(grpc.RpcError) as raised:
+        stub.Leave(pb.LeaveRequest(group="nope", group_id=123, rank=0), timeout=5)
+    assert raised.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "no group named 'nope'" in raised.value.details()
+
+
+def test_session_must_start_with_hello(daemon):
+    channel, stub = stub_for(daemon)
+    with channel, pytest.raises(grpc.RpcError) as raised:
+        list(stub.Session(iter([pb.SessionUp(timings=pb.TimingBatch())]), timeout=5))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_unknown_claim_token_and_garbage_on_both_sockets(daemon, spawn_ranks):
+    from nodecomm.client.descriptors import claim_descriptors
+
+    with pytest.raises(PermissionError, match="unknown, already used or expired"):
+        claim_descriptors(daemon.socket + ".fd", b"\x00" * 16, 8, 5.0)
+    for path in (daemon.socket, daemon.socket + ".fd"):
+        for payload in (b"\x00" * 3, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64):
+            with socket.socket(socket.AF_UNIX) as raw:
+                raw.settimeout(5)
+                raw.connect(path)
+                raw.sendall(payload)
+                try:
+                    raw.recv(4096)
+                except (TimeoutError, OSError):
+                    pass
+    assert daemon.healthy()
+    assert spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "after-garbage", {}).values() == {0: "ok [2.0, 2.0, 2.0, 2.0]", 1: "ok [2.0, 2.0, 2.0, 2.0]"}
+
+
+def test_claim_from_another_process_is_refused(daemon):
+    """A token is bound to the pid that joined: presenting it from elsewhere fails."""
+    from nodecomm.client.descriptors import claim_descriptors
+
+    channel, stub = stub_for(daemon)
+    with channel:
+        reply = stub.Join(join_request(group="solo", world_size=1, pid=1), timeout=10)
+    with pytest.raises(PermissionError, match="issued to pid 1"):
+        claim_descriptors(reply.descriptor_socket, reply.claim_token, 8, 5.0)
