@@ -105,8 +105,9 @@ class Lease:
         if self._pending:
             self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
             self._pending = []
-        self._outbox.put(None)
-        if self._call is not None:
-            self._call.cancel()
+        self._outbox.put(None)  # half-close: the daemon takes the last timings, then ends the stream
         if self._thread.is_alive():
+            self._thread.join(timeout)
+        if self._thread.is_alive() and self._call is not None:
+            self._call.cancel()
             self._thread.join(timeout)

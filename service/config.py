@@ -24,7 +24,7 @@ ENV_PREFIX = "NODECOMM_"
 
 # Tuned defaults live here. oneshot_max_bytes for CPU groups was read off `nodecomm bench --device
 # cpu --world-size 2` on a 2-core machine: oneshot wins below the crossover, twoshot above it.
-DEFAULT_CPU_ONESHOT_MAX_BYTES = 256 << 10
+DEFAULT_CPU_ONESHOT_MAX_BYTES = 32 << 10
 DEFAULT_DMA_MIN_BYTES = 6 << 20
 
 

@@ -134,20 +134,25 @@ class Ranks:
     processes: dict[int, mp.Process]
     queue: mp.Queue
     deadline: float
+    _dead_since: dict[int, float] = field(default_factory=dict)
 
     def results(self) -> dict[int, tuple[str, object]]:
         collected: dict[int, tuple[str, object]] = {}
         while len(collected) < len(self.processes):
             remaining = self.deadline - time.monotonic()
             try:
-                rank, status, value = self.queue.get(timeout=max(0.1, remaining))
+                rank, status, value = self.queue.get(timeout=min(max(0.1, remaining), 0.5))
             except queue.Empty:
                 if remaining <= 0:
                     missing = sorted(set(self.processes) - set(collected))
                     raise TimeoutError(f"ranks {missing} did not finish before the deadline") from None
-                dead = [r for r, p in self.processes.items() if r not in collected and p.exitcode is not None]
-                for r in dead:
-                    collected[r] = ("died", self.processes[r].exitcode)
+                # A process that exited without reporting died; give its last report a moment to arrive.
+                now = time.monotonic()
+                for r, p in self.processes.items():
+                    if r not in collected and p.exitcode is not None:
+                        first_seen = self._dead_since.setdefault(r, now)
+                        if now - first_seen > 1.0:
+                            collected[r] = ("died", p.exitcode)
                 continue
             collected[rank] = (status, value)
         return collected
