@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import platform
+import queue
 import socket as socketlib
 import statistics
 import subprocess
@@ -98,15 +99,29 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                     started = time.perf_counter()
                     run()
                     times.append(time.perf_counter() - started)
-                wrong = int((out != expected).sum())
-                gathered = [None] * world_size
-                dist.all_gather_object(gathered, (times, wrong))
+                mine = torch.tensor([*times, float((out != expected).sum())], dtype=torch.float64)
+                gathered = [torch.empty_like(mine) for _ in range(world_size)]
+                dist.all_gather(gathered, mine)
                 if rank == 0:
-                    slowest = [max(t[i] for t, _ in gathered) for i in range(iterations)]
-                    rows.append((nbytes, count, path, slowest, sum(w for _, w in gathered)))
+                    every = torch.stack(gathered)
+                    slowest = every[:, :iterations].max(dim=0).values.tolist()
+                    rows.append((nbytes, count, path, slowest, int(every[:, iterations].sum())))
     dist.destroy_process_group()
     if rank == 0:
         results.put(rows)
+
+
+def _wait_for_rows(results: mp.Queue, ranks: list) -> list:
+    """Rank 0's rows; fails as soon as any rank dies instead of waiting on the survivors."""
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=0.5)
+        except queue.Empty:
+            failed = {r: p.exitcode for r, p in enumerate(ranks) if p.exitcode not in (None, 0)}
+            if failed:
+                raise RuntimeError(f"bench ranks failed (rank: exit code): {failed}") from None
+    raise TimeoutError("the bench did not finish within an hour")
 
 
 def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int) -> Row:
@@ -150,15 +165,12 @@ def run_bench(world_size: int, sizes: list[int], paths: list[str], dtype: str, s
         for process in ranks:
             process.start()
         try:
-            raw = results.get(timeout=3600)
+            raw = _wait_for_rows(results, ranks)
         finally:
             for process in ranks:
                 process.join(timeout=60)
                 if process.is_alive():
                     process.kill()
-        failed = [p.exitcode for p in ranks if p.exitcode]
-        if failed:
-            raise RuntimeError(f"bench ranks exited with codes {failed}")
     finally:
         if daemon is not None:
             daemon.stop()

@@ -121,6 +121,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as error:
         print(f"nodecomm {args.command}: {from_rpc_error(error)}", file=sys.stderr)
         return 1
-    except (NodecommError, ValueError) as error:
+    except (NodecommError, ValueError, RuntimeError, TimeoutError) as error:
         print(f"nodecomm {args.command}: {error}", file=sys.stderr)
         return 1
