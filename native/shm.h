@@ -69,58 +69,55 @@ inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t contro
   return {word >> 32, word & 0xFFFFFFFFu};
 }
 
-// Block conversions between an element type and the fp32 accumulator. The generic ones vectorise
-// as written; fp16 uses F16C where the build enables it, since compilers do not vectorise
-// _Float16 conversions without AVX512-FP16.
-template <typename T>
-inline void widen(const T* src, float* acc, std::size_t len) {
-  for (std::size_t i = 0; i < len; ++i) acc[i] = to_float(src[i]);
+#ifdef __AVX2__
+// Eight elements at a time, widened to fp32. These keep the numerics of to_float/from_float.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-template <typename T>
-inline void accumulate(const T* src, float* acc, std::size_t len) {
-  for (std::size_t i = 0; i < len; ++i) acc[i] += to_float(src[i]);
-}
-template <typename T>
-inline void narrow(const float* acc, T* dst, std::size_t len) {
-  for (std::size_t i = 0; i < len; ++i) dst[i] = from_float<T>(acc[i]);
-}
+inline __m256 load8(const Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
-#ifdef __F16C__
-inline void widen_f16(const Float16* src, float* acc, std::size_t len, bool add) {
-  std::size_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
-    if (add) v = _mm256_add_ps(_mm256_loadu_ps(acc + i), v);
-    _mm256_storeu_ps(acc + i, v);
-  }
-  for (; i < len; ++i) acc[i] = add ? acc[i] + to_float(src[i]) : to_float(src[i]);
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(BFloat16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
-template <> inline void widen<Float16>(const Float16* src, float* acc, std::size_t len) { widen_f16(src, acc, len, false); }
-template <> inline void accumulate<Float16>(const Float16* src, float* acc, std::size_t len) { widen_f16(src, acc, len, true); }
-template <> inline void narrow<Float16>(const float* acc, Float16* dst, std::size_t len) {
-  std::size_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    const __m256 v = _mm256_loadu_ps(acc + i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
-      for (std::size_t j = i; j < i + 8; ++j) dst[j] = from_float<Float16>(acc[j]);  // canonical NaNs
-    }
+inline void store8(Float16* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, v);
+    for (int j = 0; j < 8; ++j) p[j] = from_float<Float16>(lanes[j]);  // canonical NaNs
   }
-  for (; i < len; ++i) dst[i] = from_float<Float16>(acc[i]);
 }
 #endif
 
-// Sum `n` slots element-wise over [begin, end) into out: fp32 accumulation in rank order, one
-// rounding. Blocked so the accumulator stays in L1.
+// Sum the n sources element-wise over [begin, end) into out (and copy, when given): fp32
+// accumulation in rank order 0..n-1, one rounding. One pass: each element is loaded once per
+// rank and stored once per destination. out may be one of the sources (same indices only).
 template <typename T>
-void reduce_range(const std::uint8_t* const* slots, int n, T* out, std::size_t begin, std::size_t end) {
-  constexpr std::size_t kBlock = 2048;
-  alignas(64) float acc[kBlock];
-  for (std::size_t b = begin; b < end; b += kBlock) {
-    const std::size_t len = std::min(kBlock, end - b);
-    widen(reinterpret_cast<const T*>(slots[0]) + b, acc, len);
-    for (int r = 1; r < n; ++r) accumulate(reinterpret_cast<const T*>(slots[r]) + b, acc, len);
-    narrow(acc, out + b, len);
+void reduce_range(const std::uint8_t* const* sources, int n, T* out, std::size_t begin, std::size_t end,
+                  T* copy = nullptr) {
+  std::size_t i = begin;
+#ifdef __AVX2__
+  for (; i + 8 <= end; i += 8) {
+    __m256 acc = load8(reinterpret_cast<const T*>(sources[0]) + i);
+    for (int r = 1; r < n; ++r) acc = _mm256_add_ps(acc, load8(reinterpret_cast<const T*>(sources[r]) + i));
+    store8(out + i, acc);
+    if (copy != nullptr) store8(copy + i, acc);
+  }
+#endif
+  for (; i < end; ++i) {
+    float acc = to_float(reinterpret_cast<const T*>(sources[0])[i]);
+    for (int r = 1; r < n; ++r) acc += to_float(reinterpret_cast<const T*>(sources[r])[i]);
+    out[i] = from_float<T>(acc);
+    if (copy != nullptr) copy[i] = out[i];
   }
 }
 
@@ -244,8 +241,7 @@ class ShmGroup {
       sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src) : peer(r) + slot;
     }
     const std::size_t begin = lo(rank_), end = hi(rank_);
-    reduce_range<T>(sources, world_size_, dst, begin, end);
-    std::memcpy(mine + begin, dst + begin, (end - begin) * sizeof(T));
+    reduce_range<T>(sources, world_size_, dst, begin, end, mine);
     barrier(timeout_s);
     for (int r = 0; r < world_size_; ++r) {
       if (r == rank_) continue;
