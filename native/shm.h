@@ -171,12 +171,21 @@ class ShmGroup {
   }
 
   // Every rank arrives, then waits for every other rank (bounded by timeout_s, honours abort).
-  void barrier(double timeout_s) {
+  void barrier(double timeout_s) { wait_all(arrive(), timeout_s); }
+
+  // The two halves of a barrier, for work that overlaps the wait: arrive() publishes this rank's
+  // next epoch to every peer (release: everything written before it is visible to them);
+  // wait_all(epoch) returns once every peer has arrived there (acquire).
+  std::uint64_t arrive() {
     const std::uint64_t epoch = ++barrier_epoch_;
     for (int r = 0; r < world_size_; ++r) {
       auto* flag = reinterpret_cast<std::uint64_t*>(peer(r) + std::size_t(rank_) * kLineBytes);
       __atomic_store_n(flag, epoch, __ATOMIC_RELEASE);
     }
+    return epoch;
+  }
+
+  void wait_all(std::uint64_t epoch, double timeout_s) {
     for (int r = 0; r < world_size_; ++r) {
       if (r != rank_) wait_flag(r, epoch, timeout_s);
     }
@@ -184,7 +193,10 @@ class ShmGroup {
 
  private:
   std::uint8_t* peer(int r) const { return reinterpret_cast<std::uint8_t*>(buffers_[r]); }
-  std::size_t slot_offset() const { return kHeaderBytes + (op_epoch_ % kNumSlots) * slot_stride(slot_bytes_); }
+  std::size_t slot_offset() const { return slot_offset(op_epoch_); }
+  std::size_t slot_offset(std::uint64_t epoch) const {
+    return kHeaderBytes + (epoch % kNumSlots) * slot_stride(slot_bytes_);
+  }
 
   std::uint8_t* stage(const std::uint8_t* src, std::size_t len) {
     std::uint8_t* mine = peer(rank_) + slot_offset();
@@ -197,55 +209,84 @@ class ShmGroup {
                         double timeout_s) {
     NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
                    "unknown algorithm code " + std::to_string(int(algorithm)) + "; expected 1 (oneshot) or 2 (twoshot)");
-    const std::size_t chunk_elems = std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16;
-    for (std::size_t begin = 0; begin < count; begin += chunk_elems) {
-      const std::size_t len = std::min(chunk_elems, count - begin);
-      const T* src = reinterpret_cast<const T*>(in) + begin;
-      T* dst = reinterpret_cast<T*>(out) + begin;
-      if (algorithm == Algorithm::kOneshot) {
-        oneshot_chunk(src, dst, len, timeout_s);
-      } else {
-        twoshot_chunk(src, dst, len, timeout_s);
+    const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
+    const T* src = reinterpret_cast<const T*>(in);
+    T* dst = reinterpret_cast<T*>(out);
+    if (algorithm == Algorithm::kOneshot) {
+      oneshot(src, dst, chunks, timeout_s);
+    } else {
+      twoshot(src, dst, chunks, timeout_s);
+    }
+  }
+
+  struct Chunking {
+    std::size_t count, chunk;
+    std::size_t size() const { return (count + chunk - 1) / chunk; }
+    std::size_t begin(std::size_t k) const { return k * chunk; }
+    std::size_t len(std::size_t k) const { return std::min(chunk, count - k * chunk); }
+  };
+
+  // Per chunk: stage it whole, barrier, sum every rank's slot.
+  template <typename T>
+  void oneshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
+    for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
+      const std::size_t begin = chunks.begin(k), len = chunks.len(k);
+      stage(reinterpret_cast<const std::uint8_t*>(src + begin), len * sizeof(T));
+      barrier(timeout_s);
+      const std::uint8_t* slots[kMaxRanks];
+      for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
+      reduce_range<T>(slots, world_size_, dst + begin, 0, len);
+    }
+  }
+
+  // Reduce-scatter then all-gather, per chunk. Rank r owns segment r of each chunk: it reduces
+  // it from its own input and the peers' staged copies, writes the result to dst and to its slot,
+  // and after a second barrier copies the other segments' results from their owners' slots. Only
+  // the segments that peers read are staged. The next chunk is staged while waiting at the
+  // second barrier: its slot was last read in the previous chunk's gather, which every peer
+  // finished before arriving at this chunk's first barrier.
+  template <typename T>
+  void twoshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
+    if (chunks.size() == 0) return;
+    stage_peer_segments(src, chunks, 0);
+    for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
+      const std::size_t begin = chunks.begin(k), len = chunks.len(k);
+      const Segments seg{len, world_size_};
+      const std::size_t slot = slot_offset();
+      barrier(timeout_s);
+      const std::uint8_t* sources[kMaxRanks];
+      for (int r = 0; r < world_size_; ++r) {
+        sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src + begin) : peer(r) + slot;
       }
-      ++op_epoch_;
+      T* mine = reinterpret_cast<T*>(peer(rank_) + slot);
+      reduce_range<T>(sources, world_size_, dst + begin, seg.lo(rank_), seg.hi(rank_), mine);
+      const std::uint64_t reduced = arrive();
+      if (k + 1 < chunks.size()) stage_peer_segments(src, chunks, k + 1);
+      wait_all(reduced, timeout_s);
+      for (int r = 0; r < world_size_; ++r) {
+        if (r == rank_) continue;
+        std::memcpy(dst + begin + seg.lo(r), reinterpret_cast<const T*>(peer(r) + slot) + seg.lo(r),
+                    (seg.hi(r) - seg.lo(r)) * sizeof(T));
+      }
     }
   }
 
-  // Stage the whole chunk, barrier, and sum every rank's slot.
-  template <typename T>
-  void oneshot_chunk(const T* src, T* dst, std::size_t len, double timeout_s) {
-    stage(reinterpret_cast<const std::uint8_t*>(src), len * sizeof(T));
-    barrier(timeout_s);
-    const std::uint8_t* slots[kMaxRanks];
-    for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
-    reduce_range<T>(slots, world_size_, dst, 0, len);
-  }
+  // A chunk of len elements split into world_size segments of 16-element multiples.
+  struct Segments {
+    std::size_t len, per;
+    Segments(std::size_t n, int world_size) : len(n), per(round_up((n + world_size - 1) / world_size, 16)) {}
+    std::size_t lo(int r) const { return std::min(len, std::size_t(r) * per); }
+    std::size_t hi(int r) const { return std::min(len, std::size_t(r + 1) * per); }
+  };
 
-  // Reduce-scatter then all-gather. Rank r owns segment r: it reduces it from its own input and
-  // the peers' staged copies, writes the result to dst and to its slot, and after a second
-  // barrier copies the other segments' results from their owners' slots. Only the segments that
-  // peers read are staged, so each rank moves (n-1)/n of the chunk through shared memory twice.
+  // Copy chunk k's segments that peers reduce into this rank's slot for chunk k.
   template <typename T>
-  void twoshot_chunk(const T* src, T* dst, std::size_t len, double timeout_s) {
-    const std::size_t per = round_up((len + world_size_ - 1) / world_size_, 16);
-    auto lo = [&](int r) { return std::min(len, std::size_t(r) * per); };
-    auto hi = [&](int r) { return std::min(len, std::size_t(r + 1) * per); };
-    const std::size_t slot = slot_offset();
-    T* mine = reinterpret_cast<T*>(peer(rank_) + slot);
+  void stage_peer_segments(const T* src, const Chunking& chunks, std::size_t k) {
+    const Segments seg{chunks.len(k), world_size_};
+    T* slot = reinterpret_cast<T*>(peer(rank_) + slot_offset(op_epoch_ + (k == 0 ? 0 : 1)));
+    const T* from = src + chunks.begin(k);
     for (int r = 0; r < world_size_; ++r) {
-      if (r != rank_) std::memcpy(mine + lo(r), src + lo(r), (hi(r) - lo(r)) * sizeof(T));
-    }
-    barrier(timeout_s);
-    const std::uint8_t* sources[kMaxRanks];
-    for (int r = 0; r < world_size_; ++r) {
-      sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src) : peer(r) + slot;
-    }
-    const std::size_t begin = lo(rank_), end = hi(rank_);
-    reduce_range<T>(sources, world_size_, dst, begin, end, mine);
-    barrier(timeout_s);
-    for (int r = 0; r < world_size_; ++r) {
-      if (r == rank_) continue;
-      std::memcpy(dst + lo(r), reinterpret_cast<const T*>(peer(r) + slot) + lo(r), (hi(r) - lo(r)) * sizeof(T));
+      if (r != rank_) std::memcpy(slot + seg.lo(r), from + seg.lo(r), (seg.hi(r) - seg.lo(r)) * sizeof(T));
     }
   }
 
