@@ -40,6 +40,10 @@ constexpr std::size_t kControlBytes = 4096;
 // Large payloads move in chunks of at most this many bytes, so each chunk's staging stays in cache
 // between the copy in and the peers' reads (measured on the CPU bench; see docs/bench-cpu.md).
 constexpr std::size_t kPipelineChunkBytes = 1 << 20;
+// Outputs at least this large are written with non-temporal stores: they cannot stay in a core's
+// cache anyway, and skipping the read-for-ownership cut twoshot's time at 16-64 MiB by 15-25% on
+// the 2-core bench machine while making no difference from 1 to 4 MiB.
+constexpr std::size_t kStreamOutputBytes = 8 << 20;
 
 // Abort reasons in the control segment; equal to what nodecomm.client expects.
 enum AbortReason : std::uint64_t {
@@ -79,6 +83,7 @@ inline __m256 load8(const BFloat16* p) {
 inline __m256 load8(const Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void stream8(float* p, __m256 v) { _mm256_stream_ps(p, v); }
 inline void store8(BFloat16* p, __m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -88,6 +93,11 @@ inline void store8(BFloat16* p, __m256 v) {
   const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+inline void stream8(BFloat16* p, __m256 v) {
+  alignas(16) BFloat16 lanes[8];
+  store8(lanes, v);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(lanes)));
+}
 inline void store8(Float16* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
@@ -96,20 +106,42 @@ inline void store8(Float16* p, __m256 v) {
     for (int j = 0; j < 8; ++j) p[j] = from_float<Float16>(lanes[j]);  // canonical NaNs
   }
 }
+inline void stream8(Float16* p, __m256 v) {
+  alignas(16) Float16 lanes[8];
+  store8(lanes, v);
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(lanes)));
+}
 #endif
+
+// Copy to a destination nobody reads soon: non-temporal stores skip reading the lines first.
+inline void copy_out(void* destination, const void* source, std::size_t len, bool stream) {
+  auto* dst = static_cast<std::uint8_t*>(destination);
+  const auto* src = static_cast<const std::uint8_t*>(source);
+  std::size_t i = 0;
+#ifdef __AVX2__
+  if (stream) {
+    while (i < len && (reinterpret_cast<std::uintptr_t>(dst + i) & 31)) { dst[i] = src[i]; ++i; }
+    for (; i + 32 <= len; i += 32) {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+    }
+  }
+#endif
+  std::memcpy(dst + i, src + i, len - i);
+}
 
 // Sum the n sources element-wise over [begin, end) into out (and copy, when given): fp32
 // accumulation in rank order 0..n-1, one rounding. One pass: each element is loaded once per
 // rank and stored once per destination. out may be one of the sources (same indices only).
 template <typename T>
 void reduce_range(const std::uint8_t* const* sources, int n, T* out, std::size_t begin, std::size_t end,
-                  T* copy = nullptr) {
+                  T* copy = nullptr, bool stream_out = false) {
   std::size_t i = begin;
 #ifdef __AVX2__
+  stream_out = stream_out && (reinterpret_cast<std::uintptr_t>(out + i) % (8 * sizeof(T))) == 0;
   for (; i + 8 <= end; i += 8) {
     __m256 acc = load8(reinterpret_cast<const T*>(sources[0]) + i);
     for (int r = 1; r < n; ++r) acc = _mm256_add_ps(acc, load8(reinterpret_cast<const T*>(sources[r]) + i));
-    store8(out + i, acc);
+    if (stream_out) stream8(out + i, acc); else store8(out + i, acc);
     if (copy != nullptr) store8(copy + i, acc);
   }
 #endif
@@ -229,14 +261,16 @@ class ShmGroup {
   // Per chunk: stage it whole, barrier, sum every rank's slot.
   template <typename T>
   void oneshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
+    const bool stream = chunks.count * sizeof(T) >= kStreamOutputBytes;
     for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
       const std::size_t begin = chunks.begin(k), len = chunks.len(k);
       stage(reinterpret_cast<const std::uint8_t*>(src + begin), len * sizeof(T));
       barrier(timeout_s);
       const std::uint8_t* slots[kMaxRanks];
       for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
-      reduce_range<T>(slots, world_size_, dst + begin, 0, len);
+      reduce_range<T>(slots, world_size_, dst + begin, 0, len, nullptr, stream);
     }
+    if (stream) _mm_sfence();
   }
 
   // Reduce-scatter then all-gather, per chunk. Rank r owns segment r of each chunk: it reduces
@@ -248,6 +282,7 @@ class ShmGroup {
   template <typename T>
   void twoshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
     if (chunks.size() == 0) return;
+    const bool stream = chunks.count * sizeof(T) >= kStreamOutputBytes;
     stage_peer_segments(src, chunks, 0);
     for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
       const std::size_t begin = chunks.begin(k), len = chunks.len(k);
@@ -259,16 +294,17 @@ class ShmGroup {
         sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src + begin) : peer(r) + slot;
       }
       T* mine = reinterpret_cast<T*>(peer(rank_) + slot);
-      reduce_range<T>(sources, world_size_, dst + begin, seg.lo(rank_), seg.hi(rank_), mine);
+      reduce_range<T>(sources, world_size_, dst + begin, seg.lo(rank_), seg.hi(rank_), mine, stream);
       const std::uint64_t reduced = arrive();
       if (k + 1 < chunks.size()) stage_peer_segments(src, chunks, k + 1);
       wait_all(reduced, timeout_s);
       for (int r = 0; r < world_size_; ++r) {
         if (r == rank_) continue;
-        std::memcpy(dst + begin + seg.lo(r), reinterpret_cast<const T*>(peer(r) + slot) + seg.lo(r),
-                    (seg.hi(r) - seg.lo(r)) * sizeof(T));
+        copy_out(dst + begin + seg.lo(r), reinterpret_cast<const T*>(peer(r) + slot) + seg.lo(r),
+                 (seg.hi(r) - seg.lo(r)) * sizeof(T), stream);
       }
     }
+    if (stream) _mm_sfence();
   }
 
   // A chunk of len elements split into world_size segments of 16-element multiples.
