@@ -22,6 +22,12 @@ def test_bit_exact_against_reference(daemon, spawn_ranks, world_size):
     assert not problems, problems
 
 
+def test_largest_world_size(daemon, spawn_ranks):
+    cases = [("float32", 0), ("bfloat16", 1), ("float16", 1001), ("float32", (MiB // 4) + 3)]
+    results = spawn_ranks(ranks.all_reduce_cases, 16, 16, daemon.socket, cases, timeout=600).values()
+    assert not any(results.values()), results
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_all_gather_routes_by_rank_and_barrier(daemon, spawn_ranks, world_size):
     results = spawn_ranks(ranks.gather_and_barrier, world_size, world_size, daemon.socket).values()

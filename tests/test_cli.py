@@ -64,3 +64,20 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["path"] for r in rows} == {"oneshot", "twoshot", "auto", "gloo"}
     assert len(rows) == 3 * 4 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
+
+
+def test_reflection_and_tcp_listener_on_loopback(make_daemon):
+    import grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from conftest import free_port
+    from nodecomm.v1 import control_pb2 as pb
+    from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+    port = free_port()
+    daemon = make_daemon("--tcp-address", f"127.0.0.1:{port}")
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+        assert {"nodecomm.v1.Control", "grpc.health.v1.Health"} <= services
+        assert pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
+    assert daemon.healthy()
