@@ -62,6 +62,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _operation(path: str, comm, dist, x, out):
+    """One timed all-reduce of x into out: through gloo (in place on a copy) or a nodecomm path."""
+    if path == BASELINE:
+
+        def run() -> None:
+            out.copy_(x)
+            dist.all_reduce(out)
+    else:
+        chosen = None if path == "auto" else path
+
+        def run() -> None:
+            comm.all_reduce(x, out=out, path=chosen)
+
+    return run
+
+
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Queue) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -82,15 +98,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
             out = torch.empty_like(x)
             iterations = iterations_for(nbytes)
             for path in args["paths"]:
-                if path == BASELINE:
-                    def run() -> None:
-                        out.copy_(x)
-                        dist.all_reduce(out)
-                else:
-                    chosen = None if path == "auto" else path
-
-                    def run() -> None:
-                        comm.all_reduce(x, out=out, path=chosen)
+                run = _operation(path, comm, dist, x, out)
                 for _ in range(min(5, iterations)):
                     run()
                 times = []
@@ -140,8 +148,17 @@ class PrivateDaemon:
         self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nodecomm.service.server", "--socket", self.socket,
-             "--metrics-address", "off", "--log-level", "WARNING"],
+            [
+                sys.executable,
+                "-m",
+                "nodecomm.service.server",
+                "--socket",
+                self.socket,
+                "--metrics-address",
+                "off",
+                "--log-level",
+                "WARNING",
+            ],
         )
         channel = grpc.insecure_channel(grpc_target(self.socket))
         try:
@@ -161,7 +178,9 @@ def run_bench(world_size: int, sizes: list[int], paths: list[str], dtype: str, s
         context = mp.get_context("spawn")
         results = context.Queue()
         port = _free_port()
-        ranks = [context.Process(target=_rank_main, args=(r, world_size, args, port, results)) for r in range(world_size)]
+        ranks = [
+            context.Process(target=_rank_main, args=(r, world_size, args, port, results)) for r in range(world_size)
+        ]
         for process in ranks:
             process.start()
         try:
@@ -200,8 +219,13 @@ def format_table(rows: list[Row], world_size: int, dtype: str) -> str:
 
 def write_json(path: str, rows: list[Row], world_size: int, dtype: str) -> None:
     document = {
-        "device": "cpu", "world_size": world_size, "dtype": dtype, "host": platform.node(),
-        "cpus": os.cpu_count(), "baseline": BASELINE, "rows": [asdict(r) for r in rows],
+        "device": "cpu",
+        "world_size": world_size,
+        "dtype": dtype,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "baseline": BASELINE,
+        "rows": [asdict(r) for r in rows],
     }
     with open(path, "w") as handle:
         json.dump(document, handle, indent=2)

@@ -31,20 +31,36 @@ def cmd_status(args: argparse.Namespace) -> int:
         groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
     if args.json:
-        print(json.dumps({
-            "health": status,
-            "groups": [{
-                "name": g.name, "group_id": g.group_id, "state": g.state, "world_size": g.world_size,
-                "device_kind": g.device_kind, "joined_ranks": list(g.joined_ranks), "live_ranks": list(g.live_ranks),
-                "reserved_bytes": g.reserved_bytes, "capacity_bytes": g.geometry.capacity_bytes,
-            } for g in groups],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "health": status,
+                    "groups": [
+                        {
+                            "name": g.name,
+                            "group_id": g.group_id,
+                            "state": g.state,
+                            "world_size": g.world_size,
+                            "device_kind": g.device_kind,
+                            "joined_ranks": list(g.joined_ranks),
+                            "live_ranks": list(g.live_ranks),
+                            "reserved_bytes": g.reserved_bytes,
+                            "capacity_bytes": g.geometry.capacity_bytes,
+                        }
+                        for g in groups
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"daemon: {status} ({args.socket or default_socket_path()})")
     print(f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10}")
     for g in groups:
         live = ",".join(map(str, g.live_ranks)) or "-"
-        print(f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} {format_byte_size(g.reserved_bytes):>10}")
+        print(
+            f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} {format_byte_size(g.reserved_bytes):>10}"
+        )
     if not groups:
         print("(no groups)")
     return 0
@@ -53,13 +69,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 def cmd_thresholds(args: argparse.Namespace) -> int:
     channel, stub = _stub(args.socket)
     with channel:
-        table = DispatchTable.from_proto(stub.GetThresholds(pb.GetThresholdsRequest(group=args.group or ""), timeout=args.timeout))
+        table = DispatchTable.from_proto(
+            stub.GetThresholds(pb.GetThresholdsRequest(group=args.group or ""), timeout=args.timeout)
+        )
     if args.json:
-        print(json.dumps({
-            "epoch": table.epoch,
-            "ranges": [{"from": lo, "to": hi, "path": path.value} for lo, hi, path in table.rows()],
-            "boundaries": [{"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value} for b in table.boundaries],
-        }, indent=2))
+        print(
+            json.dumps(
+                {
+                    "epoch": table.epoch,
+                    "ranges": [{"from": lo, "to": hi, "path": path.value} for lo, hi, path in table.rows()],
+                    "boundaries": [
+                        {"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value}
+                        for b in table.boundaries
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(f"dispatch table (epoch {table.epoch}){' for group ' + args.group if args.group else ' for new CPU groups'}")
     for lo, hi, path in table.rows():

@@ -86,7 +86,9 @@ class Communicator:
             self._lease.start(timeout)
         except (TimeoutError, ConnectionError) as error:
             self.close()
-            raise DaemonUnavailableError(f"could not open the session: {error}", group=self.group, rank=self.rank) from None
+            raise DaemonUnavailableError(
+                f"could not open the session: {error}", group=self.group, rank=self.rank
+            ) from None
 
     def _set_table(self, table: DispatchTable) -> None:
         if table.epoch >= self._table.epoch:
@@ -94,7 +96,9 @@ class Communicator:
 
     # -- collectives -----------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, path: str | None = None
+    ) -> torch.Tensor:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
 
         tensor: contiguous CPU tensor of float32, float16 or bfloat16, the same shape on every rank.
@@ -108,7 +112,9 @@ class Communicator:
         elif out.shape != tensor.shape or out.dtype != tensor.dtype or not out.is_contiguous() or not out.is_cpu:
             raise InvalidArgumentError(
                 f"out must be a contiguous CPU tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
-                f"got shape {tuple(out.shape)} dtype {out.dtype}", group=self.group, rank=self.rank,
+                f"got shape {tuple(out.shape)} dtype {out.dtype}",
+                group=self.group,
+                rank=self.rank,
             )
         nbytes = tensor.numel() * tensor.element_size()
         chosen = self._table.path_for(nbytes) if path is None else self._forced_path(path)
@@ -117,8 +123,12 @@ class Communicator:
         started = time.perf_counter() if sampled else 0.0
         try:
             self._native.all_reduce(
-                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype],
-                _PATH_CODES[chosen], self._operation_timeout,
+                tensor.data_ptr(),
+                out.data_ptr(),
+                tensor.numel(),
+                DTYPE_CODES[tensor.dtype],
+                _PATH_CODES[chosen],
+                self._operation_timeout,
             )
         except NodecommError as error:
             raise self._located(error) from None
@@ -137,11 +147,13 @@ class Communicator:
         elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
             raise InvalidArgumentError(
                 f"out must be contiguous with shape {shape} and dtype {tensor.dtype}, got {tuple(out.shape)} {out.dtype}",
-                group=self.group, rank=self.rank,
+                group=self.group,
+                rank=self.rank,
             )
         try:
-            self._native.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(),
-                                    self._operation_timeout)
+            self._native.all_gather(
+                tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), self._operation_timeout
+            )
         except NodecommError as error:
             raise self._located(error) from None
         return out
@@ -166,7 +178,8 @@ class Communicator:
         if self._lease.lost_reason is not None:
             raise DaemonUnavailableError(
                 f"{self._lease.lost_reason}; close this communicator and connect again",
-                group=self.group, rank=self.rank,
+                group=self.group,
+                rank=self.rank,
             )
         reason, detail = _native.abort_state(self._control.address)
         if reason:
@@ -180,8 +193,12 @@ class Communicator:
         if reason == _native.ABORT_PEER_LEFT:
             return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
         if reason == _native.ABORT_STALLED:
-            return PeerLostError(f"group aborted: rank {detail} timed out waiting for a peer", group=self.group, rank=self.rank)
-        return DaemonUnavailableError("group aborted: the daemon is gone or shutting down", group=self.group, rank=self.rank)
+            return PeerLostError(
+                f"group aborted: rank {detail} timed out waiting for a peer", group=self.group, rank=self.rank
+            )
+        return DaemonUnavailableError(
+            "group aborted: the daemon is gone or shutting down", group=self.group, rank=self.rank
+        )
 
     def _located(self, error: NodecommError) -> NodecommError:
         located = type(error)(error.detail, group=self.group, rank=self.rank)
@@ -191,13 +208,19 @@ class Communicator:
         if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype in self._dtypes and tensor.is_contiguous():
             return  # the common case, checked cheaply
         if not isinstance(tensor, torch.Tensor):
-            raise InvalidArgumentError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank)
+            raise InvalidArgumentError(
+                f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank
+            )
         if not tensor.is_cpu:
-            raise InvalidArgumentError(f"{name} is on {tensor.device}; this is a CPU group", group=self.group, rank=self.rank)
+            raise InvalidArgumentError(
+                f"{name} is on {tensor.device}; this is a CPU group", group=self.group, rank=self.rank
+            )
         if tensor.dtype not in self._dtypes:
             allowed = sorted(str(d).removeprefix("torch.") for d in self._dtypes)
             raise InvalidArgumentError(
-                f"{name} has dtype {tensor.dtype}; this group was formed for {allowed}", group=self.group, rank=self.rank
+                f"{name} has dtype {tensor.dtype}; this group was formed for {allowed}",
+                group=self.group,
+                rank=self.rank,
             )
         if not tensor.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous", group=self.group, rank=self.rank)
@@ -210,7 +233,8 @@ class Communicator:
         if path not in _CPU_PATHS:
             raise InvalidArgumentError(
                 f"path {name!r} is not available to a CPU group; expected 'oneshot' or 'twoshot'",
-                group=self.group, rank=self.rank,
+                group=self.group,
+                rank=self.rank,
             )
         return path
 
@@ -225,7 +249,9 @@ class Communicator:
             try:
                 self._stub.Leave(pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank), timeout=5.0)
             except grpc.RpcError as error:
-                log.info("leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))})
+                log.info(
+                    "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
+                )
         self._lease.close()
         self._native = None
         for mapping in (self._control, *self._buffers):
@@ -242,7 +268,9 @@ class Communicator:
         if getattr(self, "_closed", True) is False:
             warnings.warn(
                 f"nodecomm Communicator for group {self.group!r} rank {self.rank} was not closed; "
-                "call close() or use it as a context manager", ResourceWarning, stacklevel=1,
+                "call close() or use it as a context manager",
+                ResourceWarning,
+                stacklevel=1,
             )
 
     def __repr__(self) -> str:

@@ -60,9 +60,13 @@ def connect(
     channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
     request = pb.JoinRequest(
-        group=group, rank=rank, world_size=world_size, device=device_name,
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        device=device_name,
         geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes),
-        pid=os.getpid(), join_timeout_seconds=timeout,
+        pid=os.getpid(),
+        join_timeout_seconds=timeout,
     )
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)
@@ -82,16 +86,24 @@ def connect(
         try:
             if len(fds) != len(sizes):
                 raise DaemonUnavailableError(f"expected {len(sizes)} descriptors, received {len(fds)}", **where)
-            for fd, size in zip(fds, sizes):
+            for fd, size in zip(fds, sizes, strict=True):
                 if host_memory.segment_size(fd) < size:
-                    raise DaemonUnavailableError(f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where)
+                    raise DaemonUnavailableError(
+                        f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where
+                    )
                 mappings.append(Mapping(host_memory.map_segment(fd, size), size))
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
         communicator = Communicator(
-            group=group, rank=rank, world_size=world_size, group_id=reply.group_id, channel=channel,
-            control=mappings[0], buffers=mappings[1:], capacity_bytes=capacity_bytes,
+            group=group,
+            rank=rank,
+            world_size=world_size,
+            group_id=reply.group_id,
+            channel=channel,
+            control=mappings[0],
+            buffers=mappings[1:],
+            capacity_bytes=capacity_bytes,
             dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
             table=DispatchTable.from_proto(reply.thresholds),
             timing_sample_period=reply.timing_sample_period,

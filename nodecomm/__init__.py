@@ -1,8 +1,8 @@
 """nodecomm: a per-node communication sidecar for multi-GPU inference engines.
 
-    import nodecomm
-    with nodecomm.connect(group="tp0", rank=r, world_size=n) as comm:
-        y = comm.all_reduce(x)
+import nodecomm
+with nodecomm.connect(group="tp0", rank=r, world_size=n) as comm:
+    y = comm.all_reduce(x)
 """
 
 from nodecomm.byte_size import parse_byte_size

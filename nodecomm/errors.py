@@ -92,9 +92,7 @@ def status_code_for(error: NodecommError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def from_rpc_error(
-    error: grpc.RpcError, *, group: str | None = None, rank: int | None = None
-) -> NodecommError:
+def from_rpc_error(error: grpc.RpcError, *, group: str | None = None, rank: int | None = None) -> NodecommError:
     """The nodecomm error for a failed RPC, keeping the daemon's message."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)

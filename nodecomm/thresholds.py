@@ -65,7 +65,7 @@ class DispatchTable:
     """Ordered size ranges -> path. `range_max[i]` is inclusive; the last range is unbounded."""
 
     epoch: int
-    range_max: tuple[int, ...]   # inclusive upper ends of all ranges but the last
+    range_max: tuple[int, ...]  # inclusive upper ends of all ranges but the last
     range_paths: tuple[Path, ...]  # one more than range_max
     boundaries: tuple[Boundary, ...] = field(default=())
 
@@ -85,14 +85,14 @@ class DispatchTable:
         """(from, to, path) rows for display, sizes spelled as byte sizes."""
         rows = []
         low = 0
-        for high, path in zip((*self.range_max, None), self.range_paths):
+        for high, path in zip((*self.range_max, None), self.range_paths, strict=True):
             rows.append((format_byte_size(low), "inf" if high is None else format_byte_size(high), path))
             low = (high or 0) + 1
         return rows
 
     def to_proto(self) -> pb.ThresholdTable:
         table = pb.ThresholdTable(epoch=self.epoch)
-        for high, path in zip(self.range_max, self.range_paths):
+        for high, path in zip(self.range_max, self.range_paths[:-1], strict=True):
             table.ranges.add(max_bytes=high, path=path.to_proto())
         table.ranges.add(unbounded=True, path=self.range_paths[-1].to_proto())
         for b in self.boundaries:

@@ -17,9 +17,8 @@ PROTO_ROOT = Path(__file__).resolve().parent
 
 
 def generate(out_dir: Path) -> list[Path]:
-    from grpc_tools import protoc  # imported here: only this script needs grpcio-tools
-
     import grpc_tools
+    from grpc_tools import protoc  # imported here: only this script needs grpcio-tools
 
     protos = sorted(PROTO_ROOT.glob("nodecomm/v1/*.proto"))
     include = Path(grpc_tools.__file__).parent / "_proto"

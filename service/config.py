@@ -12,9 +12,10 @@ import argparse
 import dataclasses
 import ipaddress
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import tomllib
 
 from nodecomm.byte_size import parse_byte_size
 from nodecomm.socket_path import default_socket_path
@@ -66,8 +67,13 @@ class DaemonConfig:
                 )
         if self.metrics_address != "off":
             _split_address("metrics_address", self.metrics_address)
-        for name in ("join_timeout_seconds", "operation_timeout_seconds", "session_grace_seconds",
-                     "claim_token_ttl_seconds", "drain_grace_seconds"):
+        for name in (
+            "join_timeout_seconds",
+            "operation_timeout_seconds",
+            "session_grace_seconds",
+            "claim_token_ttl_seconds",
+            "drain_grace_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:
@@ -158,9 +164,9 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         with open(config_file, "rb") as handle:
             _apply(values, overrides, tomllib.load(handle), f"config file {config_file}")
     env = {
-        key[len(ENV_PREFIX):].lower(): value
+        key[len(ENV_PREFIX) :].lower(): value
         for key, value in environ.items()
-        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX):].lower() in (*_FIELDS, *BOUNDARY_NAMES)
+        if key.startswith(ENV_PREFIX) and key[len(ENV_PREFIX) :].lower() in (*_FIELDS, *BOUNDARY_NAMES)
     }
     _apply(values, overrides, env, "environment")
     _apply(values, overrides, flags, "command line")

@@ -88,7 +88,9 @@ def validate_join(args: JoinArgs, config: DaemonConfig) -> None:
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise InvalidArgumentError(f"world_size {args.world_size}: expected 1..{MAX_WORLD_SIZE}", **where)
     if not 0 <= args.rank < args.world_size:
-        raise InvalidArgumentError(f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where)
+        raise InvalidArgumentError(
+            f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where
+        )
     if args.device != "cpu":
         raise InvalidArgumentError(
             f"device {args.device!r}: this daemon serves CPU groups only; expected 'cpu'", **where
@@ -98,7 +100,8 @@ def validate_join(args: JoinArgs, config: DaemonConfig) -> None:
     if args.capacity_bytes > config.max_capacity_bytes:
         raise ResourceExhaustedError(
             f"geometry.capacity_bytes {args.capacity_bytes} exceeds this daemon's max_capacity_bytes "
-            f"{config.max_capacity_bytes}", **where,
+            f"{config.max_capacity_bytes}",
+            **where,
         )
     if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
         raise InvalidArgumentError(
@@ -206,14 +209,17 @@ class GroupRegistry:
 
     async def _join(self, args: JoinArgs, timeout: float) -> pb.JoinReply:
         if self._draining:
-            raise DaemonUnavailableError("the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank)
+            raise DaemonUnavailableError(
+                "the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank
+            )
         validate_join(args, self.config)
         active = self._active.get(args.group)
         if active is not None:
             raise AlreadyExistsError(
                 f"a group with this name is already formed (id {active.group_id}, world_size "
                 f"{active.args.world_size}); every rank must leave, or be lost, before it can form again",
-                group=args.group, rank=args.rank,
+                group=args.group,
+                rank=args.rank,
             )
         forming = self._forming.get(args.group)
         if forming is not None and forming.failure is not None:
@@ -229,7 +235,8 @@ class GroupRegistry:
             other = forming.arrivals[args.rank].args
             raise AlreadyExistsError(
                 f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once",
-                group=args.group, rank=args.rank,
+                group=args.group,
+                rank=args.rank,
             )
         mismatch = self._disagreement(forming, args)
         if mismatch is not None:
@@ -249,7 +256,8 @@ class GroupRegistry:
             self._withdraw(forming, args.rank)
             raise DeadlineExceededError(
                 f"ranks {missing} did not join within {timeout:.1f} s (joined: {joined}); nothing was allocated",
-                group=args.group, rank=args.rank,
+                group=args.group,
+                rank=args.rank,
             ) from None
         except asyncio.CancelledError:
             self._withdraw(forming, args.rank)
@@ -325,8 +333,13 @@ class GroupRegistry:
         asyncio.get_running_loop().call_later(self.config.session_grace_seconds, self._check_sessions, group_id)
         log.info(
             "group formed",
-            extra={"group": group.name, "group_id": group_id, "world_size": first.world_size,
-                   "capacity_bytes": first.capacity_bytes, "reserved_bytes": memory.reserved_bytes},
+            extra={
+                "group": group.name,
+                "group_id": group_id,
+                "world_size": first.world_size,
+                "capacity_bytes": first.capacity_bytes,
+                "reserved_bytes": memory.reserved_bytes,
+            },
         )
 
     # -- sessions ------------------------------------------------------------------------------
@@ -339,7 +352,9 @@ class GroupRegistry:
         if member.session_seen:
             raise AlreadyExistsError("this rank already opened its session", group=group.name, rank=rank)
         if member.gone or group.state != "active":
-            raise NotFoundError(f"the group is {group.state} and this rank is no longer a member", group=group.name, rank=rank)
+            raise NotFoundError(
+                f"the group is {group.state} and this rank is no longer a member", group=group.name, rank=rank
+            )
         member.session = asyncio.Queue()
         member.session_seen = True
         member.session.put_nowait(pb.SessionDown(event=pb.GroupEvent(kind=pb.READY, rank=rank)))
@@ -375,7 +390,9 @@ class GroupRegistry:
             if not member.session_seen and not member.gone:
                 member.lost = True
                 self._abort(
-                    group, _native.ABORT_PEER_LOST, member.rank,
+                    group,
+                    _native.ABORT_PEER_LOST,
+                    member.rank,
                     f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s of joining",
                 )
         self._release_if_empty(group)
@@ -403,13 +420,16 @@ class GroupRegistry:
             if self._active.get(group.name) is group:
                 del self._active[group.name]
             reason_name = {
-                _native.ABORT_PEER_LOST: "peer_lost", _native.ABORT_PEER_LEFT: "peer_left",
+                _native.ABORT_PEER_LOST: "peer_lost",
+                _native.ABORT_PEER_LEFT: "peer_left",
                 _native.ABORT_SHUTDOWN: "shutdown",
             }.get(reason, "other")
             self.metrics.aborts.labels(reason_name).inc()
             kind = pb.DRAINING if reason == _native.ABORT_SHUTDOWN else pb.PEER_LOST
             group.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
-            (log.info if quiet else log.warning)("group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message})
+            (log.info if quiet else log.warning)(
+                "group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message}
+            )
 
     def _release_if_empty(self, group: Group) -> None:
         if group.group_id not in self._groups:
@@ -429,18 +449,29 @@ class GroupRegistry:
         for forming in self._forming.values():
             if forming.arrivals:
                 any_args = next(iter(forming.arrivals.values())).args
-                infos.append(pb.GroupInfo(
-                    name=forming.name, world_size=any_args.world_size, joined_ranks=sorted(forming.arrivals),
-                    state="joining", device_kind=any_args.device_kind,
-                ))
+                infos.append(
+                    pb.GroupInfo(
+                        name=forming.name,
+                        world_size=any_args.world_size,
+                        joined_ranks=sorted(forming.arrivals),
+                        state="joining",
+                        device_kind=any_args.device_kind,
+                    )
+                )
         for group in self._groups.values():
-            infos.append(pb.GroupInfo(
-                name=group.name, group_id=group.group_id, world_size=group.args.world_size,
-                joined_ranks=sorted(group.members),
-                live_ranks=sorted(r for r, m in group.members.items() if m.session is not None and not m.gone),
-                state=group.state, device_kind=group.args.device_kind, reserved_bytes=group.memory.reserved_bytes,
-                geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
-            ))
+            infos.append(
+                pb.GroupInfo(
+                    name=group.name,
+                    group_id=group.group_id,
+                    world_size=group.args.world_size,
+                    joined_ranks=sorted(group.members),
+                    live_ranks=sorted(r for r, m in group.members.items() if m.session is not None and not m.gone),
+                    state=group.state,
+                    device_kind=group.args.device_kind,
+                    reserved_bytes=group.memory.reserved_bytes,
+                    geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
+                )
+            )
         return infos
 
     def drain(self) -> None:

@@ -134,7 +134,8 @@ class DescriptorServer:
         pid, uid, _ = peer_credentials(conn)
         if pid != claim.pid:
             return self._refuse(
-                conn, "wrong_peer",
+                conn,
+                "wrong_peer",
                 f"claim for group {claim.group!r} rank {claim.rank} was issued to pid {claim.pid}, "
                 f"but pid {pid} (uid {uid}) presented it",
             )

@@ -26,25 +26,37 @@ class DaemonMetrics:
         self.ranks = Gauge("nodecomm_ranks", "Ranks holding a live session.", registry=r)
         self.joins = Counter("nodecomm_joins_total", "Join requests by outcome.", ["result"], registry=r)
         self.aborts = Counter("nodecomm_group_aborts_total", "Groups aborted, by reason.", ["reason"], registry=r)
-        self.reserved = Gauge("nodecomm_reserved_bytes", "Bytes of buffers reserved, by memory kind.", ["kind"], registry=r)
-        self.claims = Counter("nodecomm_descriptor_claims_total", "Descriptor claims by outcome.", ["result"], registry=r)
+        self.reserved = Gauge(
+            "nodecomm_reserved_bytes", "Bytes of buffers reserved, by memory kind.", ["kind"], registry=r
+        )
+        self.claims = Counter(
+            "nodecomm_descriptor_claims_total", "Descriptor claims by outcome.", ["result"], registry=r
+        )
         self.threshold = Gauge(
-            "nodecomm_threshold_bytes", "Boundary in force for new groups (absent when off).",
-            ["boundary", "source"], registry=r,
+            "nodecomm_threshold_bytes",
+            "Boundary in force for new groups (absent when off).",
+            ["boundary", "source"],
+            registry=r,
         )
         self.sampled_ops = Counter(
             "nodecomm_sampled_operations_total", "Operations timed by ranks and reported.", ["op", "path"], registry=r
         )
         self.op_seconds = Histogram(
-            "nodecomm_operation_seconds", "Sampled operation latency as seen by a rank.",
-            ["op", "path", "size_bucket"], registry=r,
+            "nodecomm_operation_seconds",
+            "Sampled operation latency as seen by a rank.",
+            ["op", "path", "size_bucket"],
+            registry=r,
             buckets=(2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0),
         )
         self.rpc_seconds = Histogram(
-            "nodecomm_rpc_seconds", "Control-plane RPC handling time (Join includes waiting for peers).",
-            ["method"], registry=r,
+            "nodecomm_rpc_seconds",
+            "Control-plane RPC handling time (Join includes waiting for peers).",
+            ["method"],
+            registry=r,
         )
-        self.rpc_errors = Counter("nodecomm_rpc_errors_total", "RPCs answered with an error.", ["method", "code"], registry=r)
+        self.rpc_errors = Counter(
+            "nodecomm_rpc_errors_total", "RPCs answered with an error.", ["method", "code"], registry=r
+        )
         for state in ("joining", "active", "aborted"):
             self.groups.labels(state)
         self.reserved.labels("host")

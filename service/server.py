@@ -67,7 +67,9 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "hello":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank"
+            )
         group_id, rank = first.hello.group_id, first.hello.rank
         try:
             queue = self.registry.open_session(group_id, rank)
@@ -120,18 +122,23 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int
     _prepare_socket_path(config.socket)
     _prepare_socket_path(config.descriptor_socket)
     descriptors = DescriptorServer(
-        config.descriptor_socket, claims,
-        on_claim=lambda result, detail: (metrics.claims.labels(result).inc(),
-                                         log.info("descriptor claim", extra={"result": result, "detail": detail})),
+        config.descriptor_socket,
+        claims,
+        on_claim=lambda result, detail: (
+            metrics.claims.labels(result).inc(),
+            log.info("descriptor claim", extra={"result": result, "detail": detail}),
+        ),
     )
 
-    server = grpc.aio.server(options=[
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 5_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-        ("grpc.max_receive_message_length", 4 << 20),
-    ])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.max_receive_message_length", 4 << 20),
+        ]
+    )
     pb_grpc.add_ControlServicer_to_server(ControlServicer(registry, metrics, config), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -167,11 +174,14 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int
     sweeper = asyncio.ensure_future(sweep_tokens())
     log.info(
         "nodecommd serving",
-        extra={"socket": config.socket, "descriptor_socket": config.descriptor_socket,
-               "tcp_address": config.tcp_address or None,
-               "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
-               "pid": os.getpid(),
-               "thresholds": [b.describe() for b in registry.default_boundaries().values()]},
+        extra={
+            "socket": config.socket,
+            "descriptor_socket": config.descriptor_socket,
+            "tcp_address": config.tcp_address or None,
+            "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
+            "pid": os.getpid(),
+            "thresholds": [b.describe() for b in registry.default_boundaries().values()],
+        },
     )
     if ready is not None:
         ready.set()

@@ -51,8 +51,16 @@ class Daemon:
         self.starts += 1
         self.metrics_port = free_port()
         args = [
-            sys.executable, "-m", "nodecomm.service.server", "--socket", self.socket,
-            "--metrics-address", f"127.0.0.1:{self.metrics_port}", "--log-level", "DEBUG", *self.extra_args,
+            sys.executable,
+            "-m",
+            "nodecomm.service.server",
+            "--socket",
+            self.socket,
+            "--metrics-address",
+            f"127.0.0.1:{self.metrics_port}",
+            "--log-level",
+            "DEBUG",
+            *self.extra_args,
         ]
         env = {**os.environ, **self.env}
         self._log = open(self.log_path, "w")
@@ -187,7 +195,9 @@ def spawn_ranks():
     def spawn(target: Callable, ranks: int | list[int], *args, timeout: float = 120.0) -> Ranks:
         results = context.Queue()
         numbers = list(range(ranks)) if isinstance(ranks, int) else ranks
-        processes = {r: context.Process(target=_rank_entry, args=(target, r, args, results), daemon=True) for r in numbers}
+        processes = {
+            r: context.Process(target=_rank_entry, args=(target, r, args, results), daemon=True) for r in numbers
+        }
         for process in processes.values():
             process.start()
         group = Ranks(processes, results, time.monotonic() + timeout)

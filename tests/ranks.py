@@ -44,7 +44,9 @@ def all_reduce_cases(rank: int, world_size: int, socket: str, cases: list[tuple[
                 results[path] = y
                 if not torch.equal(y.view(BITS[dtype]), expected):
                     wrong = int((y.view(BITS[dtype]) != expected).sum())
-                    problems.append(f"{dtype_name} count={count} path={path}: {wrong} elements differ from the reference")
+                    problems.append(
+                        f"{dtype_name} count={count} path={path}: {wrong} elements differ from the reference"
+                    )
             if not torch.equal(x, rank_input(rank, count, dtype, seed=index)):
                 problems.append(f"{dtype_name} count={count}: the input was modified")
             inplace = x.clone()

@@ -12,7 +12,9 @@ import ranks
 def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())", *args],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 
@@ -34,7 +36,7 @@ def test_status_and_thresholds_show_a_live_group(daemon, spawn_ranks):
     assert json.loads(table.stdout)["boundaries"][0]["name"] == "oneshot_max_bytes"
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
     assert 'nodecomm_groups{state="active"} 1.0' in metrics
-    assert 'nodecomm_ranks 2.0' in metrics
+    assert "nodecomm_ranks 2.0" in metrics
     group.kill(0)
     group.results()
 
@@ -43,8 +45,8 @@ def test_sampled_timings_reach_the_daemon(make_daemon, spawn_ranks):
     daemon = make_daemon("--timing-sample-period", "1")
     spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "timed", {}).values()
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    sampled = [l for l in metrics.splitlines() if l.startswith("nodecomm_sampled_operations_total{")]
-    assert any('path="oneshot"' in l and float(l.split()[-1]) >= 2 for l in sampled), sampled
+    sampled = [line for line in metrics.splitlines() if line.startswith("nodecomm_sampled_operations_total{")]
+    assert any('path="oneshot"' in line and float(line.split()[-1]) >= 2 for line in sampled), sampled
     assert "nodecomm_operation_seconds_bucket" in metrics
 
 
@@ -58,7 +60,9 @@ def test_threshold_override_reaches_ranks(make_daemon, spawn_ranks):
 
 def test_bench_smoke_prints_the_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
-    result = nodecomm_cli("bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out))
+    result = nodecomm_cli(
+        "bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out)
+    )
     assert result.returncode == 0, result.stderr
     assert "busbw(GB/s)" in result.stdout and "gloo" in result.stdout
     rows = json.loads(out.read_text())["rows"]

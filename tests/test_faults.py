@@ -53,7 +53,7 @@ def test_daemon_restart_does_not_corrupt_a_running_rank(daemon, spawn_ranks):
     time.sleep(0.5)
     for queue in commands:
         queue.put("daemon restarted")
-    for rank, outcome in group.values().items():
+    for outcome in group.values().values():
         assert outcome["before"] == [3.0] * 8
         assert outcome["after_restart"] == "DaemonUnavailableError", outcome
         assert outcome["reconnected"] == [3.0] * 8
@@ -69,7 +69,7 @@ def test_sigterm_drains_and_exits_zero(daemon, spawn_ranks):
     for _ in range(2):
         assert report.get(timeout=60)[0] == "running"
     assert daemon.stop(signal.SIGTERM) == 0
-    for rank, (name, message, _) in group.values().items():
+    for name, message, _ in group.values().values():
         assert name == "DaemonUnavailableError", message
     log = daemon.log()
     assert "draining" in log and "stopped" in log

@@ -1,7 +1,6 @@
 """Join: agreement before allocation, and bad requests answered with a clear status."""
 
 import socket
-import threading
 import time
 
 import grpc
@@ -22,8 +21,12 @@ def join_request(group="g", rank=0, world_size=2, capacity=1 << 20, dtypes=(pb.F
     import os
 
     return pb.JoinRequest(
-        group=group, rank=rank, world_size=world_size, device="cpu",
-        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes), pid=pid or os.getpid(),
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        device="cpu",
+        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes),
+        pid=pid or os.getpid(),
         join_timeout_seconds=timeout,
     )
 
@@ -32,7 +35,7 @@ def reserved_bytes(daemon) -> float:
     import urllib.request
 
     text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    line = next(l for l in text.splitlines() if l.startswith('nodecomm_reserved_bytes{kind="host"}'))
+    line = next(row for row in text.splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}'))
     return float(line.split()[-1])
 
 
@@ -157,7 +160,10 @@ def test_unknown_claim_token_and_garbage_on_both_sockets(daemon, spawn_ranks):
                 except (TimeoutError, OSError):
                     pass
     assert daemon.healthy()
-    assert spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "after-garbage", {}).values() == {0: "ok [2.0, 2.0, 2.0, 2.0]", 1: "ok [2.0, 2.0, 2.0, 2.0]"}
+    assert spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "after-garbage", {}).values() == {
+        0: "ok [2.0, 2.0, 2.0, 2.0]",
+        1: "ok [2.0, 2.0, 2.0, 2.0]",
+    }
 
 
 def test_claim_from_another_process_is_refused(daemon):
