@@ -163,6 +163,9 @@ class PrivateDaemon:
         channel = grpc.insecure_channel(grpc_target(self.socket))
         try:
             grpc.channel_ready_future(channel).result(timeout=30)
+        except grpc.FutureTimeoutError:
+            self.process.kill()
+            raise RuntimeError(f"the private daemon did not start serving on {self.socket} within 30 s") from None
         finally:
             channel.close()
 

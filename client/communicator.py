@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ _PATH_CODES = {path: path.to_proto() for path in Path}
 
 
 @dataclass
-class Mapping:
+class SegmentMapping:
     address: int
     size_bytes: int
 
@@ -56,8 +57,8 @@ class Communicator:
         world_size: int,
         group_id: int,
         channel: grpc.Channel,
-        control: Mapping,
-        buffers: list[Mapping],
+        control: SegmentMapping,
+        buffers: list[SegmentMapping],
         capacity_bytes: int,
         dtypes: frozenset[torch.dtype],
         table: DispatchTable,
@@ -79,20 +80,22 @@ class Communicator:
         self._ops = 0
         self._closed = False
         self._native = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, capacity_bytes)
-        self._lease = Lease(self._stub, group_id, rank, control.address, self._set_table)
+        self._lease = Lease(self._stub, group_id, rank, control.address)
+        # Held by every collective and by close(): a collective runs with the GIL released, and
+        # the buffers must not be unmapped under it.
+        self._lock = threading.Lock()
 
     def _start(self, timeout: float) -> None:
         try:
             self._lease.start(timeout)
+        except NodecommError as refusal:
+            self.close()
+            raise self._located(refusal) from None
         except (TimeoutError, ConnectionError) as error:
             self.close()
             raise DaemonUnavailableError(
                 f"could not open the session: {error}", group=self.group, rank=self.rank
             ) from None
-
-    def _set_table(self, table: DispatchTable) -> None:
-        if table.epoch >= self._table.epoch:
-            self._table = table
 
     # -- collectives -----------------------------------------------------------------------------
 
@@ -105,7 +108,6 @@ class Communicator:
         path: force "oneshot" or "twoshot"; by default the daemon's table picks by size. Every path
         gives the same bits: fp32 accumulation in rank order 0..n-1, one rounding.
         """
-        self._check_usable()
         self._check_tensor(tensor, "tensor")
         if out is None:
             out = torch.empty_like(tensor)
@@ -121,50 +123,48 @@ class Communicator:
         sampled = self._ops % self._sample_period == 0
         self._ops += 1
         started = time.perf_counter() if sampled else 0.0
-        try:
-            self._native.all_reduce(
-                tensor.data_ptr(),
-                out.data_ptr(),
-                tensor.numel(),
-                DTYPE_CODES[tensor.dtype],
-                _PATH_CODES[chosen],
-                self._operation_timeout,
-            )
-        except NodecommError as error:
-            raise self._located(error) from None
+        self._run(
+            "all_reduce",
+            tensor.data_ptr(),
+            out.data_ptr(),
+            tensor.numel(),
+            DTYPE_CODES[tensor.dtype],
+            _PATH_CODES[chosen],
+            self._operation_timeout,
+        )
         if sampled:
             self._lease.report(chosen, nbytes, time.perf_counter() - started)
         return out
 
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Gather every rank's `tensor`; returns `out` of shape [world_size, *tensor.shape]."""
-        self._check_usable()
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape]."""
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or not tensor.is_contiguous():
             raise InvalidArgumentError("tensor must be a contiguous CPU tensor", group=self.group, rank=self.rank)
         shape = (self.world_size, *tensor.shape)
         if out is None:
             out = torch.empty(shape, dtype=tensor.dtype)
-        elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous():
+        elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous() or not out.is_cpu:
             raise InvalidArgumentError(
                 f"out must be contiguous with shape {shape} and dtype {tensor.dtype}, got {tuple(out.shape)} {out.dtype}",
                 group=self.group,
                 rank=self.rank,
             )
-        try:
-            self._native.all_gather(
-                tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), self._operation_timeout
-            )
-        except NodecommError as error:
-            raise self._located(error) from None
+        nbytes = tensor.numel() * tensor.element_size()
+        self._run("all_gather", tensor.data_ptr(), out.data_ptr(), nbytes, self._operation_timeout)
         return out
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
-        self._check_usable()
-        try:
-            self._native.barrier(self._operation_timeout)
-        except NodecommError as error:
-            raise self._located(error) from None
+        self._run("barrier", self._operation_timeout)
+
+    def _run(self, operation: str, *args) -> None:
+        """Call the native operation under the lock that close() takes, errors located here."""
+        with self._lock:
+            self._check_usable()
+            try:
+                getattr(self._native, operation)(*args)
+            except NodecommError as error:
+                raise self._located(error) from None
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
@@ -242,10 +242,11 @@ class Communicator:
 
     def close(self) -> None:
         """Leave the group, end the lease and unmap the buffers. Calling it again does nothing."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._lease.lost_reason is None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._lease.lost_reason is None and self._lease.refusal is None:
             try:
                 self._stub.Leave(pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank), timeout=5.0)
             except grpc.RpcError as error:

@@ -15,11 +15,20 @@ from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .communicator import DTYPE_CODES, DTYPE_NAMES, Communicator, Mapping
+from .communicator import DTYPE_CODES, DTYPE_NAMES, Communicator, SegmentMapping
 from .descriptors import claim_descriptors
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _descriptor_socket_path(socket: str, announced: str) -> str:
+    """The daemon names its descriptor socket by its own path; a container that mounts the socket
+    directory elsewhere finds it beside the control socket it dialled."""
+    if os.path.exists(announced) or socket.startswith(("ipv4:", "ipv6:", "dns:", "unix-abstract:")):
+        return announced
+    directory = os.path.dirname(socket.removeprefix("unix:"))
+    return os.path.join(directory, os.path.basename(announced))
 
 
 def connect(
@@ -74,15 +83,16 @@ def connect(
         channel.close()
         raise from_rpc_error(error, **where) from None
 
-    mappings: list[Mapping] = []
+    mappings: list[SegmentMapping] = []
     try:
         sizes = [reply.control.size_bytes, *(b.size_bytes for b in reply.buffers)]
+        descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
         try:
-            fds = claim_descriptors(reply.descriptor_socket, reply.claim_token, len(sizes), timeout)
+            fds = claim_descriptors(descriptor_socket, reply.claim_token, len(sizes), timeout)
         except PermissionError as error:
             raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
         except OSError as error:
-            raise DaemonUnavailableError(f"descriptor socket {reply.descriptor_socket}: {error}", **where) from None
+            raise DaemonUnavailableError(f"descriptor socket {descriptor_socket}: {error}", **where) from None
         try:
             if len(fds) != len(sizes):
                 raise DaemonUnavailableError(f"expected {len(sizes)} descriptors, received {len(fds)}", **where)
@@ -91,7 +101,7 @@ def connect(
                     raise DaemonUnavailableError(
                         f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where
                     )
-                mappings.append(Mapping(host_memory.map_segment(fd, size), size))
+                mappings.append(SegmentMapping(host_memory.map_segment(fd, size), size))
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory

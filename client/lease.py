@@ -1,9 +1,9 @@
 """The rank's Session stream: its lease with the daemon, run on a background thread.
 
-Down the stream come threshold tables and group events; up go batches of sampled timings. If the
-stream breaks while the communicator is open, the daemon is gone: the lease sets the group's abort
-word (so peers spinning in a barrier stop too) and the communicator's next call raises
-DaemonUnavailableError.
+Down the stream come group events; up go batches of sampled timings. If the stream breaks after
+the daemon accepted it while the communicator is open, the daemon is gone: the lease sets the
+group's abort word (so peers spinning in a barrier stop too) and the communicator's next call
+raises DaemonUnavailableError. A stream the daemon refuses at the start keeps its status.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
 from nodecomm import _native
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.errors import NodecommError, from_rpc_error
+from nodecomm.thresholds import Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -34,28 +35,30 @@ class Lease:
         group_id: int,
         rank: int,
         control_address: int,
-        on_table: Callable[[DispatchTable], None],
     ):
         self._stub = stub
         self._group_id = group_id
         self._rank = rank
         self._control = control_address
-        self._on_table = on_table
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         self._pending: list[pb.Timing] = []
         self._last_flush = time.monotonic()
         self._ready = threading.Event()
         self._closing = False
         self.lost_reason: str | None = None  # why the daemon is unusable, once it is
+        self.refusal: NodecommError | None = None  # the daemon's answer if it refused the session
         self.event_message: str | None = None  # the last group event's message
         self._call = None
         self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{rank}", daemon=True)
 
     def start(self, timeout: float) -> None:
+        """Open the stream and wait for READY. Raises the daemon's refusal, or TimeoutError."""
         self._outbox.put(pb.SessionUp(hello=pb.SessionHello(group_id=self._group_id, rank=self._rank)))
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError(f"the daemon did not accept the session within {timeout:.1f} s")
+        if self.refusal is not None:
+            raise self.refusal
         if self.lost_reason is not None:
             raise ConnectionError(self.lost_reason)
 
@@ -70,10 +73,11 @@ class Lease:
         try:
             self._call = self._stub.Session(self._requests())
             for message in self._call:
-                kind = message.WhichOneof("kind")
-                if kind == "thresholds":
-                    self._on_table(DispatchTable.from_proto(message.thresholds))
-                elif message.event.kind == pb.READY:
+                if message.WhichOneof("kind") != "event":
+                    # The rank keeps the table it joined with: a table switched mid-session must
+                    # change every rank's path at the same operation, which needs an agreed epoch.
+                    continue
+                if message.event.kind == pb.READY:
                     self._ready.set()
                 else:
                     self.event_message = message.event.message
@@ -82,10 +86,12 @@ class Lease:
             if not self._closing and self.lost_reason is None:
                 self.lost_reason = "the daemon ended this rank's session"
         except grpc.RpcError as error:
-            if not self._closing:
+            if not self._ready.is_set():
+                self.refusal = from_rpc_error(error, rank=self._rank)
+            elif not self._closing:
                 self.lost_reason = f"the daemon connection was lost ({error.code().name}: {error.details()})"
         finally:
-            if not self._closing:
+            if not self._closing and self.refusal is None:
                 _native.abort_group(self._control, _native.ABORT_DAEMON_LOST, self._rank)
                 log.warning("session lost", extra={"rank": self._rank, "reason": self.lost_reason})
             self._ready.set()

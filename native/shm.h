@@ -9,10 +9,10 @@
 // daemon or by a rank that gives up on the group.
 //
 // Ordering: a rank copies its input into its slot, then stores its epoch into every peer's flag
-// line with release semantics; a reader acquires the flag before reading the slot. Operation k
-// uses slot k % 2. A rank reuses a slot two operations later only after passing the barrier of the
-// operation in between, which no peer reaches before it has finished reading that slot, so no
-// extra pre-write barrier is needed.
+// line with release semantics; a reader acquires the flag before reading the slot. Payloads move
+// in chunks and chunk k (counted across operations) uses slot k % 2. A rank reuses a slot two
+// chunks later only after passing a barrier of the chunk in between, which no peer reaches before
+// it has finished reading that slot, so no extra pre-write barrier is needed.
 #pragma once
 
 #include <immintrin.h>
@@ -276,9 +276,9 @@ class ShmGroup {
   // Reduce-scatter then all-gather, per chunk. Rank r owns segment r of each chunk: it reduces
   // it from its own input and the peers' staged copies, writes the result to dst and to its slot,
   // and after a second barrier copies the other segments' results from their owners' slots. Only
-  // the segments that peers read are staged. The next chunk is staged while waiting at the
-  // second barrier: its slot was last read in the previous chunk's gather, which every peer
-  // finished before arriving at this chunk's first barrier.
+  // the segments that peers read are staged. Chunk k+1 is staged while waiting at chunk k's
+  // second barrier: its slot was last read in chunk k-1's gather (or the previous operation's),
+  // which every peer finished before arriving at chunk k's first barrier.
   template <typename T>
   void twoshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
     if (chunks.size() == 0) return;

@@ -38,17 +38,16 @@ class HostGroupMemory:
         if not self.closed:
             _native.abort_group(self.control_address, reason, detail)
 
-    def abort_state(self) -> tuple[int, int]:
-        return _native.abort_state(self.control_address)
-
     def close(self) -> None:
         """Drop the daemon's references; ranks' mappings keep the pages until they unmap."""
         if self.closed:
             return
         self.closed = True
-        host_memory.unmap_segment(self.control_address, self.control_bytes)
-        for fd in self.descriptors():
-            os.close(fd)
+        try:
+            host_memory.unmap_segment(self.control_address, self.control_bytes)
+        finally:
+            for fd in self.descriptors():
+                os.close(fd)
 
 
 def allocate_host_group(name: str, world_size: int, slot_bytes: int) -> HostGroupMemory:

@@ -26,7 +26,6 @@ ENV_PREFIX = "NODECOMM_"
 # Tuned defaults live here. oneshot_max_bytes for CPU groups was read off `nodecomm bench --device
 # cpu --world-size 2` on a 2-core machine: oneshot wins below the crossover, twoshot above it.
 DEFAULT_CPU_ONESHOT_MAX_BYTES = 32 << 10
-DEFAULT_DMA_MIN_BYTES = 6 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +46,8 @@ class DaemonConfig:
     claim_token_ttl_seconds: float = 60.0
     timing_sample_period: int = 64
     max_capacity_bytes: int = 1 << 30
+    # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
+    max_reserved_bytes: int = 16 << 30
     drain_grace_seconds: float = 5.0
     log_level: str = "INFO"
     log_format: str = "json"
@@ -78,8 +79,9 @@ class DaemonConfig:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:
             raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
-        if self.max_capacity_bytes < 64:
-            raise ValueError(f"max_capacity_bytes: expected at least 64, got {self.max_capacity_bytes}")
+        for name in ("max_capacity_bytes", "max_reserved_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 64:
+                raise ValueError(f"{name}: expected a byte size of at least 64, got {getattr(self, name)!r}")
         unknown = set(self.overrides) - set(BOUNDARY_NAMES)
         if unknown:
             raise ValueError(f"unknown threshold overrides {sorted(unknown)}: expected {list(BOUNDARY_NAMES)}")
@@ -117,8 +119,13 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: {error}") from None
     kind = _FIELDS[name].type
     try:
+        if kind == "int" and name.endswith("_bytes"):
+            size = parse_byte_size(str(value))
+            if size is None:
+                raise ValueError("a limit cannot be switched off")
+            return size
         if kind == "int":
-            return parse_byte_size(str(value)) if name.endswith("_bytes") else int(value)
+            return int(value)
         if kind == "float":
             return float(value)
         return str(value)

@@ -32,7 +32,7 @@ from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import HostGroupMemory, allocate_host_group
 from .config import DEFAULT_CPU_ONESHOT_MAX_BYTES, DaemonConfig
-from .handles import ClaimTable, PendingClaim
+from .handles import ClaimTable
 from .metrics import DaemonMetrics, size_bucket
 
 log = logging.getLogger("nodecomm.groups")
@@ -132,7 +132,6 @@ class FormingGroup:
 @dataclass
 class Member:
     rank: int
-    pid: int
     session: asyncio.Queue | None = None
     session_seen: bool = False
     left: bool = False
@@ -152,7 +151,6 @@ class Group:
     table: DispatchTable
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
-    formed_at: float = field(default_factory=time.monotonic)
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
@@ -251,6 +249,8 @@ class GroupRegistry:
         try:
             return await asyncio.wait_for(asyncio.shield(arrival.future), timeout)
         except asyncio.TimeoutError:
+            if arrival.future.done():  # formed (or failed) in the same step the deadline passed
+                return arrival.future.result()
             joined = sorted(forming.arrivals)
             missing = sorted(set(range(args.world_size)) - set(joined))
             self._withdraw(forming, args.rank)
@@ -295,6 +295,7 @@ class GroupRegistry:
     def _form(self, forming: FormingGroup) -> None:
         first = forming.arrivals[0].args
         try:
+            self._check_quota(first)
             memory = allocate_host_group(first.group, first.world_size, first.capacity_bytes)
         except ResourceExhaustedError as error:
             self._fail_forming(forming, error)
@@ -307,14 +308,15 @@ class GroupRegistry:
             args=first,
             memory=memory,
             table=self.new_table(),
-            members={r: Member(r, a.args.pid) for r, a in forming.arrivals.items()},
+            members={r: Member(r) for r in forming.arrivals},
         )
         del self._forming[forming.name]
         self._active[group.name] = group
         self._groups[group_id] = group
-        expires = time.monotonic() + self.config.claim_token_ttl_seconds
         for rank, arrival in sorted(forming.arrivals.items()):
-            token = self.claims.issue(PendingClaim(memory.descriptors(), arrival.args.pid, group.name, rank, expires))
+            token = self.claims.issue(
+                group.name, group_id, rank, arrival.args.pid, memory.descriptors(), self.config.claim_token_ttl_seconds
+            )
             reply = pb.JoinReply(
                 group_id=group_id,
                 claim_token=token,
@@ -341,6 +343,16 @@ class GroupRegistry:
                 "reserved_bytes": memory.reserved_bytes,
             },
         )
+
+    def _check_quota(self, args: JoinArgs) -> None:
+        needed = _native.SHM_CONTROL_BYTES + args.world_size * _native.shm_buffer_bytes(args.capacity_bytes)
+        reserved = sum(g.memory.reserved_bytes for g in self._groups.values())
+        if reserved + needed > self.config.max_reserved_bytes:
+            raise ResourceExhaustedError(
+                f"the group needs {needed} bytes but the daemon already reserves {reserved} of its "
+                f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
+                group=args.group,
+            )
 
     # -- sessions ------------------------------------------------------------------------------
 
@@ -376,7 +388,7 @@ class GroupRegistry:
 
     def record_timings(self, group_id: int, rank: int, timings: list[pb.Timing]) -> None:
         for timing in timings:
-            if timing.seconds < 0 or timing.path not in pb.Path.values():
+            if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values():
                 continue
             path = pb.Path.Name(timing.path).lower()
             self.metrics.sampled_ops.labels("all_reduce", path).inc()
@@ -384,17 +396,14 @@ class GroupRegistry:
 
     def _check_sessions(self, group_id: int) -> None:
         group = self._groups.get(group_id)
-        if group is None or group.state != "active":
+        if group is None:
             return
         for member in group.members.values():
             if not member.session_seen and not member.gone:
                 member.lost = True
-                self._abort(
-                    group,
-                    _native.ABORT_PEER_LOST,
-                    member.rank,
-                    f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s of joining",
-                )
+                reason = f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s"
+                log.warning("rank lost", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
+                self._abort(group, _native.ABORT_PEER_LOST, member.rank, reason)
         self._release_if_empty(group)
 
     # -- leave, abort, release -----------------------------------------------------------------
@@ -439,6 +448,7 @@ class GroupRegistry:
                 del self._active[group.name]
             del self._groups[group.group_id]
             self.metrics.reserved.labels("host").dec(group.memory.reserved_bytes)
+            self.claims.drop_group(group.group_id)
             group.memory.close()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 
@@ -473,6 +483,13 @@ class GroupRegistry:
                 )
             )
         return infos
+
+    def sweep(self) -> None:
+        """Forget failed join attempts whose ranks did not come back within a join timeout."""
+        now = time.monotonic()
+        for name, forming in list(self._forming.items()):
+            if forming.failure is not None and now - forming.failed_at > self.config.join_timeout_seconds:
+                del self._forming[name]
 
     def drain(self) -> None:
         """Refuse new joins, tell every rank, abort every group, end every session."""

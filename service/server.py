@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -58,14 +60,20 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
-        timeout = request.join_timeout_seconds if request.join_timeout_seconds > 0 else self.config.join_timeout_seconds
+        # The configured join timeout is both the default and the most a rank may ask for.
+        timeout = self.config.join_timeout_seconds
+        if math.isfinite(request.join_timeout_seconds) and request.join_timeout_seconds > 0:
+            timeout = min(timeout, request.join_timeout_seconds)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
         return await self.registry.join(JoinArgs.from_request(request), timeout)
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
-        first = await anext(aiter(request_iterator), None)
+        try:
+            first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.config.session_grace_seconds)
+        except asyncio.TimeoutError:
+            first = None
         if first is None or first.WhichOneof("kind") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank"
@@ -108,19 +116,30 @@ class ControlServicer(pb_grpc.ControlServicer):
 
 
 def _prepare_socket_path(path: str) -> None:
+    """Create the socket's directory; remove a stale socket, but never take over a live one."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, mode=0o750, exist_ok=True)
-    if os.path.exists(path):
-        os.unlink(path)  # a stale socket from a previous run
+    if not os.path.exists(path):
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            os.unlink(path)  # nobody listens: left behind by a daemon that died
+            return
+    raise OSError(f"{path}: another process is serving on this socket; stop it or pick another --socket")
 
 
-async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int:
+async def serve(config: DaemonConfig) -> int:
     metrics = DaemonMetrics()
     claims = ClaimTable()
     registry = GroupRegistry(config, metrics, claims, config.descriptor_socket)
 
     _prepare_socket_path(config.socket)
     _prepare_socket_path(config.descriptor_socket)
+    for name in ("twoshot_max_bytes", "dma_min_bytes"):
+        if name in config.overrides:
+            log.warning("override applies to CUDA groups only; CPU groups ignore it", extra={"boundary": name})
     descriptors = DescriptorServer(
         config.descriptor_socket,
         claims,
@@ -170,6 +189,7 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int
             dropped = claims.drop_expired()
             if dropped:
                 metrics.claims.labels("expired").inc(dropped)
+            registry.sweep()
 
     sweeper = asyncio.ensure_future(sweep_tokens())
     log.info(
@@ -183,8 +203,6 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int
             "thresholds": [b.describe() for b in registry.default_boundaries().values()],
         },
     )
-    if ready is not None:
-        ready.set()
     await stop.wait()
 
     log.info("draining")
@@ -205,11 +223,11 @@ async def serve(config: DaemonConfig, ready: asyncio.Event | None = None) -> int
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv)
+        configure_logging(config.log_level, config.log_format)
+        return uvloop.run(serve(config))
     except (ValueError, OSError) as error:
         print(f"nodecommd: {error}", file=sys.stderr)
         return 2
-    configure_logging(config.log_level, config.log_format)
-    return uvloop.run(serve(config))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodecomm.socket_path import grpc_target
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 
 def free_port() -> int:
@@ -68,10 +71,12 @@ class Daemon:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.log_path.read_text()}")
             if self.healthy(timeout=0.5):
                 return self
             time.sleep(0.05)
+        self.stop(signal.SIGKILL)
         raise RuntimeError(f"daemon not serving within {timeout} s:\n{self.log_path.read_text()}")
 
     def healthy(self, timeout: float = 2.0) -> bool:
@@ -85,8 +90,11 @@ class Daemon:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return self.process.returncode if self.process else None
+        if self.process is None:
+            return None
+        if self.process.poll() is not None:
+            self._log.close()
+            return self.process.returncode
         self.process.send_signal(sig)
         try:
             return self.process.wait(timeout)
@@ -209,3 +217,29 @@ def spawn_ranks():
     finally:
         for group in started:
             group.close()
+
+
+# -- raw control-plane helpers -------------------------------------------------------------------
+
+
+def stub_for(daemon):
+    channel = grpc.insecure_channel(grpc_target(daemon.socket))
+    return channel, pb_grpc.ControlStub(channel)
+
+
+def join_request(group="g", rank=0, world_size=2, capacity=1 << 20, dtypes=(pb.FLOAT32,), timeout=5.0, pid=None):
+    return pb.JoinRequest(
+        group=group,
+        rank=rank,
+        world_size=world_size,
+        device="cpu",
+        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes),
+        pid=pid or os.getpid(),
+        join_timeout_seconds=timeout,
+    )
+
+
+def reserved_bytes(daemon) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    line = next(row for row in text.splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}'))
+    return float(line.split()[-1])

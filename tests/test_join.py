@@ -7,36 +7,8 @@ import grpc
 import pytest
 
 import ranks
-from nodecomm.socket_path import grpc_target
+from conftest import join_request, reserved_bytes, stub_for
 from nodecomm.v1 import control_pb2 as pb
-from nodecomm.v1 import control_pb2_grpc as pb_grpc
-
-
-def stub_for(daemon):
-    channel = grpc.insecure_channel(grpc_target(daemon.socket))
-    return channel, pb_grpc.ControlStub(channel)
-
-
-def join_request(group="g", rank=0, world_size=2, capacity=1 << 20, dtypes=(pb.FLOAT32,), timeout=5.0, pid=None):
-    import os
-
-    return pb.JoinRequest(
-        group=group,
-        rank=rank,
-        world_size=world_size,
-        device="cpu",
-        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes),
-        pid=pid or os.getpid(),
-        join_timeout_seconds=timeout,
-    )
-
-
-def reserved_bytes(daemon) -> float:
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    line = next(row for row in text.splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}'))
-    return float(line.split()[-1])
 
 
 @pytest.mark.parametrize(

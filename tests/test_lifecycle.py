@@ -1,0 +1,86 @@
+"""Group memory and claim tokens are released on every path; limits hold; sockets are not stolen."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+import ranks
+from conftest import join_request, reserved_bytes
+from nodecomm.client.descriptors import claim_descriptors
+from nodecomm.socket_path import grpc_target
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_ranks_that_never_open_a_session_are_released_with_their_tokens(make_daemon):
+    daemon = make_daemon("--session-grace-seconds", "1")
+    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel:
+        stub = pb_grpc.ControlStub(channel)
+        first = stub.Join.future(join_request(group="ghost", rank=0), timeout=10)
+        second = stub.Join(join_request(group="ghost", rank=1), timeout=10)
+        first = first.result()
+        assert reserved_bytes(daemon) > 0
+        # Rank 0 claims and maps nothing more; neither rank opens its session. Rank 0 leaves.
+        stub.Leave(pb.LeaveRequest(group="ghost", group_id=first.group_id, rank=0), timeout=5)
+        assert wait_until(lambda: reserved_bytes(daemon) == 0, 10), "the group was never released"
+        assert stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
+    with pytest.raises(PermissionError, match="unknown, already used or expired"):
+        claim_descriptors(second.descriptor_socket, second.claim_token, 8, 5.0)
+    assert "did not open its session" in daemon.log()
+
+
+def test_reserved_memory_quota(make_daemon):
+    daemon = make_daemon("--max-reserved-bytes", "4MiB")
+    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel:
+        stub = pb_grpc.ControlStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Join(join_request(group="big", world_size=1, capacity=4 << 20), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_reserved_bytes 4194304" in raised.value.details()
+        assert stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
+    assert reserved_bytes(daemon) == 0
+
+
+def test_join_timeout_is_capped_by_the_daemon(make_daemon):
+    daemon = make_daemon("--join-timeout-seconds", "1")
+    started = time.monotonic()
+    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel, pytest.raises(grpc.RpcError) as raised:
+        pb_grpc.ControlStub(channel).Join(join_request(group="patient", timeout=float("inf")), timeout=30)
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 10
+
+
+def test_a_live_socket_is_not_taken_over(daemon):
+    second = subprocess.run(
+        [sys.executable, "-m", "nodecomm.service.server", "--socket", daemon.socket, "--metrics-address", "off"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert second.returncode == 2
+    assert "another process is serving on this socket" in second.stderr
+    assert daemon.healthy()
+
+
+def test_a_silent_descriptor_client_delays_nobody(daemon, spawn_ranks):
+    with socket.socket(socket.AF_UNIX) as silent:
+        silent.connect(daemon.socket + ".fd")  # sends nothing
+        started = time.monotonic()
+        results = spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "beside-silent", {}).values()
+        assert set(results.values()) == {"ok [2.0, 2.0, 2.0, 2.0]"}
+        assert time.monotonic() - started < 30
+    assert os.path.exists(daemon.socket + ".fd")
