@@ -15,7 +15,6 @@
 // it has finished reading that slot, so no extra pre-write barrier is needed.
 #pragma once
 
-#include <immintrin.h>
 #include <sched.h>
 #include <time.h>
 
@@ -29,6 +28,10 @@
 
 #include "errors.h"
 #include "numerics.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace nodecomm::shm {
 
@@ -52,6 +55,23 @@ enum AbortReason : std::uint64_t {
 
 // Algorithms; equal to nodecomm.v1.Path values.
 enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+// Orders non-temporal stores before what follows (a no-op where none are used).
+inline void store_fence() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_sfence();
+#else
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+#endif
+}
 
 inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 inline std::size_t slot_stride(std::size_t slot_bytes) { return round_up(slot_bytes, kLineBytes); }
@@ -270,7 +290,7 @@ class ShmGroup {
       for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
       reduce_range<T>(slots, world_size_, dst + begin, 0, len, nullptr, stream);
     }
-    if (stream) _mm_sfence();
+    if (stream) store_fence();
   }
 
   // Reduce-scatter then all-gather, per chunk. Rank r owns segment r of each chunk: it reduces
@@ -304,7 +324,7 @@ class ShmGroup {
                  (seg.hi(r) - seg.lo(r)) * sizeof(T), stream);
       }
     }
-    if (stream) _mm_sfence();
+    if (stream) store_fence();
   }
 
   // A chunk of len elements split into world_size segments of 16-element multiples.
@@ -336,7 +356,7 @@ class ShmGroup {
       const auto [reason, detail] = abort_state(control_);
       if (reason != kNotAborted) raise_aborted(reason, detail);
       if (spins < 4096) {
-        __builtin_ia32_pause();
+        cpu_relax();
         continue;
       }
       if (spins == 4096) start = Clock::now();
