@@ -7,7 +7,9 @@
 
 namespace nodecomm {
 
-enum class ErrorKind { kInvalidArgument, kDeadlineExceeded, kPeerLost, kDaemonUnavailable, kInternal };
+enum class ErrorKind {
+  kInvalidArgument, kDeadlineExceeded, kPeerLost, kDaemonUnavailable, kResourceExhausted, kInternal
+};
 
 struct Error : std::runtime_error {
   ErrorKind kind;

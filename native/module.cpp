@@ -7,6 +7,11 @@
 #include "errors.h"
 #include "shm.h"
 
+#ifdef NODECOMM_WITH_CUDA
+#include "cuda/devices.h"
+#include "cuda/vmm.h"
+#endif
+
 namespace py = pybind11;
 using nodecomm::Error;
 using nodecomm::ErrorKind;
@@ -19,6 +24,7 @@ const char* python_error_name(ErrorKind kind) {
     case ErrorKind::kDeadlineExceeded: return "DeadlineExceededError";
     case ErrorKind::kPeerLost: return "PeerLostError";
     case ErrorKind::kDaemonUnavailable: return "DaemonUnavailableError";
+    case ErrorKind::kResourceExhausted: return "ResourceExhaustedError";
     case ErrorKind::kInternal: return "InternalError";
   }
   return "InternalError";
@@ -86,4 +92,33 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("world_size", &shm::ShmGroup::world_size)
       .def_property_readonly("op_epoch", &shm::ShmGroup::op_epoch)
       .def_property_readonly("barrier_epoch", &shm::ShmGroup::barrier_epoch);
+
+#ifdef NODECOMM_WITH_CUDA
+  namespace cuda = nodecomm::cuda;
+  m.attr("WITH_CUDA") = true;
+  m.def("cuda_device_uuids", &cuda::device_uuids, "UUIDs of the visible GPUs in CUDA index order.");
+  m.def(
+      "cuda_vmm_allocate",
+      [](int device, std::size_t bytes) {
+        cuda::VmmMapping mapping;
+        {
+          py::gil_scoped_release release;
+          mapping = cuda::vmm_allocate(device, bytes);
+        }
+        return py::make_tuple(mapping.fd, mapping.address, mapping.size);
+      },
+      py::arg("device"), py::arg("bytes"),
+      "Allocate zeroed device memory exportable as a descriptor: (fd, address, size rounded up).");
+  m.def(
+      "cuda_vmm_import",
+      [](int fd, std::size_t size, int device) {
+        py::gil_scoped_release release;
+        return cuda::vmm_import(fd, size, device);
+      },
+      py::arg("fd"), py::arg("size"), py::arg("device"), "Map another process's exported allocation here.");
+  m.def("cuda_vmm_unmap", &cuda::vmm_unmap, py::arg("address"), py::arg("size"));
+  m.def("cuda_vmm_rounded_size", &cuda::vmm_rounded_size, py::arg("device"), py::arg("bytes"));
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
 }
