@@ -9,6 +9,8 @@
 
 #ifdef NODECOMM_WITH_CUDA
 #include "cuda/devices.h"
+#include "cuda/layout.h"
+#include "cuda/oneshot.h"
 #include "cuda/vmm.h"
 #endif
 
@@ -118,6 +120,30 @@ PYBIND11_MODULE(_native, m) {
       py::arg("fd"), py::arg("size"), py::arg("device"), "Map another process's exported allocation here.");
   m.def("cuda_vmm_unmap", &cuda::vmm_unmap, py::arg("address"), py::arg("size"));
   m.def("cuda_vmm_rounded_size", &cuda::vmm_rounded_size, py::arg("device"), py::arg("bytes"));
+  m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
+        "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
+  m.def(
+      "cuda_oneshot_all_reduce",
+      [](const std::vector<std::uintptr_t>& buffers, int rank, std::size_t slot_bytes, std::uintptr_t input,
+         std::uintptr_t output, std::size_t count, int dtype, double timeout_s, std::uintptr_t stream) {
+        py::gil_scoped_release release;
+        cuda::oneshot_all_reduce(buffers.data(), int(buffers.size()), rank, slot_bytes, input, output, count, dtype,
+                                 timeout_s, stream);
+      },
+      py::arg("buffers"), py::arg("rank"), py::arg("slot_bytes"), py::arg("input"), py::arg("output"),
+      py::arg("count"), py::arg("dtype"), py::arg("timeout_s"), py::arg("stream"),
+      "Enqueue a one-shot all-reduce on `stream` (graph-capturable).");
+  m.def(
+      "cuda_read_error",
+      [](std::uintptr_t buffer) {
+        std::uint64_t record[3];
+        {
+          py::gil_scoped_release release;
+          cuda::read_error(buffer, record);
+        }
+        return py::make_tuple(record[0], record[1], record[2]);
+      },
+      py::arg("buffer"), "(code, rank waited for, epoch) of this rank's error record; synchronises the device.");
 #else
   m.attr("WITH_CUDA") = false;
 #endif

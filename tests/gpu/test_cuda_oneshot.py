@@ -1,0 +1,178 @@
+"""The CUDA one-shot kernel across rank processes sharing one GPU, on VMM buffers passed as
+descriptors: bit-exact against the fp32 rank-order reference, eager launches back to back, CUDA
+graph replays with a delayed rank, and a peer that never comes."""
+
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+
+import pytest
+
+from nodecomm import _native
+
+pytestmark = pytest.mark.gpu
+
+SLOT_BYTES = 8 << 20
+DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+
+
+def _receive_buffers(path: str, world_size: int, size: int, ready) -> list[int]:
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(path)
+        server.listen(1)
+        ready.put("listening")
+        conn, _ = server.accept()
+        with conn:
+            _, fds, _, _ = socket.recv_fds(conn, 16, world_size)
+    addresses = [_native.cuda_vmm_import(fd, size, 0) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    return addresses
+
+
+def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
+    import torch
+
+    import ranks
+
+    torch.cuda.set_device(0)
+    buffers = _receive_buffers(path, world_size, size, results)
+    stream = torch.cuda.current_stream().cuda_stream
+    problems = []
+
+    def reduce(x, out):
+        _native.cuda_oneshot_all_reduce(
+            buffers,
+            rank,
+            SLOT_BYTES,
+            x.data_ptr(),
+            out.data_ptr(),
+            x.numel(),
+            DTYPE_CODES[str(x.dtype)[6:]],
+            30.0,
+            stream,
+        )
+
+    # Eager: every case once, then 8 launches back to back with no host synchronisation.
+    for seed, (dtype_name, count) in enumerate(cases):
+        dtype = ranks.DTYPES[dtype_name]
+        x = ranks.rank_input(rank, count, dtype, seed).cuda()
+        out = torch.empty_like(x)
+        reduce(x, out)
+        expected = ranks.reference_sum(world_size, count, dtype, seed).cuda()
+        torch.cuda.synchronize()
+        if not torch.equal(out.view(ranks.BITS[dtype]), expected.view(ranks.BITS[dtype])):
+            problems.append(f"eager {dtype_name} count={count} differs")
+    count, dtype = 40_003, torch.bfloat16
+    inputs = [ranks.rank_input(rank, count, dtype, 100 + k).cuda() for k in range(8)]
+    outputs = [torch.empty_like(inputs[0]) for _ in range(8)]
+    for k in range(8):
+        reduce(inputs[k], outputs[k])
+    torch.cuda.synchronize()
+    for k in range(8):
+        expected = ranks.reference_sum(world_size, count, dtype, 100 + k).cuda()
+        if not torch.equal(outputs[k].view(torch.int16), expected.view(torch.int16)):
+            problems.append(f"back-to-back launch {k} differs")
+
+    # Graph: captured once (one rank sleeps inside it), replayed 8 times back to back.
+    static_in = torch.empty_like(inputs[0])
+    static_out = torch.empty_like(inputs[0])
+    graph = torch.cuda.CUDAGraph()
+    capture_stream = torch.cuda.Stream()
+    with torch.cuda.stream(capture_stream):
+        with torch.cuda.graph(graph, stream=capture_stream):
+            if rank == delayed_rank:
+                torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles, inside the graph
+            _native.cuda_oneshot_all_reduce(
+                buffers,
+                rank,
+                SLOT_BYTES,
+                static_in.data_ptr(),
+                static_out.data_ptr(),
+                count,
+                3,
+                30.0,
+                capture_stream.cuda_stream,
+            )
+    history = [torch.empty_like(static_out) for _ in range(8)]
+    for k in range(8):
+        static_in.copy_(inputs[k])
+        graph.replay()
+        history[k].copy_(static_out)
+    torch.cuda.synchronize()
+    for k in range(8):
+        expected = ranks.reference_sum(world_size, count, dtype, 100 + k).cuda()
+        if not torch.equal(history[k].view(torch.int16), expected.view(torch.int16)):
+            problems.append(f"graph replay {k} differs")
+    record = _native.cuda_read_error(buffers[rank])
+    if record[0] != 0:
+        problems.append(f"error record {record}")
+    results.put(("done", rank, problems))
+
+
+def _stalled_program(rank, world_size, path, size, results):
+    import torch
+
+    torch.cuda.set_device(0)
+    buffers = _receive_buffers(path, world_size, size, results)
+    if rank == 1:
+        results.put(("done", rank, None))  # never launches
+        return
+    x = torch.ones(1024, device="cuda")
+    out = torch.empty_like(x)
+    _native.cuda_oneshot_all_reduce(
+        buffers, 0, SLOT_BYTES, x.data_ptr(), out.data_ptr(), 1024, 1, 0.5, torch.cuda.current_stream().cuda_stream
+    )
+    results.put(("done", rank, _native.cuda_read_error(buffers[0])))
+
+
+def _run(target, world_size, *args):
+    size = _native.cuda_vmm_rounded_size(0, _native.cuda_buffer_bytes(SLOT_BYTES))
+    allocations = [_native.cuda_vmm_allocate(0, size) for _ in range(world_size)]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    directory = tempfile.mkdtemp()
+    paths = [os.path.join(directory, f"rank{r}.sock") for r in range(world_size)]
+    processes = [
+        context.Process(target=target, args=(r, world_size, paths[r], size, *args, results)) for r in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for _ in range(world_size):
+            assert results.get(timeout=120) == "listening"
+        for path in paths:
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.connect(path)
+                socket.send_fds(conn, [b"x"], [fd for fd, _, _ in allocations])
+        outcome = {}
+        for _ in range(world_size):
+            _, rank, value = results.get(timeout=300)
+            outcome[rank] = value
+        for process in processes:
+            process.join(timeout=60)
+            assert process.exitcode == 0
+        return outcome
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+        for fd, address, allocated in allocations:
+            os.close(fd)
+            _native.cuda_vmm_unmap(address, allocated)
+
+
+CASES = [("float32", 1), ("float32", 1001), ("float16", 7), ("bfloat16", (1 << 20) + 3), ("float32", (2 << 20) - 5)]
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_oneshot_bit_exact_eager_and_graph(world_size):
+    outcome = _run(_rank_program, world_size, CASES, world_size - 1)
+    assert all(problems == [] for problems in outcome.values()), outcome
+
+
+def test_missing_peer_times_out_with_a_record():
+    outcome = _run(_stalled_program, 2)
+    code, waited_for, epoch = outcome[0]
+    assert (code, waited_for, epoch) == (1, 1, 1)
