@@ -8,9 +8,9 @@
 #include "shm.h"
 
 #ifdef NODECOMM_WITH_CUDA
+#include "cuda/all_reduce.h"
 #include "cuda/devices.h"
 #include "cuda/layout.h"
-#include "cuda/oneshot.h"
 #include "cuda/vmm.h"
 #endif
 
@@ -123,16 +123,16 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
   m.def(
-      "cuda_oneshot_all_reduce",
+      "cuda_all_reduce",
       [](const std::vector<std::uintptr_t>& buffers, int rank, std::size_t slot_bytes, std::uintptr_t input,
-         std::uintptr_t output, std::size_t count, int dtype, double timeout_s, std::uintptr_t stream) {
+         std::uintptr_t output, std::size_t count, int dtype, int algorithm, double timeout_s, std::uintptr_t stream) {
         py::gil_scoped_release release;
-        cuda::oneshot_all_reduce(buffers.data(), int(buffers.size()), rank, slot_bytes, input, output, count, dtype,
-                                 timeout_s, stream);
+        cuda::all_reduce(buffers.data(), int(buffers.size()), rank, slot_bytes, input, output, count, dtype,
+                         cuda::Algorithm(algorithm), timeout_s, stream);
       },
       py::arg("buffers"), py::arg("rank"), py::arg("slot_bytes"), py::arg("input"), py::arg("output"),
-      py::arg("count"), py::arg("dtype"), py::arg("timeout_s"), py::arg("stream"),
-      "Enqueue a one-shot all-reduce on `stream` (graph-capturable).");
+      py::arg("count"), py::arg("dtype"), py::arg("algorithm"), py::arg("timeout_s"), py::arg("stream"),
+      "Enqueue a oneshot (1) or twoshot (2) all-reduce on `stream` (graph-capturable).");
   m.def(
       "cuda_read_error",
       [](std::uintptr_t buffer) {

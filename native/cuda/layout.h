@@ -2,9 +2,10 @@
 //
 //   [0, 64)                       abort word (written by the daemon; 0 while the group is healthy)
 //   [64, 128)                     error record: code, the rank waited for, the epoch (first error wins)
-//   [128, +kMaxBlocks*8)          per-block epoch counters, advanced only by this rank's blocks
-//   flags                         kMaxBlocks x kMaxRanks epochs: block b of rank p stores its epoch
-//                                 into flags[b][p] of every rank's buffer
+//   [128, +kMaxBlocks*16)         per block: launches (picks the slot) and barriers passed, both
+//                                 advanced only by this rank's block
+//   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
+//                                 its epoch into flags[b][p] of every rank's buffer
 //   slots                         two staging slots of slot_bytes each (rounded to 256)
 #pragma once
 
@@ -17,8 +18,8 @@ constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
 constexpr std::size_t kAbortOffset = 0;
 constexpr std::size_t kErrorOffset = 64;
-constexpr std::size_t kEpochOffset = 128;
-constexpr std::size_t kFlagOffset = kEpochOffset + kMaxBlocks * 8;
+constexpr std::size_t kCounterOffset = 128;
+constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
 constexpr std::size_t kSlotOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
 
 // Error codes in the error record.

@@ -1,15 +1,18 @@
-// transport.cu — the CUDA kernels, instantiated per element type and world size, behind the
-// C-style ABI of oneshot.h.
+// transport.cu — the CUDA all-reduce kernels, instantiated per element type and world size,
+// behind the C-style ABI of all_reduce.h.
 //
-// one-shot all-reduce, per block b of every rank:
-//   1. epoch = ++counter[b] (device memory: consecutive launches and graph replays alternate slots)
-//   2. copy this block's share of the input into slot (epoch & 1) of this rank's buffer
-//   3. signal: store epoch into flags[b][rank] of every rank (release, system scope);
-//      wait: flags[b][p] >= epoch for every p (acquire), bounded by the timeout and the abort word
-//   4. sum this block's share of every rank's slot in rank order, round once, write the output
-// Block b only reads the share that block b of each peer staged, so block pairs suffice. A slot is
-// reused two launches later only after block b of every peer has signalled the launch between,
-// which it does after finishing its reads of that slot.
+// Per block b of every rank:
+//   1. launch = ++launches[b] (device memory: consecutive launches and graph replays alternate
+//      slots without host patching); copy this block's share of the input into slot (launch & 1)
+//   2. block-pair barrier: store ++barriers[b] into flags[b][rank] of every rank (release, system
+//      scope), wait until flags[b][p] reaches it for every p (acquire), bounded by the timeout and
+//      the abort word
+//   3. oneshot: sum the share of every rank's slot in rank order, round once, write the output.
+//      twoshot: reduce segment `rank` of the share into this rank's slot and the output, barrier
+//      again, copy the other segments from their owners' slots.
+// Block b only reads what block b of each peer wrote, so block pairs suffice. A slot is rewritten
+// two launches later only after every peer's block b has passed a barrier of the launch between,
+// which it reaches after finishing its reads of that slot.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -19,7 +22,7 @@
 #include "../errors.h"
 #include "driver.h"
 #include "layout.h"
-#include "oneshot.h"
+#include "all_reduce.h"
 
 namespace nodecomm::cuda {
 namespace {
@@ -75,34 +78,22 @@ __device__ void record_error(std::uint8_t* mine, std::uint64_t code, int peer, s
   }
 }
 
-template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) oneshot_kernel(Buffers<N> buffers, int rank, std::size_t slot_stride,
-                                                           const T* __restrict__ input, T* __restrict__ output,
-                                                           std::size_t count, std::uint64_t timeout_ns) {
-  __shared__ std::uint64_t epoch_shared;
-  __shared__ int failed;
+// Block-pair barrier among block b of every rank. Returns false (after recording why) on a
+// timeout or an abort; every thread of the block gets the same answer.
+template <int N>
+__device__ bool block_pair_barrier(const Buffers<N>& buffers, int rank, std::uint64_t timeout_ns, int* failed) {
   std::uint8_t* mine = buffers.rank[rank];
   const int block = blockIdx.x;
+  __shared__ std::uint64_t epoch_shared;
+  __threadfence_system();  // this thread's writes before the signal
+  __syncthreads();
   if (threadIdx.x == 0) {
-    std::uint64_t* counter = word(mine, kEpochOffset + std::size_t(block) * 8);
-    epoch_shared = *counter + 1;
-    *counter = epoch_shared;
-    failed = 0;
+    std::uint64_t* barriers = word(mine, kCounterOffset + std::size_t(block) * 16 + 8);
+    epoch_shared = *barriers + 1;
+    *barriers = epoch_shared;
   }
   __syncthreads();
   const std::uint64_t epoch = epoch_shared;
-  const std::size_t slot = kSlotOffset + (epoch & 1) * slot_stride;
-
-  // This block's share, in 64-bit element offsets.
-  const std::size_t per = (count + gridDim.x - 1) / gridDim.x;
-  const std::size_t begin = min(count, std::size_t(block) * per);
-  const std::size_t end = min(count, begin + per);
-
-  T* staged = reinterpret_cast<T*>(mine + slot);
-  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) staged[i] = input[i];
-  __threadfence_system();
-  __syncthreads();
-
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
     store_release(word(buffers.rank[peer], kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8), epoch);
@@ -111,48 +102,96 @@ __global__ void __launch_bounds__(kThreads) oneshot_kernel(Buffers<N> buffers, i
     while (load_acquire(flag) < epoch) {
       if (load_volatile(word(mine, kAbortOffset)) != 0) {
         record_error(mine, kErrorAborted, peer, epoch);
-        failed = 1;
+        *failed = 1;
         break;
       }
       if (now_ns() - started > timeout_ns) {
         record_error(mine, kErrorTimeout, peer, epoch);
-        failed = 1;
+        *failed = 1;
         break;
       }
     }
   }
   __syncthreads();
-  if (failed) return;
+  return *failed == 0;
+}
 
-  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    float acc = widen(reinterpret_cast<const T*>(buffers.rank[0] + slot)[i]);
+template <typename T, int N>
+__device__ __forceinline__ float sum_ranks(const Buffers<N>& buffers, std::size_t slot, std::size_t i) {
+  float acc = widen(reinterpret_cast<const T*>(buffers.rank[0] + slot)[i]);
 #pragma unroll
-    for (int r = 1; r < N; ++r) acc += widen(reinterpret_cast<const T*>(buffers.rank[r] + slot)[i]);
-    output[i] = narrow<T>(acc);
+  for (int r = 1; r < N; ++r) acc += widen(reinterpret_cast<const T*>(buffers.rank[r] + slot)[i]);
+  return acc;
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Buffers<N> buffers, int rank, std::size_t slot_stride,
+                                                              const T* __restrict__ input, T* __restrict__ output,
+                                                              std::size_t count, Algorithm algorithm,
+                                                              std::uint64_t timeout_ns) {
+  __shared__ std::uint64_t launch_shared;
+  __shared__ int failed;
+  std::uint8_t* mine = buffers.rank[rank];
+  if (threadIdx.x == 0) {
+    std::uint64_t* launches = word(mine, kCounterOffset + std::size_t(blockIdx.x) * 16);
+    launch_shared = *launches + 1;
+    *launches = launch_shared;
+    failed = 0;
+  }
+  __syncthreads();
+  const std::size_t slot = kSlotOffset + (launch_shared & 1) * slot_stride;
+
+  // This block's share of the elements, in 64-bit offsets.
+  const std::size_t per = (count + gridDim.x - 1) / gridDim.x;
+  const std::size_t begin = min(count, std::size_t(blockIdx.x) * per);
+  const std::size_t end = min(count, begin + per);
+  T* staged = reinterpret_cast<T*>(mine + slot);
+  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) staged[i] = input[i];
+  if (!block_pair_barrier(buffers, rank, timeout_ns, &failed)) return;
+
+  if (algorithm == Algorithm::kOneshot) {
+    for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) output[i] = narrow<T>(sum_ranks<T, N>(buffers, slot, i));
+    return;
+  }
+  const std::size_t segment = (end - begin + N - 1) / N;
+  const std::size_t own_begin = min(end, begin + std::size_t(rank) * segment);
+  const std::size_t own_end = min(end, own_begin + segment);
+  for (std::size_t i = own_begin + threadIdx.x; i < own_end; i += blockDim.x) {
+    const T value = narrow<T>(sum_ranks<T, N>(buffers, slot, i));
+    staged[i] = value;
+    output[i] = value;
+  }
+  if (!block_pair_barrier(buffers, rank, timeout_ns, &failed)) return;
+  for (int r = 0; r < N; ++r) {
+    if (r == rank) continue;
+    const std::size_t lo = min(end, begin + std::size_t(r) * segment), hi = min(end, lo + segment);
+    const T* owner = reinterpret_cast<const T*>(buffers.rank[r] + slot);
+    for (std::size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) output[i] = owner[i];
   }
 }
 
 template <typename T, int N>
 void launch(const std::uintptr_t* addresses, int rank, std::size_t slot_bytes, std::uintptr_t input,
-            std::uintptr_t output, std::size_t count, std::uint64_t timeout_ns, cudaStream_t stream) {
+            std::uintptr_t output, std::size_t count, Algorithm algorithm, std::uint64_t timeout_ns,
+            cudaStream_t stream) {
   Buffers<N> buffers;
   for (int r = 0; r < N; ++r) buffers.rank[r] = reinterpret_cast<std::uint8_t*>(addresses[r]);
   // The grid follows from the count alone, so every rank launches the same one.
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = int(wanted < 1 ? 1 : (wanted > kMaxBlocks ? kMaxBlocks : wanted));
-  oneshot_kernel<T, N><<<blocks, kThreads, 0, stream>>>(buffers, rank, slot_stride(slot_bytes),
-                                                         reinterpret_cast<const T*>(input),
-                                                         reinterpret_cast<T*>(output), count, timeout_ns);
+  all_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(buffers, rank, slot_stride(slot_bytes),
+                                                            reinterpret_cast<const T*>(input),
+                                                            reinterpret_cast<T*>(output), count, algorithm, timeout_ns);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
 template <typename T>
 void launch_for_world(int world_size, const std::uintptr_t* addresses, int rank, std::size_t slot_bytes,
-                      std::uintptr_t input, std::uintptr_t output, std::size_t count, std::uint64_t timeout_ns,
-                      cudaStream_t stream) {
+                      std::uintptr_t input, std::uintptr_t output, std::size_t count, Algorithm algorithm,
+                      std::uint64_t timeout_ns, cudaStream_t stream) {
   switch (world_size) {
 #define NODECOMM_WORLD(n) \
-  case n: return launch<T, n>(addresses, rank, slot_bytes, input, output, count, timeout_ns, stream);
+  case n: return launch<T, n>(addresses, rank, slot_bytes, input, output, count, algorithm, timeout_ns, stream);
     NODECOMM_WORLD(1) NODECOMM_WORLD(2) NODECOMM_WORLD(3) NODECOMM_WORLD(4) NODECOMM_WORLD(5) NODECOMM_WORLD(6)
     NODECOMM_WORLD(7) NODECOMM_WORLD(8) NODECOMM_WORLD(16)
 #undef NODECOMM_WORLD
@@ -162,10 +201,12 @@ void launch_for_world(int world_size, const std::uintptr_t* addresses, int rank,
 
 }  // namespace
 
-void oneshot_all_reduce(const std::uintptr_t* buffers, int world_size, int rank, std::size_t slot_bytes,
-                        std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
-                        double timeout_s, std::uintptr_t stream) {
+void all_reduce(const std::uintptr_t* buffers, int world_size, int rank, std::size_t slot_bytes,
+                std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype, Algorithm algorithm,
+                double timeout_s, std::uintptr_t stream) {
   NODECOMM_CHECK(rank >= 0 && rank < world_size, "rank out of range");
+  NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
+                 "unknown algorithm code " + std::to_string(int(algorithm)));
   const std::size_t element = dtype == 1 ? 4 : 2;
   NODECOMM_CHECK(count * element <= slot_bytes, "payload of " + std::to_string(count * element) +
                                                     " bytes exceeds the slot of " + std::to_string(slot_bytes));
@@ -173,10 +214,11 @@ void oneshot_all_reduce(const std::uintptr_t* buffers, int world_size, int rank,
   const auto timeout_ns = std::uint64_t(timeout_s * 1e9);
   const auto s = reinterpret_cast<cudaStream_t>(stream);
   switch (dtype) {
-    case 1: return launch_for_world<float>(world_size, buffers, rank, slot_bytes, input, output, count, timeout_ns, s);
-    case 2: return launch_for_world<__half>(world_size, buffers, rank, slot_bytes, input, output, count, timeout_ns, s);
+    case 1: return launch_for_world<float>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm, timeout_ns, s);
+    case 2: return launch_for_world<__half>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm, timeout_ns, s);
     case 3:
-      return launch_for_world<__nv_bfloat16>(world_size, buffers, rank, slot_bytes, input, output, count, timeout_ns, s);
+      return launch_for_world<__nv_bfloat16>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm,
+                                             timeout_ns, s);
   }
   NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(dtype));
 }

@@ -1,6 +1,7 @@
-"""The CUDA one-shot kernel across rank processes sharing one GPU, on VMM buffers passed as
-descriptors: bit-exact against the fp32 rank-order reference, eager launches back to back, CUDA
-graph replays with a delayed rank, and a peer that never comes."""
+"""The CUDA all-reduce kernels (oneshot, twoshot) across rank processes sharing one GPU, on VMM
+buffers passed as descriptors: bit-exact against the fp32 rank-order reference, eager launches
+back to back alternating algorithms, CUDA graph replays with a delayed rank, and a peer that
+never comes."""
 
 import multiprocessing as mp
 import os
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.gpu
 
 SLOT_BYTES = 8 << 20
 DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+ALGORITHMS = {"oneshot": 1, "twoshot": 2}
 
 
 def _receive_buffers(path: str, world_size: int, size: int, ready) -> list[int]:
@@ -41,70 +43,59 @@ def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
     stream = torch.cuda.current_stream().cuda_stream
     problems = []
 
-    def reduce(x, out):
-        _native.cuda_oneshot_all_reduce(
-            buffers,
-            rank,
-            SLOT_BYTES,
-            x.data_ptr(),
-            out.data_ptr(),
-            x.numel(),
-            DTYPE_CODES[str(x.dtype)[6:]],
-            30.0,
-            stream,
+    def reduce(x, out, algorithm, on=stream):
+        code = DTYPE_CODES[str(x.dtype).removeprefix("torch.")]
+        _native.cuda_all_reduce(
+            buffers, rank, SLOT_BYTES, x.data_ptr(), out.data_ptr(), x.numel(), code, ALGORITHMS[algorithm], 30.0, on
         )
 
-    # Eager: every case once, then 8 launches back to back with no host synchronisation.
+    # Eager: every case through both algorithms, then 8 launches back to back (alternating
+    # algorithms) with no host synchronisation.
     for seed, (dtype_name, count) in enumerate(cases):
         dtype = ranks.DTYPES[dtype_name]
         x = ranks.rank_input(rank, count, dtype, seed).cuda()
-        out = torch.empty_like(x)
-        reduce(x, out)
         expected = ranks.reference_sum(world_size, count, dtype, seed).cuda()
-        torch.cuda.synchronize()
-        if not torch.equal(out.view(ranks.BITS[dtype]), expected.view(ranks.BITS[dtype])):
-            problems.append(f"eager {dtype_name} count={count} differs")
+        for algorithm in ALGORITHMS:
+            out = torch.empty_like(x)
+            reduce(x, out, algorithm)
+            torch.cuda.synchronize()
+            if not torch.equal(out.view(ranks.BITS[dtype]), expected.view(ranks.BITS[dtype])):
+                problems.append(f"eager {algorithm} {dtype_name} count={count} differs")
     count, dtype = 40_003, torch.bfloat16
     inputs = [ranks.rank_input(rank, count, dtype, 100 + k).cuda() for k in range(8)]
     outputs = [torch.empty_like(inputs[0]) for _ in range(8)]
     for k in range(8):
-        reduce(inputs[k], outputs[k])
+        reduce(inputs[k], outputs[k], "twoshot" if k % 2 else "oneshot")
     torch.cuda.synchronize()
     for k in range(8):
         expected = ranks.reference_sum(world_size, count, dtype, 100 + k).cuda()
         if not torch.equal(outputs[k].view(torch.int16), expected.view(torch.int16)):
             problems.append(f"back-to-back launch {k} differs")
 
-    # Graph: captured once (one rank sleeps inside it), replayed 8 times back to back.
+    # Graph: captured once (one rank sleeps inside it; both algorithms), replayed 8 times back
+    # to back; each replay's outputs are copied out on the stream and checked after one sync.
     static_in = torch.empty_like(inputs[0])
-    static_out = torch.empty_like(inputs[0])
+    static_out = {algorithm: torch.empty_like(inputs[0]) for algorithm in ALGORITHMS}
     graph = torch.cuda.CUDAGraph()
     capture_stream = torch.cuda.Stream()
     with torch.cuda.stream(capture_stream):
         with torch.cuda.graph(graph, stream=capture_stream):
             if rank == delayed_rank:
                 torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles, inside the graph
-            _native.cuda_oneshot_all_reduce(
-                buffers,
-                rank,
-                SLOT_BYTES,
-                static_in.data_ptr(),
-                static_out.data_ptr(),
-                count,
-                3,
-                30.0,
-                capture_stream.cuda_stream,
-            )
-    history = [torch.empty_like(static_out) for _ in range(8)]
+            for algorithm, out in static_out.items():
+                reduce(static_in, out, algorithm, capture_stream.cuda_stream)
+    history = [{a: torch.empty_like(o) for a, o in static_out.items()} for _ in range(8)]
     for k in range(8):
         static_in.copy_(inputs[k])
         graph.replay()
-        history[k].copy_(static_out)
+        for algorithm, out in static_out.items():
+            history[k][algorithm].copy_(out)
     torch.cuda.synchronize()
     for k in range(8):
         expected = ranks.reference_sum(world_size, count, dtype, 100 + k).cuda()
-        if not torch.equal(history[k].view(torch.int16), expected.view(torch.int16)):
-            problems.append(f"graph replay {k} differs")
+        for algorithm, got in history[k].items():
+            if not torch.equal(got.view(torch.int16), expected.view(torch.int16)):
+                problems.append(f"graph replay {k} {algorithm} differs")
     record = _native.cuda_read_error(buffers[rank])
     if record[0] != 0:
         problems.append(f"error record {record}")
@@ -121,8 +112,8 @@ def _stalled_program(rank, world_size, path, size, results):
         return
     x = torch.ones(1024, device="cuda")
     out = torch.empty_like(x)
-    _native.cuda_oneshot_all_reduce(
-        buffers, 0, SLOT_BYTES, x.data_ptr(), out.data_ptr(), 1024, 1, 0.5, torch.cuda.current_stream().cuda_stream
+    _native.cuda_all_reduce(
+        buffers, 0, SLOT_BYTES, x.data_ptr(), out.data_ptr(), 1024, 1, 2, 0.5, torch.cuda.current_stream().cuda_stream
     )
     results.put(("done", rank, _native.cuda_read_error(buffers[0])))
 
@@ -166,8 +157,8 @@ def _run(target, world_size, *args):
 CASES = [("float32", 1), ("float32", 1001), ("float16", 7), ("bfloat16", (1 << 20) + 3), ("float32", (2 << 20) - 5)]
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_oneshot_bit_exact_eager_and_graph(world_size):
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_bit_exact_eager_and_graph(world_size):
     outcome = _run(_rank_program, world_size, CASES, world_size - 1)
     assert all(problems == [] for problems in outcome.values()), outcome
 
