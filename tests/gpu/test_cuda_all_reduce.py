@@ -19,7 +19,14 @@ DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
 ALGORITHMS = {"oneshot": 1, "twoshot": 2}
 
 
-def _receive_buffers(path: str, world_size: int, size: int, ready) -> list[int]:
+def _device_for(rank: int) -> int:
+    """One rank per GPU where there are several; ranks share the GPU where there is one."""
+    import torch
+
+    return rank % torch.cuda.device_count()
+
+
+def _receive_buffers(path: str, world_size: int, size: int, ready, device: int) -> list[int]:
     with socket.socket(socket.AF_UNIX) as server:
         server.bind(path)
         server.listen(1)
@@ -27,7 +34,7 @@ def _receive_buffers(path: str, world_size: int, size: int, ready) -> list[int]:
         conn, _ = server.accept()
         with conn:
             _, fds, _, _ = socket.recv_fds(conn, 16, world_size)
-    addresses = [_native.cuda_vmm_import(fd, size, 0) for fd in fds]
+    addresses = [_native.cuda_vmm_import(fd, size, device) for fd in fds]
     for fd in fds:
         os.close(fd)
     return addresses
@@ -38,8 +45,9 @@ def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
 
     import ranks
 
-    torch.cuda.set_device(0)
-    buffers = _receive_buffers(path, world_size, size, results)
+    device = _device_for(rank)
+    torch.cuda.set_device(device)
+    buffers = _receive_buffers(path, world_size, size, results, device)
     stream = torch.cuda.current_stream().cuda_stream
     problems = []
 
@@ -105,8 +113,9 @@ def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
 def _stalled_program(rank, world_size, path, size, results):
     import torch
 
-    torch.cuda.set_device(0)
-    buffers = _receive_buffers(path, world_size, size, results)
+    device = _device_for(rank)
+    torch.cuda.set_device(device)
+    buffers = _receive_buffers(path, world_size, size, results, device)
     if rank == 1:
         results.put(("done", rank, None))  # never launches
         return
@@ -120,7 +129,7 @@ def _stalled_program(rank, world_size, path, size, results):
 
 def _run(target, world_size, *args):
     size = _native.cuda_vmm_rounded_size(0, _native.cuda_buffer_bytes(SLOT_BYTES))
-    allocations = [_native.cuda_vmm_allocate(0, size) for _ in range(world_size)]
+    allocations = [_native.cuda_vmm_allocate(_device_for(r), size) for r in range(world_size)]
     context = mp.get_context("spawn")
     results = context.Queue()
     directory = tempfile.mkdtemp()
