@@ -1,9 +1,10 @@
 // numerics.h — element conversions shared by every transport.
 //
 // The numerics contract: every lossless path widens each element to fp32, adds ranks in the fixed
-// order 0..n-1, and rounds once to the element type. The conversions below are bit-for-bit the
-// ones PyTorch uses (round-to-nearest-even both ways; c10's canonical NaNs), so results can be
-// checked against a torch reference by bits. fp16 goes through the compiler's _Float16, which
+// order 0..n-1, and rounds once to the element type. The conversions below round to nearest even
+// like PyTorch's, so results can be checked against a torch reference by bits. NaN payloads are
+// outside the contract (PyTorch's own scalar and vector conversions spell them differently); the
+// CPU path writes one canonical NaN per type. fp16 goes through the compiler's _Float16, which
 // becomes vcvtps2ph/vcvtph2ps and vectorises where F16C is enabled.
 #pragma once
 
@@ -38,11 +39,11 @@ template <> inline float from_float<float>(float x) { return x; }
 
 template <> inline BFloat16 from_float<BFloat16>(float x) {
   const std::uint32_t u = float_bits(x);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return {0x7FC0};  // NaN, as c10 spells it
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return {0x7FC0};  // canonical NaN
   return {std::uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16)};
 }
 
-// IEEE round-to-nearest-even; NaN becomes the canonical 0x7E00 (with its sign), as in c10.
+// IEEE round-to-nearest-even; NaN becomes 0x7E00 with its sign.
 template <> inline Float16 from_float<Float16>(float x) {
   const _Float16 h = static_cast<_Float16>(x);
   std::uint16_t bits;
