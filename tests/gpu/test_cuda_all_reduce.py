@@ -5,11 +5,11 @@ never comes."""
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 
 import pytest
 
+import descriptor_passing
 from nodecomm import _native
 
 pytestmark = pytest.mark.gpu
@@ -26,20 +26,6 @@ def _device_for(rank: int) -> int:
     return rank % torch.cuda.device_count()
 
 
-def _receive_buffers(path: str, world_size: int, size: int, ready, device: int) -> list[int]:
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(path)
-        server.listen(1)
-        ready.put("listening")
-        conn, _ = server.accept()
-        with conn:
-            _, fds, _, _ = socket.recv_fds(conn, 16, world_size)
-    addresses = [_native.cuda_vmm_import(fd, size, device) for fd in fds]
-    for fd in fds:
-        os.close(fd)
-    return addresses
-
-
 def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
     import torch
 
@@ -47,7 +33,7 @@ def _rank_program(rank, world_size, path, size, cases, delayed_rank, results):
 
     device = _device_for(rank)
     torch.cuda.set_device(device)
-    buffers = _receive_buffers(path, world_size, size, results, device)
+    buffers = descriptor_passing.receive_and_map(path, world_size, size, device, results)
     stream = torch.cuda.current_stream().cuda_stream
     problems = []
 
@@ -115,7 +101,7 @@ def _stalled_program(rank, world_size, path, size, results):
 
     device = _device_for(rank)
     torch.cuda.set_device(device)
-    buffers = _receive_buffers(path, world_size, size, results, device)
+    buffers = descriptor_passing.receive_and_map(path, world_size, size, device, results)
     if rank == 1:
         results.put(("done", rank, None))  # never launches
         return
@@ -143,9 +129,7 @@ def _run(target, world_size, *args):
         for _ in range(world_size):
             assert results.get(timeout=120) == "listening"
         for path in paths:
-            with socket.socket(socket.AF_UNIX) as conn:
-                conn.connect(path)
-                socket.send_fds(conn, [b"x"], [fd for fd, _, _ in allocations])
+            descriptor_passing.send(path, [fd for fd, _, _ in allocations])
         outcome = {}
         for _ in range(world_size):
             _, rank, value = results.get(timeout=300)

@@ -3,11 +3,11 @@ rank's half imports and maps, and both see each other's writes."""
 
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 
 import pytest
 
+import descriptor_passing
 from nodecomm import _native
 
 pytestmark = pytest.mark.gpu
@@ -29,15 +29,7 @@ def as_tensor(address: int, size: int):
 def _importer(path: str, size: int, results) -> None:
     import torch
 
-    with socket.socket(socket.AF_UNIX) as server:
-        server.bind(path)
-        server.listen(1)
-        results.put("listening")
-        conn, _ = server.accept()
-        with conn:
-            _, fds, _, _ = socket.recv_fds(conn, 16, 1)
-    address = _native.cuda_vmm_import(fds[0], size, 0)
-    os.close(fds[0])
+    (address,) = descriptor_passing.receive_and_map(path, 1, size, 0, results)
     view = as_tensor(address, size)
     seen = int(view[: size // 2].sum().item())  # the exporter's half, filled with 1s
     view[size // 2 :].fill_(2)
@@ -64,9 +56,7 @@ def test_allocation_exported_as_descriptor_is_shared_between_processes():
     child.start()
     try:
         assert results.get(timeout=60) == "listening"
-        with socket.socket(socket.AF_UNIX) as conn:
-            conn.connect(path)
-            socket.send_fds(conn, [b"x"], [fd])
+        descriptor_passing.send(path, [fd])
         assert results.get(timeout=60) == size // 2
         child.join(timeout=60)
         assert child.exitcode == 0
