@@ -160,3 +160,66 @@ def test_missing_peer_times_out_with_a_record():
     outcome = _run(_stalled_program, 2)
     code, waited_for, epoch = outcome[0]
     assert (code, waited_for, epoch) == (1, 1, 1)
+
+
+def _large_offsets_program(rank, world_size, path, size, slot, count, results):
+    """bf16 payload past 2 GiB: element offsets beyond 2^31 / 2. Inputs are small integers whose
+    sums are exact, and vary with the position, so a truncated offset shows as wrong values."""
+    import torch
+
+    device = _device_for(rank)
+    torch.cuda.set_device(device)
+    buffers = descriptor_passing.receive_and_map(path, world_size, size, device, results)
+    positions = torch.arange(count, device="cuda", dtype=torch.int64) % 251
+    x = (positions + rank).to(torch.bfloat16)
+    expected = (positions * world_size + world_size * (world_size - 1) // 2).to(torch.bfloat16)
+    del positions
+    wrong = {}
+    for algorithm, code in ALGORITHMS.items():
+        out = torch.empty_like(x)
+        stream = torch.cuda.current_stream().cuda_stream
+        _native.cuda_all_reduce(buffers, rank, slot, x.data_ptr(), out.data_ptr(), count, 3, code, 60.0, stream)
+        torch.cuda.synchronize()
+        wrong[algorithm] = int((out.view(torch.int16) != expected.view(torch.int16)).sum())
+        del out
+    results.put(("done", rank, wrong))
+
+
+def test_offsets_past_two_gib():
+    import torch
+
+    count = (1 << 30) + 5  # bf16: 2 GiB + 10 bytes per rank
+    needed = 2 * count * (8 + 3 * 2 + 2)  # per rank: int64 positions, input, output, expected; buffers
+    if torch.cuda.mem_get_info(0)[0] < needed + (8 << 30):
+        pytest.skip(f"needs about {needed >> 30} GiB of free GPU memory")
+    slot = count * 2
+    size = _native.cuda_vmm_rounded_size(0, _native.cuda_buffer_bytes(slot))
+    allocations = [_native.cuda_vmm_allocate(_device_for(r), size) for r in range(2)]
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    directory = tempfile.mkdtemp()
+    paths = [os.path.join(directory, f"rank{r}.sock") for r in range(2)]
+    processes = [
+        context.Process(target=_large_offsets_program, args=(r, 2, paths[r], size, slot, count, results))
+        for r in range(2)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for _ in range(2):
+            assert results.get(timeout=120) == "listening"
+        for path in paths:
+            descriptor_passing.send(path, [fd for fd, _, _ in allocations])
+        outcome = {}
+        for _ in range(2):
+            _, rank, wrong = results.get(timeout=300)
+            outcome[rank] = wrong
+        assert outcome == {0: {"oneshot": 0, "twoshot": 0}, 1: {"oneshot": 0, "twoshot": 0}}
+    finally:
+        for process in processes:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+        for fd, address, allocated in allocations:
+            os.close(fd)
+            _native.cuda_vmm_unmap(address, allocated)
