@@ -37,7 +37,6 @@ class DaemonConfig:
     tcp_address: str = ""
     # "host:port" for Prometheus /metrics, or "off".
     metrics_address: str = "127.0.0.1:9464"
-    state_dir: str = ""
     join_timeout_seconds: float = 60.0
     operation_timeout_seconds: float = 60.0
     # A rank that does not open its Session stream this long after Join is treated as lost.
