@@ -70,7 +70,10 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
     channel, stub = _stub(args.socket)
     with channel:
         table = DispatchTable.from_proto(
-            stub.GetThresholds(pb.GetThresholdsRequest(group=args.group or ""), timeout=args.timeout)
+            stub.GetThresholds(
+                pb.GetThresholdsRequest(group=args.group or "", device_kind=args.device, nccl_fallback=args.nccl),
+                timeout=args.timeout,
+            )
         )
     if args.json:
         print(
@@ -87,7 +90,11 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"dispatch table (epoch {table.epoch}){' for group ' + args.group if args.group else ' for new CPU groups'}")
+    if args.group:
+        subject = f"group {args.group}"
+    else:
+        subject = f"new {args.device.upper()} groups" + (" with an NCCL group" if args.nccl else "")
+    print(f"dispatch table (epoch {table.epoch}) for {subject}")
     for lo, hi, path in table.rows():
         print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
     for boundary in table.boundaries:
@@ -123,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.set_defaults(run=cmd_status)
 
     thresholds = commands.add_parser("thresholds", help="the dispatch table in force")
-    thresholds.add_argument("--group", help="a formed group's table (default: the table for new CPU groups)")
+    thresholds.add_argument("--group", help="a formed group's table (default: the table for new groups)")
+    thresholds.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="new groups of this kind")
+    thresholds.add_argument("--nccl", action="store_true", help="new CUDA groups whose ranks pass an NCCL group")
     thresholds.add_argument("--json", action="store_true")
     thresholds.set_defaults(run=cmd_thresholds)
 

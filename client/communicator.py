@@ -6,9 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import warnings
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -25,28 +23,24 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .cuda_transport import CudaTransport
+from .host_transport import HostTransport
 from .lease import Lease
+from .mapping import SegmentMapping
 
 log = logging.getLogger("nodecomm.client")
 
-DTYPE_CODES = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
-DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_CPU_PATHS = frozenset({Path.ONESHOT, Path.TWOSHOT})
-_PATH_CODES = {path: path.to_proto() for path in Path}
-
-
-@dataclass
-class SegmentMapping:
-    address: int
-    size_bytes: int
+Transport = HostTransport | CudaTransport
 
 
 class Communicator:
     """A rank's membership in a group. Build it with `nodecomm.connect`.
 
-    Collectives are blocking and must be called by every rank of the group in the same order with
-    the same sizes, like torch.distributed's. Every wait is bounded by the operation timeout the
-    daemon announced, and ends early with PeerLostError when a peer dies.
+    Collectives must be called by every rank of the group in the same order with the same sizes,
+    like torch.distributed's. On a CPU group they block; on a CUDA group they are enqueued on the
+    current stream (and can be captured in a CUDA graph). Every wait is bounded by the operation
+    timeout the daemon announced, and ends early when a peer dies: a CPU collective raises
+    PeerLostError, a CUDA kernel gives up and the next call (or barrier) raises it.
     """
 
     def __init__(
@@ -58,8 +52,7 @@ class Communicator:
         group_id: int,
         channel: grpc.Channel,
         control: SegmentMapping,
-        buffers: list[SegmentMapping],
-        capacity_bytes: int,
+        transport: Transport,
         dtypes: frozenset[torch.dtype],
         table: DispatchTable,
         timing_sample_period: int,
@@ -72,14 +65,15 @@ class Communicator:
         self._channel = channel
         self._stub = pb_grpc.ControlStub(channel)
         self._control = control
-        self._buffers = buffers
+        self._transport = transport
+        self.device = transport.device
         self._dtypes = dtypes
         self._table = table
         self._sample_period = max(1, timing_sample_period)
         self._operation_timeout = operation_timeout
         self._ops = 0
+        self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
-        self._native = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, capacity_bytes)
         self._lease = Lease(self._stub, group_id, rank, control.address)
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.
@@ -104,67 +98,94 @@ class Communicator:
     ) -> torch.Tensor:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
 
-        tensor: contiguous CPU tensor of float32, float16 or bfloat16, the same shape on every rank.
-        path: force "oneshot" or "twoshot"; by default the daemon's table picks by size. Every path
-        gives the same bits: fp32 accumulation in rank order 0..n-1, one rounding.
+        tensor: contiguous float32, float16 or bfloat16 tensor on this group's device, the same
+        shape on every rank. path: force one ("oneshot", "twoshot"; CUDA groups also "dma", and
+        "nccl" when connected with an nccl_group); by default the daemon's table picks by size.
+        Every path but nccl gives the same bits: fp32 accumulation in rank order 0..n-1, one rounding.
         """
         self._check_tensor(tensor, "tensor")
         if out is None:
             out = torch.empty_like(tensor)
-        elif out.shape != tensor.shape or out.dtype != tensor.dtype or not out.is_contiguous() or not out.is_cpu:
+        elif (
+            out.shape != tensor.shape
+            or out.dtype != tensor.dtype
+            or not out.is_contiguous()
+            or not self._transport.on_device(out)
+        ):
             raise InvalidArgumentError(
-                f"out must be a contiguous CPU tensor of shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
-                f"got shape {tuple(out.shape)} dtype {out.dtype}",
+                f"out must be a contiguous tensor on {self.device} of shape {tuple(tensor.shape)} and dtype "
+                f"{tensor.dtype}, got shape {tuple(out.shape)} dtype {out.dtype} on {out.device}",
                 group=self.group,
                 rank=self.rank,
             )
         nbytes = tensor.numel() * tensor.element_size()
         chosen = self._table.path_for(nbytes) if path is None else self._forced_path(path)
-        sampled = self._ops % self._sample_period == 0
-        self._ops += 1
-        started = time.perf_counter() if sampled else 0.0
-        self._run(
-            "all_reduce",
-            tensor.data_ptr(),
-            out.data_ptr(),
-            tensor.numel(),
-            DTYPE_CODES[tensor.dtype],
-            _PATH_CODES[chosen],
-            self._operation_timeout,
-        )
-        if sampled:
-            self._lease.report(chosen, nbytes, time.perf_counter() - started)
+        if chosen not in self._transport.paths:
+            raise InvalidArgumentError(
+                f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run",
+                group=self.group,
+                rank=self.rank,
+            )
+        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=(chosen, nbytes))
         return out
 
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
         """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape]."""
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_cpu or not tensor.is_contiguous():
-            raise InvalidArgumentError("tensor must be a contiguous CPU tensor", group=self.group, rank=self.rank)
+        if not isinstance(tensor, torch.Tensor) or not self._transport.on_device(tensor) or not tensor.is_contiguous():
+            raise InvalidArgumentError(
+                f"tensor must be a contiguous tensor on {self.device}", group=self.group, rank=self.rank
+            )
         shape = (self.world_size, *tensor.shape)
         if out is None:
-            out = torch.empty(shape, dtype=tensor.dtype)
-        elif tuple(out.shape) != shape or out.dtype != tensor.dtype or not out.is_contiguous() or not out.is_cpu:
+            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
+        elif (
+            tuple(out.shape) != shape
+            or out.dtype != tensor.dtype
+            or not out.is_contiguous()
+            or not self._transport.on_device(out)
+        ):
             raise InvalidArgumentError(
-                f"out must be contiguous with shape {shape} and dtype {tensor.dtype}, got {tuple(out.shape)} {out.dtype}",
+                f"out must be contiguous on {self.device} with shape {shape} and dtype {tensor.dtype}, "
+                f"got {tuple(out.shape)} {out.dtype} on {out.device}",
                 group=self.group,
                 rank=self.rank,
             )
-        nbytes = tensor.numel() * tensor.element_size()
-        self._run("all_gather", tensor.data_ptr(), out.data_ptr(), nbytes, self._operation_timeout)
+        self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
         return out
 
     def barrier(self) -> None:
-        """Return once every rank has entered the barrier."""
-        self._run("barrier", self._operation_timeout)
+        """Return once every rank has entered the barrier (on a CUDA group: once every rank's
+        current stream has reached it)."""
+        self._run(self._transport.barrier, self._operation_timeout)
+        with self._lock:
+            self._check_usable()  # a CUDA barrier that gave up says so only through the control segment
 
-    def _run(self, operation: str, *args) -> None:
-        """Call the native operation under the lock that close() takes, errors located here."""
+    def _run(self, operation, *args, sample: tuple[Path, int] | None = None) -> None:
+        """Run a transport operation under the lock that close() takes, errors located here, every
+        `timing_sample_period`-th all-reduce timed and reported to the daemon."""
         with self._lock:
             self._check_usable()
+            timed = sample is not None and self._ops % self._sample_period == 0 and not self._transport.capturing()
+            if sample is not None:
+                self._ops += 1
+            start = self._transport.mark() if timed else None
             try:
-                getattr(self._native, operation)(*args)
+                operation(*args)
             except NodecommError as error:
                 raise self._located(error) from None
+            if timed:
+                self._samples.append((*sample, start, self._transport.mark()))
+            if self._samples:
+                self._report_samples()
+
+    def _report_samples(self) -> None:
+        while self._samples:
+            path, nbytes, start, end = self._samples[0]
+            seconds = self._transport.elapsed(start, end)
+            if seconds is None:
+                return  # still running; reported on a later call
+            self._samples.pop(0)
+            self._lease.report(path, nbytes, seconds)
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
@@ -193,8 +214,10 @@ class Communicator:
         if reason == _native.ABORT_PEER_LEFT:
             return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
         if reason == _native.ABORT_STALLED:
+            code, peer, _ = _native.error_record(self._control.address, detail)
+            waited = f" for rank {peer}" if code == _native.ERROR_TIMEOUT else " for a peer"
             return PeerLostError(
-                f"group aborted: rank {detail} timed out waiting for a peer", group=self.group, rank=self.rank
+                f"group aborted: rank {detail} timed out waiting{waited}", group=self.group, rank=self.rank
             )
         return DaemonUnavailableError(
             "group aborted: the daemon is gone or shutting down", group=self.group, rank=self.rank
@@ -205,15 +228,22 @@ class Communicator:
         return located
 
     def _check_tensor(self, tensor: torch.Tensor, name: str) -> None:
-        if type(tensor) is torch.Tensor and tensor.is_cpu and tensor.dtype in self._dtypes and tensor.is_contiguous():
+        if (
+            type(tensor) is torch.Tensor
+            and tensor.dtype in self._dtypes
+            and tensor.is_contiguous()
+            and self._transport.on_device(tensor)
+        ):
             return  # the common case, checked cheaply
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(
                 f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank
             )
-        if not tensor.is_cpu:
+        if not self._transport.on_device(tensor):
             raise InvalidArgumentError(
-                f"{name} is on {tensor.device}; this is a CPU group", group=self.group, rank=self.rank
+                f"{name} is on {tensor.device}; this rank's group runs on {self.device}",
+                group=self.group,
+                rank=self.rank,
             )
         if tensor.dtype not in self._dtypes:
             allowed = sorted(str(d).removeprefix("torch.") for d in self._dtypes)
@@ -230,9 +260,11 @@ class Communicator:
             path = Path.parse(name)
         except ValueError as error:
             raise InvalidArgumentError(str(error), group=self.group, rank=self.rank) from None
-        if path not in _CPU_PATHS:
+        if path not in self._transport.paths:
+            available = ", ".join(repr(p.value) for p in Path if p in self._transport.paths)
+            hint = " (nccl needs connect(..., nccl_group=...))" if path is Path.NCCL else ""
             raise InvalidArgumentError(
-                f"path {name!r} is not available to a CPU group; expected 'oneshot' or 'twoshot'",
+                f"path {name!r} is not available to a {self._transport.kind.upper()} group{hint}; expected one of {available}",
                 group=self.group,
                 rank=self.rank,
             )
@@ -254,10 +286,11 @@ class Communicator:
                     "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
                 )
         self._lease.close()
-        self._native = None
-        for mapping in (self._control, *self._buffers):
-            host_memory.unmap_segment(mapping.address, mapping.size_bytes)
-        self._channel.close()
+        try:
+            self._transport.close()
+        finally:
+            host_memory.unmap_segment(self._control.address, self._control.size_bytes)
+            self._channel.close()
 
     def __enter__(self) -> Communicator:
         return self

@@ -8,15 +8,19 @@ from collections.abc import Iterable
 import grpc
 import torch
 
-from nodecomm import host_memory
+from nodecomm import _native, host_memory
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
 from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .communicator import DTYPE_CODES, DTYPE_NAMES, Communicator, SegmentMapping
+from .communicator import Communicator, Transport
+from .cuda_transport import CudaTransport
 from .descriptors import claim_descriptors
+from .dtypes import DTYPE_CODES, DTYPE_NAMES
+from .host_transport import HostTransport
+from .mapping import SegmentMapping
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
@@ -29,6 +33,49 @@ def _descriptor_socket_path(socket: str, announced: str) -> str:
         return announced
     directory = os.path.dirname(socket.removeprefix("unix:"))
     return os.path.join(directory, os.path.basename(announced))
+
+
+def _resolve_device(device: str | torch.device, where: dict) -> tuple[str, int | None]:
+    """("cpu", None), or (the GPU's UUID, its CUDA index in this process): the daemon knows GPUs by
+    UUID, since indices differ between processes and containers."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    if resolved is None or resolved.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'", **where)
+    if resolved.type == "cpu":
+        return "cpu", None
+    if not _native.WITH_CUDA:
+        raise InvalidArgumentError(
+            f"device {device!r}: this build of nodecomm has no CUDA transport (built without a CUDA toolkit)", **where
+        )
+    uuids = _native.cuda_device_uuids()
+    index = resolved.index if resolved.index is not None else (torch.cuda.current_device() if uuids else 0)
+    if not 0 <= index < len(uuids):
+        raise InvalidArgumentError(
+            f"device {device!r}: this process sees {len(uuids)} GPU(s); expected cuda:0..cuda:{len(uuids) - 1}"
+            if uuids
+            else f"device {device!r}: this process sees no GPU",
+            **where,
+        )
+    return uuids[index], index
+
+
+def _check_nccl_group(nccl_group: object, rank: int, world_size: int, where: dict) -> None:
+    import torch.distributed as dist
+
+    if not isinstance(nccl_group, dist.ProcessGroup):
+        raise InvalidArgumentError(
+            f"nccl_group: expected a torch.distributed.ProcessGroup, got {type(nccl_group).__name__}", **where
+        )
+    size, own_rank = dist.get_world_size(nccl_group), dist.get_rank(nccl_group)
+    if (size, own_rank) != (world_size, rank):
+        raise InvalidArgumentError(
+            f"nccl_group has size {size} and this process as rank {own_rank}; expected size {world_size} and "
+            f"rank {rank}, the same ranks as the group",
+            **where,
+        )
 
 
 def connect(
@@ -46,16 +93,18 @@ def connect(
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
     Blocks until every rank has joined (at most `timeout` seconds). All ranks must pass the same
-    world_size, device kind, capacity_bytes (staging bytes per slot; larger payloads are chunked)
-    and dtypes, or every rank gets GroupMismatchError naming the field. `socket` defaults to
-    $NODECOMM_SOCKET or the daemon's default path.
+    world_size, device kind, capacity_bytes (staging bytes per slot; larger payloads are chunked),
+    dtypes and whether they pass an nccl_group, or every rank gets GroupMismatchError naming the
+    field. device: "cpu", or "cuda:N" for a GPU group (each rank on its own GPU). nccl_group: the
+    engine's torch.distributed NCCL group over the same ranks; sizes no custom path wins go to it.
+    `socket` defaults to $NODECOMM_SOCKET or the daemon's default path.
     """
     where = dict(group=group, rank=rank)
-    device_name = str(device)
-    if device_name != "cpu":
-        raise InvalidArgumentError(f"device {device_name!r}: only 'cpu' groups are supported by this build", **where)
+    device_id, device_index = _resolve_device(device, where)
     if nccl_group is not None:
-        raise InvalidArgumentError("nccl_group applies to CUDA groups; a CPU group has no NCCL path", **where)
+        if device_index is None:
+            raise InvalidArgumentError("nccl_group applies to CUDA groups; a CPU group has no NCCL path", **where)
+        _check_nccl_group(nccl_group, rank, world_size, where)
     if not timeout > 0:
         raise InvalidArgumentError(f"timeout {timeout!r}: expected a positive number of seconds", **where)
     dtype_codes = []
@@ -72,10 +121,11 @@ def connect(
         group=group,
         rank=rank,
         world_size=world_size,
-        device=device_name,
+        device=device_id,
         geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes),
         pid=os.getpid(),
         join_timeout_seconds=timeout,
+        nccl_fallback=nccl_group is not None,
     )
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)
@@ -83,8 +133,17 @@ def connect(
         channel.close()
         raise from_rpc_error(error, **where) from None
 
-    mappings: list[SegmentMapping] = []
+    expected_kind = pb.HOST_MEMFD if device_index is None else pb.CUDA_VMM_FD
+    control: SegmentMapping | None = None
+    buffers: list[SegmentMapping] = []
+    transport: Transport | None = None
     try:
+        if reply.memory_kind != expected_kind:
+            raise DaemonUnavailableError(
+                f"the daemon offers {pb.MemoryKind.Name(reply.memory_kind)} memory; this client maps "
+                f"{pb.MemoryKind.Name(expected_kind)}",
+                **where,
+            )
         sizes = [reply.control.size_bytes, *(b.size_bytes for b in reply.buffers)]
         descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
         try:
@@ -96,32 +155,49 @@ def connect(
         try:
             if len(fds) != len(sizes):
                 raise DaemonUnavailableError(f"expected {len(sizes)} descriptors, received {len(fds)}", **where)
-            for fd, size in zip(fds, sizes, strict=True):
-                if host_memory.segment_size(fd) < size:
-                    raise DaemonUnavailableError(
-                        f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where
-                    )
-                mappings.append(SegmentMapping(host_memory.map_segment(fd, size), size))
+            if host_memory.segment_size(fds[0]) < sizes[0]:
+                raise DaemonUnavailableError("the control segment is smaller than announced", **where)
+            control = SegmentMapping(host_memory.map_segment(fds[0], sizes[0]), sizes[0])
+            for fd, size in zip(fds[1:], sizes[1:], strict=True):
+                if device_index is None:
+                    if host_memory.segment_size(fd) < size:
+                        raise DaemonUnavailableError(
+                            f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where
+                        )
+                    buffers.append(SegmentMapping(host_memory.map_segment(fd, size), size))
+                else:
+                    buffers.append(SegmentMapping(_native.cuda_vmm_import(fd, size, device_index), size))
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
+        if device_index is None:
+            transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
+        else:
+            transport = CudaTransport(rank, world_size, device_index, buffers, control, capacity_bytes, nccl_group)
         communicator = Communicator(
             group=group,
             rank=rank,
             world_size=world_size,
             group_id=reply.group_id,
             channel=channel,
-            control=mappings[0],
-            buffers=mappings[1:],
-            capacity_bytes=capacity_bytes,
+            control=control,
+            transport=transport,
             dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
             table=DispatchTable.from_proto(reply.thresholds),
             timing_sample_period=reply.timing_sample_period,
             operation_timeout=reply.operation_timeout_seconds,
         )
     except BaseException:
-        for mapping in mappings:
-            host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+        if transport is not None:
+            transport.close()
+        else:
+            for mapping in buffers:
+                if device_index is None:
+                    host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+                else:
+                    _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+        if control is not None:
+            host_memory.unmap_segment(control.address, control.size_bytes)
         channel.close()
         raise
     communicator._start(timeout)

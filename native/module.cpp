@@ -4,12 +4,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "control.h"
 #include "errors.h"
 #include "shm.h"
 
 #ifdef NODECOMM_WITH_CUDA
-#include "cuda/all_reduce.h"
 #include "cuda/devices.h"
+#include "cuda/group.h"
 #include "cuda/layout.h"
 #include "cuda/vmm.h"
 #endif
@@ -47,19 +48,31 @@ PYBIND11_MODULE(_native, m) {
     }
   });
 
+  namespace control = nodecomm::control;
+  m.attr("CONTROL_BYTES") = control::kControlBytes;
+  m.attr("ABORT_PEER_LOST") = std::uint64_t(control::kPeerLost);
+  m.attr("ABORT_DAEMON_LOST") = std::uint64_t(control::kDaemonLost);
+  m.attr("ABORT_SHUTDOWN") = std::uint64_t(control::kShutdown);
+  m.attr("ABORT_STALLED") = std::uint64_t(control::kStalled);
+  m.attr("ABORT_PEER_LEFT") = std::uint64_t(control::kPeerLeft);
+  m.attr("ERROR_TIMEOUT") = control::kErrorTimeout;
+  m.attr("ERROR_ABORTED") = control::kErrorAborted;
+  m.def("abort_group", &control::abort_group, py::arg("control"), py::arg("reason"), py::arg("detail"),
+        "Set the group's abort word at `control` unless it is already set (the first reason wins).");
+  m.def("abort_state", &control::abort_state, py::arg("control"), "(reason, detail) of the abort word.");
+  m.def(
+      "error_record",
+      [](std::uintptr_t address, int rank) {
+        const control::ErrorRecord record = control::error_record(address, rank);
+        return py::make_tuple(record.code, record.peer, record.epoch);
+      },
+      py::arg("control"), py::arg("rank"),
+      "(code, rank waited for, barrier epoch) a CUDA kernel of `rank` recorded; code 0: none.");
+
   namespace shm = nodecomm::shm;
   m.attr("SHM_MAX_RANKS") = shm::kMaxRanks;
-  m.attr("SHM_CONTROL_BYTES") = shm::kControlBytes;
-  m.attr("ABORT_PEER_LOST") = std::uint64_t(shm::kPeerLost);
-  m.attr("ABORT_DAEMON_LOST") = std::uint64_t(shm::kDaemonLost);
-  m.attr("ABORT_SHUTDOWN") = std::uint64_t(shm::kShutdown);
-  m.attr("ABORT_STALLED") = std::uint64_t(shm::kStalled);
-  m.attr("ABORT_PEER_LEFT") = std::uint64_t(shm::kPeerLeft);
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
-  m.def("abort_group", &shm::abort_group, py::arg("control"), py::arg("reason"), py::arg("detail"),
-        "Set the group's abort word at `control` unless it is already set (the first reason wins).");
-  m.def("abort_state", &shm::abort_state, py::arg("control"), "(reason, detail) of the abort word.");
 
   py::class_<shm::ShmGroup>(m, "ShmGroup",
                             "One rank's view of a CPU group: every rank's buffer mapped here, and the "
@@ -122,28 +135,22 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_vmm_rounded_size", &cuda::vmm_rounded_size, py::arg("device"), py::arg("bytes"));
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
-  m.def(
-      "cuda_all_reduce",
-      [](const std::vector<std::uintptr_t>& buffers, int rank, std::size_t slot_bytes, std::uintptr_t input,
-         std::uintptr_t output, std::size_t count, int dtype, int algorithm, double timeout_s, std::uintptr_t stream) {
-        py::gil_scoped_release release;
-        cuda::all_reduce(buffers.data(), int(buffers.size()), rank, slot_bytes, input, output, count, dtype,
-                         cuda::Algorithm(algorithm), timeout_s, stream);
-      },
-      py::arg("buffers"), py::arg("rank"), py::arg("slot_bytes"), py::arg("input"), py::arg("output"),
-      py::arg("count"), py::arg("dtype"), py::arg("algorithm"), py::arg("timeout_s"), py::arg("stream"),
-      "Enqueue a oneshot (1) or twoshot (2) all-reduce on `stream` (graph-capturable).");
-  m.def(
-      "cuda_read_error",
-      [](std::uintptr_t buffer) {
-        std::uint64_t record[3];
-        {
-          py::gil_scoped_release release;
-          cuda::read_error(buffer, record);
-        }
-        return py::make_tuple(record[0], record[1], record[2]);
-      },
-      py::arg("buffer"), "(code, rank waited for, epoch) of this rank's error record; synchronises the device.");
+  py::class_<cuda::CudaGroup>(m, "CudaGroup",
+                              "One rank's view of a CUDA group: every rank's buffer mapped on this "
+                              "rank's device, the control segment registered with it, the dma copy stream.")
+      .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int>(), py::arg("rank"),
+           py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"), py::arg("device"))
+      .def("all_reduce", &cuda::CudaGroup::all_reduce, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
+           py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"), py::arg("timeout_s"),
+           py::arg("stream"), "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce on `stream`.")
+      .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
+           py::arg("output"), py::arg("nbytes"), py::arg("output_stride"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")
+      .def("barrier", &cuda::CudaGroup::barrier, py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
+           py::arg("stream"), "Enqueue a barrier among the ranks' streams.")
+      .def_property_readonly("rank", &cuda::CudaGroup::rank)
+      .def_property_readonly("world_size", &cuda::CudaGroup::world_size)
+      .def_property_readonly("device", &cuda::CudaGroup::device);
 #else
   m.attr("WITH_CUDA") = false;
 #endif

@@ -5,8 +5,8 @@
 //   [0, kHeaderBytes)       arrival flags, one 64-byte line per peer: peer p stores its barrier
 //                           epoch into line p of every rank's buffer (no atomics across peers)
 //   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
-// and of the group's control segment (kControlBytes): word 0 is the abort word, written by the
-// daemon or by a rank that gives up on the group.
+// The group's abort word lives in its control segment (control.h), written by the daemon or by a
+// rank that gives up on the group.
 //
 // Ordering: a rank copies its input into its slot, then stores its epoch into every peer's flag
 // line with release semantics; a reader acquires the flag before reading the slot. Payloads move
@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "control.h"
 #include "errors.h"
 #include "numerics.h"
 
@@ -39,7 +40,6 @@ constexpr int kMaxRanks = 16;
 constexpr std::size_t kLineBytes = 64;
 constexpr int kNumSlots = 2;
 constexpr std::size_t kHeaderBytes = kMaxRanks * kLineBytes;
-constexpr std::size_t kControlBytes = 4096;
 // Large payloads move in chunks of at most this many bytes, so each chunk's staging stays in cache
 // between the copy in and the peers' reads (measured on the CPU bench; see docs/bench-cpu.md).
 constexpr std::size_t kPipelineChunkBytes = 1 << 20;
@@ -48,10 +48,7 @@ constexpr std::size_t kPipelineChunkBytes = 1 << 20;
 // the 2-core bench machine while making no difference from 1 to 4 MiB.
 constexpr std::size_t kStreamOutputBytes = 8 << 20;
 
-// Abort reasons in the control segment; equal to what nodecomm.client expects.
-enum AbortReason : std::uint64_t {
-  kNotAborted = 0, kPeerLost = 1, kDaemonLost = 2, kShutdown = 3, kStalled = 4, kPeerLeft = 5
-};
+using namespace nodecomm::control;  // the abort word and its reasons
 
 // Algorithms; equal to nodecomm.v1.Path values.
 enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
@@ -77,20 +74,6 @@ inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1)
 inline std::size_t slot_stride(std::size_t slot_bytes) { return round_up(slot_bytes, kLineBytes); }
 inline std::size_t shm_buffer_bytes(std::size_t slot_bytes) {
   return kHeaderBytes + kNumSlots * slot_stride(slot_bytes);
-}
-
-// The abort word packs reason << 32 | detail so that one compare-and-swap publishes both; the
-// first reason wins, since later failures are consequences of it.
-inline void abort_group(std::uintptr_t control, std::uint64_t reason, std::uint64_t detail) {
-  auto* word = reinterpret_cast<std::uint64_t*>(control);
-  std::uint64_t expected = 0;
-  __atomic_compare_exchange_n(word, &expected, (reason << 32) | (detail & 0xFFFFFFFFu), false,
-                              __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-}
-
-inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t control) {
-  const std::uint64_t word = __atomic_load_n(reinterpret_cast<const std::uint64_t*>(control), __ATOMIC_ACQUIRE);
-  return {word >> 32, word & 0xFFFFFFFFu};
 }
 
 #ifdef __AVX2__

@@ -1,7 +1,10 @@
 """Group memory: what the daemon allocates when a group forms, and frees when it is gone.
 
-A CPU group gets one control segment (the abort word) and one buffer segment per rank, sized by the
-native transport from the agreed slot capacity. Everything is allocated before any rank is
+Every group gets one control segment: a page of host shared memory holding the abort word (and,
+for CUDA groups, the kernels' error records), which ranks map and CUDA ranks also register with
+their device. Each rank then gets one buffer, sized by the native transport from the agreed slot
+capacity: a memfd segment for a CPU group, a CUDA VMM allocation on the rank's GPU for a CUDA
+group. Both cross to the ranks as file descriptors. Everything is allocated before any rank is
 answered; a failure half-way frees what was made, so all ranks get buffers or none do.
 """
 
@@ -11,20 +14,36 @@ import os
 from dataclasses import dataclass, field
 
 from nodecomm import _native, host_memory
-from nodecomm.errors import ResourceExhaustedError
+from nodecomm.errors import NodecommError, ResourceExhaustedError
+from nodecomm.v1 import control_pb2 as pb
 
 
 @dataclass
-class HostGroupMemory:
+class DeviceMapping:
+    """The daemon's own mapping of a CUDA allocation, kept until the group is released."""
+
+    address: int
+    size_bytes: int
+
+
+@dataclass
+class GroupMemory:
+    memory_kind: int  # pb.MemoryKind
     control_fd: int
     control_address: int
     buffer_fds: list[int]
     buffer_bytes: int
+    device_mappings: list[DeviceMapping] = field(default_factory=list)
     closed: bool = field(default=False)
 
     @property
+    def kind_label(self) -> str:
+        """The metrics label for this memory: "host" or "cuda"."""
+        return "host" if self.memory_kind == pb.HOST_MEMFD else "cuda"
+
+    @property
     def control_bytes(self) -> int:
-        return _native.SHM_CONTROL_BYTES
+        return _native.CONTROL_BYTES
 
     @property
     def reserved_bytes(self) -> int:
@@ -39,30 +58,58 @@ class HostGroupMemory:
             _native.abort_group(self.control_address, reason, detail)
 
     def close(self) -> None:
-        """Drop the daemon's references; ranks' mappings keep the pages until they unmap."""
+        """Drop the daemon's references; ranks' mappings keep the memory until they unmap it."""
         if self.closed:
             return
         self.closed = True
         try:
             host_memory.unmap_segment(self.control_address, self.control_bytes)
+            for mapping in self.device_mappings:
+                _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
         finally:
             for fd in self.descriptors():
                 os.close(fd)
 
 
-def allocate_host_group(name: str, world_size: int, slot_bytes: int) -> HostGroupMemory:
-    made: list[int] = []
+def host_buffer_bytes(slot_bytes: int) -> int:
+    return _native.shm_buffer_bytes(slot_bytes)
+
+
+def cuda_buffer_bytes(slot_bytes: int, device: int) -> int:
+    return _native.cuda_vmm_rounded_size(device, _native.cuda_buffer_bytes(slot_bytes))
+
+
+def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> GroupMemory:
+    """Allocate a group whose rank r lives on `devices[r]`: None for a CPU rank (then all are
+    None), else the daemon's CUDA index of the rank's GPU."""
+    made_fds: list[int] = []
+    mappings: list[DeviceMapping] = []
     try:
-        control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.SHM_CONTROL_BYTES)
-        made.append(control_fd)
-        buffer_bytes = _native.shm_buffer_bytes(slot_bytes)
-        for rank in range(world_size):
-            made.append(host_memory.create_segment(f"nodecomm:{name}:rank{rank}", buffer_bytes))
-        control_address = host_memory.map_segment(control_fd, _native.SHM_CONTROL_BYTES)
-    except (MemoryError, OSError) as error:
-        for fd in made:
+        control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.CONTROL_BYTES)
+        made_fds.append(control_fd)
+        if devices[0] is None:
+            kind, buffer_bytes = pb.HOST_MEMFD, host_buffer_bytes(slot_bytes)
+            for rank in range(len(devices)):
+                made_fds.append(host_memory.create_segment(f"nodecomm:{name}:rank{rank}", buffer_bytes))
+        else:
+            kind, buffer_bytes = pb.CUDA_VMM_FD, max(cuda_buffer_bytes(slot_bytes, d) for d in devices)
+            for device in devices:
+                fd, address, size = _native.cuda_vmm_allocate(device, buffer_bytes)
+                made_fds.append(fd)
+                mappings.append(DeviceMapping(address, size))
+                if size != buffer_bytes:
+                    raise ResourceExhaustedError(
+                        f"GPU {device} rounded a {buffer_bytes}-byte buffer to {size}; every rank's buffer "
+                        "must have one size"
+                    )
+        control_address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
+    except (MemoryError, OSError, NodecommError) as error:
+        for mapping in mappings:
+            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+        for fd in made_fds:
             os.close(fd)
+        where = "host" if devices[0] is None else f"GPUs {sorted(set(devices))}"
         raise ResourceExhaustedError(
-            f"allocating {world_size} x {slot_bytes}-byte slot buffers failed: {error}", group=name
+            f"allocating {len(devices)} buffers for {slot_bytes}-byte slots on {where} failed: {error}", group=name
         ) from None
-    return HostGroupMemory(control_fd, control_address, made[1:], buffer_bytes)
+    return GroupMemory(kind, control_fd, control_address, made_fds[1:], buffer_bytes, mappings)

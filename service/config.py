@@ -23,9 +23,15 @@ from nodecomm.thresholds import BOUNDARY_NAMES
 
 ENV_PREFIX = "NODECOMM_"
 
-# Tuned defaults live here. oneshot_max_bytes for CPU groups was read off `nodecomm bench --device
-# cpu --world-size 2` on a 2-core machine: oneshot wins below the crossover, twoshot above it.
-DEFAULT_CPU_ONESHOT_MAX_BYTES = 32 << 10
+# Built-in boundaries per device kind, the last word when neither an override nor calibration
+# sets one. CPU: oneshot_max_bytes was read off `nodecomm bench --device cpu --world-size 2` on a
+# 2-core machine (oneshot wins below it, twoshot above); CPU groups have no DMA path. CUDA:
+# oneshot for latency-bound sizes, copy engines from 6 MiB, and between them NCCL where the ranks
+# pass an NCCL group (twoshot otherwise) until calibration measures the machine.
+DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
+    "cpu": {"oneshot_max_bytes": 32 << 10},
+    "cuda": {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +54,9 @@ class DaemonConfig:
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
     drain_grace_seconds: float = 5.0
+    # Let the ranks of one CUDA group share a GPU: for development and tests on a one-GPU machine,
+    # where several rank processes then stand in for several GPUs.
+    allow_shared_devices: bool = False
     log_level: str = "INFO"
     log_format: str = "json"
     # Boundary overrides: absent means "not overridden"; None means "switched off".
@@ -123,6 +132,15 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             if size is None:
                 raise ValueError("a limit cannot be switched off")
             return size
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError("expected true/false, yes/no, on/off or 1/0")
         if kind == "int":
             return int(value)
         if kind == "float":

@@ -30,8 +30,8 @@ from nodecomm.errors import (
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import HostGroupMemory, allocate_host_group
-from .config import DEFAULT_CPU_ONESHOT_MAX_BYTES, DaemonConfig
+from .allocator import GroupMemory, allocate_group
+from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .metrics import DaemonMetrics, size_bucket
 
@@ -51,6 +51,7 @@ class JoinArgs:
     capacity_bytes: int
     dtypes: tuple[int, ...]
     pid: int
+    nccl_fallback: bool
 
     @classmethod
     def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
@@ -62,10 +63,11 @@ class JoinArgs:
             capacity_bytes=request.geometry.capacity_bytes,
             dtypes=tuple(sorted(set(request.geometry.dtypes))),
             pid=request.pid,
+            nccl_fallback=request.nccl_fallback,
         )
 
     # The fields every rank must agree on, with how to show a value in an error.
-    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes")
+    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback")
 
     @property
     def device_kind(self) -> str:
@@ -78,7 +80,7 @@ class JoinArgs:
         return str(value)
 
 
-def validate_join(args: JoinArgs, config: DaemonConfig) -> None:
+def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None:
     where = dict(group=args.group or None, rank=args.rank)
     if not _GROUP_NAME.fullmatch(args.group):
         raise InvalidArgumentError(
@@ -91,10 +93,13 @@ def validate_join(args: JoinArgs, config: DaemonConfig) -> None:
         raise InvalidArgumentError(
             f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where
         )
-    if args.device != "cpu":
+    if args.device != "cpu" and args.device not in gpus:
+        seen = f"the GPUs it sees are {gpus}" if gpus else "it sees no GPUs (no CUDA build, driver or device)"
         raise InvalidArgumentError(
-            f"device {args.device!r}: this daemon serves CPU groups only; expected 'cpu'", **where
+            f"device {args.device[:80]!r}: expected 'cpu' or the UUID of a GPU this daemon sees; {seen}", **where
         )
+    if args.device == "cpu" and args.nccl_fallback:
+        raise InvalidArgumentError("nccl_fallback applies to CUDA groups; a CPU group has no NCCL path", **where)
     if args.capacity_bytes < 64:
         raise InvalidArgumentError(f"geometry.capacity_bytes {args.capacity_bytes}: expected at least 64", **where)
     if args.capacity_bytes > config.max_capacity_bytes:
@@ -147,7 +152,7 @@ class Group:
     name: str
     group_id: int
     args: JoinArgs  # rank 0's, which every rank agreed with
-    memory: HostGroupMemory
+    memory: GroupMemory
     table: DispatchTable
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
@@ -159,8 +164,16 @@ class Group:
 
 
 class GroupRegistry:
-    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, claims: ClaimTable, descriptor_socket: str):
+    def __init__(
+        self,
+        config: DaemonConfig,
+        metrics: DaemonMetrics,
+        claims: ClaimTable,
+        descriptor_socket: str,
+        gpus: list[str],
+    ):
         self.config = config
+        self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
         self.metrics = metrics
         self.claims = claims
         self.descriptor_socket = descriptor_socket
@@ -169,26 +182,37 @@ class GroupRegistry:
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self._draining = False
         self._table_epoch = 0
-        for boundary in self.default_boundaries().values():
-            if boundary.value_bytes is not None:
-                metrics.threshold.labels(boundary.name, boundary.source.value).set(boundary.value_bytes)
+        for kind in DEFAULT_BOUNDARIES:
+            for boundary in self.default_boundaries(kind).values():
+                if boundary.value_bytes is not None:
+                    metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
 
     # -- thresholds ----------------------------------------------------------------------------
 
-    def default_boundaries(self) -> dict[str, Boundary]:
-        """CPU groups: oneshot up to the crossover, twoshot beyond. Overrides win over defaults."""
-        name = "oneshot_max_bytes"
-        if name in self.config.overrides:
-            return {name: Boundary(name, self.config.overrides[name], Source.OVERRIDE)}
-        return {name: Boundary(name, DEFAULT_CPU_ONESHOT_MAX_BYTES, Source.DEFAULT)}
+    def default_boundaries(self, device_kind: str) -> dict[str, Boundary]:
+        """The boundaries for a new group of `device_kind`: overrides win over built-in defaults.
+        CPU groups have no DMA path, so only oneshot_max_bytes applies to them."""
+        boundaries = {}
+        for name, default in DEFAULT_BOUNDARIES[device_kind].items():
+            if name in self.config.overrides:
+                boundaries[name] = Boundary(name, self.config.overrides[name], Source.OVERRIDE)
+            else:
+                boundaries[name] = Boundary(name, default, Source.DEFAULT)
+        return boundaries
 
-    def new_table(self) -> DispatchTable:
+    def _build_table(self, device_kind: str, nccl_fallback: bool, epoch: int) -> DispatchTable:
+        fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
+        return build_table(self.default_boundaries(device_kind), fallback, epoch)
+
+    def new_table(self, args: JoinArgs) -> DispatchTable:
         self._table_epoch += 1
-        return build_table(self.default_boundaries(), Path.TWOSHOT, self._table_epoch)
+        return self._build_table(args.device_kind, args.nccl_fallback, self._table_epoch)
 
-    def table_for(self, name: str) -> DispatchTable:
+    def table_for(self, name: str, device_kind: str = "cpu", nccl_fallback: bool = False) -> DispatchTable:
         if not name:
-            return build_table(self.default_boundaries(), Path.TWOSHOT, 0)
+            if device_kind not in DEFAULT_BOUNDARIES:
+                raise InvalidArgumentError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
+            return self._build_table(device_kind, nccl_fallback and device_kind == "cuda", 0)
         group = self._active.get(name)
         if group is None:
             raise NotFoundError(f"no active group named {name!r}", group=name)
@@ -210,7 +234,7 @@ class GroupRegistry:
             raise DaemonUnavailableError(
                 "the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank
             )
-        validate_join(args, self.config)
+        validate_join(args, self.config, self.gpus)
         active = self._active.get(args.group)
         if active is not None:
             raise AlreadyExistsError(
@@ -272,6 +296,15 @@ class GroupRegistry:
                 return GroupMismatchError(
                     f"ranks disagree on {name}: {detail}; nothing was allocated", group=args.group
                 )
+        if args.device_kind == "cuda" and not self.config.allow_shared_devices:
+            for rank, arrival in forming.arrivals.items():
+                if arrival.args.device == args.device:
+                    return GroupMismatchError(
+                        f"ranks {min(rank, args.rank)} and {max(rank, args.rank)} both use {args.device}; "
+                        "each rank of a CUDA group needs its own GPU (allow_shared_devices lifts this for "
+                        "single-GPU development); nothing was allocated",
+                        group=args.group,
+                    )
         return None
 
     def _fail_forming(self, forming: FormingGroup, error: NodecommError) -> None:
@@ -296,7 +329,11 @@ class GroupRegistry:
         first = forming.arrivals[0].args
         try:
             self._check_quota(first)
-            memory = allocate_host_group(first.group, first.world_size, first.capacity_bytes)
+            devices = [
+                None if a.args.device == "cpu" else self.gpus.index(a.args.device)
+                for _, a in sorted(forming.arrivals.items())
+            ]
+            memory = allocate_group(first.group, first.capacity_bytes, devices)
         except ResourceExhaustedError as error:
             self._fail_forming(forming, error)
             del self._forming[forming.name]
@@ -307,7 +344,7 @@ class GroupRegistry:
             group_id=group_id,
             args=first,
             memory=memory,
-            table=self.new_table(),
+            table=self.new_table(first),
             members={r: Member(r) for r in forming.arrivals},
         )
         del self._forming[forming.name]
@@ -321,7 +358,7 @@ class GroupRegistry:
                 group_id=group_id,
                 claim_token=token,
                 descriptor_socket=self.descriptor_socket,
-                memory_kind=pb.HOST_MEMFD,
+                memory_kind=memory.memory_kind,
                 control=pb.Segment(owner_rank=-1, size_bytes=memory.control_bytes),
                 thresholds=group.table.to_proto(),
                 timing_sample_period=self.config.timing_sample_period,
@@ -330,7 +367,7 @@ class GroupRegistry:
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
             arrival.future.set_result(reply)
-        self.metrics.reserved.labels("host").inc(memory.reserved_bytes)
+        self.metrics.reserved.labels(memory.kind_label).inc(memory.reserved_bytes)
         self._update_gauges()
         asyncio.get_running_loop().call_later(self.config.session_grace_seconds, self._check_sessions, group_id)
         log.info(
@@ -345,7 +382,11 @@ class GroupRegistry:
         )
 
     def _check_quota(self, args: JoinArgs) -> None:
-        needed = _native.SHM_CONTROL_BYTES + args.world_size * _native.shm_buffer_bytes(args.capacity_bytes)
+        if args.device_kind == "cpu":
+            buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
+        else:
+            buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
+        needed = _native.CONTROL_BYTES + args.world_size * buffer_bytes
         reserved = sum(g.memory.reserved_bytes for g in self._groups.values())
         if reserved + needed > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(
@@ -447,7 +488,7 @@ class GroupRegistry:
             if self._active.get(group.name) is group:
                 del self._active[group.name]
             del self._groups[group.group_id]
-            self.metrics.reserved.labels("host").dec(group.memory.reserved_bytes)
+            self.metrics.reserved.labels(group.memory.kind_label).dec(group.memory.reserved_bytes)
             self.claims.drop_group(group.group_id)
             group.memory.close()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})

@@ -34,8 +34,8 @@ class DaemonMetrics:
         )
         self.threshold = Gauge(
             "nodecomm_threshold_bytes",
-            "Boundary in force for new groups (absent when off).",
-            ["boundary", "source"],
+            "Boundary in force for new groups of a device kind (absent when off).",
+            ["device_kind", "boundary", "source"],
             registry=r,
         )
         self.sampled_ops = Counter(
@@ -60,3 +60,4 @@ class DaemonMetrics:
         for state in ("joining", "active", "aborted"):
             self.groups.labels(state)
         self.reserved.labels("host")
+        self.reserved.labels("cuda")

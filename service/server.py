@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from nodecomm import _native
 from nodecomm.errors import NodecommError, status_code_for
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -108,7 +109,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
-        return self.registry.table_for(request.group).to_proto()
+        return self.registry.table_for(request.group, request.device_kind or "cpu", request.nccl_fallback).to_proto()
 
     @rpc
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
@@ -133,13 +134,11 @@ def _prepare_socket_path(path: str) -> None:
 async def serve(config: DaemonConfig) -> int:
     metrics = DaemonMetrics()
     claims = ClaimTable()
-    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket)
+    gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
+    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus)
 
     _prepare_socket_path(config.socket)
     _prepare_socket_path(config.descriptor_socket)
-    for name in ("twoshot_max_bytes", "dma_min_bytes"):
-        if name in config.overrides:
-            log.warning("override applies to CUDA groups only; CPU groups ignore it", extra={"boundary": name})
     descriptors = DescriptorServer(
         config.descriptor_socket,
         claims,
@@ -200,7 +199,10 @@ async def serve(config: DaemonConfig) -> int:
             "tcp_address": config.tcp_address or None,
             "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
             "pid": os.getpid(),
-            "thresholds": [b.describe() for b in registry.default_boundaries().values()],
+            "gpus": gpus,
+            "thresholds": {
+                kind: [b.describe() for b in registry.default_boundaries(kind).values()] for kind in ("cpu", "cuda")
+            },
         },
     )
     await stop.wait()

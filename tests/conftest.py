@@ -246,12 +246,23 @@ def stub_for(daemon):
     return channel, pb_grpc.ControlStub(channel)
 
 
-def join_request(group="g", rank=0, world_size=2, capacity=1 << 20, dtypes=(pb.FLOAT32,), timeout=5.0, pid=None):
+def join_request(
+    group="g",
+    rank=0,
+    world_size=2,
+    capacity=1 << 20,
+    dtypes=(pb.FLOAT32,),
+    timeout=5.0,
+    pid=None,
+    device="cpu",
+    nccl=False,
+):
     return pb.JoinRequest(
         group=group,
         rank=rank,
         world_size=world_size,
-        device="cpu",
+        device=device,
+        nccl_fallback=nccl,
         geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes),
         pid=pid or os.getpid(),
         join_timeout_seconds=timeout,

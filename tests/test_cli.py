@@ -85,3 +85,18 @@ def test_reflection_and_tcp_listener_on_loopback(make_daemon):
         assert {"nodecomm.v1.Control", "grpc.health.v1.Health"} <= services
         assert pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
     assert daemon.healthy()
+
+
+def test_cuda_tables_for_new_groups(make_daemon):
+    """The built-in CUDA table (no GPU needed to ask): oneshot, then NCCL or twoshot, then DMA from
+    6 MiB; an override moves a boundary for CUDA groups too."""
+    daemon = make_daemon(env={"NODECOMM_DMA_MIN_BYTES": "16MiB"})
+    plain = json.loads(nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda", "--json").stdout)
+    assert [(r["to"], r["path"]) for r in plain["ranges"]] == [
+        ("256KiB", "oneshot"),
+        ("16777215", "twoshot"),
+        ("inf", "dma"),
+    ]
+    with_nccl = nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda", "--nccl")
+    assert "new CUDA groups with an NCCL group" in with_nccl.stdout
+    assert "-> nccl" in with_nccl.stdout and "dma_min_bytes=16MiB (override)" in with_nccl.stdout

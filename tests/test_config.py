@@ -28,6 +28,7 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
         ([], {"NODECOMM_ONESHOT_MAX_BYTES": "-5"}, "'-5'"),
         ([], {"NODECOMM_MAX_CAPACITY_BYTES": "lots"}, "lots"),
         (["--log-format", "xml"], {}, "log_format"),
+        ([], {"NODECOMM_ALLOW_SHARED_DEVICES": "maybe"}, "expected true/false"),
     ],
 )
 def test_bad_values_name_the_setting(argv, env, message):
@@ -44,3 +45,12 @@ def test_unknown_file_setting(tmp_path):
 
 def test_loopback_tcp_allowed():
     assert load_config(["--tcp-address", "127.0.0.1:50051"], {}).tcp_address == "127.0.0.1:50051"
+
+
+def test_boolean_settings():
+    assert load_config([], {}).allow_shared_devices is False
+    assert load_config([], {"NODECOMM_ALLOW_SHARED_DEVICES": "yes"}).allow_shared_devices is True
+    assert (
+        load_config(["--allow-shared-devices", "false"], {"NODECOMM_ALLOW_SHARED_DEVICES": "1"}).allow_shared_devices
+        is False
+    )

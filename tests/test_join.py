@@ -73,6 +73,9 @@ def test_join_deadline_names_missing_ranks(daemon):
         ({"dtypes": ()}, grpc.StatusCode.INVALID_ARGUMENT, "geometry.dtypes"),
         ({"dtypes": (42,)}, grpc.StatusCode.INVALID_ARGUMENT, "geometry.dtypes [42]"),
         ({"pid": -5}, grpc.StatusCode.INVALID_ARGUMENT, "pid -5"),
+        ({"device": "cuda:0"}, grpc.StatusCode.INVALID_ARGUMENT, "expected 'cpu' or the UUID of a GPU"),
+        ({"device": "GPU-00000000-0000-0000-0000-000000000000"}, grpc.StatusCode.INVALID_ARGUMENT, "GPU"),
+        ({"nccl": True}, grpc.StatusCode.INVALID_ARGUMENT, "nccl_fallback applies to CUDA groups"),
     ],
 )
 def test_bad_join_requests(daemon, request_kwargs, code, text):
@@ -147,3 +150,20 @@ def test_claim_from_another_process_is_refused(daemon):
         reply = stub.Join(join_request(group="solo", world_size=1, pid=1), timeout=10)
     with pytest.raises(PermissionError, match="issued to pid 1"):
         claim_descriptors(reply.descriptor_socket, reply.claim_token, 8, 5.0)
+
+
+@pytest.mark.parametrize(
+    "device, text",
+    [
+        ("tpu:0", "expected 'cpu', 'cuda' or 'cuda:N'"),
+        ("not a device", "expected 'cpu', 'cuda' or 'cuda:N'"),
+        ("cuda:99", "device 'cuda:99'"),
+    ],
+)
+def test_connect_refuses_devices_it_cannot_serve(daemon, device, text):
+    import nodecomm
+
+    with pytest.raises(nodecomm.InvalidArgumentError, match=text):
+        nodecomm.connect("dev", 0, 1, device=device, socket=daemon.socket, timeout=5)
+    with pytest.raises(nodecomm.InvalidArgumentError, match="a CPU group has no NCCL path"):
+        nodecomm.connect("dev", 0, 1, socket=daemon.socket, timeout=5, nccl_group=object())

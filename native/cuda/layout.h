@@ -1,12 +1,13 @@
 // layout.h — one rank's device buffer, as every CUDA path sees it (host and device code).
 //
-//   [0, 64)                       abort word (written by the daemon; 0 while the group is healthy)
-//   [64, 128)                     error record: code, the rank waited for, the epoch (first error wins)
-//   [128, +kMaxBlocks*16)         per block: launches (picks the slot) and barriers passed, both
+//   [0, kMaxBlocks*16)            per block: launches (picks the slot) and barriers passed, both
 //                                 advanced only by this rank's block
 //   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
 //                                 its epoch into flags[b][p] of every rank's buffer
-//   slots                         two staging slots of slot_bytes each (rounded to 256)
+//   slots                         two staging slots of slot_stride bytes each; the dma path stages
+//                                 in slot 0 and pulls peers' segments into slot 1
+// The group's abort word and the ranks' error records live in its control segment (../control.h),
+// host memory mapped into the device, so the daemon and the host read and write them directly.
 #pragma once
 
 #include <cstddef>
@@ -16,18 +17,16 @@ namespace nodecomm::cuda {
 
 constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
-constexpr std::size_t kAbortOffset = 0;
-constexpr std::size_t kErrorOffset = 64;
-constexpr std::size_t kCounterOffset = 128;
+constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
 constexpr std::size_t kSlotOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+// dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.
+constexpr std::size_t kSegmentAlign = 256;
+constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;
 
-// Error codes in the error record.
-constexpr std::uint64_t kErrorNone = 0;
-constexpr std::uint64_t kErrorTimeout = 1;
-constexpr std::uint64_t kErrorAborted = 2;
-
-inline constexpr std::size_t slot_stride(std::size_t slot_bytes) { return (slot_bytes + 255) / 256 * 256; }
+inline constexpr std::size_t slot_stride(std::size_t slot_bytes) {
+  return (slot_bytes + kSlotSlack + 255) / 256 * 256;
+}
 inline constexpr std::size_t buffer_bytes(std::size_t slot_bytes) { return kSlotOffset + 2 * slot_stride(slot_bytes); }
 
 }  // namespace nodecomm::cuda

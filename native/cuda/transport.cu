@@ -1,36 +1,44 @@
-// transport.cu — the CUDA all-reduce kernels, instantiated per element type and world size,
-// behind the C-style ABI of all_reduce.h.
+// transport.cu — the CUDA collectives of collectives.h, instantiated per element type and world
+// size.
 //
-// Per block b of every rank:
-//   1. launch = ++launches[b] (device memory: consecutive launches and graph replays alternate
-//      slots without host patching); copy this block's share of the input into slot (launch & 1)
-//   2. block-pair barrier: store ++barriers[b] into flags[b][rank] of every rank (release, system
-//      scope), wait until flags[b][p] reaches it for every p (acquire), bounded by the timeout and
-//      the abort word
-//   3. oneshot: sum the share of every rank's slot in rank order, round once, write the output.
-//      twoshot: reduce segment `rank` of the share into this rank's slot and the output, barrier
-//      again, copy the other segments from their owners' slots.
-// Block b only reads what block b of each peer wrote, so block pairs suffice. A slot is rewritten
-// two launches later only after every peer's block b has passed a barrier of the launch between,
-// which it reaches after finishing its reads of that slot.
+// Barriers are block pairs: block b of rank p stores ++barriers[b] (its own counter, in device
+// memory) into flags[b][p] of every rank's buffer (release, system scope) and waits until
+// flags[b][q] reaches it for every q (acquire). Block b only reads what block b of each peer
+// wrote, so block pairs suffice. Waits are bounded by the timeout and the group's abort word; a
+// rank that times out records why and aborts the group, so every peer stops too.
+//
+// Kernel paths (oneshot, twoshot) pick the slot from ++launches[b], so consecutive launches and
+// graph replays alternate slots without host patching. A slot is rewritten two launches later
+// only after every peer's block b has passed a barrier of the launch between, which it reaches
+// after finishing its reads of that slot. The copy paths (dma, all_gather) address fixed slots,
+// since copies captured in a graph keep their addresses: a barrier before staging and one after
+// the last read fence them off from whatever runs before and after.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
+#include <type_traits>
 
+#include "../control.h"
 #include "../errors.h"
+#include "collectives.h"
 #include "driver.h"
 #include "layout.h"
-#include "all_reduce.h"
 
 namespace nodecomm::cuda {
 namespace {
 
 constexpr int kThreads = 512;
+constexpr int kSignalThreads = 32;  // one warp: at most kMaxRanks peers to signal and wait for
+constexpr int kReduceMaxBlocks = 132;
+// The dma path pulls its segment from the peers in chunks of this many bytes per peer: the
+// reduction of one chunk overlaps the copies of the next.
+constexpr std::size_t kDmaChunkBytes = 1 << 20;
 
 template <int N>
-struct Buffers {
+struct Peers {
   std::uint8_t* rank[N];
 };
 
@@ -45,9 +53,11 @@ __device__ __forceinline__ std::uint64_t load_acquire(const std::uint64_t* addre
 }
 
 __device__ __forceinline__ std::uint64_t load_volatile(const std::uint64_t* address) {
-  std::uint64_t value;
-  asm volatile("ld.volatile.global.u64 %0, [%1];" : "=l"(value) : "l"(address));
-  return value;
+  return *reinterpret_cast<const volatile std::uint64_t*>(address);
+}
+
+__device__ __forceinline__ void store_volatile(std::uint64_t* address, std::uint64_t value) {
+  *reinterpret_cast<volatile std::uint64_t*>(address) = value;
 }
 
 __device__ __forceinline__ std::uint64_t now_ns() {
@@ -56,8 +66,8 @@ __device__ __forceinline__ std::uint64_t now_ns() {
   return t;
 }
 
-__device__ __forceinline__ std::uint64_t* word(std::uint8_t* buffer, std::size_t offset) {
-  return reinterpret_cast<std::uint64_t*>(buffer + offset);
+__device__ __forceinline__ std::uint64_t* word(std::uint8_t* base, std::size_t offset) {
+  return reinterpret_cast<std::uint64_t*>(base + offset);
 }
 
 __device__ __forceinline__ float widen(float x) { return x; }
@@ -68,21 +78,29 @@ template <> __device__ __forceinline__ float narrow<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half narrow<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
-// Record the first error in this rank's buffer.
-__device__ void record_error(std::uint8_t* mine, std::uint64_t code, int peer, std::uint64_t epoch) {
-  std::uint64_t* record = word(mine, kErrorOffset);
-  if (atomicCAS(reinterpret_cast<unsigned long long*>(record), 0ull, (unsigned long long)code) == 0) {
-    record[1] = std::uint64_t(peer);
-    record[2] = epoch;
+// Record why this rank stopped (the first record stays) in the control segment, where the host
+// reads it; a timeout also aborts the group. Host memory takes no device atomics on PCIe hosts,
+// so "first" is best effort: every record and reason written is a true one.
+__device__ void fail(std::uint8_t* control, int rank, std::uint64_t code, int peer, std::uint64_t epoch) {
+  std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
+  if (load_volatile(record) == control::kErrorNone) {
+    store_volatile(record + 1, std::uint64_t(peer));
+    store_volatile(record + 2, epoch);
     __threadfence_system();
+    store_volatile(record, code);
   }
+  if (code == control::kErrorTimeout && load_volatile(word(control, 0)) == 0) {
+    store_volatile(word(control, 0), (std::uint64_t(control::kStalled) << 32) | std::uint64_t(rank));
+  }
+  __threadfence_system();
 }
 
 // Block-pair barrier among block b of every rank. Returns false (after recording why) on a
 // timeout or an abort; every thread of the block gets the same answer.
 template <int N>
-__device__ bool block_pair_barrier(const Buffers<N>& buffers, int rank, std::uint64_t timeout_ns, int* failed) {
-  std::uint8_t* mine = buffers.rank[rank];
+__device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control, int rank, std::uint64_t timeout_ns,
+                                   int* failed) {
+  std::uint8_t* mine = peers.rank[rank];
   const int block = blockIdx.x;
   __shared__ std::uint64_t epoch_shared;
   __threadfence_system();  // this thread's writes before the signal
@@ -96,17 +114,23 @@ __device__ bool block_pair_barrier(const Buffers<N>& buffers, int rank, std::uin
   const std::uint64_t epoch = epoch_shared;
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
-    store_release(word(buffers.rank[peer], kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8), epoch);
+    store_release(word(peers.rank[peer], kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8), epoch);
     const std::uint64_t* flag = word(mine, kFlagOffset + (std::size_t(block) * kMaxRanks + peer) * 8);
-    const std::uint64_t started = now_ns();
-    while (load_acquire(flag) < epoch) {
-      if (load_volatile(word(mine, kAbortOffset)) != 0) {
-        record_error(mine, kErrorAborted, peer, epoch);
+    std::uint64_t started = 0;
+    // The abort word and the clock are read every 32 spins: the abort word is host memory, a
+    // PCIe round trip that would otherwise slow every wait.
+    for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
+      if (spins % 32 != 0) continue;
+      if (load_volatile(word(control, 0)) != 0) {
+        fail(control, rank, control::kErrorAborted, peer, epoch);
         *failed = 1;
         break;
       }
-      if (now_ns() - started > timeout_ns) {
-        record_error(mine, kErrorTimeout, peer, epoch);
+      const std::uint64_t now = now_ns();
+      if (started == 0) {
+        started = now;
+      } else if (now - started > timeout_ns) {
+        fail(control, rank, control::kErrorTimeout, peer, epoch);
         *failed = 1;
         break;
       }
@@ -117,21 +141,21 @@ __device__ bool block_pair_barrier(const Buffers<N>& buffers, int rank, std::uin
 }
 
 template <typename T, int N>
-__device__ __forceinline__ float sum_ranks(const Buffers<N>& buffers, std::size_t slot, std::size_t i) {
-  float acc = widen(reinterpret_cast<const T*>(buffers.rank[0] + slot)[i]);
+__device__ __forceinline__ float sum_ranks(const Peers<N>& peers, std::size_t slot, std::size_t i) {
+  float acc = widen(reinterpret_cast<const T*>(peers.rank[0] + slot)[i]);
 #pragma unroll
-  for (int r = 1; r < N; ++r) acc += widen(reinterpret_cast<const T*>(buffers.rank[r] + slot)[i]);
+  for (int r = 1; r < N; ++r) acc += widen(reinterpret_cast<const T*>(peers.rank[r] + slot)[i]);
   return acc;
 }
 
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Buffers<N> buffers, int rank, std::size_t slot_stride,
-                                                              const T* __restrict__ input, T* __restrict__ output,
-                                                              std::size_t count, Algorithm algorithm,
-                                                              std::uint64_t timeout_ns) {
+__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, std::uint8_t* control, int rank,
+                                                              std::size_t slot_stride, const T* __restrict__ input,
+                                                              T* __restrict__ output, std::size_t count,
+                                                              Algorithm algorithm, std::uint64_t timeout_ns) {
   __shared__ std::uint64_t launch_shared;
   __shared__ int failed;
-  std::uint8_t* mine = buffers.rank[rank];
+  std::uint8_t* mine = peers.rank[rank];
   if (threadIdx.x == 0) {
     std::uint64_t* launches = word(mine, kCounterOffset + std::size_t(blockIdx.x) * 16);
     launch_shared = *launches + 1;
@@ -147,85 +171,227 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Buffers<N> buffers
   const std::size_t end = min(count, begin + per);
   T* staged = reinterpret_cast<T*>(mine + slot);
   for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) staged[i] = input[i];
-  if (!block_pair_barrier(buffers, rank, timeout_ns, &failed)) return;
+  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
 
   if (algorithm == Algorithm::kOneshot) {
-    for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) output[i] = narrow<T>(sum_ranks<T, N>(buffers, slot, i));
+    for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) output[i] = narrow<T>(sum_ranks<T, N>(peers, slot, i));
     return;
   }
   const std::size_t segment = (end - begin + N - 1) / N;
   const std::size_t own_begin = min(end, begin + std::size_t(rank) * segment);
   const std::size_t own_end = min(end, own_begin + segment);
   for (std::size_t i = own_begin + threadIdx.x; i < own_end; i += blockDim.x) {
-    const T value = narrow<T>(sum_ranks<T, N>(buffers, slot, i));
+    const T value = narrow<T>(sum_ranks<T, N>(peers, slot, i));
     staged[i] = value;
     output[i] = value;
   }
-  if (!block_pair_barrier(buffers, rank, timeout_ns, &failed)) return;
+  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
   for (int r = 0; r < N; ++r) {
     if (r == rank) continue;
     const std::size_t lo = min(end, begin + std::size_t(r) * segment), hi = min(end, lo + segment);
-    const T* owner = reinterpret_cast<const T*>(buffers.rank[r] + slot);
+    const T* owner = reinterpret_cast<const T*>(peers.rank[r] + slot);
     for (std::size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) output[i] = owner[i];
   }
 }
 
+// One block-pair barrier on block 0's counters: the signal between the copy paths' steps.
+template <int N>
+__global__ void signal_kernel(Peers<N> peers, std::uint8_t* control, int rank, std::uint64_t timeout_ns) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  block_pair_barrier(peers, control, rank, timeout_ns, &failed);
+}
+
+// dma: elements [lo, lo + n) of this rank's segment [own_begin, ...): this rank's values are in
+// slot 0, peer p's were pulled into slot 1 at (p < rank ? p : p - 1) * segment. The sum goes to
+// slot 0, where peers gather it from, and to the output.
 template <typename T, int N>
-void launch(const std::uintptr_t* addresses, int rank, std::size_t slot_bytes, std::uintptr_t input,
-            std::uintptr_t output, std::size_t count, Algorithm algorithm, std::uint64_t timeout_ns,
-            cudaStream_t stream) {
-  Buffers<N> buffers;
-  for (int r = 0; r < N; ++r) buffers.rank[r] = reinterpret_cast<std::uint8_t*>(addresses[r]);
-  // The grid follows from the count alone, so every rank launches the same one.
-  const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
-  const int blocks = int(wanted < 1 ? 1 : (wanted > kMaxBlocks ? kMaxBlocks : wanted));
-  all_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(buffers, rank, slot_stride(slot_bytes),
-                                                            reinterpret_cast<const T*>(input),
-                                                            reinterpret_cast<T*>(output), count, algorithm, timeout_ns);
+__global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, int rank, std::size_t slot_stride,
+                                                              std::size_t own_begin, std::size_t lo, std::size_t n,
+                                                              std::size_t segment, T* __restrict__ output) {
+  std::uint8_t* mine = peers.rank[rank];
+  T* staged = reinterpret_cast<T*>(mine + kSlotOffset);
+  const T* pulled = reinterpret_cast<const T*>(mine + kSlotOffset + slot_stride);
+  const std::size_t step = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t k = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += step) {
+    const std::size_t i = lo + k, local = i - own_begin;
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      const float value = widen(r == rank ? staged[i] : pulled[std::size_t(r < rank ? r : r - 1) * segment + local]);
+      acc = r == 0 ? value : acc + value;
+    }
+    const T sum = narrow<T>(acc);
+    staged[i] = sum;
+    output[i] = sum;
+  }
+}
+
+template <int N>
+Peers<N> peers_of(const GroupView& group) {
+  Peers<N> peers;
+  for (int r = 0; r < N; ++r) peers.rank[r] = reinterpret_cast<std::uint8_t*>(group.buffers[r]);
+  return peers;
+}
+
+std::uint64_t timeout_ns(double seconds) { return std::uint64_t(seconds * 1e9); }
+
+template <int N>
+void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t timeout, cudaStream_t stream) {
+  signal_kernel<N><<<1, kSignalThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
+                                                     group.rank, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
-template <typename T>
-void launch_for_world(int world_size, const std::uintptr_t* addresses, int rank, std::size_t slot_bytes,
-                      std::uintptr_t input, std::uintptr_t output, std::size_t count, Algorithm algorithm,
-                      std::uint64_t timeout_ns, cudaStream_t stream) {
+void copy(void* to, const void* from, std::size_t nbytes, cudaStream_t stream) {
+  if (nbytes != 0) NODECOMM_CUDA(cudaMemcpyAsync(to, from, nbytes, cudaMemcpyDeviceToDevice, stream));
+}
+
+template <typename T, int N>
+void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, Algorithm algorithm,
+                       std::uint64_t timeout, cudaStream_t stream) {
+  // The grid follows from the count alone, so every rank launches the same one.
+  const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
+  const int blocks = int(std::clamp<std::size_t>(wanted, 1, kMaxBlocks));
+  all_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group),
+                                                            reinterpret_cast<std::uint8_t*>(group.control), group.rank,
+                                                            slot_stride(group.slot_bytes), input, output, count,
+                                                            algorithm, timeout);
+  NODECOMM_CUDA(cudaGetLastError());
+}
+
+template <typename T, int N>
+void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, std::uint64_t timeout,
+                    cudaStream_t stream, const CopyPipeline& pipeline) {
+  const Peers<N> peers = peers_of<N>(group);
+  const int rank = group.rank;
+  const std::size_t stride = slot_stride(group.slot_bytes);
+  const std::size_t align = kSegmentAlign / sizeof(T);
+  const std::size_t segment = ((count + N - 1) / N + align - 1) / align * align;
+  NODECOMM_CHECK((N - 1) * segment * sizeof(T) <= stride, "dma segments exceed the scratch slot");
+  auto begin_of = [&](int r) { return std::min(count, std::size_t(r) * segment); };
+  auto end_of = [&](int r) { return std::min(count, begin_of(r) + segment); };
+  T* staged = reinterpret_cast<T*>(peers.rank[rank] + kSlotOffset);
+  T* pulled = reinterpret_cast<T*>(peers.rank[rank] + kSlotOffset + stride);
+
+  signal<N>(group, peers, timeout, stream);  // peers are done with whatever read our slots before
+  copy(staged, input, count * sizeof(T), stream);
+  signal<N>(group, peers, timeout, stream);  // every rank has staged
+  const std::size_t own_begin = begin_of(rank), own_end = end_of(rank);
+  if (own_end > own_begin) {
+    NODECOMM_CUDA(cudaEventRecord(pipeline.fork, stream));
+    NODECOMM_CUDA(cudaStreamWaitEvent(pipeline.copy_stream, pipeline.fork, 0));
+    const std::size_t chunk = kDmaChunkBytes / sizeof(T);
+    for (std::size_t lo = own_begin; lo < own_end; lo += chunk) {
+      const std::size_t n = std::min(chunk, own_end - lo);
+      for (int p = 0; p < N; ++p) {
+        if (p == rank) continue;
+        const T* theirs = reinterpret_cast<const T*>(peers.rank[p] + kSlotOffset) + lo;
+        copy(pulled + std::size_t(p < rank ? p : p - 1) * segment + (lo - own_begin), theirs, n * sizeof(T),
+             pipeline.copy_stream);
+      }
+      NODECOMM_CUDA(cudaEventRecord(pipeline.ready, pipeline.copy_stream));
+      NODECOMM_CUDA(cudaStreamWaitEvent(stream, pipeline.ready, 0));
+      const int blocks = int(std::clamp<std::size_t>((n + kThreads * 4 - 1) / (kThreads * 4), 1, kReduceMaxBlocks));
+      dma_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment, output);
+      NODECOMM_CUDA(cudaGetLastError());
+    }
+  }
+  signal<N>(group, peers, timeout, stream);  // every segment is reduced
+  for (int p = 0; p < N; ++p) {
+    if (p == rank) continue;
+    const std::size_t lo = begin_of(p), hi = end_of(p);
+    copy(output + lo, reinterpret_cast<const T*>(peers.rank[p] + kSlotOffset) + lo, (hi - lo) * sizeof(T), stream);
+  }
+  signal<N>(group, peers, timeout, stream);  // nobody reads our slots any more
+}
+
+template <typename T, int N>
+void all_reduce_typed(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+                      Algorithm algorithm, std::uint64_t timeout, cudaStream_t stream, const CopyPipeline& pipeline) {
+  const auto* in = reinterpret_cast<const T*>(input);
+  auto* out = reinterpret_cast<T*>(output);
+  if (algorithm == Algorithm::kDma) return dma_all_reduce<T, N>(group, in, out, count, timeout, stream, pipeline);
+  kernel_all_reduce<T, N>(group, in, out, count, algorithm, timeout, stream);
+}
+
+// Calls fn(std::integral_constant<int, world_size>{}): the world size as a compile-time constant.
+template <typename Fn>
+void for_world(int world_size, Fn&& fn) {
   switch (world_size) {
-#define NODECOMM_WORLD(n) \
-  case n: return launch<T, n>(addresses, rank, slot_bytes, input, output, count, algorithm, timeout_ns, stream);
-    NODECOMM_WORLD(1) NODECOMM_WORLD(2) NODECOMM_WORLD(3) NODECOMM_WORLD(4) NODECOMM_WORLD(5) NODECOMM_WORLD(6)
-    NODECOMM_WORLD(7) NODECOMM_WORLD(8) NODECOMM_WORLD(16)
-#undef NODECOMM_WORLD
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+    case 16: return fn(std::integral_constant<int, 16>{});
   }
   NODECOMM_RAISE(kInvalidArgument, "CUDA paths support world sizes 1-8 and 16, got " + std::to_string(world_size));
 }
 
-}  // namespace
-
-void all_reduce(const std::uintptr_t* buffers, int world_size, int rank, std::size_t slot_bytes,
-                std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype, Algorithm algorithm,
-                double timeout_s, std::uintptr_t stream) {
-  NODECOMM_CHECK(rank >= 0 && rank < world_size, "rank out of range");
-  NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
-                 "unknown algorithm code " + std::to_string(int(algorithm)));
-  const std::size_t element = dtype == 1 ? 4 : 2;
-  NODECOMM_CHECK(count * element <= slot_bytes, "payload of " + std::to_string(count * element) +
-                                                    " bytes exceeds the slot of " + std::to_string(slot_bytes));
-  if (count == 0) return;
-  const auto timeout_ns = std::uint64_t(timeout_s * 1e9);
-  const auto s = reinterpret_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case 1: return launch_for_world<float>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm, timeout_ns, s);
-    case 2: return launch_for_world<__half>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm, timeout_ns, s);
-    case 3:
-      return launch_for_world<__nv_bfloat16>(world_size, buffers, rank, slot_bytes, input, output, count, algorithm,
-                                             timeout_ns, s);
-  }
-  NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(dtype));
+void check_group(const GroupView& group) {
+  NODECOMM_CHECK(group.rank >= 0 && group.rank < group.world_size, "rank out of range");
+  NODECOMM_CHECK(group.control != 0, "control segment address is null");
 }
 
-void read_error(std::uintptr_t buffer, std::uint64_t record[3]) {
-  NODECOMM_CUDA(cudaDeviceSynchronize());
-  NODECOMM_CUDA(cudaMemcpy(record, reinterpret_cast<const void*>(buffer + kErrorOffset), 24, cudaMemcpyDeviceToHost));
+}  // namespace
+
+void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
+                Algorithm algorithm, double timeout_s, cudaStream_t stream, const CopyPipeline& pipeline) {
+  check_group(group);
+  NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot || algorithm == Algorithm::kDma,
+                 "unknown algorithm code " + std::to_string(int(algorithm)));
+  NODECOMM_CHECK(dtype >= 1 && dtype <= 3, "unknown dtype code " + std::to_string(dtype));
+  const std::size_t element = dtype == 1 ? 4 : 2;
+  NODECOMM_CHECK(count * element <= group.slot_bytes, "payload of " + std::to_string(count * element) +
+                                                          " bytes exceeds the slot of " +
+                                                          std::to_string(group.slot_bytes));
+  if (count == 0) return;
+  const std::uint64_t timeout = timeout_ns(timeout_s);
+  for_world(group.world_size, [&](auto world) {
+    constexpr int N = decltype(world)::value;
+    switch (dtype) {
+      case 1: return all_reduce_typed<float, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
+      case 2: return all_reduce_typed<__half, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
+      default:
+        return all_reduce_typed<__nv_bfloat16, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
+    }
+  });
+}
+
+void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
+                std::size_t output_stride, double timeout_s, cudaStream_t stream) {
+  check_group(group);
+  NODECOMM_CHECK(nbytes <= group.slot_bytes,
+                 "payload of " + std::to_string(nbytes) + " bytes exceeds the slot of " +
+                     std::to_string(group.slot_bytes));
+  if (nbytes == 0) return;
+  const std::uint64_t timeout = timeout_ns(timeout_s);
+  for_world(group.world_size, [&](auto world) {
+    constexpr int N = decltype(world)::value;
+    const Peers<N> peers = peers_of<N>(group);
+    signal<N>(group, peers, timeout, stream);
+    copy(peers.rank[group.rank] + kSlotOffset, reinterpret_cast<const void*>(input), nbytes, stream);
+    signal<N>(group, peers, timeout, stream);
+    for (int p = 0; p < N; ++p) {
+      copy(reinterpret_cast<std::uint8_t*>(output) + std::size_t(p) * output_stride, peers.rank[p] + kSlotOffset,
+           nbytes, stream);
+    }
+    signal<N>(group, peers, timeout, stream);
+  });
+}
+
+void barrier(const GroupView& group, double timeout_s, cudaStream_t stream) {
+  check_group(group);
+  const std::uint64_t timeout = timeout_ns(timeout_s);
+  for_world(group.world_size, [&](auto world) {
+    constexpr int N = decltype(world)::value;
+    signal<N>(group, peers_of<N>(group), timeout, stream);
+  });
 }
 
 }  // namespace nodecomm::cuda

@@ -75,7 +75,7 @@ class Geometry(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds")
+    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +83,7 @@ class JoinRequest(_message.Message):
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     group: str
     rank: int
     world_size: int
@@ -90,7 +91,8 @@ class JoinRequest(_message.Message):
     geometry: Geometry
     pid: int
     join_timeout_seconds: float
-    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ...) -> None: ...
+    nccl_fallback: bool
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("owner_rank", "size_bytes")
@@ -217,10 +219,14 @@ class LeaveReply(_message.Message):
     def __init__(self) -> None: ...
 
 class GetThresholdsRequest(_message.Message):
-    __slots__ = ("group",)
+    __slots__ = ("group", "device_kind", "nccl_fallback")
     GROUP_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    NCCL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     group: str
-    def __init__(self, group: _Optional[str] = ...) -> None: ...
+    device_kind: str
+    nccl_fallback: bool
+    def __init__(self, group: _Optional[str] = ..., device_kind: _Optional[str] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
 
 class ListGroupsRequest(_message.Message):
     __slots__ = ()

@@ -1,0 +1,91 @@
+"""CudaTransport: a CUDA group's collectives, enqueued on the caller's current stream.
+
+The kernels and copies live in nodecomm._native (CudaGroup); this side splits payloads larger
+than one slot into slot-sized pieces, sends the NCCL path to the engine's own process group, and
+times samples with CUDA events. Nothing here synchronises the host except barrier(), so every
+collective can be captured in a CUDA graph; a captured graph keeps the path it was captured with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nodecomm import _native
+from nodecomm.thresholds import Path
+
+from .dtypes import DTYPE_CODES
+from .mapping import SegmentMapping
+
+
+class CudaTransport:
+    kind = "cuda"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        device_index: int,
+        buffers: list[SegmentMapping],
+        control: SegmentMapping,
+        slot_bytes: int,
+        nccl_group: object | None,
+    ):
+        self.device = torch.device("cuda", device_index)
+        self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
+        self._buffers = buffers
+        self._slot_bytes = slot_bytes
+        self._nccl_group = nccl_group
+        self._group = _native.CudaGroup(
+            rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index
+        )
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.device == self.device
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.device).cuda_stream
+
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float) -> None:
+        if path is Path.NCCL:
+            if out.data_ptr() != tensor.data_ptr():
+                out.copy_(tensor)
+            torch.distributed.all_reduce(out, group=self._nccl_group)
+            return
+        element = tensor.element_size()
+        per_piece = self._slot_bytes // element
+        count, code, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], self._stream()
+        source, target = tensor.data_ptr(), out.data_ptr()
+        for start in range(0, count, per_piece):
+            n = min(per_piece, count - start)
+            offset = start * element
+            self._group.all_reduce(source + offset, target + offset, n, code, path.to_proto(), timeout, stream)
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        source, target, stream = tensor.data_ptr(), out.data_ptr(), self._stream()
+        for offset in range(0, nbytes, self._slot_bytes):
+            piece = min(self._slot_bytes, nbytes - offset)
+            self._group.all_gather(source + offset, target + offset, piece, nbytes, timeout, stream)
+
+    def barrier(self, timeout: float) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        self._group.barrier(timeout, stream.cuda_stream)
+        stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
+
+    # Timing samples: CUDA events around the operation, read once the end event has completed.
+    def capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def mark(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def elapsed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
+        return start.elapsed_time(end) / 1e3 if end.query() else None
+
+    def close(self) -> None:
+        torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
+        self._group = None
+        for mapping in self._buffers:
+            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)

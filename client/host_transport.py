@@ -1,0 +1,55 @@
+"""HostTransport: a CPU group's collectives, run by the C++ `shm` transport on host shared memory."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from nodecomm import _native, host_memory
+from nodecomm.thresholds import Path
+
+from .dtypes import DTYPE_CODES
+from .mapping import SegmentMapping
+
+
+class HostTransport:
+    kind = "cpu"
+    paths = frozenset({Path.ONESHOT, Path.TWOSHOT})
+
+    def __init__(
+        self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, slot_bytes: int
+    ):
+        self.device = torch.device("cpu")
+        self._buffers = buffers
+        # The native group chunks payloads past one slot itself.
+        self._group = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, slot_bytes)
+
+    def on_device(self, tensor: torch.Tensor) -> bool:
+        return tensor.is_cpu
+
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float) -> None:
+        self._group.all_reduce(
+            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout
+        )
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
+        self._group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)
+
+    def barrier(self, timeout: float) -> None:
+        self._group.barrier(timeout)
+
+    # Timing samples: collectives here block, so a sample is complete when the call returns.
+    def capturing(self) -> bool:
+        return False
+
+    def mark(self) -> float:
+        return time.perf_counter()
+
+    def elapsed(self, start: float, end: float) -> float | None:
+        return end - start
+
+    def close(self) -> None:
+        self._group = None
+        for mapping in self._buffers:
+            host_memory.unmap_segment(mapping.address, mapping.size_bytes)

@@ -1,0 +1,11 @@
+"""SegmentMapping: one segment of a group's memory as mapped in this process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SegmentMapping:
+    address: int
+    size_bytes: int

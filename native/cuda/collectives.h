@@ -1,0 +1,56 @@
+// collectives.h — the host-side ABI of the CUDA transport (defined in transport.cu).
+//
+// Every call enqueues on the caller's stream and returns; nothing synchronises the host, nothing
+// is patched on the host between launches, so every call can be captured in a CUDA graph and
+// replayed. All ranks must make the same calls with the same sizes in the same order.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nodecomm::cuda {
+
+// Algorithms; equal to nodecomm.v1.Path values.
+enum class Algorithm : int { kOneshot = 1, kTwoshot = 2, kDma = 3 };
+
+// One rank's view of a group: every rank's buffer as mapped in this process (layout.h), and the
+// group's control segment (../control.h) as the device addresses it.
+struct GroupView {
+  const std::uintptr_t* buffers;
+  int world_size;
+  int rank;
+  std::size_t slot_bytes;
+  std::uintptr_t control;
+};
+
+// What the dma path needs besides the caller's stream: a second stream that pulls peers'
+// segments while the caller's stream reduces the previous chunk, and two events to hand work
+// between them. Owned by the caller, used by one collective at a time.
+struct CopyPipeline {
+  cudaStream_t copy_stream;
+  cudaEvent_t fork;
+  cudaEvent_t ready;
+};
+
+// Sum `count` elements of `dtype` (1 fp32, 2 fp16, 3 bf16) across ranks into `output` (may equal
+// `input`): fp32 accumulation in rank order 0..n-1, one rounding, the same bits for every
+// algorithm.
+//   oneshot  stage into this launch's slot, one barrier, every rank sums every slot
+//   twoshot  stage, barrier, rank r reduces segment r in place, barrier, every rank gathers
+//   dma      copy engines stage the input and pull this rank's segment of every peer's slot,
+//            SM kernels only reduce and signal; fixed slots, so four barriers order the reuse
+// count * element size must fit in one slot.
+void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
+                Algorithm algorithm, double timeout_s, cudaStream_t stream, const CopyPipeline& pipeline);
+
+// Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines; nbytes must
+// fit in one slot; the stride lets callers gather a large payload in slot-sized pieces).
+void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
+                std::size_t output_stride, double timeout_s, cudaStream_t stream);
+
+// Work after this on `stream` starts only once every rank's stream has reached its barrier.
+void barrier(const GroupView& group, double timeout_s, cudaStream_t stream);
+
+}  // namespace nodecomm::cuda
