@@ -165,7 +165,9 @@ class Communicator:
         `timing_sample_period`-th all-reduce timed and reported to the daemon."""
         with self._lock:
             self._check_usable()
-            timed = sample is not None and self._ops % self._sample_period == 0 and not self._transport.capturing()
+            # Nothing is timed or queried while a CUDA graph is being captured.
+            capturing = self._transport.capturing()
+            timed = sample is not None and self._ops % self._sample_period == 0 and not capturing
             if sample is not None:
                 self._ops += 1
             start = self._transport.mark() if timed else None
@@ -175,7 +177,7 @@ class Communicator:
                 raise self._located(error) from None
             if timed:
                 self._samples.append((*sample, start, self._transport.mark()))
-            if self._samples:
+            if self._samples and not capturing:
                 self._report_samples()
 
     def _report_samples(self) -> None:

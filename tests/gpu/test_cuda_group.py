@@ -1,0 +1,84 @@
+"""CUDA groups end to end: rank processes join through the real daemon (sharing one GPU where
+there is only one), and every path is checked bit for bit, eagerly and under graph replay, along
+with what happens when a peer dies or never comes."""
+
+import multiprocessing as mp
+import signal
+import time
+
+import pytest
+
+import cuda_ranks
+from conftest import free_port
+
+pytestmark = pytest.mark.gpu
+
+CASES = [
+    ("float32", 1),
+    ("float32", 1001),
+    ("float16", 7),
+    ("bfloat16", (1 << 20) + 3),
+    ("float32", (2 << 20) - 5),
+    ("bfloat16", 12_345_679),
+    ("float32", 16 << 20),  # 64 MiB: eight slot-sized pieces
+]
+
+
+@pytest.fixture
+def cuda_daemon(make_daemon):
+    return make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "60")
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_every_path_is_bit_exact_eager_and_in_graphs(cuda_daemon, spawn_ranks, world_size):
+    group = spawn_ranks(
+        cuda_ranks.exact_everywhere, world_size, world_size, cuda_daemon.socket, CASES, world_size - 1, timeout=900
+    )
+    assert group.values() == {r: [] for r in range(world_size)}
+
+
+def test_killed_rank_makes_the_others_raise(cuda_daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(cuda_ranks.reduce_until_error, 3, 3, cuda_daemon.socket, report, timeout=180)
+    for _ in range(3):
+        report.get(timeout=120)
+    killed_at = time.time()
+    group.kill(1, signal.SIGKILL)
+    results = group.results()
+    assert results[1][0] == "died"
+    for rank in (0, 2):
+        status, (name, message, when) = results[rank]
+        assert status == "ok" and name == "PeerLostError", message
+        assert "rank 1" in message
+        assert when - killed_at < 30
+
+
+def test_peer_that_never_comes_times_out(make_daemon, spawn_ranks):
+    daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "1")
+    results = spawn_ranks(cuda_ranks.wait_alone, 2, 2, daemon.socket, timeout=120).values()
+    name, message = results[0]
+    assert name == "PeerLostError" and "rank 0 timed out waiting for rank 1" in message
+
+
+def test_offsets_past_two_gib(make_daemon, spawn_ranks):
+    import torch
+
+    count = (1 << 30) + 8  # bf16: 2 GiB + 16 bytes per rank, in one slot
+    if torch.cuda.mem_get_info(0)[0] < (48 << 30):
+        pytest.skip("needs about 48 GiB of free GPU memory")
+    daemon = make_daemon(
+        "--allow-shared-devices", "true", "--max-capacity-bytes", "3GiB", "--max-reserved-bytes", "16GiB"
+    )
+    results = spawn_ranks(cuda_ranks.large_offsets, 2, 2, daemon.socket, count, timeout=600).values()
+    assert results == {r: {"oneshot": 0, "twoshot": 0, "dma": 0} for r in range(2)}
+
+
+def test_nccl_fallback(cuda_daemon, spawn_ranks):
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("NCCL refuses two ranks on one GPU; needs 2 GPUs")
+    results = spawn_ranks(cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), timeout=300).values()
+    for value in results.values():
+        assert ("256KiB" in value["table"][0][1]) and any(path == "nccl" for _, _, path in value["table"])
+        assert value["default"] and value["forced"]
