@@ -1,7 +1,7 @@
 // layout.h — one rank's device buffer, as every CUDA path sees it (host and device code).
 //
-//   [0, kMaxBlocks*16)            per block: launches (picks the slot) and barriers passed, both
-//                                 advanced only by this rank's block
+//   [0, kMaxBlocks*16)            per block index: launches (picks the slot; every launch advances
+//                                 all of them) and barriers passed (advanced by that block)
 //   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
 //                                 its epoch into flags[b][p] of every rank's buffer
 //   slots                         two staging slots of slot_stride bytes each; the dma path stages

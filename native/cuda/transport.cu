@@ -8,9 +8,10 @@
 // rank that times out records why and aborts the group, so every peer stops too.
 //
 // Kernel paths (oneshot, twoshot) pick the slot from ++launches[b], so consecutive launches and
-// graph replays alternate slots without host patching. A slot is rewritten two launches later
-// only after every peer's block b has passed a barrier of the launch between, which it reaches
-// after finishing its reads of that slot. The copy paths (dma, all_gather) address fixed slots,
+// graph replays alternate slots without host patching; every launch advances all kMaxBlocks
+// counters, so all blocks agree on the slot. A slot is rewritten two launches later only after
+// this rank passed a barrier of the launch between, which no peer reaches before its previous
+// launch, and with it every read of that slot, has completed. The copy paths (dma, all_gather) address fixed slots,
 // since copies captured in a graph keep their addresses: a barrier before staging and one after
 // the last read fence them off from whatever runs before and after.
 #include <cuda_bf16.h>
@@ -161,6 +162,12 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
     launch_shared = *launches + 1;
     *launches = launch_shared;
     failed = 0;
+  }
+  // Block 0 also advances the counters of the blocks this grid lacks, so every block of every
+  // launch picks the same slot whatever the grids before it were: with per-block parities a block
+  // could overwrite a region that another block index of the previous launch still has peers reading.
+  if (blockIdx.x == 0) {
+    for (unsigned b = gridDim.x + threadIdx.x; b < kMaxBlocks; b += blockDim.x) ++*word(mine, kCounterOffset + b * 16);
   }
   __syncthreads();
   const std::size_t slot = kSlotOffset + (launch_shared & 1) * slot_stride;
