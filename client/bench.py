@@ -1,10 +1,14 @@
 """nodecomm bench: every path beside the baseline, in one run, in nccl-tests' units.
 
 Spawns `world_size` rank processes that join one group through a daemon (a private one on a
-temporary socket unless --socket names a running daemon) and also form a torch.distributed gloo
-group. For each size and path, each rank times every iteration after a barrier; an iteration's
-time is the slowest rank's. busbw = algbw * 2(n-1)/n, as nccl-tests reports for all-reduce.
-Inputs are small integers so that the sum is exact; #wrong counts elements that differ from it.
+temporary socket unless --socket names a running daemon) and also form a torch.distributed group:
+gloo on the CPU, which is the CPU baseline, and on GPUs an NCCL group, the GPU baseline (NCCL
+refuses ranks that share a GPU, so with more ranks than GPUs the run has no baseline). An
+iteration's time is the slowest rank's: on the CPU each iteration is timed after a barrier; on
+GPUs eager iterations run back to back between CUDA events, and with --graph `iterations` calls
+are captured in one CUDA graph whose replays are timed, per call. busbw = algbw * 2(n-1)/n, as
+nccl-tests reports for all-reduce. Inputs are small integers so that the sum is exact; #wrong
+counts elements that differ from it.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import grpc
 from nodecomm.byte_size import format_byte_size
 from nodecomm.socket_path import grpc_target
 
-BASELINE = "gloo"
+BASELINES = {"cpu": "gloo", "cuda": "nccl"}
+GRAPH_REPLAYS = 5
 
 
 @dataclass
@@ -62,13 +67,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _operation(path: str, comm, dist, x, out):
-    """One timed all-reduce of x into out: through gloo (in place on a copy) or a nodecomm path."""
-    if path == BASELINE:
+def _operation(path: str, comm, dist, x, out, baseline_group):
+    """One timed all-reduce of x into out: through the baseline (in place on a copy) or a nodecomm path."""
+    if path in BASELINES.values():
 
         def run() -> None:
             out.copy_(x)
-            dist.all_reduce(out)
+            dist.all_reduce(out, group=baseline_group)
     else:
         chosen = None if path == "auto" else path
 
@@ -76,6 +81,44 @@ def _operation(path: str, comm, dist, x, out):
             comm.all_reduce(x, out=out, path=chosen)
 
     return run
+
+
+def _host_times(run, iterations: int, comm) -> list[float]:
+    times = []
+    for _ in range(iterations):
+        comm.barrier()
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
+    """Eager: per-call times of `iterations` calls back to back. Graph: per-call times of
+    GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
+    import torch
+
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream()
+        capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture_stream), torch.cuda.graph(captured, stream=capture_stream):
+            for _ in range(iterations):
+                run()
+        calls, steps = iterations, GRAPH_REPLAYS
+
+        def step() -> None:
+            captured.replay()
+    else:
+        calls, steps, step = 1, iterations, run
+    comm.barrier()
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    events[0].record()
+    for i in range(steps):
+        step()
+        events[i + 1].record()
+    torch.cuda.synchronize()
+    return [events[i].elapsed_time(events[i + 1]) / 1e3 / calls for i in range(steps)]
 
 
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Queue) -> None:
@@ -86,34 +129,48 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
     import nodecomm
 
     torch.set_num_threads(1)
+    on_gpu = args["device"] == "cuda"
+    device = f"cuda:{rank % torch.cuda.device_count()}" if on_gpu else "cpu"
+    if on_gpu:
+        torch.cuda.set_device(device)
     dtype = getattr(torch, args["dtype"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    baseline_group = dist.new_group(backend="nccl") if args["baseline"] == "nccl" else None
     rows = []
-    with nodecomm.connect("bench", rank, world_size, socket=args["socket"], timeout=60) as comm:
+    with nodecomm.connect(
+        "bench",
+        rank,
+        world_size,
+        device=device,
+        socket=args["socket"],
+        timeout=60,
+        nccl_group=baseline_group,
+        capacity_bytes=args["capacity_bytes"],
+    ) as comm:
         for nbytes in args["sizes"]:
             count = nbytes // torch.tensor([], dtype=dtype).element_size()
-            pattern = torch.arange(count) % 13
+            pattern = torch.arange(count, device=device) % 13
             x = (pattern + rank).to(dtype)
             expected = (pattern * world_size + world_size * (world_size - 1) // 2).to(dtype)
+            del pattern
             out = torch.empty_like(x)
             iterations = iterations_for(nbytes)
             for path in args["paths"]:
-                run = _operation(path, comm, dist, x, out)
+                run = _operation(path, comm, dist, x, out, baseline_group)
                 for _ in range(min(5, iterations)):
                     run()
-                times = []
-                for _ in range(iterations):
-                    comm.barrier()
-                    started = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - started)
-                mine = torch.tensor([*times, float((out != expected).sum())], dtype=torch.float64)
+                if on_gpu:
+                    times = _cuda_times(run, iterations, comm, args["graph"])
+                else:
+                    times = _host_times(run, iterations, comm)
+                wrong = float((out != expected).sum())
+                mine = torch.tensor([*times, wrong], dtype=torch.float64)
                 gathered = [torch.empty_like(mine) for _ in range(world_size)]
                 dist.all_gather(gathered, mine)
                 if rank == 0:
                     every = torch.stack(gathered)
-                    slowest = every[:, :iterations].max(dim=0).values.tolist()
-                    rows.append((nbytes, count, path, slowest, int(every[:, iterations].sum())))
+                    slowest = every[:, :-1].max(dim=0).values.tolist()
+                    rows.append((nbytes, count, path, slowest, int(every[:, -1].sum())))
     dist.destroy_process_group()
     if rank == 0:
         results.put(rows)
@@ -144,7 +201,7 @@ def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wro
 class PrivateDaemon:
     """A daemon on a temporary socket, for runs that are not pointed at a running one."""
 
-    def __init__(self) -> None:
+    def __init__(self, *flags: str) -> None:
         self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
         self.process = subprocess.Popen(
@@ -158,6 +215,7 @@ class PrivateDaemon:
                 "off",
                 "--log-level",
                 "WARNING",
+                *flags,
             ],
         )
         channel = grpc.insecure_channel(grpc_target(self.socket))
@@ -174,10 +232,45 @@ class PrivateDaemon:
         self.process.wait(timeout=30)
 
 
-def run_bench(world_size: int, sizes: list[int], paths: list[str], dtype: str, socket: str | None) -> list[Row]:
-    daemon = None if socket else PrivateDaemon()
+@dataclass
+class BenchSetup:
+    device: str  # "cpu" or "cuda"
+    world_size: int
+    dtype: str
+    sizes: list[int]
+    paths: list[str]  # nodecomm paths, "auto", and the baseline's name if it runs
+    capacity_bytes: int = 8 << 20
+    graph: bool = False
+    gpus: int = 0  # GPUs the ranks spread over (0 on the CPU)
+
+    @property
+    def baseline(self) -> str | None:
+        name = BASELINES[self.device]
+        return name if name in self.paths else None
+
+    def describe(self) -> str:
+        parts = [f"device={self.device}", f"world_size={self.world_size}", f"dtype={self.dtype}"]
+        if self.device == "cuda":
+            parts += [f"gpus={self.gpus}", f"ranks_per_gpu={-(-self.world_size // self.gpus)}"]
+            parts.append("mode=graph" if self.graph else "mode=eager")
+        return " ".join(parts)
+
+
+def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
+    shared = setup.device == "cuda" and setup.world_size > setup.gpus
+    daemon = None if socket else PrivateDaemon(*(["--allow-shared-devices", "true"] if shared else []))
     try:
-        args = {"sizes": sizes, "paths": paths, "dtype": dtype, "socket": socket or daemon.socket}
+        args = {
+            "sizes": setup.sizes,
+            "paths": setup.paths,
+            "dtype": setup.dtype,
+            "socket": socket or daemon.socket,
+            "device": setup.device,
+            "baseline": setup.baseline,
+            "capacity_bytes": setup.capacity_bytes,
+            "graph": setup.graph,
+        }
+        world_size = setup.world_size
         context = mp.get_context("spawn")
         results = context.Queue()
         port = _free_port()
@@ -196,23 +289,30 @@ def run_bench(world_size: int, sizes: list[int], paths: list[str], dtype: str, s
     finally:
         if daemon is not None:
             daemon.stop()
-    return [_row(n, c, dtype, p, t, w, world_size) for n, c, p, t, w in raw]
+    return [_row(n, c, setup.dtype, p, t, w, world_size) for n, c, p, t, w in raw]
 
 
-def format_table(rows: list[Row], world_size: int, dtype: str) -> str:
-    baseline = {r.size_bytes: r for r in rows if r.path == BASELINE}
+def format_table(rows: list[Row], setup: BenchSetup) -> str:
+    name = setup.baseline or BASELINES[setup.device]
+    baseline = {r.size_bytes: r for r in rows if r.path == name}
+    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
+    if setup.device == "cuda":
+        import torch
+
+        machine += f" gpu={torch.cuda.get_device_name(0)!r} torch={torch.__version__}"
     lines = [
-        f"# nodecomm bench: device=cpu world_size={world_size} dtype={dtype} "
-        f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}",
-        "# time: slowest rank per iteration; busbw = algbw * 2(n-1)/n; vs gloo: p50 latency ratio and busbw ratio",
+        f"# nodecomm bench: {setup.describe()} {machine}",
+        f"# time: slowest rank per iteration; busbw = algbw * 2(n-1)/n; vs {name}: p50 latency ratio and busbw ratio",
         "#",
         f"# {'size':>9} {'count':>10} {'type':>8} {'path':>8} {'p50(us)':>10} {'p99(us)':>10} "
-        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'lat/gloo':>9} {'bw/gloo':>8}",
+        f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'lat/' + name:>9} {'bw/' + name:>8}",
     ]
+    if setup.baseline is None:
+        lines.insert(2, f"# no {name} baseline in this run (NCCL refuses ranks that share a GPU)")
     for r in rows:
         base = baseline.get(r.size_bytes)
-        lat = f"{r.p50_us / base.p50_us:9.3f}" if base and r.path != BASELINE else f"{'':9}"
-        bw = f"{r.busbw_gbps / base.busbw_gbps:8.2f}" if base and r.path != BASELINE and base.busbw_gbps else f"{'':8}"
+        lat = f"{r.p50_us / base.p50_us:9.3f}" if base and r.path != name else f"{'':9}"
+        bw = f"{r.busbw_gbps / base.busbw_gbps:8.2f}" if base and r.path != name and base.busbw_gbps else f"{'':8}"
         lines.append(
             f"  {format_byte_size(r.size_bytes):>9} {r.count:>10} {r.dtype:>8} {r.path:>8} {r.p50_us:>10.1f} "
             f"{r.p99_us:>10.1f} {r.algbw_gbps:>11.3f} {r.busbw_gbps:>11.3f} {r.wrong:>6} {lat} {bw}"
@@ -220,14 +320,11 @@ def format_table(rows: list[Row], world_size: int, dtype: str) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list[Row], world_size: int, dtype: str) -> None:
+def write_json(path: str, rows: list[Row], setup: BenchSetup) -> None:
     document = {
-        "device": "cpu",
-        "world_size": world_size,
-        "dtype": dtype,
+        **asdict(setup),
         "host": platform.node(),
         "cpus": os.cpu_count(),
-        "baseline": BASELINE,
         "rows": [asdict(r) for r in rows],
     }
     with open(path, "w") as handle:

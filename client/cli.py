@@ -103,20 +103,45 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from nodecomm.client.bench import BASELINE, format_table, run_bench, sizes_between, write_json
+    from nodecomm.client.bench import BASELINES, BenchSetup, format_table, run_bench, sizes_between, write_json
 
-    if args.device != "cpu":
-        print("nodecomm bench: this build benchmarks CPU groups only (--device cpu)", file=sys.stderr)
+    gpus = 0
+    if args.device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+        if gpus == 0:
+            print("nodecomm bench: --device cuda needs a visible GPU", file=sys.stderr)
+            return 2
+    paths = [p.strip() for p in (args.paths or DEFAULT_BENCH_PATHS[args.device]).split(",") if p.strip()]
+    baseline = BASELINES[args.device]
+    # NCCL refuses ranks that share a GPU: with more ranks than GPUs the run has no baseline.
+    if baseline not in paths and not args.no_baseline and (args.device == "cpu" or args.world_size <= gpus):
+        paths.append(baseline)
+    setup = BenchSetup(
+        device=args.device,
+        world_size=args.world_size,
+        dtype=args.dtype,
+        sizes=sizes_between(
+            parse_byte_size(args.min_bytes), parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device])
+        ),
+        paths=paths,
+        capacity_bytes=parse_byte_size(args.capacity),
+        graph=args.graph,
+        gpus=gpus,
+    )
+    if setup.graph and setup.device != "cuda":
+        print("nodecomm bench: --graph applies to --device cuda", file=sys.stderr)
         return 2
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    if BASELINE not in paths and not args.no_baseline:
-        paths.append(BASELINE)
-    sizes = sizes_between(parse_byte_size(args.min_bytes), parse_byte_size(args.max_bytes))
-    rows = run_bench(args.world_size, sizes, paths, args.dtype, args.socket)
-    print(format_table(rows, args.world_size, args.dtype))
+    rows = run_bench(setup, args.socket)
+    print(format_table(rows, setup))
     if args.json:
-        write_json(args.json, rows, args.world_size, args.dtype)
+        write_json(args.json, rows, setup)
     return 1 if any(r.wrong for r in rows) else 0
+
+
+DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,auto", "cuda": "oneshot,twoshot,dma,auto"}
+DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,14 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--json", action="store_true")
     thresholds.set_defaults(run=cmd_thresholds)
 
-    bench = commands.add_parser("bench", help="all-reduce latency and bandwidth per path, beside gloo")
-    bench.add_argument("--device", default="cpu")
+    bench = commands.add_parser(
+        "bench", help="all-reduce latency and bandwidth per path, beside gloo (CPU) or NCCL (GPU)"
+    )
+    bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--min-bytes", default="1KiB")
-    bench.add_argument("--max-bytes", default="64MiB")
-    bench.add_argument("--paths", default="oneshot,twoshot,auto", help="comma-separated: oneshot, twoshot, auto, gloo")
-    bench.add_argument("--no-baseline", action="store_true", help="skip the gloo baseline")
+    bench.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
+    bench.add_argument(
+        "--paths",
+        help="comma-separated: oneshot, twoshot, dma (GPU), auto, gloo / nccl (default: every path and auto)",
+    )
+    bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
+    bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")
+    bench.add_argument("--no-baseline", action="store_true", help="skip the gloo / NCCL baseline")
     bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     bench.set_defaults(run=cmd_bench)
     return parser
