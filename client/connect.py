@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable
 
@@ -21,6 +22,8 @@ from .descriptors import claim_descriptors
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
 from .mapping import SegmentMapping
+
+log = logging.getLogger("nodecomm.client")
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
@@ -76,6 +79,29 @@ def _check_nccl_group(nccl_group: object, rank: int, world_size: int, where: dic
             f"rank {rank}, the same ranks as the group",
             **where,
         )
+
+
+def _check_peers(
+    stub: pb_grpc.ControlStub, transport: CudaTransport, group: str, group_id: int, timeout: float, where: dict
+) -> pb.ThresholdTable:
+    """Prove the group's peer memory works before using it (a map plus write/read-back per
+    directed pair, then one exact all-reduce per peer path); every rank reports each stage and
+    gets the group's verdict. A failed check leaves only the NCCL path. Returns the table to use."""
+    verdict = None
+    for stage, check in ((1, lambda: transport.probe_peers(group_id, timeout)), (2, lambda: transport.self_test(5.0))):
+        detail = check()
+        report = pb.PeerCheckReport(
+            group=group, group_id=group_id, rank=transport.rank, ok=not detail, detail=detail, stage=stage
+        )
+        try:
+            verdict = stub.CheckPeers(report, timeout=timeout + 5.0)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, **where) from None
+        if not verdict.peer_memory_ok:
+            log.warning("peer memory unusable; only NCCL carries this group", extra={**where, "reason": verdict.reason})
+            transport.drop_peer_paths()
+            break
+    return verdict.thresholds
 
 
 def connect(
@@ -170,10 +196,12 @@ def connect(
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
+        table = reply.thresholds
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
         else:
             transport = CudaTransport(rank, world_size, device_index, buffers, control, capacity_bytes, nccl_group)
+            table = _check_peers(stub, transport, group, reply.group_id, timeout, where)
         communicator = Communicator(
             group=group,
             rank=rank,
@@ -183,7 +211,7 @@ def connect(
             control=control,
             transport=transport,
             dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
-            table=DispatchTable.from_proto(reply.thresholds),
+            table=DispatchTable.from_proto(table),
             timing_sample_period=reply.timing_sample_period,
             operation_timeout=reply.operation_timeout_seconds,
         )

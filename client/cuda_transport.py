@@ -31,6 +31,7 @@ class CudaTransport:
         nccl_group: object | None,
     ):
         self.device = torch.device("cuda", device_index)
+        self.rank, self.world_size = rank, world_size
         self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
         self._buffers = buffers
         self._slot_bytes = slot_bytes
@@ -38,6 +39,29 @@ class CudaTransport:
         self._group = _native.CudaGroup(
             rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index
         )
+
+    # -- the checks connect() runs before the group is used ----------------------------------
+
+    def probe_peers(self, nonce: int, timeout: float) -> str:
+        """Write a tag into every peer's buffer and wait for every peer's: "" or what failed."""
+        return self._group.check_peers(nonce, timeout)
+
+    def self_test(self, timeout: float) -> str:
+        """One small all-reduce through every peer path, checked exactly: "" or what was wrong."""
+        pattern = torch.arange(1000, device=self.device, dtype=torch.float32) % 7
+        expected = pattern * self.world_size + self.world_size * (self.world_size - 1) // 2
+        for path in (Path.ONESHOT, Path.TWOSHOT, Path.DMA):
+            out = torch.empty_like(pattern)
+            self.all_reduce(pattern + self.rank, out, path, timeout)
+            torch.cuda.synchronize(self.device)
+            wrong = int((out != expected).sum())
+            if wrong:
+                return f"a {path.value} all-reduce of 1000 float32 gave {wrong} wrong elements"
+        return ""
+
+    def drop_peer_paths(self) -> None:
+        """After a failed check: only the engine's NCCL group carries collectives."""
+        self.paths = frozenset({Path.NCCL})
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device

@@ -148,6 +148,9 @@ PYBIND11_MODULE(_native, m) {
            "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")
       .def("barrier", &cuda::CudaGroup::barrier, py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
            py::arg("stream"), "Enqueue a barrier among the ranks' streams.")
+      .def("check_peers", &cuda::CudaGroup::check_peers, py::call_guard<py::gil_scoped_release>(), py::arg("nonce"),
+           py::arg("timeout_s"),
+           "Write a tag into every peer's buffer and wait for every peer's tag in this one: '' or what failed.")
       .def_property_readonly("rank", &cuda::CudaGroup::rank)
       .def_property_readonly("world_size", &cuda::CudaGroup::world_size)
       .def_property_readonly("device", &cuda::CudaGroup::device);

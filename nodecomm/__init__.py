@@ -13,6 +13,7 @@ from nodecomm.errors import (
     InvalidArgumentError,
     NodecommError,
     PeerLostError,
+    UnsupportedError,
 )
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "InvalidArgumentError",
     "NodecommError",
     "PeerLostError",
+    "UnsupportedError",
     "connect",
     "parse_byte_size",
 ]

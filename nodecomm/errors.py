@@ -62,6 +62,10 @@ class PermissionDeniedError(NodecommError):
     """The caller's credentials do not match what the request claims."""
 
 
+class UnsupportedError(NodecommError):
+    """What was asked cannot run on this machine (e.g. GPUs that cannot reach each other's memory)."""
+
+
 class InternalError(NodecommError):
     """A bug or an unexpected system failure; the message carries the cause."""
 
@@ -76,6 +80,7 @@ _STATUS_BY_CLASS: dict[type[NodecommError], grpc.StatusCode] = {
     DaemonUnavailableError: grpc.StatusCode.UNAVAILABLE,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    UnsupportedError: grpc.StatusCode.UNIMPLEMENTED,
     InternalError: grpc.StatusCode.INTERNAL,
 }
 _CLASS_BY_STATUS = {code: cls for cls, code in _STATUS_BY_CLASS.items()}

@@ -26,6 +26,7 @@ from nodecomm.errors import (
     NodecommError,
     NotFoundError,
     ResourceExhaustedError,
+    UnsupportedError,
 )
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
 from nodecomm.v1 import control_pb2 as pb
@@ -148,6 +149,17 @@ class Member:
 
 
 @dataclass
+class PeerCheck:
+    """One stage of a CUDA group's peer-memory check: every rank's report, then one verdict."""
+
+    reports: dict[int, tuple[bool, str]] = field(default_factory=dict)
+    verdict: asyncio.Future | None = None
+
+
+PEER_CHECK_STAGES = {1: "peer memory probe", 2: "numeric self-test"}
+
+
+@dataclass
 class Group:
     name: str
     group_id: int
@@ -156,6 +168,7 @@ class Group:
     table: DispatchTable
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
+    peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
@@ -394,6 +407,55 @@ class GroupRegistry:
                 f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
                 group=args.group,
             )
+
+    # -- peer checks (CUDA groups) ---------------------------------------------------------------
+
+    async def check_peers(self, report: pb.PeerCheckReport, timeout: float) -> pb.PeerCheckVerdict:
+        """Collect one stage's reports from every rank; answer all of them with one verdict. A
+        failed check takes the peer paths away: every size goes to NCCL, or, without an NCCL
+        group, the group cannot run and every rank gets UnsupportedError."""
+        where = dict(group=report.group or None, rank=report.rank)
+        group = self._groups.get(report.group_id)
+        if group is None or group.name != report.group or report.rank not in group.members:
+            raise NotFoundError(f"no group named {report.group!r} with id {report.group_id} has this rank", **where)
+        if group.args.device_kind != "cuda":
+            raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
+        if report.stage not in PEER_CHECK_STAGES:
+            raise InvalidArgumentError(f"stage {report.stage}: expected one of {sorted(PEER_CHECK_STAGES)}", **where)
+        check = group.peer_checks.setdefault(report.stage, PeerCheck())
+        if check.verdict is None:
+            check.verdict = asyncio.get_running_loop().create_future()
+        if report.rank in check.reports:
+            raise AlreadyExistsError(f"rank {report.rank} already reported stage {report.stage}", **where)
+        check.reports[report.rank] = (report.ok, report.detail[:500])
+        if len(check.reports) == group.args.world_size:
+            self._decide(group, report.stage, check)
+        try:
+            return await asyncio.wait_for(asyncio.shield(check.verdict), timeout)
+        except asyncio.TimeoutError:
+            missing = sorted(set(group.members) - set(check.reports))
+            raise DeadlineExceededError(
+                f"ranks {missing} did not report the {PEER_CHECK_STAGES[report.stage]} within {timeout:.1f} s", **where
+            ) from None
+
+    def _decide(self, group: Group, stage: int, check: PeerCheck) -> None:
+        failures = [(rank, detail) for rank, (ok, detail) in sorted(check.reports.items()) if not ok]
+        self.metrics.peer_checks.labels("failed" if failures else "ok").inc()
+        if not failures:
+            check.verdict.set_result(pb.PeerCheckVerdict(peer_memory_ok=True, thresholds=group.table.to_proto()))
+            return
+        reason = f"{PEER_CHECK_STAGES[stage]} failed: " + "; ".join(f"rank {r}: {d}" for r, d in failures)
+        log.warning("peer memory unusable", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
+        if not group.args.nccl_fallback:
+            check.verdict.set_exception(
+                UnsupportedError(f"{reason}; the ranks passed no NCCL group to fall back to", group=group.name)
+            )
+            return
+        self._table_epoch += 1
+        group.table = build_table({}, Path.NCCL, self._table_epoch)
+        check.verdict.set_result(
+            pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
+        )
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -38,6 +38,12 @@ class DaemonMetrics:
             ["device_kind", "boundary", "source"],
             registry=r,
         )
+        self.peer_checks = Counter(
+            "nodecomm_peer_checks_total",
+            "CUDA groups' peer-memory check stages by result; a failure sends the group to NCCL.",
+            ["result"],
+            registry=r,
+        )
         self.sampled_ops = Counter(
             "nodecomm_sampled_operations_total", "Operations timed by ranks and reported.", ["op", "path"], registry=r
         )
@@ -61,3 +67,5 @@ class DaemonMetrics:
             self.groups.labels(state)
         self.reserved.labels("host")
         self.reserved.labels("cuda")
+        for result in ("ok", "failed"):
+            self.peer_checks.labels(result)

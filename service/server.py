@@ -103,6 +103,10 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.registry.close_session(group_id, rank)
 
     @rpc
+    async def CheckPeers(self, request: pb.PeerCheckReport, context) -> pb.PeerCheckVerdict:
+        return await self.registry.check_peers(request, self.config.join_timeout_seconds)
+
+    @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()

@@ -167,3 +167,14 @@ def test_connect_refuses_devices_it_cannot_serve(daemon, device, text):
         nodecomm.connect("dev", 0, 1, device=device, socket=daemon.socket, timeout=5)
     with pytest.raises(nodecomm.InvalidArgumentError, match="a CPU group has no NCCL path"):
         nodecomm.connect("dev", 0, 1, socket=daemon.socket, timeout=5, nccl_group=object())
+
+
+def test_peer_checks_apply_to_cuda_groups_only(daemon):
+    channel, stub = stub_for(daemon)
+    with channel:
+        reply = stub.Join(join_request(group="host", world_size=1), timeout=10)
+        with pytest.raises(grpc.RpcError) as raised:
+            report = pb.PeerCheckReport(group="host", group_id=reply.group_id, rank=0, ok=True, stage=1)
+            stub.CheckPeers(report, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "peer checks apply to CUDA groups" in raised.value.details()

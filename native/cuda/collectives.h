@@ -50,6 +50,10 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream);
 
+// How many blocks of the all-reduce kernel fit on `device` at once. Every launch's whole grid must
+// be resident, or block pairs could wait on blocks that never get an SM.
+int resident_blocks(int device);
+
 // Work after this on `stream` starts only once every rank's stream has reached its barrier.
 void barrier(const GroupView& group, double timeout_s, cudaStream_t stream);
 

@@ -5,9 +5,11 @@
 
 #include <cuda_runtime.h>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -46,6 +48,12 @@ class CudaGroup {
     NODECOMM_CHECK(int(buffers_.size()) == world_size, "expected one buffer per rank");
     NODECOMM_CHECK(control != 0, "control segment address is null");
     DeviceScope scope(device);
+    const int resident = resident_blocks(device);
+    if (resident < kMaxBlocks) {
+      NODECOMM_RAISE(kResourceExhausted, "GPU " + std::to_string(device) + " holds " + std::to_string(resident) +
+                                             " blocks of the all-reduce kernel at once; its grids need " +
+                                             std::to_string(kMaxBlocks));
+    }
     NODECOMM_CUDA(cudaHostRegister(reinterpret_cast<void*>(control), control::kControlBytes,
                                    cudaHostRegisterMapped | cudaHostRegisterPortable));
     control_host_ = control;
@@ -84,11 +92,53 @@ class CudaGroup {
     cuda::barrier(view_, timeout_s, reinterpret_cast<cudaStream_t>(stream));
   }
 
+  // Proves that this rank can write every peer's buffer through its mapping and that every peer's
+  // write reached this rank: rank r writes a tag derived from `nonce` into probe[r] of every
+  // buffer, then reads its own probe area until every peer's tag is there. Returns "" when every
+  // directed pair works, else what failed. Synchronous; call it before any collective.
+  std::string check_peers(std::uint64_t nonce, double timeout_s) {
+    DeviceScope scope(device_);
+    const int rank = view_.rank, world = view_.world_size;
+    for (int p = 0; p < world; ++p) {
+      const std::uint64_t tag = probe_tag(nonce, rank, p);
+      void* target = reinterpret_cast<void*>(buffers_[p] + kProbeOffset + 8 * std::size_t(rank));
+      const cudaError_t status = cudaMemcpy(target, &tag, 8, cudaMemcpyHostToDevice);
+      if (status != cudaSuccess) {
+        cudaGetLastError();
+        return "writing rank " + std::to_string(p) + "'s buffer failed: " + cudaGetErrorString(status);
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    std::uint64_t seen[kMaxRanks] = {};
+    while (true) {
+      const cudaError_t status = cudaMemcpy(seen, reinterpret_cast<const void*>(buffers_[rank] + kProbeOffset),
+                                            8 * std::size_t(world), cudaMemcpyDeviceToHost);
+      if (status != cudaSuccess) {
+        cudaGetLastError();
+        return std::string("reading this rank's buffer failed: ") + cudaGetErrorString(status);
+      }
+      std::string missing;
+      for (int p = 0; p < world; ++p) {
+        if (seen[p] != probe_tag(nonce, p, rank)) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+      }
+      if (missing.empty()) return "";
+      if (std::chrono::steady_clock::now() > deadline) {
+        return "the writes of ranks [" + missing + "] did not arrive in this rank's buffer within " +
+               std::to_string(timeout_s) + " s";
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+
   int rank() const { return view_.rank; }
   int world_size() const { return view_.world_size; }
   int device() const { return device_; }
 
  private:
+  static std::uint64_t probe_tag(std::uint64_t nonce, int writer, int owner) {
+    return (nonce * 0x9E3779B97F4A7C15ull) ^ (std::uint64_t(writer + 1) << 40) ^ (std::uint64_t(owner + 1) << 20) ^ 1;
+  }
+
   // Frees what the constructor made; the caller must have synchronised work that uses it.
   void release() {
     if (pipeline_.ready != nullptr) cudaEventDestroy(pipeline_.ready);

@@ -4,6 +4,8 @@
 //                                 all of them) and barriers passed (advanced by that block)
 //   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
 //                                 its epoch into flags[b][p] of every rank's buffer
+//   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
+//                                 once, when the group's peer memory is checked at connect
 //   slots                         two staging slots of slot_stride bytes each; the dma path stages
 //                                 in slot 0 and pulls peers' segments into slot 1
 // The group's abort word and the ranks' error records live in its control segment (../control.h),
@@ -19,7 +21,8 @@ constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
-constexpr std::size_t kSlotOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kProbeOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kSlotOffset = kProbeOffset + 256;
 // dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.
 constexpr std::size_t kSegmentAlign = 256;
 constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;

@@ -392,6 +392,14 @@ void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   });
 }
 
+int resident_blocks(int device) {
+  // The kernel with the most registers per thread bounds them all.
+  int per_sm = 0, sms = 0;
+  NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, all_reduce_kernel<float, 16>, kThreads, 0));
+  NODECOMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return per_sm * sms;
+}
+
 void barrier(const GroupView& group, double timeout_s, cudaStream_t stream) {
   check_group(group);
   const std::uint64_t timeout = timeout_ns(timeout_s);

@@ -82,3 +82,45 @@ def test_nccl_fallback(cuda_daemon, spawn_ranks):
     for value in results.values():
         assert ("256KiB" in value["table"][0][1]) and any(path == "nccl" for _, _, path in value["table"])
         assert value["default"] and value["forced"]
+
+
+@pytest.mark.parametrize("nccl", [False, True])
+def test_failed_peer_check_leaves_only_nccl(cuda_daemon, nccl):
+    """The daemon's verdict when one rank reports a failed probe: without an NCCL group every
+    rank gets UNIMPLEMENTED naming the rank and its reason; with one, a table that sends every
+    size to NCCL. (The probe itself runs in every connect of the tests above.)"""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    from conftest import join_request, stub_for
+    from nodecomm import _native
+    from nodecomm.v1 import control_pb2 as pb
+
+    gpu = _native.cuda_device_uuids()[0]
+    channel, stub = stub_for(cuda_daemon)
+    with channel, ThreadPoolExecutor(2) as pool:
+        joins = [
+            pool.submit(stub.Join, join_request(group="probe", rank=r, device=gpu, nccl=nccl, timeout=20), timeout=30)
+            for r in range(2)
+        ]
+        group_id = joins[0].result().group_id
+
+        def report(rank: int, ok: bool):
+            message = pb.PeerCheckReport(
+                group="probe", group_id=group_id, rank=rank, ok=ok, detail="" if ok else "simulated: no write", stage=1
+            )
+            return stub.CheckPeers(message, timeout=30)
+
+        verdicts = [pool.submit(report, 0, True), pool.submit(report, 1, False)]
+        for verdict in verdicts:
+            if nccl:
+                result = verdict.result()
+                assert not result.peer_memory_ok and "rank 1: simulated: no write" in result.reason
+                assert [r.path for r in result.thresholds.ranges] == [pb.NCCL]
+            else:
+                with pytest.raises(grpc.RpcError) as raised:
+                    verdict.result()
+                assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
+                assert "rank 1: simulated: no write" in raised.value.details()
+                assert "no NCCL group" in raised.value.details()

@@ -218,6 +218,32 @@ class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class PeerCheckReport(_message.Message):
+    __slots__ = ("group", "group_id", "rank", "ok", "detail", "stage")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    ok: bool
+    detail: str
+    stage: int
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., ok: _Optional[bool] = ..., detail: _Optional[str] = ..., stage: _Optional[int] = ...) -> None: ...
+
+class PeerCheckVerdict(_message.Message):
+    __slots__ = ("peer_memory_ok", "reason", "thresholds")
+    PEER_MEMORY_OK_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    peer_memory_ok: bool
+    reason: str
+    thresholds: ThresholdTable
+    def __init__(self, peer_memory_ok: _Optional[bool] = ..., reason: _Optional[str] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ...) -> None: ...
+
 class GetThresholdsRequest(_message.Message):
     __slots__ = ("group", "device_kind", "nccl_fallback")
     GROUP_FIELD_NUMBER: _ClassVar[int]

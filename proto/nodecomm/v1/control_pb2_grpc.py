@@ -44,6 +44,11 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.SessionUp.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.SessionDown.FromString,
                 _registered_method=True)
+        self.CheckPeers = channel.unary_unary(
+                '/nodecomm.v1.Control/CheckPeers',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/nodecomm.v1.Control/Leave',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
@@ -82,6 +87,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckPeers(self, request, context):
+        """CUDA groups, after mapping: each rank reports whether it could write every peer's buffer
+        and read every peer's write, and whether one all-reduce was exact. The reply waits for every
+        rank and carries the group's verdict and the table the ranks then use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -112,6 +126,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Session,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.SessionUp.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.SessionDown.SerializeToString,
+            ),
+            'CheckPeers': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPeers,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -183,6 +202,33 @@ class Control:
             '/nodecomm.v1.Control/Session',
             nodecomm_dot_v1_dot_control__pb2.SessionUp.SerializeToString,
             nodecomm_dot_v1_dot_control__pb2.SessionDown.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPeers(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/CheckPeers',
+            nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.FromString,
             options,
             channel_credentials,
             insecure,
