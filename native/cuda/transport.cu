@@ -79,6 +79,50 @@ template <> __device__ __forceinline__ float narrow<float>(float x) { return x; 
 template <> __device__ __forceinline__ __half narrow<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
+// 16 bytes of elements: what one thread loads or stores at a time where the pointers allow it.
+// Reductions still widen, add in rank order and narrow element by element, so packed and
+// element-wise code give the same bits.
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
+
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T>& value) {
+  *reinterpret_cast<Pack<T>*>(p) = value;
+}
+
+// Calls pack(i) for every whole pack of [lo, hi) when kVector (lo pack-aligned), element(i) for
+// the rest; `thread` of `threads` takes every threads-th pack or element.
+template <typename T, bool kVector, typename PackOp, typename ElementOp>
+__device__ __forceinline__ void strided_for(std::size_t lo, std::size_t hi, std::size_t thread, std::size_t threads,
+                                            PackOp pack, ElementOp element) {
+  std::size_t tail = lo;
+  if constexpr (kVector) {
+    constexpr std::size_t k = Pack<T>::kSize;
+    tail = lo + (hi - lo) / k * k;
+    for (std::size_t i = lo + thread * k; i < tail; i += threads * k) pack(i);
+  }
+  for (std::size_t i = tail + thread; i < hi; i += threads) element(i);
+}
+
+template <typename T, bool kVector, typename PackOp, typename ElementOp>
+__device__ __forceinline__ void block_for(std::size_t lo, std::size_t hi, PackOp pack, ElementOp element) {
+  strided_for<T, kVector>(lo, hi, threadIdx.x, blockDim.x, pack, element);
+}
+
+// Rounds an element count up to whole packs, so that every share and segment starts aligned.
+template <typename T>
+__host__ __device__ __forceinline__ std::size_t round_to_packs(std::size_t n) {
+  return (n + Pack<T>::kSize - 1) / Pack<T>::kSize * Pack<T>::kSize;
+}
+
 // Record why this rank stopped (the first record stays) in the control segment, where the host
 // reads it; a timeout also aborts the group. Host memory takes no device atomics on PCIe hosts,
 // so "first" is best effort: every record and reason written is a true one.
@@ -149,11 +193,29 @@ __device__ __forceinline__ float sum_ranks(const Peers<N>& peers, std::size_t sl
   return acc;
 }
 
+// The packed form of sum_ranks: every rank's pack is loaded before any is added, so the loads of
+// all peers are in flight together.
 template <typename T, int N>
+__device__ __forceinline__ Pack<T> sum_pack(const Peers<N>& peers, std::size_t slot, std::size_t i) {
+  Pack<T> in[N];
+#pragma unroll
+  for (int r = 0; r < N; ++r) in[r] = load_pack(reinterpret_cast<const T*>(peers.rank[r] + slot) + i);
+  Pack<T> out;
+#pragma unroll
+  for (int e = 0; e < Pack<T>::kSize; ++e) {
+    float acc = widen(in[0].v[e]);
+#pragma unroll
+    for (int r = 1; r < N; ++r) acc += widen(in[r].v[e]);
+    out.v[e] = narrow<T>(acc);
+  }
+  return out;
+}
+
+template <typename T, int N, bool kVector>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, std::uint8_t* control, int rank,
-                                                              std::size_t slot_stride, const T* __restrict__ input,
-                                                              T* __restrict__ output, std::size_t count,
-                                                              Algorithm algorithm, std::uint64_t timeout_ns) {
+                                                              std::size_t slot_stride, const T* input, T* output,
+                                                              std::size_t count, Algorithm algorithm,
+                                                              std::uint64_t timeout_ns) {
   __shared__ std::uint64_t launch_shared;
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
@@ -172,32 +234,46 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
   __syncthreads();
   const std::size_t slot = kSlotOffset + (launch_shared & 1) * slot_stride;
 
-  // This block's share of the elements, in 64-bit offsets.
-  const std::size_t per = (count + gridDim.x - 1) / gridDim.x;
+  // This block's share of the elements, in whole packs and 64-bit offsets; the same on every rank
+  // whether or not its pointers allow packed access.
+  const std::size_t per = round_to_packs<T>((count + gridDim.x - 1) / gridDim.x);
   const std::size_t begin = min(count, std::size_t(blockIdx.x) * per);
   const std::size_t end = min(count, begin + per);
   T* staged = reinterpret_cast<T*>(mine + slot);
-  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) staged[i] = input[i];
+  block_for<T, kVector>(
+      begin, end, [&](std::size_t i) { store_pack(staged + i, load_pack(input + i)); },
+      [&](std::size_t i) { staged[i] = input[i]; });
   if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
 
   if (algorithm == Algorithm::kOneshot) {
-    for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) output[i] = narrow<T>(sum_ranks<T, N>(peers, slot, i));
+    block_for<T, kVector>(
+        begin, end, [&](std::size_t i) { store_pack(output + i, sum_pack<T, N>(peers, slot, i)); },
+        [&](std::size_t i) { output[i] = narrow<T>(sum_ranks<T, N>(peers, slot, i)); });
     return;
   }
-  const std::size_t segment = (end - begin + N - 1) / N;
+  const std::size_t segment = round_to_packs<T>((end - begin + N - 1) / N);
   const std::size_t own_begin = min(end, begin + std::size_t(rank) * segment);
   const std::size_t own_end = min(end, own_begin + segment);
-  for (std::size_t i = own_begin + threadIdx.x; i < own_end; i += blockDim.x) {
-    const T value = narrow<T>(sum_ranks<T, N>(peers, slot, i));
-    staged[i] = value;
-    output[i] = value;
-  }
+  block_for<T, kVector>(
+      own_begin, own_end,
+      [&](std::size_t i) {
+        const Pack<T> value = sum_pack<T, N>(peers, slot, i);
+        store_pack(staged + i, value);
+        store_pack(output + i, value);
+      },
+      [&](std::size_t i) {
+        const T value = narrow<T>(sum_ranks<T, N>(peers, slot, i));
+        staged[i] = value;
+        output[i] = value;
+      });
   if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
   for (int r = 0; r < N; ++r) {
     if (r == rank) continue;
     const std::size_t lo = min(end, begin + std::size_t(r) * segment), hi = min(end, lo + segment);
     const T* owner = reinterpret_cast<const T*>(peers.rank[r] + slot);
-    for (std::size_t i = lo + threadIdx.x; i < hi; i += blockDim.x) output[i] = owner[i];
+    block_for<T, kVector>(
+        lo, hi, [&](std::size_t i) { store_pack(output + i, load_pack(owner + i)); },
+        [&](std::size_t i) { output[i] = owner[i]; });
   }
 }
 
@@ -213,26 +289,41 @@ __global__ void signal_kernel(Peers<N> peers, std::uint8_t* control, int rank, s
 // dma: elements [lo, lo + n) of this rank's segment [own_begin, ...): this rank's values are in
 // slot 0, peer p's were pulled into slot 1 at (p < rank ? p : p - 1) * segment. The sum goes to
 // slot 0, where peers gather it from, and to the output.
-template <typename T, int N>
+template <typename T, int N, bool kVector>
 __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, int rank, std::size_t slot_stride,
                                                               std::size_t own_begin, std::size_t lo, std::size_t n,
-                                                              std::size_t segment, T* __restrict__ output) {
+                                                              std::size_t segment, T* output) {
   std::uint8_t* mine = peers.rank[rank];
   T* staged = reinterpret_cast<T*>(mine + kSlotOffset);
   const T* pulled = reinterpret_cast<const T*>(mine + kSlotOffset + slot_stride);
-  const std::size_t step = std::size_t(gridDim.x) * blockDim.x;
-  for (std::size_t k = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x; k < n; k += step) {
-    const std::size_t i = lo + k, local = i - own_begin;
-    float acc = 0.0f;
+  auto source = [&](int r, std::size_t i) {
+    return r == rank ? staged + i : pulled + std::size_t(r < rank ? r : r - 1) * segment + (i - own_begin);
+  };
+  strided_for<T, kVector>(
+      lo, lo + n, std::size_t(blockIdx.x) * blockDim.x + threadIdx.x, std::size_t(gridDim.x) * blockDim.x,
+      [&](std::size_t i) {
+        Pack<T> in[N];
 #pragma unroll
-    for (int r = 0; r < N; ++r) {
-      const float value = widen(r == rank ? staged[i] : pulled[std::size_t(r < rank ? r : r - 1) * segment + local]);
-      acc = r == 0 ? value : acc + value;
-    }
-    const T sum = narrow<T>(acc);
-    staged[i] = sum;
-    output[i] = sum;
-  }
+        for (int r = 0; r < N; ++r) in[r] = load_pack(source(r, i));
+        Pack<T> sum;
+#pragma unroll
+        for (int e = 0; e < Pack<T>::kSize; ++e) {
+          float acc = widen(in[0].v[e]);
+#pragma unroll
+          for (int r = 1; r < N; ++r) acc += widen(in[r].v[e]);
+          sum.v[e] = narrow<T>(acc);
+        }
+        store_pack(staged + i, sum);
+        store_pack(output + i, sum);
+      },
+      [&](std::size_t i) {
+        float acc = widen(*source(0, i));
+#pragma unroll
+        for (int r = 1; r < N; ++r) acc += widen(*source(r, i));
+        const T sum = narrow<T>(acc);
+        staged[i] = sum;
+        output[i] = sum;
+      });
 }
 
 template <int N>
@@ -255,16 +346,27 @@ void copy(void* to, const void* from, std::size_t nbytes, cudaStream_t stream) {
   if (nbytes != 0) NODECOMM_CUDA(cudaMemcpyAsync(to, from, nbytes, cudaMemcpyDeviceToDevice, stream));
 }
 
+// Packed access needs 16-byte aligned caller pointers; the buffers' slots always are.
+template <typename T>
+bool packed(const T* input, const T* output) {
+  return (reinterpret_cast<std::uintptr_t>(input) | reinterpret_cast<std::uintptr_t>(output)) % 16 == 0;
+}
+
 template <typename T, int N>
 void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, Algorithm algorithm,
                        std::uint64_t timeout, cudaStream_t stream) {
   // The grid follows from the count alone, so every rank launches the same one.
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, kMaxBlocks));
-  all_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group),
-                                                            reinterpret_cast<std::uint8_t*>(group.control), group.rank,
-                                                            slot_stride(group.slot_bytes), input, output, count,
-                                                            algorithm, timeout);
+  auto* control = reinterpret_cast<std::uint8_t*>(group.control);
+  const std::size_t stride = slot_stride(group.slot_bytes);
+  if (packed(input, output)) {
+    all_reduce_kernel<T, N, true><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride,
+                                                                    input, output, count, algorithm, timeout);
+  } else {
+    all_reduce_kernel<T, N, false><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride,
+                                                                     input, output, count, algorithm, timeout);
+  }
   NODECOMM_CUDA(cudaGetLastError());
 }
 
@@ -301,7 +403,13 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
       NODECOMM_CUDA(cudaEventRecord(pipeline.ready, pipeline.copy_stream));
       NODECOMM_CUDA(cudaStreamWaitEvent(stream, pipeline.ready, 0));
       const int blocks = int(std::clamp<std::size_t>((n + kThreads * 4 - 1) / (kThreads * 4), 1, kReduceMaxBlocks));
-      dma_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment, output);
+      if (packed(output, output)) {
+        dma_reduce_kernel<T, N, true><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment,
+                                                                        output);
+      } else {
+        dma_reduce_kernel<T, N, false><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment,
+                                                                         output);
+      }
       NODECOMM_CUDA(cudaGetLastError());
     }
   }
@@ -395,7 +503,8 @@ void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 int resident_blocks(int device) {
   // The kernel with the most registers per thread bounds them all.
   int per_sm = 0, sms = 0;
-  NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, all_reduce_kernel<float, 16>, kThreads, 0));
+  NODECOMM_CUDA(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, all_reduce_kernel<float, 16, true>, kThreads, 0));
   NODECOMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms;
 }
