@@ -200,7 +200,9 @@ def connect(
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
         else:
-            transport = CudaTransport(rank, world_size, device_index, buffers, control, capacity_bytes, nccl_group)
+            transport = CudaTransport(
+                rank, world_size, device_index, buffers, control, capacity_bytes, reply.max_blocks, nccl_group
+            )
             table = _check_peers(stub, transport, group, reply.group_id, timeout, where)
         communicator = Communicator(
             group=group,

@@ -28,6 +28,7 @@ class CudaTransport:
         buffers: list[SegmentMapping],
         control: SegmentMapping,
         slot_bytes: int,
+        max_blocks: int,
         nccl_group: object | None,
     ):
         self.device = torch.device("cuda", device_index)
@@ -37,7 +38,7 @@ class CudaTransport:
         self._slot_bytes = slot_bytes
         self._nccl_group = nccl_group
         self._group = _native.CudaGroup(
-            rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index
+            rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
         )
 
     # -- the checks connect() runs before the group is used ----------------------------------

@@ -133,13 +133,22 @@ PYBIND11_MODULE(_native, m) {
       py::arg("fd"), py::arg("size"), py::arg("device"), "Map another process's exported allocation here.");
   m.def("cuda_vmm_unmap", &cuda::vmm_unmap, py::arg("address"), py::arg("size"));
   m.def("cuda_vmm_rounded_size", &cuda::vmm_rounded_size, py::arg("device"), py::arg("bytes"));
+  m.attr("CUDA_MAX_BLOCKS") = cuda::kMaxBlocks;
+  m.def(
+      "cuda_resident_blocks",
+      [](int device) {
+        cuda::DeviceScope scope(device);
+        return cuda::resident_blocks(device);
+      },
+      py::arg("device"), "How many blocks of the all-reduce kernel fit on `device` at once.");
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",
                               "One rank's view of a CUDA group: every rank's buffer mapped on this "
                               "rank's device, the control segment registered with it, the dma copy stream.")
-      .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int>(), py::arg("rank"),
-           py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"), py::arg("device"))
+      .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int, int>(),
+           py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"),
+           py::arg("device"), py::arg("max_blocks"))
       .def("all_reduce", &cuda::CudaGroup::all_reduce, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
            py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"), py::arg("timeout_s"),
            py::arg("stream"), "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce on `stream`.")

@@ -14,6 +14,7 @@ import logging
 import re
 import secrets
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 from nodecomm import _native
@@ -115,6 +116,14 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         )
     if args.pid <= 0:
         raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
+
+
+def max_blocks_for(devices: list[int]) -> int:
+    """The grid cap of a CUDA group whose rank r runs on daemon GPU index devices[r]: every rank's
+    grid must be resident at once, so ranks sharing a GPU split what it holds."""
+    ranks_on = Counter(devices)
+    fits = [_native.cuda_resident_blocks(device) // ranks for device, ranks in ranks_on.items()]
+    return max(1, min([_native.CUDA_MAX_BLOCKS, *fits]))
 
 
 @dataclass
@@ -346,8 +355,9 @@ class GroupRegistry:
                 None if a.args.device == "cpu" else self.gpus.index(a.args.device)
                 for _, a in sorted(forming.arrivals.items())
             ]
+            max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
             memory = allocate_group(first.group, first.capacity_bytes, devices)
-        except ResourceExhaustedError as error:
+        except NodecommError as error:
             self._fail_forming(forming, error)
             del self._forming[forming.name]
             return
@@ -376,6 +386,7 @@ class GroupRegistry:
                 thresholds=group.table.to_proto(),
                 timing_sample_period=self.config.timing_sample_period,
                 operation_timeout_seconds=self.config.operation_timeout_seconds,
+                max_blocks=max_blocks,
             )
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)

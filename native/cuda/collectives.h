@@ -23,6 +23,7 @@ struct GroupView {
   int rank;
   std::size_t slot_bytes;
   std::uintptr_t control;
+  int max_blocks;  // kernel grids stay within this, the same on every rank (the daemon's choice)
 };
 
 // What the dma path needs besides the caller's stream: a second stream that pulls peers'
@@ -50,8 +51,9 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream);
 
-// How many blocks of the all-reduce kernel fit on `device` at once. Every launch's whole grid must
-// be resident, or block pairs could wait on blocks that never get an SM.
+// How many blocks of the all-reduce kernel fit on `device` at once. Every rank's whole grid must
+// be resident, or block pairs could wait on blocks that never get an SM: where several ranks share
+// a GPU, their grids together.
 int resident_blocks(int device);
 
 // Work after this on `stream` starts only once every rank's stream has reached its barrier.

@@ -40,7 +40,7 @@ class CudaGroup {
   // `buffers`: every rank's buffer mapped on `device`; `control`: the host mapping of the group's
   // control segment, which this registers with the device for the kernels' abort checks.
   CudaGroup(int rank, int world_size, std::vector<std::uintptr_t> buffers, std::uintptr_t control,
-            std::size_t slot_bytes, int device)
+            std::size_t slot_bytes, int device, int max_blocks)
       : buffers_(std::move(buffers)), device_(device) {
     NODECOMM_CHECK(world_size >= 1 && world_size <= kMaxRanks,
                    "world_size " + std::to_string(world_size) + ": expected 1.." + std::to_string(kMaxRanks));
@@ -48,12 +48,8 @@ class CudaGroup {
     NODECOMM_CHECK(int(buffers_.size()) == world_size, "expected one buffer per rank");
     NODECOMM_CHECK(control != 0, "control segment address is null");
     DeviceScope scope(device);
-    const int resident = resident_blocks(device);
-    if (resident < kMaxBlocks) {
-      NODECOMM_RAISE(kResourceExhausted, "GPU " + std::to_string(device) + " holds " + std::to_string(resident) +
-                                             " blocks of the all-reduce kernel at once; its grids need " +
-                                             std::to_string(kMaxBlocks));
-    }
+    NODECOMM_CHECK(max_blocks >= 1 && max_blocks <= kMaxBlocks,
+                   "max_blocks " + std::to_string(max_blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
     NODECOMM_CUDA(cudaHostRegister(reinterpret_cast<void*>(control), control::kControlBytes,
                                    cudaHostRegisterMapped | cudaHostRegisterPortable));
     control_host_ = control;
@@ -63,7 +59,8 @@ class CudaGroup {
       NODECOMM_CUDA(cudaStreamCreateWithFlags(&pipeline_.copy_stream, cudaStreamNonBlocking));
       NODECOMM_CUDA(cudaEventCreateWithFlags(&pipeline_.fork, cudaEventDisableTiming));
       NODECOMM_CUDA(cudaEventCreateWithFlags(&pipeline_.ready, cudaEventDisableTiming));
-      view_ = GroupView{buffers_.data(), world_size, rank, slot_bytes, reinterpret_cast<std::uintptr_t>(device_control)};
+      view_ = GroupView{buffers_.data(), world_size, rank, slot_bytes,
+                        reinterpret_cast<std::uintptr_t>(device_control), max_blocks};
     } catch (...) {
       release();
       throw;

@@ -357,7 +357,7 @@ void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::s
                        std::uint64_t timeout, cudaStream_t stream) {
   // The grid follows from the count alone, so every rank launches the same one.
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
-  const int blocks = int(std::clamp<std::size_t>(wanted, 1, kMaxBlocks));
+  const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
   auto* control = reinterpret_cast<std::uint8_t*>(group.control);
   const std::size_t stride = slot_stride(group.slot_bytes);
   if (packed(input, output)) {
@@ -458,6 +458,8 @@ void check_group(const GroupView& group) {
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
                 Algorithm algorithm, double timeout_s, cudaStream_t stream, const CopyPipeline& pipeline) {
   check_group(group);
+  NODECOMM_CHECK(group.max_blocks >= 1 && group.max_blocks <= kMaxBlocks,
+                 "max_blocks " + std::to_string(group.max_blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
   NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot || algorithm == Algorithm::kDma,
                  "unknown algorithm code " + std::to_string(int(algorithm)));
   NODECOMM_CHECK(dtype >= 1 && dtype <= 3, "unknown dtype code " + std::to_string(dtype));

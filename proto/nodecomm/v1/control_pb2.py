@@ -24,23 +24,23 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nodecomm/v1/control.proto\x12\x0bnodecomm.v1\"F\n\x08Geometry\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\"\n\x06\x64types\x18\x02 \x03(\x0e\x32\x12.nodecomm.v1.DType\"\xb9\x01\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\'\n\x08geometry\x18\x05 \x01(\x0b\x32\x15.nodecomm.v1.Geometry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\x07 \x01(\x01\x12\x15\n\rnccl_fallback\x18\x08 \x01(\x08\"1\n\x07Segment\x12\x12\n\nowner_rank\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\xbb\x02\n\tJoinReply\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12\x19\n\x11\x64\x65scriptor_socket\x18\x03 \x01(\t\x12,\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12%\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x14.nodecomm.v1.Segment\x12%\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x14.nodecomm.v1.Segment\x12/\n\nthresholds\x18\x07 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12\x1c\n\x14timing_sample_period\x18\x08 \x01(\r\x12!\n\x19operation_timeout_seconds\x18\t \x01(\x01\"o\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bvalue_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.nodecomm.v1.BoundarySourceB\x0e\n\x0c_value_bytes\"R\n\tPathRange\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12\x11\n\tunbounded\x18\x02 \x01(\x08\x12\x1f\n\x04path\x18\x03 \x01(\x0e\x32\x11.nodecomm.v1.Path\"r\n\x0eThresholdTable\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x06ranges\x18\x02 \x03(\x0b\x32\x16.nodecomm.v1.PathRange\x12)\n\nboundaries\x18\x03 \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"I\n\x06Timing\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"l\n\tSessionUp\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.nodecomm.v1.SessionHelloH\x00\x12+\n\x07timings\x18\x02 \x01(\x0b\x32\x18.nodecomm.v1.TimingBatchH\x00\x42\x06\n\x04kind\".\n\x0cSessionHello\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"3\n\x0bTimingBatch\x12$\n\x07timings\x18\x01 \x03(\x0b\x32\x13.nodecomm.v1.Timing\"V\n\nGroupEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.nodecomm.v1.GroupEventKind\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"r\n\x0bSessionDown\x12\x31\n\nthresholds\x18\x01 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTableH\x00\x12(\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x17.nodecomm.v1.GroupEventH\x00\x42\x06\n\x04kind\"=\n\x0cLeaveRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x0c\n\nLeaveReply\"k\n\x0fPeerCheckReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\"k\n\x10PeerCheckVerdict\x12\x16\n\x0epeer_memory_ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\"Q\n\x14GetThresholdsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x15\n\rnccl_fallback\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\xce\x01\n\tGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x14\n\x0cjoined_ranks\x18\x04 \x03(\x05\x12\x12\n\nlive_ranks\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\'\n\x08geometry\x18\t \x01(\x0b\x32\x15.nodecomm.v1.Geometry\"9\n\x0fListGroupsReply\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.nodecomm.v1.GroupInfo*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*V\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0b\n\x07ONESHOT\x10\x01\x12\x0b\n\x07TWOSHOT\x10\x02\x12\x07\n\x03\x44MA\x10\x03\x12\x08\n\x04NCCL\x10\x04\x12\x0b\n\x07SERVICE\x10\x05*_\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nHOST_MEMFD\x10\x01\x12\x0f\n\x0b\x43UDA_VMM_FD\x10\x02\x12\x13\n\x0f\x43UDA_IPC_LEGACY\x10\x03*\\\n\x0e\x42oundarySource\x12\x1f\n\x1b\x42OUNDARY_SOURCE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x01\x12\x0e\n\nCALIBRATED\x10\x02\x12\x0c\n\x08OVERRIDE\x10\x03*U\n\x0eGroupEventKind\x12\x1b\n\x17GROUP_EVENT_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x32\xa9\x03\n\x07\x43ontrol\x12\x38\n\x04Join\x12\x18.nodecomm.v1.JoinRequest\x1a\x16.nodecomm.v1.JoinReply\x12?\n\x07Session\x12\x16.nodecomm.v1.SessionUp\x1a\x18.nodecomm.v1.SessionDown(\x01\x30\x01\x12I\n\nCheckPeers\x12\x1c.nodecomm.v1.PeerCheckReport\x1a\x1d.nodecomm.v1.PeerCheckVerdict\x12;\n\x05Leave\x12\x19.nodecomm.v1.LeaveRequest\x1a\x17.nodecomm.v1.LeaveReply\x12O\n\rGetThresholds\x12!.nodecomm.v1.GetThresholdsRequest\x1a\x1b.nodecomm.v1.ThresholdTable\x12J\n\nListGroups\x12\x1e.nodecomm.v1.ListGroupsRequest\x1a\x1c.nodecomm.v1.ListGroupsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nodecomm/v1/control.proto\x12\x0bnodecomm.v1\"F\n\x08Geometry\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\"\n\x06\x64types\x18\x02 \x03(\x0e\x32\x12.nodecomm.v1.DType\"\xb9\x01\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\'\n\x08geometry\x18\x05 \x01(\x0b\x32\x15.nodecomm.v1.Geometry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\x07 \x01(\x01\x12\x15\n\rnccl_fallback\x18\x08 \x01(\x08\"1\n\x07Segment\x12\x12\n\nowner_rank\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\xcf\x02\n\tJoinReply\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12\x19\n\x11\x64\x65scriptor_socket\x18\x03 \x01(\t\x12,\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12%\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x14.nodecomm.v1.Segment\x12%\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x14.nodecomm.v1.Segment\x12/\n\nthresholds\x18\x07 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12\x1c\n\x14timing_sample_period\x18\x08 \x01(\r\x12!\n\x19operation_timeout_seconds\x18\t \x01(\x01\x12\x12\n\nmax_blocks\x18\n \x01(\r\"o\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bvalue_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.nodecomm.v1.BoundarySourceB\x0e\n\x0c_value_bytes\"R\n\tPathRange\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12\x11\n\tunbounded\x18\x02 \x01(\x08\x12\x1f\n\x04path\x18\x03 \x01(\x0e\x32\x11.nodecomm.v1.Path\"r\n\x0eThresholdTable\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x06ranges\x18\x02 \x03(\x0b\x32\x16.nodecomm.v1.PathRange\x12)\n\nboundaries\x18\x03 \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"I\n\x06Timing\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"l\n\tSessionUp\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.nodecomm.v1.SessionHelloH\x00\x12+\n\x07timings\x18\x02 \x01(\x0b\x32\x18.nodecomm.v1.TimingBatchH\x00\x42\x06\n\x04kind\".\n\x0cSessionHello\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"3\n\x0bTimingBatch\x12$\n\x07timings\x18\x01 \x03(\x0b\x32\x13.nodecomm.v1.Timing\"V\n\nGroupEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.nodecomm.v1.GroupEventKind\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"r\n\x0bSessionDown\x12\x31\n\nthresholds\x18\x01 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTableH\x00\x12(\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x17.nodecomm.v1.GroupEventH\x00\x42\x06\n\x04kind\"=\n\x0cLeaveRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x0c\n\nLeaveReply\"k\n\x0fPeerCheckReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\"k\n\x10PeerCheckVerdict\x12\x16\n\x0epeer_memory_ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\"Q\n\x14GetThresholdsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x15\n\rnccl_fallback\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\xce\x01\n\tGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x14\n\x0cjoined_ranks\x18\x04 \x03(\x05\x12\x12\n\nlive_ranks\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\'\n\x08geometry\x18\t \x01(\x0b\x32\x15.nodecomm.v1.Geometry\"9\n\x0fListGroupsReply\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.nodecomm.v1.GroupInfo*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*V\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0b\n\x07ONESHOT\x10\x01\x12\x0b\n\x07TWOSHOT\x10\x02\x12\x07\n\x03\x44MA\x10\x03\x12\x08\n\x04NCCL\x10\x04\x12\x0b\n\x07SERVICE\x10\x05*_\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nHOST_MEMFD\x10\x01\x12\x0f\n\x0b\x43UDA_VMM_FD\x10\x02\x12\x13\n\x0f\x43UDA_IPC_LEGACY\x10\x03*\\\n\x0e\x42oundarySource\x12\x1f\n\x1b\x42OUNDARY_SOURCE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x01\x12\x0e\n\nCALIBRATED\x10\x02\x12\x0c\n\x08OVERRIDE\x10\x03*U\n\x0eGroupEventKind\x12\x1b\n\x17GROUP_EVENT_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x32\xa9\x03\n\x07\x43ontrol\x12\x38\n\x04Join\x12\x18.nodecomm.v1.JoinRequest\x1a\x16.nodecomm.v1.JoinReply\x12?\n\x07Session\x12\x16.nodecomm.v1.SessionUp\x1a\x18.nodecomm.v1.SessionDown(\x01\x30\x01\x12I\n\nCheckPeers\x12\x1c.nodecomm.v1.PeerCheckReport\x1a\x1d.nodecomm.v1.PeerCheckVerdict\x12;\n\x05Leave\x12\x19.nodecomm.v1.LeaveRequest\x1a\x17.nodecomm.v1.LeaveReply\x12O\n\rGetThresholds\x12!.nodecomm.v1.GetThresholdsRequest\x1a\x1b.nodecomm.v1.ThresholdTable\x12J\n\nListGroups\x12\x1e.nodecomm.v1.ListGroupsRequest\x1a\x1c.nodecomm.v1.ListGroupsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nodecomm.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2141
-  _globals['_DTYPE']._serialized_end=2211
-  _globals['_PATH']._serialized_start=2213
-  _globals['_PATH']._serialized_end=2299
-  _globals['_MEMORYKIND']._serialized_start=2301
-  _globals['_MEMORYKIND']._serialized_end=2396
-  _globals['_BOUNDARYSOURCE']._serialized_start=2398
-  _globals['_BOUNDARYSOURCE']._serialized_end=2490
-  _globals['_GROUPEVENTKIND']._serialized_start=2492
-  _globals['_GROUPEVENTKIND']._serialized_end=2577
+  _globals['_DTYPE']._serialized_start=2161
+  _globals['_DTYPE']._serialized_end=2231
+  _globals['_PATH']._serialized_start=2233
+  _globals['_PATH']._serialized_end=2319
+  _globals['_MEMORYKIND']._serialized_start=2321
+  _globals['_MEMORYKIND']._serialized_end=2416
+  _globals['_BOUNDARYSOURCE']._serialized_start=2418
+  _globals['_BOUNDARYSOURCE']._serialized_end=2510
+  _globals['_GROUPEVENTKIND']._serialized_start=2512
+  _globals['_GROUPEVENTKIND']._serialized_end=2597
   _globals['_GEOMETRY']._serialized_start=42
   _globals['_GEOMETRY']._serialized_end=112
   _globals['_JOINREQUEST']._serialized_start=115
@@ -48,41 +48,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEGMENT']._serialized_start=302
   _globals['_SEGMENT']._serialized_end=351
   _globals['_JOINREPLY']._serialized_start=354
-  _globals['_JOINREPLY']._serialized_end=669
-  _globals['_BOUNDARY']._serialized_start=671
-  _globals['_BOUNDARY']._serialized_end=782
-  _globals['_PATHRANGE']._serialized_start=784
-  _globals['_PATHRANGE']._serialized_end=866
-  _globals['_THRESHOLDTABLE']._serialized_start=868
-  _globals['_THRESHOLDTABLE']._serialized_end=982
-  _globals['_TIMING']._serialized_start=984
-  _globals['_TIMING']._serialized_end=1057
-  _globals['_SESSIONUP']._serialized_start=1059
-  _globals['_SESSIONUP']._serialized_end=1167
-  _globals['_SESSIONHELLO']._serialized_start=1169
-  _globals['_SESSIONHELLO']._serialized_end=1215
-  _globals['_TIMINGBATCH']._serialized_start=1217
-  _globals['_TIMINGBATCH']._serialized_end=1268
-  _globals['_GROUPEVENT']._serialized_start=1270
-  _globals['_GROUPEVENT']._serialized_end=1356
-  _globals['_SESSIONDOWN']._serialized_start=1358
-  _globals['_SESSIONDOWN']._serialized_end=1472
-  _globals['_LEAVEREQUEST']._serialized_start=1474
-  _globals['_LEAVEREQUEST']._serialized_end=1535
-  _globals['_LEAVEREPLY']._serialized_start=1537
-  _globals['_LEAVEREPLY']._serialized_end=1549
-  _globals['_PEERCHECKREPORT']._serialized_start=1551
-  _globals['_PEERCHECKREPORT']._serialized_end=1658
-  _globals['_PEERCHECKVERDICT']._serialized_start=1660
-  _globals['_PEERCHECKVERDICT']._serialized_end=1767
-  _globals['_GETTHRESHOLDSREQUEST']._serialized_start=1769
-  _globals['_GETTHRESHOLDSREQUEST']._serialized_end=1850
-  _globals['_LISTGROUPSREQUEST']._serialized_start=1852
-  _globals['_LISTGROUPSREQUEST']._serialized_end=1871
-  _globals['_GROUPINFO']._serialized_start=1874
-  _globals['_GROUPINFO']._serialized_end=2080
-  _globals['_LISTGROUPSREPLY']._serialized_start=2082
-  _globals['_LISTGROUPSREPLY']._serialized_end=2139
-  _globals['_CONTROL']._serialized_start=2580
-  _globals['_CONTROL']._serialized_end=3005
+  _globals['_JOINREPLY']._serialized_end=689
+  _globals['_BOUNDARY']._serialized_start=691
+  _globals['_BOUNDARY']._serialized_end=802
+  _globals['_PATHRANGE']._serialized_start=804
+  _globals['_PATHRANGE']._serialized_end=886
+  _globals['_THRESHOLDTABLE']._serialized_start=888
+  _globals['_THRESHOLDTABLE']._serialized_end=1002
+  _globals['_TIMING']._serialized_start=1004
+  _globals['_TIMING']._serialized_end=1077
+  _globals['_SESSIONUP']._serialized_start=1079
+  _globals['_SESSIONUP']._serialized_end=1187
+  _globals['_SESSIONHELLO']._serialized_start=1189
+  _globals['_SESSIONHELLO']._serialized_end=1235
+  _globals['_TIMINGBATCH']._serialized_start=1237
+  _globals['_TIMINGBATCH']._serialized_end=1288
+  _globals['_GROUPEVENT']._serialized_start=1290
+  _globals['_GROUPEVENT']._serialized_end=1376
+  _globals['_SESSIONDOWN']._serialized_start=1378
+  _globals['_SESSIONDOWN']._serialized_end=1492
+  _globals['_LEAVEREQUEST']._serialized_start=1494
+  _globals['_LEAVEREQUEST']._serialized_end=1555
+  _globals['_LEAVEREPLY']._serialized_start=1557
+  _globals['_LEAVEREPLY']._serialized_end=1569
+  _globals['_PEERCHECKREPORT']._serialized_start=1571
+  _globals['_PEERCHECKREPORT']._serialized_end=1678
+  _globals['_PEERCHECKVERDICT']._serialized_start=1680
+  _globals['_PEERCHECKVERDICT']._serialized_end=1787
+  _globals['_GETTHRESHOLDSREQUEST']._serialized_start=1789
+  _globals['_GETTHRESHOLDSREQUEST']._serialized_end=1870
+  _globals['_LISTGROUPSREQUEST']._serialized_start=1872
+  _globals['_LISTGROUPSREQUEST']._serialized_end=1891
+  _globals['_GROUPINFO']._serialized_start=1894
+  _globals['_GROUPINFO']._serialized_end=2100
+  _globals['_LISTGROUPSREPLY']._serialized_start=2102
+  _globals['_LISTGROUPSREPLY']._serialized_end=2159
+  _globals['_CONTROL']._serialized_start=2600
+  _globals['_CONTROL']._serialized_end=3025
 # @@protoc_insertion_point(module_scope)
