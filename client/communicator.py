@@ -119,13 +119,16 @@ class Communicator:
                 rank=self.rank,
             )
         nbytes = tensor.numel() * tensor.element_size()
-        chosen = self._table.path_for(nbytes) if path is None else self._forced_path(path)
-        if chosen not in self._transport.paths:
-            raise InvalidArgumentError(
-                f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run",
-                group=self.group,
-                rank=self.rank,
-            )
+        if path is not None:
+            chosen = self._forced_path(path)
+        else:
+            chosen = self._table.path_for(nbytes)
+            if chosen not in self._transport.paths:
+                raise InvalidArgumentError(
+                    f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run",
+                    group=self.group,
+                    rank=self.rank,
+                )
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=(chosen, nbytes))
         return out
 

@@ -26,6 +26,8 @@ from .mapping import SegmentMapping
 log = logging.getLogger("nodecomm.client")
 
 DEFAULT_CAPACITY_BYTES = 8 << 20
+# The self-test's all-reduces are 4 KB: a peer path that does not finish them in this long is broken.
+SELF_TEST_TIMEOUT_SECONDS = 5.0
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -88,7 +90,10 @@ def _check_peers(
     directed pair, then one exact all-reduce per peer path); every rank reports each stage and
     gets the group's verdict. A failed check leaves only the NCCL path. Returns the table to use."""
     verdict = None
-    for stage, check in ((1, lambda: transport.probe_peers(group_id, timeout)), (2, lambda: transport.self_test(5.0))):
+    for stage, check in (
+        (1, lambda: transport.probe_peers(group_id, timeout)),
+        (2, lambda: transport.self_test(SELF_TEST_TIMEOUT_SECONDS)),
+    ):
         detail = check()
         report = pb.PeerCheckReport(
             group=group, group_id=group_id, rank=transport.rank, ok=not detail, detail=detail, stage=stage

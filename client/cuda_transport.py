@@ -78,12 +78,12 @@ class CudaTransport:
             return
         element = tensor.element_size()
         per_piece = self._slot_bytes // element
-        count, code, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], self._stream()
+        count, code, algorithm, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), self._stream()
         source, target = tensor.data_ptr(), out.data_ptr()
         for start in range(0, count, per_piece):
             n = min(per_piece, count - start)
             offset = start * element
-            self._group.all_reduce(source + offset, target + offset, n, code, path.to_proto(), timeout, stream)
+            self._group.all_reduce(source + offset, target + offset, n, code, algorithm, timeout, stream)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()

@@ -185,21 +185,23 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
   return *failed == 0;
 }
 
-template <typename T, int N>
-__device__ __forceinline__ float sum_ranks(const Peers<N>& peers, std::size_t slot, std::size_t i) {
-  float acc = widen(reinterpret_cast<const T*>(peers.rank[0] + slot)[i]);
+// Every path reduces through these two: the sum over ranks 0..N-1, where source(r) points at rank
+// r's value, accumulated in fp32 in rank order and rounded once.
+template <typename T, int N, typename Source>
+__device__ __forceinline__ T sum_element(Source source) {
+  float acc = widen(*source(0));
 #pragma unroll
-  for (int r = 1; r < N; ++r) acc += widen(reinterpret_cast<const T*>(peers.rank[r] + slot)[i]);
-  return acc;
+  for (int r = 1; r < N; ++r) acc += widen(*source(r));
+  return narrow<T>(acc);
 }
 
-// The packed form of sum_ranks: every rank's pack is loaded before any is added, so the loads of
-// all peers are in flight together.
-template <typename T, int N>
-__device__ __forceinline__ Pack<T> sum_pack(const Peers<N>& peers, std::size_t slot, std::size_t i) {
+// The packed form: every rank's pack is loaded before any is added, so the loads of all peers
+// are in flight together.
+template <typename T, int N, typename Source>
+__device__ __forceinline__ Pack<T> sum_pack(Source source) {
   Pack<T> in[N];
 #pragma unroll
-  for (int r = 0; r < N; ++r) in[r] = load_pack(reinterpret_cast<const T*>(peers.rank[r] + slot) + i);
+  for (int r = 0; r < N; ++r) in[r] = load_pack(source(r));
   Pack<T> out;
 #pragma unroll
   for (int e = 0; e < Pack<T>::kSize; ++e) {
@@ -245,10 +247,14 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
       [&](std::size_t i) { staged[i] = input[i]; });
   if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
 
+  // Element i of every rank's slot.
+  const auto slots_at = [&peers, slot](std::size_t i) {
+    return [&peers, slot, i](int r) { return reinterpret_cast<const T*>(peers.rank[r] + slot) + i; };
+  };
   if (algorithm == Algorithm::kOneshot) {
     block_for<T, kVector>(
-        begin, end, [&](std::size_t i) { store_pack(output + i, sum_pack<T, N>(peers, slot, i)); },
-        [&](std::size_t i) { output[i] = narrow<T>(sum_ranks<T, N>(peers, slot, i)); });
+        begin, end, [&](std::size_t i) { store_pack(output + i, sum_pack<T, N>(slots_at(i))); },
+        [&](std::size_t i) { output[i] = sum_element<T, N>(slots_at(i)); });
     return;
   }
   const std::size_t segment = round_to_packs<T>((end - begin + N - 1) / N);
@@ -257,12 +263,12 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
   block_for<T, kVector>(
       own_begin, own_end,
       [&](std::size_t i) {
-        const Pack<T> value = sum_pack<T, N>(peers, slot, i);
+        const Pack<T> value = sum_pack<T, N>(slots_at(i));
         store_pack(staged + i, value);
         store_pack(output + i, value);
       },
       [&](std::size_t i) {
-        const T value = narrow<T>(sum_ranks<T, N>(peers, slot, i));
+        const T value = sum_element<T, N>(slots_at(i));
         staged[i] = value;
         output[i] = value;
       });
@@ -296,31 +302,21 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, in
   std::uint8_t* mine = peers.rank[rank];
   T* staged = reinterpret_cast<T*>(mine + kSlotOffset);
   const T* pulled = reinterpret_cast<const T*>(mine + kSlotOffset + slot_stride);
-  auto source = [&](int r, std::size_t i) {
-    return r == rank ? staged + i : pulled + std::size_t(r < rank ? r : r - 1) * segment + (i - own_begin);
+  // Element i as rank r holds it: this rank's in its slot 0, a peer's where it was pulled to.
+  const auto sources_at = [=](std::size_t i) {
+    return [=](int r) -> const T* {
+      return r == rank ? staged + i : pulled + std::size_t(r < rank ? r : r - 1) * segment + (i - own_begin);
+    };
   };
   strided_for<T, kVector>(
       lo, lo + n, std::size_t(blockIdx.x) * blockDim.x + threadIdx.x, std::size_t(gridDim.x) * blockDim.x,
       [&](std::size_t i) {
-        Pack<T> in[N];
-#pragma unroll
-        for (int r = 0; r < N; ++r) in[r] = load_pack(source(r, i));
-        Pack<T> sum;
-#pragma unroll
-        for (int e = 0; e < Pack<T>::kSize; ++e) {
-          float acc = widen(in[0].v[e]);
-#pragma unroll
-          for (int r = 1; r < N; ++r) acc += widen(in[r].v[e]);
-          sum.v[e] = narrow<T>(acc);
-        }
+        const Pack<T> sum = sum_pack<T, N>(sources_at(i));
         store_pack(staged + i, sum);
         store_pack(output + i, sum);
       },
       [&](std::size_t i) {
-        float acc = widen(*source(0, i));
-#pragma unroll
-        for (int r = 1; r < N; ++r) acc += widen(*source(r, i));
-        const T sum = narrow<T>(acc);
+        const T sum = sum_element<T, N>(sources_at(i));
         staged[i] = sum;
         output[i] = sum;
       });
@@ -347,10 +343,7 @@ void copy(void* to, const void* from, std::size_t nbytes, cudaStream_t stream) {
 }
 
 // Packed access needs 16-byte aligned caller pointers; the buffers' slots always are.
-template <typename T>
-bool packed(const T* input, const T* output) {
-  return (reinterpret_cast<std::uintptr_t>(input) | reinterpret_cast<std::uintptr_t>(output)) % 16 == 0;
-}
+bool aligned(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
 
 template <typename T, int N>
 void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, Algorithm algorithm,
@@ -360,13 +353,9 @@ void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::s
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
   auto* control = reinterpret_cast<std::uint8_t*>(group.control);
   const std::size_t stride = slot_stride(group.slot_bytes);
-  if (packed(input, output)) {
-    all_reduce_kernel<T, N, true><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride,
-                                                                    input, output, count, algorithm, timeout);
-  } else {
-    all_reduce_kernel<T, N, false><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride,
-                                                                     input, output, count, algorithm, timeout);
-  }
+  const auto kernel = aligned(input) && aligned(output) ? all_reduce_kernel<T, N, true> : all_reduce_kernel<T, N, false>;
+  kernel<<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride, input, output, count,
+                                          algorithm, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
@@ -392,6 +381,7 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
     NODECOMM_CUDA(cudaEventRecord(pipeline.fork, stream));
     NODECOMM_CUDA(cudaStreamWaitEvent(pipeline.copy_stream, pipeline.fork, 0));
     const std::size_t chunk = kDmaChunkBytes / sizeof(T);
+    const auto reduce = aligned(output) ? dma_reduce_kernel<T, N, true> : dma_reduce_kernel<T, N, false>;
     for (std::size_t lo = own_begin; lo < own_end; lo += chunk) {
       const std::size_t n = std::min(chunk, own_end - lo);
       for (int p = 0; p < N; ++p) {
@@ -403,13 +393,7 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
       NODECOMM_CUDA(cudaEventRecord(pipeline.ready, pipeline.copy_stream));
       NODECOMM_CUDA(cudaStreamWaitEvent(stream, pipeline.ready, 0));
       const int blocks = int(std::clamp<std::size_t>((n + kThreads * 4 - 1) / (kThreads * 4), 1, kReduceMaxBlocks));
-      if (packed(output, output)) {
-        dma_reduce_kernel<T, N, true><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment,
-                                                                        output);
-      } else {
-        dma_reduce_kernel<T, N, false><<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment,
-                                                                         output);
-      }
+      reduce<<<blocks, kThreads, 0, stream>>>(peers, rank, stride, own_begin, lo, n, segment, output);
       NODECOMM_CUDA(cudaGetLastError());
     }
   }
