@@ -20,13 +20,16 @@ from nodecomm.errors import (
     from_rpc_error,
 )
 from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.topk_layout import LAYOUT_VERSION, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .cuda_transport import CudaTransport
+from .descriptors import claim, map_host_segment
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
+from .topk_exchange import TopkExchange
 
 log = logging.getLogger("nodecomm.client")
 
@@ -52,6 +55,7 @@ class Communicator:
         group_id: int,
         channel: grpc.Channel,
         control: SegmentMapping,
+        descriptor_socket: str,
         transport: Transport,
         dtypes: frozenset[torch.dtype],
         table: DispatchTable,
@@ -65,7 +69,10 @@ class Communicator:
         self._channel = channel
         self._stub = pb_grpc.ControlStub(channel)
         self._control = control
+        self._descriptor_socket = descriptor_socket
         self._transport = transport
+        self._exchanges: list[TopkExchange] = []
+        self._exchange_calls = 0
         self.device = transport.device
         self._dtypes = dtypes
         self._table = table
@@ -160,8 +167,6 @@ class Communicator:
         """Return once every rank has entered the barrier (on a CUDA group: once every rank's
         current stream has reached it)."""
         self._run(self._transport.barrier, self._operation_timeout)
-        with self._lock:
-            self._check_usable()  # a CUDA barrier that gave up says so only through the control segment
 
     def _run(self, operation, *args, sample: tuple[Path, int] | None = None) -> None:
         """Run a transport operation under the lock that close() takes, errors located here, every
@@ -191,6 +196,56 @@ class Communicator:
                 return  # still running; reported on a later call
             self._samples.pop(0)
             self._lease.report(path, nbytes, seconds)
+
+    def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange:
+        """Open a top-k owner exchange for up to `max_rows` rows of `topk` candidates per rank.
+
+        Collective: every rank calls it in the same order with the same max_rows and topk, or all
+        get GroupMismatchError before anything is allocated. See TopkExchange.stage.
+        """
+        where = dict(group=self.group, rank=self.rank)
+        with self._lock:
+            self._check_usable()
+            # Every call takes the next number, failed or not, so the ranks' n-th calls meet.
+            sequence = self._exchange_calls
+            self._exchange_calls += 1
+        request = pb.TopkExchangeRequest(
+            group=self.group,
+            group_id=self.group_id,
+            rank=self.rank,
+            sequence=sequence,
+            max_rows=max_rows,
+            topk=topk,
+            layout_version=LAYOUT_VERSION,
+            timeout_seconds=timeout,
+        )
+        try:
+            reply = self._stub.OpenTopkExchange(request, timeout=timeout + 5.0)
+        except grpc.RpcError as error:
+            raise from_rpc_error(error, **where) from None
+        layout = TopkLayout(max_rows, topk, self.world_size)
+        fds = claim(self._descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
+        slabs: list[SegmentMapping] = []
+        try:
+            for fd, slab in zip(fds, reply.slabs, strict=True):
+                if slab.size_bytes != layout.slab_bytes:
+                    raise DaemonUnavailableError(
+                        f"the daemon's slab has {slab.size_bytes} bytes; layout version {LAYOUT_VERSION} needs "
+                        f"{layout.slab_bytes}",
+                        **where,
+                    )
+                slabs.append(map_host_segment(fd, slab.size_bytes, where))
+        except BaseException:
+            for mapping in slabs:
+                host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+        exchange = TopkExchange(layout, self.rank, slabs, self.barrier, where)
+        with self._lock:
+            self._exchanges.append(exchange)
+        return exchange
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
@@ -291,6 +346,8 @@ class Communicator:
                     "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
                 )
         self._lease.close()
+        for exchange in self._exchanges:
+            exchange.close()
         try:
             self._transport.close()
         finally:

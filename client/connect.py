@@ -10,7 +10,7 @@ import grpc
 import torch
 
 from nodecomm import _native, host_memory
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError, from_rpc_error
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
 from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
@@ -18,7 +18,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .communicator import Communicator, Transport
 from .cuda_transport import CudaTransport
-from .descriptors import claim_descriptors
+from .descriptors import claim, map_host_segment
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
 from .mapping import SegmentMapping
@@ -177,25 +177,12 @@ def connect(
             )
         sizes = [reply.control.size_bytes, *(b.size_bytes for b in reply.buffers)]
         descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
+        fds = claim(descriptor_socket, reply.claim_token, len(sizes), timeout, where)
         try:
-            fds = claim_descriptors(descriptor_socket, reply.claim_token, len(sizes), timeout)
-        except PermissionError as error:
-            raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
-        except OSError as error:
-            raise DaemonUnavailableError(f"descriptor socket {descriptor_socket}: {error}", **where) from None
-        try:
-            if len(fds) != len(sizes):
-                raise DaemonUnavailableError(f"expected {len(sizes)} descriptors, received {len(fds)}", **where)
-            if host_memory.segment_size(fds[0]) < sizes[0]:
-                raise DaemonUnavailableError("the control segment is smaller than announced", **where)
-            control = SegmentMapping(host_memory.map_segment(fds[0], sizes[0]), sizes[0])
+            control = map_host_segment(fds[0], sizes[0], where)
             for fd, size in zip(fds[1:], sizes[1:], strict=True):
                 if device_index is None:
-                    if host_memory.segment_size(fd) < size:
-                        raise DaemonUnavailableError(
-                            f"segment of {host_memory.segment_size(fd)} bytes is smaller than announced {size}", **where
-                        )
-                    buffers.append(SegmentMapping(host_memory.map_segment(fd, size), size))
+                    buffers.append(map_host_segment(fd, size, where))
                 else:
                     buffers.append(SegmentMapping(_native.cuda_vmm_import(fd, size, device_index), size))
         finally:
@@ -216,6 +203,7 @@ def connect(
             group_id=reply.group_id,
             channel=channel,
             control=control,
+            descriptor_socket=descriptor_socket,
             transport=transport,
             dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
             table=DispatchTable.from_proto(table),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nodecomm import _native
+from nodecomm.errors import PeerLostError
 from nodecomm.thresholds import Path
 
 from .dtypes import DTYPE_CODES
@@ -35,6 +36,7 @@ class CudaTransport:
         self.rank, self.world_size = rank, world_size
         self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
         self._buffers = buffers
+        self._control = control
         self._slot_bytes = slot_bytes
         self._nccl_group = nccl_group
         self._group = _native.CudaGroup(
@@ -96,6 +98,12 @@ class CudaTransport:
         stream = torch.cuda.current_stream(self.device)
         self._group.barrier(timeout, stream.cuda_stream)
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
+        # A kernel that gave up says so only in this rank's error record.
+        code, peer, _ = _native.error_record(self._control.address, self.rank)
+        if code == _native.ERROR_TIMEOUT:
+            raise PeerLostError(f"the barrier timed out waiting for rank {peer}")
+        if code == _native.ERROR_ABORTED:
+            raise PeerLostError("the barrier ended: the group was aborted")
 
     # Timing samples: CUDA events around the operation, read once the end event has completed.
     def capturing(self) -> bool:

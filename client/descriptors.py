@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import socket
 
+from nodecomm import host_memory
+from nodecomm.errors import DaemonUnavailableError, PermissionDeniedError
+
+from .mapping import SegmentMapping
+
 
 def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> list[int]:
     """Present the one-time `token` on the descriptor socket at `path`; returns the descriptors.
@@ -23,3 +28,26 @@ def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> 
             os.close(fd)
         raise PermissionError(message[1:].decode(errors="replace"))
     return list(fds)
+
+
+def claim(path: str, token: bytes, expected: int, timeout: float, where: dict) -> list[int]:
+    """claim_descriptors, with failures as nodecomm errors and the count checked."""
+    try:
+        fds = claim_descriptors(path, token, expected, timeout)
+    except PermissionError as error:
+        raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
+    except OSError as error:
+        raise DaemonUnavailableError(f"descriptor socket {path}: {error}", **where) from None
+    if len(fds) != expected:
+        for fd in fds:
+            os.close(fd)
+        raise DaemonUnavailableError(f"expected {expected} descriptors, received {len(fds)}", **where)
+    return fds
+
+
+def map_host_segment(fd: int, size: int, where: dict) -> SegmentMapping:
+    """Map a memfd the daemon sent, after checking it is as large as announced."""
+    actual = host_memory.segment_size(fd)
+    if actual < size:
+        raise DaemonUnavailableError(f"segment of {actual} bytes is smaller than announced {size}", **where)
+    return SegmentMapping(host_memory.map_segment(fd, size), size)

@@ -27,6 +27,7 @@ __all__ = [
     "UnsupportedError",
     "connect",
     "parse_byte_size",
+    "row_topk",
 ]
 
 
@@ -36,4 +37,8 @@ def __getattr__(name: str):
         from nodecomm import client
 
         return getattr(client, name)
+    if name == "row_topk":
+        from nodecomm.topk_rows import row_topk
+
+        return row_topk
     raise AttributeError(f"module 'nodecomm' has no attribute {name!r}")

@@ -113,3 +113,37 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> Gro
             f"allocating {len(devices)} buffers for {slot_bytes}-byte slots on {where} failed: {error}", group=name
         ) from None
     return GroupMemory(kind, control_fd, control_address, made_fds[1:], buffer_bytes, mappings)
+
+
+@dataclass
+class TopkSlabs:
+    """A top-k exchange's memory: one slab per owner rank (nodecomm.topk_layout), host memfds."""
+
+    exchange_id: int
+    fds: list[int]
+    slab_bytes: int
+    closed: bool = field(default=False)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.slab_bytes * len(self.fds)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for fd in self.fds:
+                os.close(fd)
+
+
+def allocate_topk_slabs(name: str, exchange_id: int, world_size: int, slab_bytes: int) -> TopkSlabs:
+    made: list[int] = []
+    try:
+        for owner in range(world_size):
+            made.append(host_memory.create_segment(f"nodecomm:{name}:topk{exchange_id}:owner{owner}", slab_bytes))
+    except (MemoryError, OSError) as error:
+        for fd in made:
+            os.close(fd)
+        raise ResourceExhaustedError(
+            f"allocating {world_size} top-k slabs of {slab_bytes} bytes failed: {error}", group=name
+        ) from None
+    return TopkSlabs(exchange_id, made, slab_bytes)

@@ -26,13 +26,15 @@ from nodecomm.errors import (
     InvalidArgumentError,
     NodecommError,
     NotFoundError,
+    PeerLostError,
     ResourceExhaustedError,
     UnsupportedError,
 )
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import GroupMemory, allocate_group
+from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_topk_slabs
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .metrics import DaemonMetrics, size_bucket
@@ -147,6 +149,7 @@ class FormingGroup:
 @dataclass
 class Member:
     rank: int
+    pid: int = 0
     session: asyncio.Queue | None = None
     session_seen: bool = False
     left: bool = False
@@ -169,6 +172,18 @@ PEER_CHECK_STAGES = {1: "peer memory probe", 2: "numeric self-test"}
 
 
 @dataclass
+class FormingExchange:
+    """The ranks' calls for one top-k exchange (a group's n-th), until all have agreed."""
+
+    arrivals: dict[int, pb.TopkExchangeRequest] = field(default_factory=dict)
+    futures: dict[int, asyncio.Future] = field(default_factory=dict)
+    failure: NodecommError | None = None
+
+    # What every rank must agree on.
+    AGREED = ("max_rows", "topk", "layout_version")
+
+
+@dataclass
 class Group:
     name: str
     group_id: int
@@ -178,6 +193,12 @@ class Group:
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
     peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
+    exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
+    topk_slabs: list[TopkSlabs] = field(default_factory=list)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs)
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
@@ -368,7 +389,7 @@ class GroupRegistry:
             args=first,
             memory=memory,
             table=self.new_table(first),
-            members={r: Member(r) for r in forming.arrivals},
+            members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
         )
         del self._forming[forming.name]
         self._active[group.name] = group
@@ -411,7 +432,7 @@ class GroupRegistry:
         else:
             buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
         needed = _native.CONTROL_BYTES + args.world_size * buffer_bytes
-        reserved = sum(g.memory.reserved_bytes for g in self._groups.values())
+        reserved = sum(g.reserved_bytes for g in self._groups.values())
         if reserved + needed > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(
                 f"the group needs {needed} bytes but the daemon already reserves {reserved} of its "
@@ -466,6 +487,113 @@ class GroupRegistry:
         group.table = build_table({}, Path.NCCL, self._table_epoch)
         check.verdict.set_result(
             pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
+        )
+
+    # -- top-k exchanges -----------------------------------------------------------------------
+
+    async def open_topk_exchange(self, request: pb.TopkExchangeRequest) -> pb.TopkExchangeReply:
+        """Wait for every rank's call for the same exchange; if they agree, allocate every owner's
+        slab and answer each rank with a token for them. Disagreeing ranks all get one error."""
+        where = dict(group=request.group or None, rank=request.rank)
+        group = self._groups.get(request.group_id)
+        if group is None or group.name != request.group or request.rank not in group.members:
+            raise NotFoundError(f"no group named {request.group!r} with id {request.group_id} has this rank", **where)
+        if group.state != "active":
+            raise NotFoundError(f"the group is {group.state}", **where)
+        world_size = group.args.world_size
+        if world_size not in WORLD_SIZES:
+            raise InvalidArgumentError(
+                f"top-k exchanges support world sizes {sorted(WORLD_SIZES)}; this group has {world_size}", **where
+            )
+        if group.args.device_kind != "cpu":
+            raise UnsupportedError("top-k exchanges run on CPU groups so far; CUDA groups come next", **where)
+        if request.layout_version != LAYOUT_VERSION:
+            raise InvalidArgumentError(
+                f"layout_version {request.layout_version}: this daemon lays slabs out as version {LAYOUT_VERSION}",
+                **where,
+            )
+        if request.max_rows < 1 or request.topk < 1:
+            raise InvalidArgumentError(
+                f"max_rows {request.max_rows} and topk {request.topk}: expected both at least 1", **where
+            )
+        forming = group.exchanges.setdefault(request.sequence, FormingExchange())
+        if forming.failure is not None:
+            raise forming.failure
+        if request.rank in forming.arrivals:
+            raise AlreadyExistsError(f"rank {request.rank} already opened exchange {request.sequence}", **where)
+        for name in FormingExchange.AGREED:
+            values = {r: getattr(a, name) for r, a in forming.arrivals.items()}
+            values[request.rank] = getattr(request, name)
+            if len(set(values.values())) > 1:
+                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
+                self._fail_exchange(
+                    forming,
+                    GroupMismatchError(
+                        f"ranks disagree on the top-k exchange's {name}: {detail}; nothing was allocated",
+                        group=group.name,
+                    ),
+                )
+                raise forming.failure
+        forming.arrivals[request.rank] = request
+        future = forming.futures[request.rank] = asyncio.get_running_loop().create_future()
+        if len(forming.arrivals) == world_size:
+            self._form_exchange(group, request.sequence, forming)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), request.timeout_seconds or 60.0)
+        except asyncio.TimeoutError:
+            if future.done():  # formed (or failed) in the same step the deadline passed
+                return future.result()
+            missing = sorted(set(group.members) - set(forming.arrivals))
+            self._fail_exchange(
+                forming,
+                DeadlineExceededError(
+                    f"ranks {missing} did not open top-k exchange {request.sequence} in time; nothing was allocated",
+                    group=group.name,
+                ),
+            )
+            raise forming.failure from None
+
+    def _fail_exchange(self, forming: FormingExchange, error: NodecommError) -> None:
+        forming.failure = error
+        for future in forming.futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+    def _form_exchange(self, group: Group, sequence: int, forming: FormingExchange) -> None:
+        first = forming.arrivals[0]
+        layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
+        needed = layout.slab_bytes * layout.world_size
+        reserved = sum(g.reserved_bytes for g in self._groups.values())
+        try:
+            if reserved + needed > self.config.max_reserved_bytes:
+                raise ResourceExhaustedError(
+                    f"the exchange needs {needed} bytes but the daemon already reserves {reserved} of its "
+                    f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
+                    group=group.name,
+                )
+            slabs = allocate_topk_slabs(group.name, sequence, layout.world_size, layout.slab_bytes)
+        except ResourceExhaustedError as error:
+            self._fail_exchange(forming, error)
+            return
+        group.topk_slabs.append(slabs)
+        self.metrics.reserved.labels("host").inc(slabs.reserved_bytes)
+        exchange_id = secrets.randbits(63)
+        for rank, future in forming.futures.items():
+            token = self.claims.issue(
+                group.name,
+                group.group_id,
+                rank,
+                group.members[rank].pid,
+                slabs.fds,
+                self.config.claim_token_ttl_seconds,
+            )
+            reply = pb.TopkExchangeReply(exchange_id=exchange_id, claim_token=token, memory_kind=pb.HOST_MEMFD)
+            for owner in range(layout.world_size):
+                reply.slabs.add(owner_rank=owner, size_bytes=layout.slab_bytes)
+            future.set_result(reply)
+        log.info(
+            "top-k exchange opened",
+            extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
         )
 
     # -- sessions ------------------------------------------------------------------------------
@@ -538,6 +666,9 @@ class GroupRegistry:
 
     def _abort(self, group: Group, reason: int, rank: int, message: str, quiet: bool = False) -> None:
         group.memory.abort(reason, rank)
+        for forming in group.exchanges.values():
+            if forming.failure is None and any(not f.done() for f in forming.futures.values()):
+                self._fail_exchange(forming, PeerLostError(f"group aborted: {message}", group=group.name))
         if group.state == "active":
             group.state = "aborted"
             if self._active.get(group.name) is group:
@@ -564,6 +695,9 @@ class GroupRegistry:
             self.metrics.reserved.labels(group.memory.kind_label).dec(group.memory.reserved_bytes)
             self.claims.drop_group(group.group_id)
             group.memory.close()
+            for slabs in group.topk_slabs:
+                self.metrics.reserved.labels("host").dec(slabs.reserved_bytes)
+                slabs.close()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 
     # -- operator views and shutdown -------------------------------------------------------------
@@ -592,7 +726,7 @@ class GroupRegistry:
                     live_ranks=sorted(r for r, m in group.members.items() if m.session is not None and not m.gone),
                     state=group.state,
                     device_kind=group.args.device_kind,
-                    reserved_bytes=group.memory.reserved_bytes,
+                    reserved_bytes=group.reserved_bytes,
                     geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
                 )
             )

@@ -107,6 +107,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         return await self.registry.check_peers(request, self.config.join_timeout_seconds)
 
     @rpc
+    async def OpenTopkExchange(self, request: pb.TopkExchangeRequest, context) -> pb.TopkExchangeReply:
+        return await self.registry.open_topk_exchange(request)
+
+    @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()

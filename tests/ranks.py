@@ -148,3 +148,68 @@ def misuse(rank: int, world_size: int, socket: str) -> dict:
         seen["closed"] = str(error)
     comm.close()  # twice is harmless
     return seen
+
+
+def candidates(world_size: int, rows: int, topk: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's top-k candidates, [world_size, rows, topk]: int32 indices and float32 scores
+    built from arbitrary int32 bit patterns (NaN payloads and -0.0 included)."""
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(-(2**31), 2**31 - 1, (world_size, rows, topk), generator=generator, dtype=torch.int32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (world_size, rows, topk), generator=generator, dtype=torch.int32)
+    bits[..., 0] = -(2**31)  # -0.0
+    return idx, bits.view(torch.float32)
+
+
+def topk_exchange_cases(rank: int, world_size: int, socket: str, max_rows: int, topk: int, rows_list: list[int]):
+    """Stage every case; the owner table must equal, bit for bit, the reference built from every
+    rank's inputs. Returns the problems found."""
+    from nodecomm.topk_layout import owned_rows
+
+    problems = []
+    with nodecomm.connect("topk", rank, world_size, socket=socket, timeout=60) as comm:
+        exchange = comm.topk_exchange(max_rows, topk)
+        for seed, rows in enumerate(rows_list):
+            idx, scores = candidates(world_size, rows, topk, seed)
+            got_idx, got_scores = exchange.stage(idx[rank], scores[rank])
+            span = owned_rows(rows, world_size, rank)
+            want_idx = idx[:, span.start : span.stop].permute(1, 0, 2)
+            want_bits = scores[:, span.start : span.stop].permute(1, 0, 2).view(torch.int32)
+            if got_idx.shape != (len(span), world_size, topk) or not torch.equal(got_idx, want_idx):
+                problems.append(f"rows={rows}: index table differs (shape {tuple(got_idx.shape)})")
+            if got_scores.dtype != torch.float32 or not torch.equal(got_scores.view(torch.int32), want_bits):
+                problems.append(f"rows={rows}: score bits differ")
+    return problems
+
+
+def topk_mismatch(rank: int, world_size: int, socket: str) -> dict:
+    """Rank 1 asks for a different topk: every rank fails, nothing is allocated; the next exchange
+    with agreeing geometry works."""
+    import grpc
+
+    from nodecomm.socket_path import grpc_target
+    from nodecomm.v1 import control_pb2 as pb
+    from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+    def reserved() -> int:
+        with grpc.insecure_channel(grpc_target(socket)) as channel:
+            groups = pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=10).groups
+        return next(g.reserved_bytes for g in groups if g.name == "topk-mismatch")
+
+    seen = {}
+    with nodecomm.connect("topk-mismatch", rank, world_size, socket=socket, timeout=60) as comm:
+        comm.barrier()
+        seen["before"] = reserved()
+        try:
+            comm.topk_exchange(8, 16 if rank != 1 else 8, timeout=30)
+            seen["error"] = "no error"
+        except nodecomm.NodecommError as error:
+            seen["error"] = f"{type(error).__name__}: {error}"
+        comm.barrier()
+        seen["after_failure"] = reserved()
+        exchange = comm.topk_exchange(8, 4, timeout=30)
+        idx, scores = candidates(world_size, 8, 4, seed=7)
+        got, _ = exchange.stage(idx[rank], scores[rank])
+        seen["staged_rows"] = got.shape[0]
+        comm.barrier()
+        seen["after_success"] = reserved()
+    return seen

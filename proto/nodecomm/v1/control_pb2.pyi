@@ -220,6 +220,38 @@ class LeaveReply(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TopkExchangeRequest(_message.Message):
+    __slots__ = ("group", "group_id", "rank", "sequence", "max_rows", "topk", "layout_version", "timeout_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    sequence: int
+    max_rows: int
+    topk: int
+    layout_version: int
+    timeout_seconds: float
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., max_rows: _Optional[int] = ..., topk: _Optional[int] = ..., layout_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class TopkExchangeReply(_message.Message):
+    __slots__ = ("exchange_id", "claim_token", "memory_kind", "slabs")
+    EXCHANGE_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    SLABS_FIELD_NUMBER: _ClassVar[int]
+    exchange_id: int
+    claim_token: bytes
+    memory_kind: MemoryKind
+    slabs: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+
 class PeerCheckReport(_message.Message):
     __slots__ = ("group", "group_id", "rank", "ok", "detail", "stage")
     GROUP_FIELD_NUMBER: _ClassVar[int]

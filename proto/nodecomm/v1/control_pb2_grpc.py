@@ -49,6 +49,11 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.FromString,
                 _registered_method=True)
+        self.OpenTopkExchange = channel.unary_unary(
+                '/nodecomm.v1.Control/OpenTopkExchange',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/nodecomm.v1.Control/Leave',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
@@ -96,6 +101,15 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTopkExchange(self, request, context):
+        """Collective: every rank of a formed group opens its n-th top-k exchange with the same geometry;
+        the reply waits for every rank, then carries a one-time token that claims every owner's slab.
+        Ranks that disagree all get one error that names the field, before anything is allocated.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -131,6 +145,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.CheckPeers,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.SerializeToString,
+            ),
+            'OpenTopkExchange': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTopkExchange,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -229,6 +248,33 @@ class Control:
             '/nodecomm.v1.Control/CheckPeers',
             nodecomm_dot_v1_dot_control__pb2.PeerCheckReport.SerializeToString,
             nodecomm_dot_v1_dot_control__pb2.PeerCheckVerdict.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTopkExchange(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/OpenTopkExchange',
+            nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.FromString,
             options,
             channel_credentials,
             insecure,

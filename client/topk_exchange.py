@@ -1,0 +1,111 @@
+"""TopkExchange: every rank's top-k candidates for a row, gathered at the row's owner.
+
+Each source rank writes its candidates for owner o's rows straight into o's slab (no pack, no
+all-to-all, no unpack), one barrier orders the writes before the owner reads, and the owner
+copies its table out. Stages alternate between the slab's two slots: a slot written at stage n
+is written again at stage n + 2 only after its owner passed stage n + 1's barrier, which it
+reaches after copying stage n out. Layout: nodecomm.topk_layout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+
+from nodecomm import host_memory
+from nodecomm.errors import InvalidArgumentError
+from nodecomm.topk_layout import SLOTS, TopkLayout, owned_rows
+
+from .mapping import SegmentMapping
+
+
+def _planes(mapping: SegmentMapping, layout: TopkLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(index plane, score-bits plane) of each slot, as int32 tensors over the mapped slab."""
+    raw = torch.frombuffer((ctypes.c_char * mapping.size_bytes).from_address(mapping.address), dtype=torch.int32)
+    shape = (layout.rows_per_owner, layout.world_size, layout.topk)
+    planes = raw[: SLOTS * 2 * layout.plane_elements].view(SLOTS, 2, *shape)
+    return [(planes[slot, 0], planes[slot, 1]) for slot in range(SLOTS)]
+
+
+class TopkExchange:
+    """Built by Communicator.topk_exchange; stage() is collective, like every collective."""
+
+    def __init__(
+        self,
+        layout: TopkLayout,
+        rank: int,
+        slabs: list[SegmentMapping],
+        barrier: Callable[[], None],
+        where: dict,
+    ):
+        self.max_rows, self.topk = layout.max_rows, layout.topk
+        self._layout = layout
+        self._rank = rank
+        self._slabs = slabs
+        self._planes = [_planes(slab, layout) for slab in slabs]
+        self._barrier = barrier
+        self._where = where
+        self._stages = 0
+        self._closed = False
+
+    def stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send this rank's candidates ([rows, topk]: int32 indices, float32 scores; rows <= max_rows,
+        the same on every rank) to the rows' owners; returns this rank's owner table, (idx, scores)
+        each [owned_rows, world_size, topk], where [i, s, :] is exactly what rank s passed for the
+        i-th owned row, bit for bit."""
+        self._check(local_idx, local_scores)
+        rows, world = local_idx.shape[0], self._layout.world_size
+        slot = self._stages % SLOTS
+        self._stages += 1
+        source_idx, source_bits = local_idx, local_scores.view(torch.int32)  # bits, not values
+        for owner in range(world):
+            span = owned_rows(rows, world, owner)
+            if span:
+                idx_plane, score_plane = self._planes[owner][slot]
+                idx_plane[: len(span), self._rank].copy_(source_idx[span.start : span.stop])
+                score_plane[: len(span), self._rank].copy_(source_bits[span.start : span.stop])
+        self._barrier()
+        mine = len(owned_rows(rows, world, self._rank))
+        idx_plane, score_plane = self._planes[self._rank][slot]
+        return idx_plane[:mine].clone(), score_plane[:mine].clone().view(torch.float32)
+
+    def _check(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> None:
+        if self._closed:
+            raise InvalidArgumentError("this top-k exchange is closed", **self._where)
+        shape_ok = (
+            isinstance(local_idx, torch.Tensor)
+            and isinstance(local_scores, torch.Tensor)
+            and local_idx.dim() == 2
+            and local_idx.shape == local_scores.shape
+            and local_idx.shape[1] == self.topk
+        )
+        if not shape_ok:
+            shapes = [
+                tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (local_idx, local_scores)
+            ]
+            raise InvalidArgumentError(
+                f"local_idx and local_scores must both be [rows, {self.topk}] tensors, got {shapes[0]} and {shapes[1]}",
+                **self._where,
+            )
+        if local_idx.dtype != torch.int32 or local_scores.dtype != torch.float32:
+            raise InvalidArgumentError(
+                f"expected int32 indices and float32 scores, got {local_idx.dtype} and {local_scores.dtype}",
+                **self._where,
+            )
+        if not (local_idx.is_cpu and local_scores.is_cpu):
+            raise InvalidArgumentError("this exchange belongs to a CPU group; pass CPU tensors", **self._where)
+        if local_idx.shape[0] > self.max_rows:
+            raise InvalidArgumentError(
+                f"{local_idx.shape[0]} rows exceed the exchange's max_rows {self.max_rows}", **self._where
+            )
+
+    def close(self) -> None:
+        """Unmap the slabs here (the daemon frees them with the group). Calling it again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._planes = []
+        for slab in self._slabs:
+            host_memory.unmap_segment(slab.address, slab.size_bytes)
