@@ -256,31 +256,20 @@ class BenchSetup:
         return " ".join(parts)
 
 
-def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
-    shared = setup.device == "cuda" and setup.world_size > setup.gpus
-    daemon = None if socket else PrivateDaemon(*(["--allow-shared-devices", "true"] if shared else []))
+def run_ranks(target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = ()):
+    """Run target(rank, world_size, args, port, results) in `world_size` spawned processes, against
+    `socket` or a private daemon (args["socket"] is set); returns what rank 0 puts on `results`."""
+    daemon = None if socket else PrivateDaemon(*daemon_flags)
     try:
-        args = {
-            "sizes": setup.sizes,
-            "paths": setup.paths,
-            "dtype": setup.dtype,
-            "socket": socket or daemon.socket,
-            "device": setup.device,
-            "baseline": setup.baseline,
-            "capacity_bytes": setup.capacity_bytes,
-            "graph": setup.graph,
-        }
-        world_size = setup.world_size
+        args = {**args, "socket": socket or daemon.socket}
         context = mp.get_context("spawn")
         results = context.Queue()
         port = _free_port()
-        ranks = [
-            context.Process(target=_rank_main, args=(r, world_size, args, port, results)) for r in range(world_size)
-        ]
+        ranks = [context.Process(target=target, args=(r, world_size, args, port, results)) for r in range(world_size)]
         for process in ranks:
             process.start()
         try:
-            raw = _wait_for_rows(results, ranks)
+            return _wait_for_rows(results, ranks)
         finally:
             for process in ranks:
                 process.join(timeout=60)
@@ -289,7 +278,22 @@ def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
     finally:
         if daemon is not None:
             daemon.stop()
-    return [_row(n, c, setup.dtype, p, t, w, world_size) for n, c, p, t, w in raw]
+
+
+def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
+    shared = setup.device == "cuda" and setup.world_size > setup.gpus
+    args = {
+        "sizes": setup.sizes,
+        "paths": setup.paths,
+        "dtype": setup.dtype,
+        "device": setup.device,
+        "baseline": setup.baseline,
+        "capacity_bytes": setup.capacity_bytes,
+        "graph": setup.graph,
+    }
+    flags = ("--allow-shared-devices", "true") if shared else ()
+    raw = run_ranks(_rank_main, setup.world_size, args, socket, flags)
+    return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw]
 
 
 def format_table(rows: list[Row], setup: BenchSetup) -> str:

@@ -103,6 +103,15 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.op == "topk":
+        from nodecomm.client.topk_bench import run_topk_bench
+
+        if args.device != "cpu":
+            print("nodecomm bench --op topk: CPU groups only so far (--device cpu)", file=sys.stderr)
+            return 2
+        rows = [int(r) for r in args.rows.split(",")]
+        print(run_topk_bench(args.world_size, rows, args.topk, args.iterations, args.socket))
+        return 0
     from nodecomm.client.bench import BASELINES, BenchSetup, format_table, run_bench, sizes_between, write_json
 
     gpus = 0
@@ -164,7 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="all-reduce latency and bandwidth per path, beside gloo (CPU) or NCCL (GPU)"
     )
+    bench.add_argument("--op", default="all_reduce", choices=("all_reduce", "topk"))
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    bench.add_argument("--rows", default="64,256,1024,2048", help="topk: rows per stage")
+    bench.add_argument("--topk", type=int, default=2048, help="topk: candidates per row and rank")
+    bench.add_argument("--iterations", type=int, default=10, help="topk: timed stages per size")
     bench.add_argument("--world-size", type=int, default=2)
     bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--min-bytes", default="1KiB")

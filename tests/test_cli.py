@@ -70,6 +70,15 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     assert len(rows) == 3 * 4 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
 
 
+def test_topk_bench_compares_tables_with_the_baseline():
+    result = nodecomm_cli(
+        "bench", "--op", "topk", "--world-size", "3", "--rows", "0,5,64", "--topk", "8", "--iterations", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert [r[0] for r in rows] == ["0", "5", "64"] and all(r[-1] == "yes" for r in rows)
+
+
 def test_reflection_and_tcp_listener_on_loopback(make_daemon):
     import grpc
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
