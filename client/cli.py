@@ -102,6 +102,48 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    request = pb.CalibrateRequest(
+        device_kind=args.device,
+        world_size=args.world_size,
+        min_bytes=parse_byte_size(args.min_bytes),
+        max_bytes=parse_byte_size(args.max_bytes),
+    )
+    print(f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes}, {args.world_size} probe ranks ...")
+    channel, stub = _stub(args.socket)
+    with channel:
+        reply = stub.Calibrate(request, timeout=args.probe_timeout)
+    table = DispatchTable.from_proto(reply.thresholds)
+    if args.json:
+        points = [{"path": pb.Path.Name(p.path).lower(), "bytes": p.bytes, "seconds": p.seconds} for p in reply.points]
+        document = {
+            "fingerprint_key": reply.fingerprint_key,
+            "stored_at": reply.stored_at,
+            "boundaries": [
+                {"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value} for b in table.boundaries
+            ],
+            "points": points,
+        }
+        print(json.dumps(document, indent=2))
+        return 0
+    print(
+        f"{'size':>10} "
+        + " ".join(f"{name:>12}" for name in sorted({pb.Path.Name(p.path).lower() for p in reply.points}))
+    )
+    by_size: dict[int, dict[str, float]] = {}
+    for point in reply.points:
+        by_size.setdefault(point.bytes, {})[pb.Path.Name(point.path).lower()] = point.seconds
+    for size, times in sorted(by_size.items()):
+        cells = " ".join(f"{times[name] * 1e6:>10.1f}us" for name in sorted(times))
+        print(f"{format_byte_size(size):>10} {cells}")
+    print(f"calibrated (fingerprint {reply.fingerprint_key}, stored in {reply.stored_at}):")
+    for lo, hi, path in table.rows():
+        print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
+    for boundary in table.boundaries:
+        print(f"  {boundary.describe()}")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
@@ -170,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--json", action="store_true")
     thresholds.set_defaults(run=cmd_thresholds)
 
+    calibrate = commands.add_parser("calibrate", help="measure where each path stops winning; persist and use it")
+    calibrate.add_argument("--device", default="cpu", choices=("cpu",))
+    calibrate.add_argument("--world-size", type=int, default=2, help="probe ranks")
+    calibrate.add_argument("--min-bytes", default="4KiB")
+    calibrate.add_argument("--max-bytes", default="64MiB")
+    calibrate.add_argument("--probe-timeout", type=float, default=3600.0, help="seconds to wait for the probe")
+    calibrate.add_argument("--json", action="store_true")
+    calibrate.set_defaults(run=cmd_calibrate)
+
     bench = commands.add_parser(
         "bench", help="all-reduce latency and bandwidth per path, beside gloo (CPU) or NCCL (GPU)"
     )
@@ -204,3 +255,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NodecommError, ValueError, RuntimeError, TimeoutError) as error:
         print(f"nodecomm {args.command}: {error}", file=sys.stderr)
         return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -34,6 +34,14 @@ DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
 }
 
 
+def default_state_dir() -> str:
+    """/var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm (~/.local/state/nodecomm)."""
+    if os.geteuid() == 0:
+        return "/var/lib/nodecomm"
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return os.path.join(base, "nodecomm")
+
+
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     socket: str = dataclasses.field(default_factory=default_socket_path)
@@ -43,6 +51,8 @@ class DaemonConfig:
     tcp_address: str = ""
     # "host:port" for Prometheus /metrics, or "off".
     metrics_address: str = "127.0.0.1:9464"
+    # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
+    state_dir: str = ""
     join_timeout_seconds: float = 60.0
     operation_timeout_seconds: float = 60.0
     # A rank that does not open its Session stream this long after Join is treated as lost.
@@ -67,6 +77,8 @@ class DaemonConfig:
             raise ValueError("socket: expected a filesystem path for the Unix socket, got an empty string")
         if not self.descriptor_socket:
             object.__setattr__(self, "descriptor_socket", self.socket + ".fd")
+        if not self.state_dir:
+            object.__setattr__(self, "state_dir", default_state_dir())
         if self.tcp_address:
             host = _split_address("tcp_address", self.tcp_address)[0]
             if not ipaddress.ip_address(host).is_loopback:

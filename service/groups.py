@@ -35,6 +35,7 @@ from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_topk_slabs
+from .calibration import Calibration, CalibrationStore, cpu_calibration, cpu_fingerprint, probe_cpu
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .metrics import DaemonMetrics, size_bucket
@@ -225,23 +226,91 @@ class GroupRegistry:
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self._draining = False
         self._table_epoch = 0
-        for kind in DEFAULT_BOUNDARIES:
-            for boundary in self.default_boundaries(kind).values():
-                if boundary.value_bytes is not None:
-                    metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
+        # Boundaries measured on this machine, per device kind (see service.calibration).
+        self.calibrated: dict[str, dict[str, int | None]] = {}
+        self._calibrating = asyncio.Lock()
+        self._publish_thresholds()
 
     # -- thresholds ----------------------------------------------------------------------------
 
     def default_boundaries(self, device_kind: str) -> dict[str, Boundary]:
-        """The boundaries for a new group of `device_kind`: overrides win over built-in defaults.
+        """The boundaries for a new group of `device_kind`: override > calibrated > built-in default.
         CPU groups have no DMA path, so only oneshot_max_bytes applies to them."""
+        calibrated = self.calibrated.get(device_kind, {})
         boundaries = {}
         for name, default in DEFAULT_BOUNDARIES[device_kind].items():
             if name in self.config.overrides:
                 boundaries[name] = Boundary(name, self.config.overrides[name], Source.OVERRIDE)
+            elif name in calibrated:
+                boundaries[name] = Boundary(name, calibrated[name], Source.CALIBRATED)
             else:
                 boundaries[name] = Boundary(name, default, Source.DEFAULT)
         return boundaries
+
+    def _publish_thresholds(self) -> None:
+        self.metrics.threshold.clear()
+        for kind in DEFAULT_BOUNDARIES:
+            for boundary in self.default_boundaries(kind).values():
+                if boundary.value_bytes is not None:
+                    self.metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
+
+    def use_calibration(self, calibration: Calibration) -> None:
+        kind = str(calibration.fingerprint["device_kind"])
+        self.calibrated[kind] = dict(calibration.boundaries)
+        self._publish_thresholds()
+        log.info(
+            "calibration in force",
+            extra={
+                "device_kind": kind,
+                "fingerprint_key": calibration.key,
+                "thresholds": [b.describe() for b in self.default_boundaries(kind).values()],
+            },
+        )
+
+    async def calibrate(self, request: pb.CalibrateRequest, socket: str, store: CalibrationStore) -> pb.CalibrateReply:
+        """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
+        kind = request.device_kind or "cpu"
+        if kind != "cpu":
+            raise UnsupportedError(f"device_kind {kind!r}: calibration runs on CPU groups so far; GPU probes come next")
+        world_size = request.world_size or 2
+        min_bytes, max_bytes = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
+        if not 2 <= world_size <= MAX_WORLD_SIZE or not 4 <= min_bytes <= max_bytes:
+            raise InvalidArgumentError(
+                f"world_size {world_size} and sizes {min_bytes}..{max_bytes}: expected 2..{MAX_WORLD_SIZE} ranks "
+                "and 4 <= min_bytes <= max_bytes"
+            )
+        if self._calibrating.locked():
+            raise AlreadyExistsError("a calibration is already running on this daemon")
+        async with self._calibrating:
+            started = time.monotonic()
+            try:
+                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, timeout=3600)
+            except NodecommError:
+                self.metrics.calibrations.labels("failed").inc()
+                raise
+            calibration = cpu_calibration(cpu_fingerprint(), medians)
+            stored = store.save(calibration)
+        self.metrics.calibrations.labels("ok").inc()
+        log.info(
+            "calibrated",
+            extra={
+                "device_kind": kind,
+                "boundaries": calibration.boundaries,
+                "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
+                "seconds": round(time.monotonic() - started, 1),
+                "stored_at": str(stored),
+            },
+        )
+        self.use_calibration(calibration)
+        reply = pb.CalibrateReply(
+            fingerprint_key=calibration.key,
+            stored_at=str(stored),
+            thresholds=self._build_table(kind, False, 0).to_proto(),
+        )
+        for path, by_size in sorted(medians.items()):
+            for size, seconds in sorted(by_size.items()):
+                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
+        return reply
 
     def _build_table(self, device_kind: str, nccl_fallback: bool, epoch: int) -> DispatchTable:
         fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT

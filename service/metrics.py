@@ -44,6 +44,9 @@ class DaemonMetrics:
             ["result"],
             registry=r,
         )
+        self.calibrations = Counter(
+            "nodecomm_calibrations_total", "Calibration probes run, by result.", ["result"], registry=r
+        )
         self.sampled_ops = Counter(
             "nodecomm_sampled_operations_total", "Operations timed by ranks and reported.", ["op", "path"], registry=r
         )
@@ -69,3 +72,4 @@ class DaemonMetrics:
         self.reserved.labels("cuda")
         for result in ("ok", "failed"):
             self.peer_checks.labels(result)
+            self.calibrations.labels(result)

@@ -25,6 +25,7 @@ from nodecomm.errors import NodecommError, status_code_for
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .calibration import CalibrationStore, cpu_fingerprint, fingerprint_key
 from .config import DaemonConfig, load_config
 from .groups import GroupRegistry, JoinArgs
 from .handles import ClaimTable, DescriptorServer
@@ -54,10 +55,11 @@ def rpc(method):
 
 
 class ControlServicer(pb_grpc.ControlServicer):
-    def __init__(self, registry: GroupRegistry, metrics: DaemonMetrics, config: DaemonConfig):
+    def __init__(self, registry: GroupRegistry, metrics: DaemonMetrics, config: DaemonConfig, store: CalibrationStore):
         self.registry = registry
         self.metrics = metrics
         self.config = config
+        self.store = store
 
     @rpc
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -111,6 +113,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         return await self.registry.open_topk_exchange(request)
 
     @rpc
+    async def Calibrate(self, request: pb.CalibrateRequest, context) -> pb.CalibrateReply:
+        return await self.registry.calibrate(request, self.config.socket, self.store)
+
+    @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()
@@ -144,6 +150,13 @@ async def serve(config: DaemonConfig) -> int:
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus)
+    store = CalibrationStore(config.state_dir)
+    # A calibration measured on this machine before (same fingerprint) is used without probing.
+    stored = store.load(fingerprint_key(cpu_fingerprint()))
+    if stored is not None:
+        registry.use_calibration(stored)
+    else:
+        log.info("no stored calibration for this machine", extra={"state_dir": config.state_dir})
 
     _prepare_socket_path(config.socket)
     _prepare_socket_path(config.descriptor_socket)
@@ -165,7 +178,7 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.max_receive_message_length", 4 << 20),
         ]
     )
-    pb_grpc.add_ControlServicer_to_server(ControlServicer(registry, metrics, config), server)
+    pb_grpc.add_ControlServicer_to_server(ControlServicer(registry, metrics, config, store), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

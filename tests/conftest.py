@@ -82,6 +82,8 @@ class Daemon:
             f"127.0.0.1:{self.metrics_port}",
             "--log-level",
             "DEBUG",
+            "--state-dir",
+            str(self.directory / "state"),
             *self.extra_args,
         ]
         env = {**os.environ, **self.env}
@@ -123,6 +125,9 @@ class Daemon:
             raise
         finally:
             self._log.close()
+
+    def metrics_text(self) -> str:
+        return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
 
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
@@ -270,6 +275,7 @@ def join_request(
 
 
 def reserved_bytes(daemon) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    line = next(row for row in text.splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}'))
+    line = next(
+        row for row in daemon.metrics_text().splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}')
+    )
     return float(line.split()[-1])

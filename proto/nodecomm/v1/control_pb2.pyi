@@ -252,6 +252,40 @@ class TopkExchangeReply(_message.Message):
     slabs: _containers.RepeatedCompositeFieldContainer[Segment]
     def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
+class CalibrateRequest(_message.Message):
+    __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes")
+    DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device_kind: str
+    world_size: int
+    min_bytes: int
+    max_bytes: int
+    def __init__(self, device_kind: _Optional[str] = ..., world_size: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class CalibrationPoint(_message.Message):
+    __slots__ = ("path", "bytes", "seconds")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    path: Path
+    bytes: int
+    seconds: float
+    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class CalibrateReply(_message.Message):
+    __slots__ = ("fingerprint_key", "stored_at", "thresholds", "points")
+    FINGERPRINT_KEY_FIELD_NUMBER: _ClassVar[int]
+    STORED_AT_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    POINTS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint_key: str
+    stored_at: str
+    thresholds: ThresholdTable
+    points: _containers.RepeatedCompositeFieldContainer[CalibrationPoint]
+    def __init__(self, fingerprint_key: _Optional[str] = ..., stored_at: _Optional[str] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., points: _Optional[_Iterable[_Union[CalibrationPoint, _Mapping]]] = ...) -> None: ...
+
 class PeerCheckReport(_message.Message):
     __slots__ = ("group", "group_id", "rank", "ok", "detail", "stage")
     GROUP_FIELD_NUMBER: _ClassVar[int]

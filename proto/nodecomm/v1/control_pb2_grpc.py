@@ -54,6 +54,11 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.FromString,
                 _registered_method=True)
+        self.Calibrate = channel.unary_unary(
+                '/nodecomm.v1.Control/Calibrate',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/nodecomm.v1.Control/Leave',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
@@ -110,6 +115,14 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Calibrate(self, request, context):
+        """Probe this machine's paths over a size sweep (rank processes the daemon starts), place the
+        boundaries, persist them under the machine's fingerprint and use them for new groups.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -150,6 +163,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.OpenTopkExchange,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.SerializeToString,
+            ),
+            'Calibrate': grpc.unary_unary_rpc_method_handler(
+                    servicer.Calibrate,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -275,6 +293,33 @@ class Control:
             '/nodecomm.v1.Control/OpenTopkExchange',
             nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.SerializeToString,
             nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Calibrate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/Calibrate',
+            nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.CalibrateReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,161 @@
+"""Calibration: measure where each path stops winning on this machine, and remember it.
+
+A probe runs the `nodecomm bench` rank programs against this daemon (a subprocess, so the daemon
+never imports torch), times every constructed path over a size sweep, and places each boundary
+where the next path wins by a margin over a tail of sizes. The result is stored in the state
+directory under a fingerprint of the machine, so a restarted daemon reuses it without probing.
+CPU groups calibrate `shm` oneshot against twoshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from nodecomm import _native
+from nodecomm.errors import InternalError
+
+log = logging.getLogger("nodecomm.calibration")
+
+DEFAULT_MARGIN = 0.02
+DEFAULT_TAIL = 2
+
+
+def cpu_fingerprint() -> dict[str, object]:
+    """What a CPU calibration depends on: the processor, how many of them, the native build."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {
+        "device_kind": "cpu",
+        "machine": platform.machine(),
+        "cpu_model": model,
+        "cpus": os.cpu_count(),
+        "native": os.path.basename(_native.__file__),
+    }
+
+
+def fingerprint_key(fingerprint: dict[str, object]) -> str:
+    return hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def small_path_max(
+    sizes: list[int],
+    small: dict[int, float],
+    large: dict[int, float],
+    margin: float = DEFAULT_MARGIN,
+    tail: int = DEFAULT_TAIL,
+) -> int | None:
+    """The largest size the small-message path should carry: the size before the first one from
+    which the large path is faster by more than `margin` at every size to the end of the sweep,
+    a tail of at least `tail` sizes. None when the large path wins that way from the smallest size
+    (the small path never wins); the largest size when it never does (no evidence beyond it)."""
+    ordered = sorted(sizes)
+    wins = [large[s] < small[s] * (1.0 - margin) for s in ordered]
+    first = len(ordered)
+    while first > 0 and wins[first - 1]:
+        first -= 1
+    if len(ordered) - first < tail:
+        return ordered[-1]
+    return None if first == 0 else ordered[first - 1]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    key: str
+    fingerprint: dict[str, object]
+    boundaries: dict[str, int | None]
+    # Slowest rank's median seconds per path and size, as measured.
+    medians: dict[str, dict[int, float]]
+    measured_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calibration:
+        raw = json.loads(text)
+        medians = {
+            path: {int(size): seconds for size, seconds in by_size.items()} for path, by_size in raw["medians"].items()
+        }
+        return cls(raw["key"], raw["fingerprint"], raw["boundaries"], medians, raw["measured_at"])
+
+
+class CalibrationStore:
+    """Calibrations on disk, one JSON file per fingerprint: <state_dir>/calibration-<key>.json."""
+
+    def __init__(self, state_dir: str):
+        self.directory = Path(state_dir)
+
+    def path_for(self, key: str) -> Path:
+        return self.directory / f"calibration-{key}.json"
+
+    def load(self, key: str) -> Calibration | None:
+        path = self.path_for(key)
+        try:
+            calibration = Calibration.from_json(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            log.warning("ignoring an unreadable calibration", extra={"path": str(path), "error": str(error)})
+            return None
+        return calibration if calibration.key == key else None
+
+    def save(self, calibration: Calibration) -> Path:
+        """Write atomically: a crash leaves the old file or the new one, never half of one."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path_for(calibration.key)
+        with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as handle:
+            handle.write(calibration.to_json())
+        os.replace(handle.name, path)
+        return path
+
+
+async def probe_cpu(
+    socket: str, world_size: int, min_bytes: int, max_bytes: int, timeout: float
+) -> dict[str, dict[int, float]]:
+    """Run the bench's rank programs against the daemon at `socket`; slowest rank's median seconds
+    per path and size. Raises InternalError with the probe's output when it fails."""
+    with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
+        out = os.path.join(directory, "probe.json")
+        args = [
+            sys.executable, "-m", "nodecomm.client.cli", "--socket", socket, "bench", "--device", "cpu",
+            "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline",
+            "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
+        ]  # fmt: skip
+        process = await asyncio.create_subprocess_exec(
+            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        try:
+            output, _ = await asyncio.wait_for(process.communicate(), timeout)
+        except asyncio.TimeoutError:
+            process.kill()
+            await process.wait()
+            raise InternalError(f"the calibration probe did not finish within {timeout:.0f} s") from None
+        if process.returncode != 0 or not os.path.exists(out):
+            tail = output.decode(errors="replace")[-2000:]
+            raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
+        with open(out) as handle:
+            rows = json.load(handle)["rows"]
+    medians: dict[str, dict[int, float]] = {}
+    for row in rows:
+        medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
+    return medians
+
+
+def cpu_calibration(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:
+    sizes = sorted(medians["oneshot"])
+    boundary = small_path_max(sizes, medians["oneshot"], medians["twoshot"])
+    return Calibration(fingerprint_key(fingerprint), fingerprint, {"oneshot_max_bytes": boundary}, medians, time.time())

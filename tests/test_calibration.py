@@ -1,0 +1,62 @@
+"""Calibration: boundary placement from measurements, and the CPU probe end to end through the
+daemon, persisted and reused by a restarted daemon without probing again."""
+
+import json
+
+import pytest
+
+from nodecomm.service.calibration import small_path_max
+from test_cli import nodecomm_cli
+
+SIZES = [1 << k for k in range(10, 17)]  # 1 KiB .. 64 KiB
+
+
+def _times(values):
+    return dict(zip(SIZES, values, strict=True))
+
+
+@pytest.mark.parametrize(
+    "small, large, expected",
+    [
+        # twoshot wins clearly from 16 KiB on: oneshot up to 8 KiB.
+        ([1, 1, 1, 1, 2, 4, 8], [2, 2, 2, 2, 1, 2, 4], 8 << 10),
+        # the large path wins only at the last size: a tail of one is not enough evidence.
+        ([1, 1, 1, 1, 1, 1, 2], [2, 2, 2, 2, 2, 2, 1], 64 << 10),
+        # within the 2% margin everywhere: nothing moves, the small path keeps the sweep.
+        ([1.0] * 7, [0.99] * 7, 64 << 10),
+        # a win in the middle that does not last to the end is noise.
+        ([1, 1, 2, 2, 1, 1, 1], [2, 2, 1, 1, 2, 2, 2], 64 << 10),
+        # the large path wins from the smallest size: the small path never wins and is off.
+        ([2] * 7, [1] * 7, None),
+    ],
+)
+def test_small_path_max(small, large, expected):
+    assert small_path_max(SIZES, _times(small), _times(large)) == expected
+
+
+def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_path):
+    state = tmp_path / "state"
+    daemon = make_daemon("--state-dir", str(state))
+    result = nodecomm_cli(
+        "--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "64KiB", "--json"
+    )
+    assert result.returncode == 0, result.stderr + result.stdout
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    (boundary,) = document["boundaries"]
+    assert boundary["name"] == "oneshot_max_bytes" and boundary["source"] == "calibrated"
+    assert {p["path"] for p in document["points"]} == {"oneshot", "twoshot"}
+    assert len(document["points"]) == 2 * 7 and all(p["seconds"] > 0 for p in document["points"])
+    stored = json.loads((state / f"calibration-{document['fingerprint_key']}.json").read_text())
+    assert stored["boundaries"] == {"oneshot_max_bytes": boundary["value_bytes"]}
+    shown = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    assert "oneshot_max_bytes=" in shown and "(calibrated)" in shown
+    metrics = daemon.metrics_text()
+    assert 'nodecomm_calibrations_total{result="ok"} 1.0' in metrics
+
+    daemon.stop()
+    daemon.start()
+    again = nodecomm_cli("--socket", daemon.socket, "thresholds", "--json").stdout
+    assert json.loads(again)["boundaries"] == [
+        {"name": "oneshot_max_bytes", "value_bytes": boundary["value_bytes"], "source": "calibrated"}
+    ]
+    assert "calibration in force" in daemon.log() and '"msg": "calibrated"' not in daemon.log()
