@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import grpc
 import torch
 
 from nodecomm import _native, host_memory
+from nodecomm.byte_size import parse_byte_size
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
 from nodecomm.thresholds import DispatchTable
@@ -120,6 +121,7 @@ def connect(
     *,
     capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
     dtypes: Iterable[str | torch.dtype] = DEFAULT_DTYPES,
+    thresholds: Mapping[str, str | int | None] | None = None,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -128,7 +130,9 @@ def connect(
     dtypes and whether they pass an nccl_group, or every rank gets GroupMismatchError naming the
     field. device: "cpu", or "cuda:N" for a GPU group (each rank on its own GPU). nccl_group: the
     engine's torch.distributed NCCL group over the same ranks; sizes no custom path wins go to it.
-    `socket` defaults to $NODECOMM_SOCKET or the daemon's default path.
+    `socket` defaults to $NODECOMM_SOCKET or the daemon's default path. thresholds: this group's
+    own boundary overrides, e.g. {"dma_min_bytes": "24MiB", "oneshot_max_bytes": "off"}, which win
+    over the daemon's; every rank must pass the same.
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
@@ -145,6 +149,14 @@ def connect(
             raise InvalidArgumentError(f"dtype {dtype!r}: expected one of {list(DTYPE_NAMES)}", **where)
         dtype_codes.append(DTYPE_CODES[resolved])
 
+    overrides = []
+    for name, value in (thresholds or {}).items():
+        try:
+            size = parse_byte_size(str(value)) if value is not None else None
+        except ValueError as error:
+            raise InvalidArgumentError(f"thresholds[{name!r}]: {error}", **where) from None
+        overrides.append(pb.Boundary(name=name, value_bytes=size) if size is not None else pb.Boundary(name=name))
+
     socket = socket or default_socket_path()
     channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
@@ -157,6 +169,7 @@ def connect(
         pid=os.getpid(),
         join_timeout_seconds=timeout,
         nccl_fallback=nccl_group is not None,
+        overrides=overrides,
     )
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)

@@ -18,6 +18,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nodecomm import _native
+from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
@@ -57,6 +58,7 @@ class JoinArgs:
     dtypes: tuple[int, ...]
     pid: int
     nccl_fallback: bool
+    overrides: tuple[tuple[str, int | None], ...] = ()  # this group's own, sorted by name
 
     @classmethod
     def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
@@ -69,10 +71,13 @@ class JoinArgs:
             dtypes=tuple(sorted(set(request.geometry.dtypes))),
             pid=request.pid,
             nccl_fallback=request.nccl_fallback,
+            overrides=tuple(
+                sorted((b.name, b.value_bytes if b.HasField("value_bytes") else None) for b in request.overrides)
+            ),
         )
 
     # The fields every rank must agree on, with how to show a value in an error.
-    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback")
+    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides")
 
     @property
     def device_kind(self) -> str:
@@ -82,6 +87,8 @@ class JoinArgs:
         value = getattr(self, name)
         if name == "dtypes":
             return "[" + ", ".join(_DTYPE_NAMES[d] for d in value) + "]"
+        if name == "overrides":
+            return "{" + ", ".join(f"{n}={format_byte_size(v)}" for n, v in value) + "}"
         return str(value)
 
 
@@ -116,6 +123,14 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
     if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
         raise InvalidArgumentError(
             f"geometry.dtypes {list(args.dtypes)}: expected one or more of {sorted(_DTYPE_NAMES.values())}", **where
+        )
+    names = [name for name, _ in args.overrides]
+    unknown = sorted(set(names) - set(DEFAULT_BOUNDARIES[args.device_kind]))
+    if unknown or len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"overrides {names}: expected each of {sorted(DEFAULT_BOUNDARIES[args.device_kind])} at most once "
+            f"for a {args.device_kind.upper()} group",
+            **where,
         )
     if args.pid <= 0:
         raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
@@ -233,13 +248,19 @@ class GroupRegistry:
 
     # -- thresholds ----------------------------------------------------------------------------
 
-    def default_boundaries(self, device_kind: str) -> dict[str, Boundary]:
-        """The boundaries for a new group of `device_kind`: override > calibrated > built-in default.
-        CPU groups have no DMA path, so only oneshot_max_bytes applies to them."""
+    def default_boundaries(
+        self, device_kind: str, group_overrides: dict[str, int | None] | None = None
+    ) -> dict[str, Boundary]:
+        """The boundaries for a new group of `device_kind`: the group's own override > the daemon's
+        override > calibrated > built-in default. CPU groups have no DMA path, so only
+        oneshot_max_bytes applies to them."""
         calibrated = self.calibrated.get(device_kind, {})
+        group_overrides = group_overrides or {}
         boundaries = {}
         for name, default in DEFAULT_BOUNDARIES[device_kind].items():
-            if name in self.config.overrides:
+            if name in group_overrides:
+                boundaries[name] = Boundary(name, group_overrides[name], Source.OVERRIDE)
+            elif name in self.config.overrides:
                 boundaries[name] = Boundary(name, self.config.overrides[name], Source.OVERRIDE)
             elif name in calibrated:
                 boundaries[name] = Boundary(name, calibrated[name], Source.CALIBRATED)
@@ -312,13 +333,15 @@ class GroupRegistry:
                 reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
         return reply
 
-    def _build_table(self, device_kind: str, nccl_fallback: bool, epoch: int) -> DispatchTable:
+    def _build_table(
+        self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
+    ) -> DispatchTable:
         fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
-        return build_table(self.default_boundaries(device_kind), fallback, epoch)
+        return build_table(self.default_boundaries(device_kind, group_overrides), fallback, epoch)
 
     def new_table(self, args: JoinArgs) -> DispatchTable:
         self._table_epoch += 1
-        return self._build_table(args.device_kind, args.nccl_fallback, self._table_epoch)
+        return self._build_table(args.device_kind, args.nccl_fallback, self._table_epoch, dict(args.overrides))
 
     def table_for(self, name: str, device_kind: str = "cpu", nccl_fallback: bool = False) -> DispatchTable:
         if not name:

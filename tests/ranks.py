@@ -213,3 +213,10 @@ def topk_mismatch(rank: int, world_size: int, socket: str) -> dict:
         comm.barrier()
         seen["after_success"] = reserved()
     return seen
+
+
+def table_with(rank: int, world_size: int, socket: str, thresholds: dict) -> list[tuple[str, str, str]]:
+    """The dispatch table a group formed with these per-group overrides gets."""
+    with nodecomm.connect("overridden", rank, world_size, socket=socket, timeout=30, thresholds=thresholds) as comm:
+        comm.all_reduce(torch.ones(4))
+        return [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]

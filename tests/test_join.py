@@ -17,6 +17,7 @@ from nodecomm.v1 import control_pb2 as pb
         ("world_size", [{"world": 2}, {"world": 3}]),
         ("dtypes", [{}, {"dtypes": ("float32", "bfloat16")}]),
         ("capacity_bytes", [{}, {"capacity_bytes": 1 << 20}]),
+        ("overrides", [{}, {"thresholds": {"oneshot_max_bytes": "8KiB"}}]),
     ],
 )
 def test_mismatch_fails_every_rank_before_allocation(daemon, spawn_ranks, field, per_rank):
@@ -178,3 +179,24 @@ def test_peer_checks_apply_to_cuda_groups_only(daemon):
             stub.CheckPeers(report, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "peer checks apply to CUDA groups" in raised.value.details()
+
+
+def test_group_overrides_win_over_the_daemons(make_daemon, spawn_ranks):
+    daemon = make_daemon(env={"NODECOMM_ONESHOT_MAX_BYTES": "off"})
+    tables = spawn_ranks(ranks.table_with, 2, 2, daemon.socket, {"oneshot_max_bytes": " 4 kib "}).values()
+    assert tables == {r: [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")] for r in range(2)}
+
+
+@pytest.mark.parametrize(
+    "thresholds, text",
+    [
+        ({"dma_min_bytes": "1MiB"}, "expected each of ['oneshot_max_bytes'] at most once for a CPU group"),
+        ({"oneshot_max_bytes": "-5"}, "thresholds['oneshot_max_bytes']"),
+    ],
+)
+def test_bad_group_overrides(daemon, thresholds, text):
+    import nodecomm
+
+    with pytest.raises(nodecomm.InvalidArgumentError) as raised:
+        nodecomm.connect("bad-overrides", 0, 1, socket=daemon.socket, timeout=5, thresholds=thresholds)
+    assert text in str(raised.value)

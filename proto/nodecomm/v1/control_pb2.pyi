@@ -75,7 +75,7 @@ class Geometry(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback")
+    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class JoinRequest(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NCCL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     group: str
     rank: int
     world_size: int
@@ -92,7 +93,8 @@ class JoinRequest(_message.Message):
     pid: int
     join_timeout_seconds: float
     nccl_fallback: bool
-    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
+    overrides: _containers.RepeatedCompositeFieldContainer[Boundary]
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("owner_rank", "size_bytes")
