@@ -61,6 +61,7 @@ class Communicator:
         table: DispatchTable,
         timing_sample_period: int,
         operation_timeout: float,
+        table_switch_period: int = 0,
     ):
         self.group = group
         self.rank = rank
@@ -76,6 +77,8 @@ class Communicator:
         self.device = transport.device
         self._dtypes = dtypes
         self._table = table
+        self._switch_period = table_switch_period
+        self._reduces = 0  # all-reduce calls so far: the same count on every rank
         self._sample_period = max(1, timing_sample_period)
         self._operation_timeout = operation_timeout
         self._ops = 0
@@ -126,6 +129,9 @@ class Communicator:
                 rank=self.rank,
             )
         nbytes = tensor.numel() * tensor.element_size()
+        self._reduces += 1
+        if self._switch_period and self._reduces % self._switch_period == 0 and not self._transport.capturing():
+            self._agree_on_table()
         if path is not None:
             chosen = self._forced_path(path)
         else:
@@ -246,6 +252,20 @@ class Communicator:
         with self._lock:
             self._exchanges.append(exchange)
         return exchange
+
+    def _agree_on_table(self) -> None:
+        """Every rank shares the newest table epoch it was offered; all switch to the lowest of
+        them, which every rank holds, so all dispatch the next call by the same table."""
+        offered = max(self._lease.offered, default=self._table.epoch)
+        mine = torch.tensor([max(offered, self._table.epoch)], dtype=torch.int64, device=self.device)
+        gathered = self.all_gather(mine)
+        agreed = int(gathered.min())
+        if agreed > self._table.epoch:
+            self._table = self._lease.offered[agreed]
+            for epoch in list(self._lease.offered):  # the lease thread may add offers meanwhile
+                if epoch <= agreed:
+                    self._lease.offered.pop(epoch, None)
+            log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""

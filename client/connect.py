@@ -222,6 +222,7 @@ def connect(
             table=DispatchTable.from_proto(table),
             timing_sample_period=reply.timing_sample_period,
             operation_timeout=reply.operation_timeout_seconds,
+            table_switch_period=reply.table_switch_period,
         )
     except BaseException:
         if transport is not None:

@@ -1,6 +1,7 @@
 """The rank's Session stream: its lease with the daemon, run on a background thread.
 
-Down the stream come group events; up go batches of sampled timings. If the stream breaks after
+Down the stream come group events and new tables (kept as offers until the ranks agree to
+switch); up go batches of sampled timings. If the stream breaks after
 the daemon accepted it while the communicator is open, the daemon is gone: the lease sets the
 group's abort word (so peers spinning in a barrier stop too) and the communicator's next call
 raises DaemonUnavailableError. A stream the daemon refuses at the start keeps its status.
@@ -18,7 +19,7 @@ import grpc
 
 from nodecomm import _native
 from nodecomm.errors import NodecommError, from_rpc_error
-from nodecomm.thresholds import Path
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -48,6 +49,7 @@ class Lease:
         self.lost_reason: str | None = None  # why the daemon is unusable, once it is
         self.refusal: NodecommError | None = None  # the daemon's answer if it refused the session
         self.event_message: str | None = None  # the last group event's message
+        self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
         self._call = None
         self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{rank}", daemon=True)
 
@@ -73,9 +75,10 @@ class Lease:
         try:
             self._call = self._stub.Session(self._requests())
             for message in self._call:
-                if message.WhichOneof("kind") != "event":
-                    # The rank keeps the table it joined with: a table switched mid-session must
-                    # change every rank's path at the same operation, which needs an agreed epoch.
+                if message.WhichOneof("kind") == "thresholds":
+                    # Offered, not used: the ranks switch together (Communicator._agree_on_table).
+                    table = DispatchTable.from_proto(message.thresholds)
+                    self.offered[table.epoch] = table
                     continue
                 if message.event.kind == pb.READY:
                     self._ready.set()
@@ -98,19 +101,21 @@ class Lease:
 
     def report(self, path: Path, nbytes: int, seconds: float) -> None:
         self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds))
-        now = time.monotonic()
-        if len(self._pending) >= _BATCH or now - self._last_flush > _FLUSH_SECONDS:
+        if len(self._pending) >= _BATCH or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the timings not sent yet."""
+        if self._pending:
             self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
             self._pending = []
-            self._last_flush = now
+        self._last_flush = time.monotonic()
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closing:
             return
         self._closing = True
-        if self._pending:
-            self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
-            self._pending = []
+        self.flush()
         self._outbox.put(None)  # half-close: the daemon takes the last timings, then ends the stream
         if self._thread.is_alive():
             self._thread.join(timeout)

@@ -60,6 +60,14 @@ class DaemonConfig:
     # A claim token not used within this long is dropped.
     claim_token_ttl_seconds: float = 60.0
     timing_sample_period: int = 64
+    # Live recalibration (CPU groups): move a boundary when the ranks' sampled timings show the
+    # other path faster by more than live_margin in a size bucket, once every rank has
+    # live_min_samples samples of both paths there. Ranks switch tables together every
+    # table_switch_period all-reduces.
+    live_recalibration: bool = True
+    live_margin: float = 0.05
+    live_min_samples: int = 8
+    table_switch_period: int = 1024
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
@@ -97,6 +105,11 @@ class DaemonConfig:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
+        if not 0 <= self.live_margin < 1:
+            raise ValueError(f"live_margin: expected a fraction in [0, 1), got {self.live_margin!r}")
+        for name in ("live_min_samples", "table_switch_period"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:
             raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
         for name in ("max_capacity_bytes", "max_reserved_bytes"):

@@ -39,6 +39,7 @@ from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_topk_sla
 from .calibration import Calibration, CalibrationStore, cpu_calibration, cpu_fingerprint, probe_cpu
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
+from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
 
 log = logging.getLogger("nodecomm.groups")
@@ -210,6 +211,7 @@ class Group:
     state: str = "active"  # "active" | "aborted"
     peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
     exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
+    live: LiveEstimates | None = None  # CPU groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
 
     @property
@@ -482,6 +484,11 @@ class GroupRegistry:
             memory=memory,
             table=self.new_table(first),
             members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
+            live=(
+                LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
+                if self.config.live_recalibration and first.device_kind == "cpu"
+                else None
+            ),
         )
         del self._forming[forming.name]
         self._active[group.name] = group
@@ -500,6 +507,7 @@ class GroupRegistry:
                 timing_sample_period=self.config.timing_sample_period,
                 operation_timeout_seconds=self.config.operation_timeout_seconds,
                 max_blocks=max_blocks,
+                table_switch_period=self.config.table_switch_period if first.device_kind == "cpu" else 0,
             )
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
@@ -721,12 +729,45 @@ class GroupRegistry:
         self._update_gauges()
 
     def record_timings(self, group_id: int, rank: int, timings: list[pb.Timing]) -> None:
+        group = self._groups.get(group_id)
         for timing in timings:
-            if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values():
+            if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values() or not timing.path:
                 continue
-            path = pb.Path.Name(timing.path).lower()
-            self.metrics.sampled_ops.labels("all_reduce", path).inc()
-            self.metrics.op_seconds.labels("all_reduce", path, size_bucket(timing.bytes)).observe(timing.seconds)
+            path = Path.from_proto(timing.path)
+            self.metrics.sampled_ops.labels("all_reduce", path.value).inc()
+            self.metrics.op_seconds.labels("all_reduce", path.value, size_bucket(timing.bytes)).observe(timing.seconds)
+            if group is not None and group.live is not None:
+                group.live.add(rank, path, timing.bytes, timing.seconds)
+        if group is not None and group.live is not None and group.state == "active":
+            self._follow_evidence(group)
+
+    def _follow_evidence(self, group: Group) -> None:
+        """Move the group's boundary where its timings demand, and offer every rank the new table."""
+        name = "oneshot_max_bytes"
+        if group.table.boundary(name).source is Source.OVERRIDE:
+            return  # an explicit override is never second-guessed
+        move = group.live.proposed_move(group.table)
+        if move is None:
+            return
+        boundaries = {b.name: b for b in group.table.boundaries}
+        boundaries[name] = Boundary(name, move.value_bytes, Source.CALIBRATED)
+        self._table_epoch += 1
+        group.table = build_table(boundaries, Path.TWOSHOT, self._table_epoch)
+        group.broadcast(pb.SessionDown(thresholds=group.table.to_proto()))
+        self.metrics.threshold_changes.labels(name).inc()
+        log.info(
+            "boundary moved by live timings",
+            extra={
+                "group": group.name,
+                "group_id": group.group_id,
+                "boundary": boundaries[name].describe(),
+                "epoch": group.table.epoch,
+                "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
+                "winner": move.winner.value,
+                "winner_us": round(move.winner_seconds * 1e6, 1),
+                "loser_us": round(move.loser_seconds * 1e6, 1),
+            },
+        )
 
     def _check_sessions(self, group_id: int) -> None:
         group = self._groups.get(group_id)

@@ -8,11 +8,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from nodecomm.byte_size import format_byte_size
 
 # Size buckets for operation latency labels: powers of 4 from 1 KiB to 256 MiB, then "inf".
-_SIZE_BUCKETS = [1 << (10 + 2 * i) for i in range(10)]
+SIZE_BUCKETS = [1 << (10 + 2 * i) for i in range(10)]
 
 
 def size_bucket(nbytes: int) -> str:
-    for top in _SIZE_BUCKETS:
+    for top in SIZE_BUCKETS:
         if nbytes <= top:
             return format_byte_size(top)
     return "inf"
@@ -42,6 +42,12 @@ class DaemonMetrics:
             "nodecomm_peer_checks_total",
             "CUDA groups' peer-memory check stages by result; a failure sends the group to NCCL.",
             ["result"],
+            registry=r,
+        )
+        self.threshold_changes = Counter(
+            "nodecomm_threshold_changes_total",
+            "Boundaries moved by live recalibration, by boundary.",
+            ["boundary"],
             registry=r,
         )
         self.calibrations = Counter(

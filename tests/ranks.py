@@ -220,3 +220,24 @@ def table_with(rank: int, world_size: int, socket: str, thresholds: dict) -> lis
     with nodecomm.connect("overridden", rank, world_size, socket=socket, timeout=30, thresholds=thresholds) as comm:
         comm.all_reduce(torch.ones(4))
         return [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
+
+
+def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls: int) -> dict:
+    """Stream synthetic timings, then all-reduce `calls` times; report at which call the table
+    epoch changed (the same on every rank, or the ranks did not switch together) and the table."""
+    from nodecomm.thresholds import Path
+
+    with nodecomm.connect("live", rank, world_size, socket=socket, timeout=30) as comm:
+        first_epoch = comm.thresholds().epoch
+        for path, nbytes, seconds in synthetic:
+            comm._lease.report(Path(path), nbytes, seconds)  # what sampled operations send
+        comm._lease.flush()
+        switched_at = None
+        x = torch.ones(4096)  # 16 KiB
+        for call in range(calls):
+            comm.all_reduce(x)
+            if switched_at is None and comm.thresholds().epoch != first_epoch:
+                switched_at = call
+            time.sleep(0.002)
+        rows = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
+        return {"switched_at": switched_at, "rows": rows, "boundary": comm.thresholds().boundaries[0].describe()}

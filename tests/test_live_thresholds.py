@@ -1,0 +1,40 @@
+"""Live recalibration: synthetic timing streams through real sessions move a CPU group's boundary
+(every rank switches at the same call), and timings within the margin move nothing."""
+
+import ranks
+
+SIXTEEN_KIB = 16 << 10
+
+
+def _stream(oneshot_seconds: float, twoshot_seconds: float, count: int = 6) -> list:
+    return [("oneshot", SIXTEEN_KIB, oneshot_seconds)] * count + [("twoshot", SIXTEEN_KIB, twoshot_seconds)] * count
+
+
+def test_a_faster_path_moves_the_boundary_for_every_rank_at_once(make_daemon, spawn_ranks):
+    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    # The 16 KiB bucket (4097..16384 bytes) goes to oneshot by default (up to 32 KiB); twoshot is
+    # reported 10x faster there, so oneshot must stop below the bucket.
+    results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 10e-6), 200, timeout=120).values()
+    assert results[0]["switched_at"] is not None and results[0]["switched_at"] % 16 == 15
+    assert results[0] == results[1]
+    assert results[0]["rows"] == [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")]
+    assert results[0]["boundary"] == "oneshot_max_bytes=4KiB (calibrated)"
+    assert 'nodecomm_threshold_changes_total{boundary="oneshot_max_bytes"} 1.0' in daemon.metrics_text()
+    assert "boundary moved by live timings" in daemon.log()
+
+
+def test_timings_within_the_margin_move_nothing(make_daemon, spawn_ranks):
+    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 97e-6), 100, timeout=120).values()
+    for result in results.values():
+        assert result["switched_at"] is None
+        assert result["rows"] == [("0", "32KiB", "oneshot"), ("32769", "inf", "twoshot")]
+    assert "nodecomm_threshold_changes_total{" not in daemon.metrics_text()
+
+
+def test_an_override_is_never_moved(make_daemon, spawn_ranks):
+    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4", "--oneshot-max-bytes", "32KiB")
+    results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 10e-6), 100, timeout=120).values()
+    assert all(
+        r["switched_at"] is None and r["boundary"] == "oneshot_max_bytes=32KiB (override)" for r in results.values()
+    )
