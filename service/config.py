@@ -53,6 +53,9 @@ class DaemonConfig:
     metrics_address: str = "127.0.0.1:9464"
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
     state_dir: str = ""
+    # Probe at start when state_dir holds no calibration for this machine's fingerprint (a new
+    # machine, or a changed processor or build); otherwise only `nodecomm calibrate` probes.
+    calibrate_on_start: bool = False
     join_timeout_seconds: float = 60.0
     operation_timeout_seconds: float = 60.0
     # A rank that does not open its Session stream this long after Join is treated as lost.

@@ -130,6 +130,15 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.ListGroupsReply(groups=self.registry.list_groups())
 
 
+async def _calibrate_on_start(registry: GroupRegistry, config: DaemonConfig, store: CalibrationStore) -> None:
+    """No calibration for this machine's fingerprint: probe now, while serving."""
+    log.info("calibrating on start: no stored calibration for this machine")
+    try:
+        await registry.calibrate(pb.CalibrateRequest(), config.socket, store)
+    except NodecommError as error:
+        log.warning("calibration on start failed; built-in defaults stay", extra={"error": str(error)})
+
+
 def _prepare_socket_path(path: str) -> None:
     """Create the socket's directory; remove a stale socket, but never take over a live one."""
     directory = os.path.dirname(path) or "."
@@ -226,7 +235,12 @@ async def serve(config: DaemonConfig) -> int:
             },
         },
     )
+    probe = None
+    if stored is None and config.calibrate_on_start:
+        probe = asyncio.ensure_future(_calibrate_on_start(registry, config, store))
     await stop.wait()
+    if probe is not None:
+        probe.cancel()
 
     log.info("draining")
     await health_servicer.enter_graceful_shutdown()

@@ -60,3 +60,16 @@ def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_pa
         {"name": "oneshot_max_bytes", "value_bytes": boundary["value_bytes"], "source": "calibrated"}
     ]
     assert "calibration in force" in daemon.log() and '"msg": "calibrated"' not in daemon.log()
+
+
+def test_a_new_fingerprint_is_probed_on_start_when_configured(make_daemon, tmp_path):
+    import time
+
+    daemon = make_daemon("--state-dir", str(tmp_path / "fresh"), "--calibrate-on-start", "true")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and '"msg": "calibration in force"' not in daemon.log():
+        time.sleep(0.5)
+    assert "calibrating on start" in daemon.log() and '"msg": "calibrated"' in daemon.log()
+    assert list((tmp_path / "fresh").glob("calibration-*.json"))
+    shown = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    assert "(calibrated)" in shown
