@@ -114,6 +114,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     with channel:
         reply = stub.Calibrate(request, timeout=args.probe_timeout)
     table = DispatchTable.from_proto(reply.thresholds)
+    if args.plot:
+        from nodecomm.client.calibration_plot import plot_calibration
+
+        plot_calibration(reply, table, args.plot)
     if args.json:
         points = [{"path": pb.Path.Name(p.path).lower(), "bytes": p.bytes, "seconds": p.seconds} for p in reply.points]
         document = {
@@ -219,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--max-bytes", default="64MiB")
     calibrate.add_argument("--probe-timeout", type=float, default=3600.0, help="seconds to wait for the probe")
     calibrate.add_argument("--json", action="store_true")
+    calibrate.add_argument("--plot", metavar="PNG", help="also draw latency against size per path (needs matplotlib)")
     calibrate.set_defaults(run=cmd_calibrate)
 
     bench = commands.add_parser(

@@ -37,10 +37,13 @@ def test_small_path_max(small, large, expected):
 def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_path):
     state = tmp_path / "state"
     daemon = make_daemon("--state-dir", str(state))
+    plot = tmp_path / "calibration.png"
     result = nodecomm_cli(
-        "--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "64KiB", "--json"
-    )
+        "--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "64KiB", "--json",
+        "--plot", str(plot),
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads(result.stdout[result.stdout.index("{") :])
     (boundary,) = document["boundaries"]
     assert boundary["name"] == "oneshot_max_bytes" and boundary["source"] == "calibrated"
