@@ -31,16 +31,16 @@ from nodecomm.errors import (
     ResourceExhaustedError,
     UnsupportedError,
 )
-from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_topk_slabs
-from .calibration import Calibration, CalibrationStore, cpu_calibration, cpu_fingerprint, probe_cpu
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
+from .tables import TableKeeper
 
 log = logging.getLogger("nodecomm.groups")
 
@@ -242,114 +242,14 @@ class GroupRegistry:
         self._active: dict[str, Group] = {}  # by name: the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self._draining = False
-        self._table_epoch = 0
-        # Boundaries measured on this machine, per device kind (see service.calibration).
-        self.calibrated: dict[str, dict[str, int | None]] = {}
-        self._calibrating = asyncio.Lock()
-        self._publish_thresholds()
+        self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE)
 
     # -- thresholds ----------------------------------------------------------------------------
 
-    def default_boundaries(
-        self, device_kind: str, group_overrides: dict[str, int | None] | None = None
-    ) -> dict[str, Boundary]:
-        """The boundaries for a new group of `device_kind`: the group's own override > the daemon's
-        override > calibrated > built-in default. CPU groups have no DMA path, so only
-        oneshot_max_bytes applies to them."""
-        calibrated = self.calibrated.get(device_kind, {})
-        group_overrides = group_overrides or {}
-        boundaries = {}
-        for name, default in DEFAULT_BOUNDARIES[device_kind].items():
-            if name in group_overrides:
-                boundaries[name] = Boundary(name, group_overrides[name], Source.OVERRIDE)
-            elif name in self.config.overrides:
-                boundaries[name] = Boundary(name, self.config.overrides[name], Source.OVERRIDE)
-            elif name in calibrated:
-                boundaries[name] = Boundary(name, calibrated[name], Source.CALIBRATED)
-            else:
-                boundaries[name] = Boundary(name, default, Source.DEFAULT)
-        return boundaries
-
-    def _publish_thresholds(self) -> None:
-        self.metrics.threshold.clear()
-        for kind in DEFAULT_BOUNDARIES:
-            for boundary in self.default_boundaries(kind).values():
-                if boundary.value_bytes is not None:
-                    self.metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
-
-    def use_calibration(self, calibration: Calibration) -> None:
-        kind = str(calibration.fingerprint["device_kind"])
-        self.calibrated[kind] = dict(calibration.boundaries)
-        self._publish_thresholds()
-        log.info(
-            "calibration in force",
-            extra={
-                "device_kind": kind,
-                "fingerprint_key": calibration.key,
-                "thresholds": [b.describe() for b in self.default_boundaries(kind).values()],
-            },
-        )
-
-    async def calibrate(self, request: pb.CalibrateRequest, socket: str, store: CalibrationStore) -> pb.CalibrateReply:
-        """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
-        kind = request.device_kind or "cpu"
-        if kind != "cpu":
-            raise UnsupportedError(f"device_kind {kind!r}: calibration runs on CPU groups so far; GPU probes come next")
-        world_size = request.world_size or 2
-        min_bytes, max_bytes = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
-        if not 2 <= world_size <= MAX_WORLD_SIZE or not 4 <= min_bytes <= max_bytes:
-            raise InvalidArgumentError(
-                f"world_size {world_size} and sizes {min_bytes}..{max_bytes}: expected 2..{MAX_WORLD_SIZE} ranks "
-                "and 4 <= min_bytes <= max_bytes"
-            )
-        if self._calibrating.locked():
-            raise AlreadyExistsError("a calibration is already running on this daemon")
-        async with self._calibrating:
-            started = time.monotonic()
-            try:
-                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, timeout=3600)
-            except NodecommError:
-                self.metrics.calibrations.labels("failed").inc()
-                raise
-            calibration = cpu_calibration(cpu_fingerprint(), medians)
-            stored = store.save(calibration)
-        self.metrics.calibrations.labels("ok").inc()
-        log.info(
-            "calibrated",
-            extra={
-                "device_kind": kind,
-                "boundaries": calibration.boundaries,
-                "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
-                "seconds": round(time.monotonic() - started, 1),
-                "stored_at": str(stored),
-            },
-        )
-        self.use_calibration(calibration)
-        reply = pb.CalibrateReply(
-            fingerprint_key=calibration.key,
-            stored_at=str(stored),
-            thresholds=self._build_table(kind, False, 0).to_proto(),
-        )
-        for path, by_size in sorted(medians.items()):
-            for size, seconds in sorted(by_size.items()):
-                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
-        return reply
-
-    def _build_table(
-        self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
-    ) -> DispatchTable:
-        fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
-        return build_table(self.default_boundaries(device_kind, group_overrides), fallback, epoch)
-
-    def new_table(self, args: JoinArgs) -> DispatchTable:
-        self._table_epoch += 1
-        return self._build_table(args.device_kind, args.nccl_fallback, self._table_epoch, dict(args.overrides))
-
     def table_for(self, name: str, device_kind: str = "cpu", nccl_fallback: bool = False) -> DispatchTable:
+        """A formed group's table, or (no name) the table a new group of device_kind would get."""
         if not name:
-            if device_kind not in DEFAULT_BOUNDARIES:
-                raise InvalidArgumentError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
-            return self._build_table(device_kind, nccl_fallback and device_kind == "cuda", 0)
+            return self.tables.preview(device_kind, nccl_fallback)
         group = self._active.get(name)
         if group is None:
             raise NotFoundError(f"no active group named {name!r}", group=name)
@@ -482,7 +382,7 @@ class GroupRegistry:
             group_id=group_id,
             args=first,
             memory=memory,
-            table=self.new_table(first),
+            table=self.tables.for_new_group(first.device_kind, first.nccl_fallback, dict(first.overrides)),
             members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
             live=(
                 LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
@@ -583,8 +483,7 @@ class GroupRegistry:
                 UnsupportedError(f"{reason}; the ranks passed no NCCL group to fall back to", group=group.name)
             )
             return
-        self._table_epoch += 1
-        group.table = build_table({}, Path.NCCL, self._table_epoch)
+        group.table = self.tables.nccl_only()
         check.verdict.set_result(
             pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
         )
@@ -743,31 +642,10 @@ class GroupRegistry:
 
     def _follow_evidence(self, group: Group) -> None:
         """Move the group's boundary where its timings demand, and offer every rank the new table."""
-        name = "oneshot_max_bytes"
-        if group.table.boundary(name).source is Source.OVERRIDE:
-            return  # an explicit override is never second-guessed
-        move = group.live.proposed_move(group.table)
-        if move is None:
-            return
-        boundaries = {b.name: b for b in group.table.boundaries}
-        boundaries[name] = Boundary(name, move.value_bytes, Source.CALIBRATED)
-        self._table_epoch += 1
-        group.table = build_table(boundaries, Path.TWOSHOT, self._table_epoch)
-        group.broadcast(pb.SessionDown(thresholds=group.table.to_proto()))
-        self.metrics.threshold_changes.labels(name).inc()
-        log.info(
-            "boundary moved by live timings",
-            extra={
-                "group": group.name,
-                "group_id": group.group_id,
-                "boundary": boundaries[name].describe(),
-                "epoch": group.table.epoch,
-                "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
-                "winner": move.winner.value,
-                "winner_us": round(move.winner_seconds * 1e6, 1),
-                "loser_us": round(move.loser_seconds * 1e6, 1),
-            },
-        )
+        table = self.tables.follow_evidence(group.name, group.table, group.live)
+        if table is not None:
+            group.table = table
+            group.broadcast(pb.SessionDown(thresholds=table.to_proto()))
 
     def _check_sessions(self, group_id: int) -> None:
         group = self._groups.get(group_id)

@@ -114,7 +114,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> pb.CalibrateReply:
-        return await self.registry.calibrate(request, self.config.socket, self.store)
+        return await self.registry.tables.calibrate(request, self.config.socket, self.store)
 
     @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
@@ -134,7 +134,7 @@ async def _calibrate_on_start(registry: GroupRegistry, config: DaemonConfig, sto
     """No calibration for this machine's fingerprint: probe now, while serving."""
     log.info("calibrating on start: no stored calibration for this machine")
     try:
-        await registry.calibrate(pb.CalibrateRequest(), config.socket, store)
+        await registry.tables.calibrate(pb.CalibrateRequest(), config.socket, store)
     except NodecommError as error:
         log.warning("calibration on start failed; built-in defaults stay", extra={"error": str(error)})
 
@@ -163,7 +163,7 @@ async def serve(config: DaemonConfig) -> int:
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     stored = store.load(fingerprint_key(cpu_fingerprint()))
     if stored is not None:
-        registry.use_calibration(stored)
+        registry.tables.use_calibration(stored)
     else:
         log.info("no stored calibration for this machine", extra={"state_dir": config.state_dir})
 
@@ -231,7 +231,7 @@ async def serve(config: DaemonConfig) -> int:
             "pid": os.getpid(),
             "gpus": gpus,
             "thresholds": {
-                kind: [b.describe() for b in registry.default_boundaries(kind).values()] for kind in ("cpu", "cuda")
+                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()] for kind in ("cpu", "cuda")
             },
         },
     )

@@ -1,0 +1,174 @@
+"""TableKeeper: the daemon's dispatch tables, one rule for every boundary.
+
+    the group's own override  >  the daemon's override  >  calibrated  >  built-in default
+
+It builds each new group's table, keeps this machine's calibration (probing on request), moves a
+CPU group's boundary when its live timings demand it, and numbers every table it makes with a
+fresh epoch. The thresholds metric shows the boundaries a new group would get.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nodecomm.byte_size import format_byte_size
+from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError
+from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.v1 import control_pb2 as pb
+
+from .calibration import Calibration, CalibrationStore, cpu_calibration, cpu_fingerprint, probe_cpu
+from .config import DEFAULT_BOUNDARIES, DaemonConfig
+from .live_thresholds import LiveEstimates
+from .metrics import DaemonMetrics
+
+log = logging.getLogger("nodecomm.tables")
+
+
+class TableKeeper:
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, max_world_size: int):
+        self.config = config
+        self.metrics = metrics
+        self.max_world_size = max_world_size
+        self._epoch = 0
+        # Boundaries measured on this machine, per device kind (see service.calibration).
+        self.calibrated: dict[str, dict[str, int | None]] = {}
+        self._calibrating = asyncio.Lock()
+        self._publish_thresholds()
+
+    def default_boundaries(
+        self, device_kind: str, group_overrides: dict[str, int | None] | None = None
+    ) -> dict[str, Boundary]:
+        """The boundaries for a new group of `device_kind`: the group's own override > the daemon's
+        override > calibrated > built-in default. CPU groups have no DMA path, so only
+        oneshot_max_bytes applies to them."""
+        calibrated = self.calibrated.get(device_kind, {})
+        group_overrides = group_overrides or {}
+        boundaries = {}
+        for name, default in DEFAULT_BOUNDARIES[device_kind].items():
+            if name in group_overrides:
+                boundaries[name] = Boundary(name, group_overrides[name], Source.OVERRIDE)
+            elif name in self.config.overrides:
+                boundaries[name] = Boundary(name, self.config.overrides[name], Source.OVERRIDE)
+            elif name in calibrated:
+                boundaries[name] = Boundary(name, calibrated[name], Source.CALIBRATED)
+            else:
+                boundaries[name] = Boundary(name, default, Source.DEFAULT)
+        return boundaries
+
+    def _publish_thresholds(self) -> None:
+        self.metrics.threshold.clear()
+        for kind in DEFAULT_BOUNDARIES:
+            for boundary in self.default_boundaries(kind).values():
+                if boundary.value_bytes is not None:
+                    self.metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
+
+    def use_calibration(self, calibration: Calibration) -> None:
+        kind = str(calibration.fingerprint["device_kind"])
+        self.calibrated[kind] = dict(calibration.boundaries)
+        self._publish_thresholds()
+        log.info(
+            "calibration in force",
+            extra={
+                "device_kind": kind,
+                "fingerprint_key": calibration.key,
+                "thresholds": [b.describe() for b in self.default_boundaries(kind).values()],
+            },
+        )
+
+    async def calibrate(self, request: pb.CalibrateRequest, socket: str, store: CalibrationStore) -> pb.CalibrateReply:
+        """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
+        kind = request.device_kind or "cpu"
+        if kind != "cpu":
+            raise UnsupportedError(f"device_kind {kind!r}: calibration runs on CPU groups so far; GPU probes come next")
+        world_size = request.world_size or 2
+        min_bytes, max_bytes = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
+        if not 2 <= world_size <= self.max_world_size or not 4 <= min_bytes <= max_bytes:
+            raise InvalidArgumentError(
+                f"world_size {world_size} and sizes {min_bytes}..{max_bytes}: expected 2..{self.max_world_size} ranks "
+                "and 4 <= min_bytes <= max_bytes"
+            )
+        if self._calibrating.locked():
+            raise AlreadyExistsError("a calibration is already running on this daemon")
+        async with self._calibrating:
+            started = time.monotonic()
+            try:
+                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, timeout=3600)
+            except NodecommError:
+                self.metrics.calibrations.labels("failed").inc()
+                raise
+            calibration = cpu_calibration(cpu_fingerprint(), medians)
+            stored = store.save(calibration)
+        self.metrics.calibrations.labels("ok").inc()
+        log.info(
+            "calibrated",
+            extra={
+                "device_kind": kind,
+                "boundaries": calibration.boundaries,
+                "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
+                "seconds": round(time.monotonic() - started, 1),
+                "stored_at": str(stored),
+            },
+        )
+        self.use_calibration(calibration)
+        reply = pb.CalibrateReply(
+            fingerprint_key=calibration.key,
+            stored_at=str(stored),
+            thresholds=self._build_table(kind, False, 0).to_proto(),
+        )
+        for path, by_size in sorted(medians.items()):
+            for size, seconds in sorted(by_size.items()):
+                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
+        return reply
+
+    def _build_table(
+        self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
+    ) -> DispatchTable:
+        fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
+        return build_table(self.default_boundaries(device_kind, group_overrides), fallback, epoch)
+
+    def _next_epoch(self) -> int:
+        self._epoch += 1
+        return self._epoch
+
+    def for_new_group(
+        self, device_kind: str, nccl_fallback: bool, group_overrides: dict[str, int | None]
+    ) -> DispatchTable:
+        return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides)
+
+    def preview(self, device_kind: str, nccl_fallback: bool) -> DispatchTable:
+        """What a new group of device_kind would get now (epoch 0: not any group's table)."""
+        if device_kind not in DEFAULT_BOUNDARIES:
+            raise InvalidArgumentError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
+        return self._build_table(device_kind, nccl_fallback and device_kind == "cuda", 0)
+
+    def nccl_only(self) -> DispatchTable:
+        """For a group whose peer memory failed its checks: every size to NCCL."""
+        return build_table({}, Path.NCCL, self._next_epoch())
+
+    def follow_evidence(self, group: str, table: DispatchTable, live: LiveEstimates) -> DispatchTable | None:
+        """A CPU group's new table where its live timings move oneshot_max_bytes, else None."""
+        name = "oneshot_max_bytes"
+        if table.boundary(name).source is Source.OVERRIDE:
+            return None  # an explicit override is never second-guessed
+        move = live.proposed_move(table)
+        if move is None:
+            return None
+        boundaries = {b.name: b for b in table.boundaries}
+        boundaries[name] = Boundary(name, move.value_bytes, Source.CALIBRATED)
+        moved = build_table(boundaries, Path.TWOSHOT, self._next_epoch())
+        self.metrics.threshold_changes.labels(name).inc()
+        log.info(
+            "boundary moved by live timings",
+            extra={
+                "group": group,
+                "boundary": boundaries[name].describe(),
+                "epoch": moved.epoch,
+                "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
+                "winner": move.winner.value,
+                "winner_us": round(move.winner_seconds * 1e6, 1),
+                "loser_us": round(move.loser_seconds * 1e6, 1),
+            },
+        )
+        return moved
