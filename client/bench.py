@@ -171,6 +171,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                     every = torch.stack(gathered)
                     slowest = every[:, :-1].max(dim=0).values.tolist()
                     rows.append((nbytes, count, path, slowest, int(every[:, -1].sum())))
+                    if args.get("progress"):
+                        point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
+                        print(json.dumps({"progress": point}), flush=True)
     dist.destroy_process_group()
     if rank == 0:
         results.put(rows)
@@ -242,6 +245,7 @@ class BenchSetup:
     capacity_bytes: int = 8 << 20
     graph: bool = False
     gpus: int = 0  # GPUs the ranks spread over (0 on the CPU)
+    progress: bool = False  # print each row as a JSON line once measured
 
     @property
     def baseline(self) -> str | None:
@@ -290,6 +294,7 @@ def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
         "baseline": setup.baseline,
         "capacity_bytes": setup.capacity_bytes,
         "graph": setup.graph,
+        "progress": setup.progress,
     }
     flags = ("--allow-shared-devices", "true") if shared else ()
     raw = run_ranks(_rank_main, setup.world_size, args, socket, flags)

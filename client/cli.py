@@ -111,8 +111,20 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     )
     print(f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes}, {args.world_size} probe ranks ...")
     channel, stub = _stub(args.socket)
+    reply = None
     with channel:
-        reply = stub.Calibrate(request, timeout=args.probe_timeout)
+        for update in stub.Calibrate(request, timeout=args.probe_timeout):
+            if update.WhichOneof("kind") == "done":
+                reply = update.done
+            elif not args.json:
+                point = update.point
+                name = pb.Path.Name(point.path).lower()
+                print(
+                    f"  measured {format_byte_size(point.bytes):>8} {name:<8} {point.seconds * 1e6:10.1f}us", flush=True
+                )
+    if reply is None:
+        print("nodecomm calibrate: the daemon ended the stream without a result", file=sys.stderr)
+        return 1
     table = DispatchTable.from_proto(reply.thresholds)
     if args.plot:
         from nodecomm.client.calibration_plot import plot_calibration
@@ -184,6 +196,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         capacity_bytes=parse_byte_size(args.capacity),
         graph=args.graph,
         gpus=gpus,
+        progress=args.progress,
     )
     if setup.graph and setup.device != "cuda":
         print("nodecomm bench: --graph applies to --device cuda", file=sys.stderr)
@@ -245,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")
     bench.add_argument("--no-baseline", action="store_true", help="skip the gloo / NCCL baseline")
+    bench.add_argument("--progress", action="store_true", help="print each row as a JSON line once measured")
     bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     bench.set_defaults(run=cmd_bench)
     return parser

@@ -18,6 +18,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -124,28 +125,48 @@ class CalibrationStore:
 
 
 async def probe_cpu(
-    socket: str, world_size: int, min_bytes: int, max_bytes: int, timeout: float
+    socket: str,
+    world_size: int,
+    min_bytes: int,
+    max_bytes: int,
+    timeout: float,
+    on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
 ) -> dict[str, dict[int, float]]:
     """Run the bench's rank programs against the daemon at `socket`; slowest rank's median seconds
-    per path and size. Raises InternalError with the probe's output when it fails."""
+    per path and size, each also passed to on_point as it is measured. Raises InternalError with
+    the probe's output when it fails."""
     with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
         out = os.path.join(directory, "probe.json")
         args = [
             sys.executable, "-m", "nodecomm.client.cli", "--socket", socket, "bench", "--device", "cpu",
-            "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline",
+            "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline", "--progress",
             "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
         ]  # fmt: skip
         process = await asyncio.create_subprocess_exec(
             *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
         )
+        output: list[str] = []
+
+        async def follow() -> None:
+            async for raw in process.stdout:
+                line = raw.decode(errors="replace")
+                if line.startswith('{"progress"'):
+                    point = json.loads(line)["progress"]
+                    on_point(point["path"], point["size_bytes"], point["p50_us"] / 1e6)
+                else:
+                    output.append(line)
+            await process.wait()
+
         try:
-            output, _ = await asyncio.wait_for(process.communicate(), timeout)
-        except asyncio.TimeoutError:
+            await asyncio.wait_for(follow(), timeout)
+        except (asyncio.TimeoutError, asyncio.CancelledError) as stopped:
             process.kill()
             await process.wait()
+            if isinstance(stopped, asyncio.CancelledError):
+                raise
             raise InternalError(f"the calibration probe did not finish within {timeout:.0f} s") from None
         if process.returncode != 0 or not os.path.exists(out):
-            tail = output.decode(errors="replace")[-2000:]
+            tail = "".join(output)[-2000:]
             raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
         with open(out) as handle:
             rows = json.load(handle)["rows"]

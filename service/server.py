@@ -112,9 +112,26 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def OpenTopkExchange(self, request: pb.TopkExchangeRequest, context) -> pb.TopkExchangeReply:
         return await self.registry.open_topk_exchange(request)
 
-    @rpc
-    async def Calibrate(self, request: pb.CalibrateRequest, context) -> pb.CalibrateReply:
-        return await self.registry.tables.calibrate(request, self.config.socket, self.store)
+    async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
+        updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
+
+        def on_point(path: str, size: int, seconds: float) -> None:
+            point = pb.CalibrationPoint(path=pb.Path.Value(path.upper()), bytes=size, seconds=seconds)
+            updates.put_nowait(pb.CalibrateUpdate(point=point))
+
+        probe = asyncio.ensure_future(self.registry.tables.calibrate(request, self.config.socket, self.store, on_point))
+        probe.add_done_callback(lambda _: updates.put_nowait(None))
+        try:
+            while (update := await updates.get()) is not None:
+                yield update
+            try:
+                reply = probe.result()
+            except NodecommError as error:
+                self.metrics.rpc_errors.labels("Calibrate", status_code_for(error).name).inc()
+                await context.abort(status_code_for(error), str(error))
+            yield pb.CalibrateUpdate(done=reply)
+        finally:
+            probe.cancel()  # the caller went away: stop the probe
 
     @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
@@ -231,7 +248,8 @@ async def serve(config: DaemonConfig) -> int:
             "pid": os.getpid(),
             "gpus": gpus,
             "thresholds": {
-                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()] for kind in ("cpu", "cuda")
+                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()]
+                for kind in ("cpu", "cuda")
             },
         },
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError
@@ -77,7 +78,13 @@ class TableKeeper:
             },
         )
 
-    async def calibrate(self, request: pb.CalibrateRequest, socket: str, store: CalibrationStore) -> pb.CalibrateReply:
+    async def calibrate(
+        self,
+        request: pb.CalibrateRequest,
+        socket: str,
+        store: CalibrationStore,
+        on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
+    ) -> pb.CalibrateReply:
         """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
         kind = request.device_kind or "cpu"
         if kind != "cpu":
@@ -94,7 +101,7 @@ class TableKeeper:
         async with self._calibrating:
             started = time.monotonic()
             try:
-                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, timeout=3600)
+                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, 3600, on_point)
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise

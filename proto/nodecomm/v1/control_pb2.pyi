@@ -290,6 +290,14 @@ class CalibrateReply(_message.Message):
     points: _containers.RepeatedCompositeFieldContainer[CalibrationPoint]
     def __init__(self, fingerprint_key: _Optional[str] = ..., stored_at: _Optional[str] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., points: _Optional[_Iterable[_Union[CalibrationPoint, _Mapping]]] = ...) -> None: ...
 
+class CalibrateUpdate(_message.Message):
+    __slots__ = ("point", "done")
+    POINT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    point: CalibrationPoint
+    done: CalibrateReply
+    def __init__(self, point: _Optional[_Union[CalibrationPoint, _Mapping]] = ..., done: _Optional[_Union[CalibrateReply, _Mapping]] = ...) -> None: ...
+
 class PeerCheckReport(_message.Message):
     __slots__ = ("group", "group_id", "rank", "ok", "detail", "stage")
     GROUP_FIELD_NUMBER: _ClassVar[int]

@@ -54,10 +54,10 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.FromString,
                 _registered_method=True)
-        self.Calibrate = channel.unary_unary(
+        self.Calibrate = channel.unary_stream(
                 '/nodecomm.v1.Control/Calibrate',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
-                response_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateReply.FromString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/nodecomm.v1.Control/Leave',
@@ -117,7 +117,8 @@ class ControlServicer:
 
     def Calibrate(self, request, context):
         """Probe this machine's paths over a size sweep (rank processes the daemon starts), place the
-        boundaries, persist them under the machine's fingerprint and use them for new groups.
+        boundaries, persist them under the machine's fingerprint and use them for new groups. Streams
+        each measured point as it completes, then the result.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -164,10 +165,10 @@ def add_ControlServicer_to_server(servicer, server):
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeRequest.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.TopkExchangeReply.SerializeToString,
             ),
-            'Calibrate': grpc.unary_unary_rpc_method_handler(
+            'Calibrate': grpc.unary_stream_rpc_method_handler(
                     servicer.Calibrate,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.FromString,
-                    response_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateReply.SerializeToString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -314,12 +315,12 @@ class Control:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/nodecomm.v1.Control/Calibrate',
             nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
-            nodecomm_dot_v1_dot_control__pb2.CalibrateReply.FromString,
+            nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.FromString,
             options,
             channel_credentials,
             insecure,
