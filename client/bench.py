@@ -83,7 +83,20 @@ def _operation(path: str, comm, dist, x, out, baseline_group):
     return run
 
 
-def _host_times(run, iterations: int, comm) -> list[float]:
+def slowest_rank(times: list[float], flaws: int, world_size: int) -> tuple[list[float], int]:
+    """Every iteration's slowest time over the ranks, and the flaws counted over all of them
+    (through the gloo group every bench rank holds)."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor([*times, float(flaws)], dtype=torch.float64)
+    gathered = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    every = torch.stack(gathered)
+    return every[:, :-1].max(dim=0).values.tolist(), int(every[:, -1].sum())
+
+
+def host_times(run, iterations: int, comm) -> list[float]:
     times = []
     for _ in range(iterations):
         comm.barrier()
@@ -162,15 +175,10 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                 if on_gpu:
                     times = _cuda_times(run, iterations, comm, args["graph"])
                 else:
-                    times = _host_times(run, iterations, comm)
-                wrong = float((out != expected).sum())
-                mine = torch.tensor([*times, wrong], dtype=torch.float64)
-                gathered = [torch.empty_like(mine) for _ in range(world_size)]
-                dist.all_gather(gathered, mine)
+                    times = host_times(run, iterations, comm)
+                slowest, wrong = slowest_rank(times, int((out != expected).sum()), world_size)
                 if rank == 0:
-                    every = torch.stack(gathered)
-                    slowest = every[:, :-1].max(dim=0).values.tolist()
-                    rows.append((nbytes, count, path, slowest, int(every[:, -1].sum())))
+                    rows.append((nbytes, count, path, slowest, wrong))
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)

@@ -9,9 +9,8 @@ import functools
 import os
 import platform
 import statistics
-import time
 
-from .bench import run_ranks
+from .bench import host_times, run_ranks, slowest_rank
 
 
 def _gather_then_slice(idx, scores, span: range, world_size: int):
@@ -54,18 +53,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
             tables = {name: run() for name, run in runs.items()}
             same = all(torch.equal(a, b) for a, b in zip(tables["stage"], tables["gloo"], strict=True))
             for name, run in runs.items():
-                times = []
-                for _ in range(args["iterations"]):
-                    comm.barrier()
-                    started = time.perf_counter()
-                    run()
-                    times.append(time.perf_counter() - started)
-                mine = torch.tensor([*times, float(not same)], dtype=torch.float64)
-                gathered = [torch.empty_like(mine) for _ in range(world_size)]
-                dist.all_gather(gathered, mine)
+                slowest, differ = slowest_rank(host_times(run, args["iterations"], comm), int(not same), world_size)
                 if rank == 0:
-                    every = torch.stack(gathered)
-                    out.append((rows, name, every[:, :-1].max(dim=0).values.tolist(), int(every[:, -1].sum())))
+                    out.append((rows, name, slowest, differ))
     dist.destroy_process_group()
     if rank == 0:
         results.put(out)
