@@ -33,6 +33,9 @@ from .topk_exchange import TopkExchange
 
 log = logging.getLogger("nodecomm.client")
 
+# Paths that give the same bits, so exploring between them changes no result.
+_LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
+
 Transport = HostTransport | CudaTransport
 
 
@@ -62,6 +65,7 @@ class Communicator:
         timing_sample_period: int,
         operation_timeout: float,
         table_switch_period: int = 0,
+        explore_period: int = 0,
     ):
         self.group = group
         self.rank = rank
@@ -78,10 +82,10 @@ class Communicator:
         self._dtypes = dtypes
         self._table = table
         self._switch_period = table_switch_period
+        self._explore_period = explore_period
         self._reduces = 0  # all-reduce calls so far: the same count on every rank
         self._sample_period = max(1, timing_sample_period)
         self._operation_timeout = operation_timeout
-        self._ops = 0
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._lease = Lease(self._stub, group_id, rank, control.address)
@@ -132,6 +136,7 @@ class Communicator:
         self._reduces += 1
         if self._switch_period and self._reduces % self._switch_period == 0 and not self._transport.capturing():
             self._agree_on_table()
+        sampled = (self._reduces - 1) % self._sample_period == 0
         if path is not None:
             chosen = self._forced_path(path)
         else:
@@ -142,7 +147,13 @@ class Communicator:
                     group=self.group,
                     rank=self.rank,
                 )
-        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=(chosen, nbytes))
+            if self._explore_period and self._reduces % self._explore_period == 0:
+                # Every rank counts the same calls, so every rank explores the same one.
+                neighbour = self._table.neighbour_path(nbytes)
+                if neighbour in _LOSSLESS and neighbour in self._transport.paths:
+                    chosen, sampled = neighbour, True
+        sample = (chosen, nbytes) if sampled else None
+        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
         return out
 
     def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -175,15 +186,13 @@ class Communicator:
         self._run(self._transport.barrier, self._operation_timeout)
 
     def _run(self, operation, *args, sample: tuple[Path, int] | None = None) -> None:
-        """Run a transport operation under the lock that close() takes, errors located here, every
-        `timing_sample_period`-th all-reduce timed and reported to the daemon."""
+        """Run a transport operation under the lock that close() takes, errors located here; with
+        `sample` (path, bytes), timed and reported to the daemon."""
         with self._lock:
             self._check_usable()
             # Nothing is timed or queried while a CUDA graph is being captured.
             capturing = self._transport.capturing()
-            timed = sample is not None and self._ops % self._sample_period == 0 and not capturing
-            if sample is not None:
-                self._ops += 1
+            timed = sample is not None and not capturing
             start = self._transport.mark() if timed else None
             try:
                 operation(*args)

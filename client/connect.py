@@ -223,6 +223,7 @@ def connect(
             timing_sample_period=reply.timing_sample_period,
             operation_timeout=reply.operation_timeout_seconds,
             table_switch_period=reply.table_switch_period,
+            explore_period=reply.explore_period,
         )
     except BaseException:
         if transport is not None:

@@ -72,6 +72,16 @@ class DispatchTable:
     def path_for(self, nbytes: int) -> Path:
         return self.range_paths[bisect.bisect_left(self.range_max, nbytes)]
 
+    def neighbour_path(self, nbytes: int) -> Path | None:
+        """The path of the adjacent range when `nbytes` lies within a factor of 4 of the edge
+        between them (the sizes where the runner-up is worth timing), else None."""
+        index = bisect.bisect_left(self.range_max, nbytes)
+        if index > 0 and nbytes <= 4 * self.range_max[index - 1]:
+            return self.range_paths[index - 1]
+        if index < len(self.range_max) and 4 * nbytes > self.range_max[index]:
+            return self.range_paths[index + 1]
+        return None
+
     def boundary(self, name: str) -> Boundary:
         for b in self.boundaries:
             if b.name == name:

@@ -71,6 +71,9 @@ class DaemonConfig:
     live_margin: float = 0.05
     live_min_samples: int = 8
     table_switch_period: int = 1024
+    # Exploration: every explore_period-th all-reduce within a factor of 4 of a boundary runs on
+    # the neighbouring lossless path (the same bits) and is timed; 0 switches it off.
+    explore_period: int = 0
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
@@ -110,6 +113,8 @@ class DaemonConfig:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
         if not 0 <= self.live_margin < 1:
             raise ValueError(f"live_margin: expected a fraction in [0, 1), got {self.live_margin!r}")
+        if self.explore_period < 0:
+            raise ValueError(f"explore_period: expected 0 (off) or a positive integer, got {self.explore_period!r}")
         for name in ("live_min_samples", "table_switch_period"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")

@@ -408,6 +408,7 @@ class GroupRegistry:
                 operation_timeout_seconds=self.config.operation_timeout_seconds,
                 max_blocks=max_blocks,
                 table_switch_period=self.config.table_switch_period if first.device_kind == "cpu" else 0,
+                explore_period=self.config.explore_period if first.device_kind == "cpu" else 0,
             )
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)

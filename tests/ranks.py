@@ -241,3 +241,13 @@ def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls:
             time.sleep(0.002)
         rows = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
         return {"switched_at": switched_at, "rows": rows, "boundary": comm.thresholds().boundaries[0].describe()}
+
+
+def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int) -> bool:
+    """`calls` default-dispatched all-reduces of `count` float32; True when every result is exact."""
+    with nodecomm.connect("many", rank, world_size, socket=socket, timeout=30) as comm:
+        exact = True
+        for seed in range(calls):
+            x = rank_input(rank, count, torch.float32, seed)
+            exact &= torch.equal(comm.all_reduce(x), reference_sum(world_size, count, torch.float32, seed))
+        return exact

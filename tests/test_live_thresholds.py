@@ -38,3 +38,15 @@ def test_an_override_is_never_moved(make_daemon, spawn_ranks):
     assert all(
         r["switched_at"] is None and r["boundary"] == "oneshot_max_bytes=32KiB (override)" for r in results.values()
     )
+
+
+def test_exploration_times_the_neighbouring_path_and_keeps_the_bits(make_daemon, spawn_ranks):
+    """16 KiB goes to oneshot by the table; every 2nd call runs twoshot instead and is timed."""
+    daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-recalibration", "false")
+    assert spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 20, timeout=120).values() == {0: True, 1: True}
+    sampled = {
+        line.split('path="')[1].split('"')[0]: float(line.split()[-1])
+        for line in daemon.metrics_text().splitlines()
+        if line.startswith("nodecomm_sampled_operations_total{")
+    }
+    assert sampled == {"oneshot": 2.0, "twoshot": 20.0}  # first call of each rank; 10 explored per rank
