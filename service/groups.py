@@ -424,6 +424,8 @@ class GroupRegistry:
                 "world_size": first.world_size,
                 "capacity_bytes": first.capacity_bytes,
                 "reserved_bytes": memory.reserved_bytes,
+                "table_epoch": group.table.epoch,
+                "thresholds": [b.describe() for b in group.table.boundaries],
             },
         )
 
