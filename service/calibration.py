@@ -138,7 +138,8 @@ async def probe_cpu(
     with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
         out = os.path.join(directory, "probe.json")
         args = [
-            sys.executable, "-m", "nodecomm.client.cli", "--socket", socket, "bench", "--device", "cpu",
+            # -X faulthandler: a probe that crashes prints every thread's stack into the error.
+            sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench", "--device", "cpu",
             "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline", "--progress",
             "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
         ]  # fmt: skip
