@@ -29,6 +29,7 @@ from .descriptors import claim, map_host_segment
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
+from .service_path import ServiceBuffer, ServicePath, ServiceWork
 from .topk_exchange import TopkExchange
 
 log = logging.getLogger("nodecomm.client")
@@ -89,6 +90,13 @@ class Communicator:
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._lease = Lease(self._stub, group_id, rank, control.address)
+        # CPU groups: collectives the daemon runs (path="service").
+        self._service = (
+            ServicePath(self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout)
+            if transport.kind == "cpu"
+            else None
+        )
+        self._paths = transport.paths | {Path.SERVICE} if self._service is not None else transport.paths
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.
         self._lock = threading.Lock()
@@ -108,14 +116,22 @@ class Communicator:
     # -- collectives -----------------------------------------------------------------------------
 
     def all_reduce(
-        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, path: str | None = None
-    ) -> torch.Tensor:
+        self,
+        tensor: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        path: str | None = None,
+        async_op: bool = False,
+    ) -> torch.Tensor | ServiceWork:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
 
         tensor: contiguous float32, float16 or bfloat16 tensor on this group's device, the same
-        shape on every rank. path: force one ("oneshot", "twoshot"; CUDA groups also "dma", and
-        "nccl" when connected with an nccl_group); by default the daemon's table picks by size.
-        Every path but nccl gives the same bits: fp32 accumulation in rank order 0..n-1, one rounding.
+        shape on every rank. path: force one ("oneshot", "twoshot"; CPU groups also "service", which
+        the daemon runs; CUDA groups also "dma", and "nccl" when connected with an nccl_group); by
+        default the daemon's table picks by size. Every path but nccl gives the same bits: fp32
+        accumulation in rank order 0..n-1, one rounding. async_op: return a work whose wait()
+        completes the call (`out` holds the sum after it); only the service path runs in the
+        background, the others are complete when the work is returned.
         """
         self._check_tensor(tensor, "tensor")
         if out is None:
@@ -141,7 +157,7 @@ class Communicator:
             chosen = self._forced_path(path)
         else:
             chosen = self._table.path_for(nbytes)
-            if chosen not in self._transport.paths:
+            if chosen not in self._paths:
                 raise InvalidArgumentError(
                     f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run",
                     group=self.group,
@@ -152,12 +168,43 @@ class Communicator:
                 neighbour = self._table.neighbour_path(nbytes)
                 if neighbour in _LOSSLESS and neighbour in self._transport.paths:
                     chosen, sampled = neighbour, True
+        if chosen is Path.SERVICE:
+            work = self._submitted(self._service.all_reduce, tensor, out)
+            return work if async_op else self._waited(work, out)
         sample = (chosen, nbytes) if sampled else None
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
-        return out
+        return ServiceWork(None, lambda ok: None, {}, 0.0) if async_op else out
 
-    def all_gather(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape]."""
+    def _submitted(self, submit, *args) -> ServiceWork:
+        with self._lock:
+            self._check_usable()
+            try:
+                return submit(*args)
+            except NodecommError as error:
+                raise self._located(error) from None
+
+    def _waited(self, work: ServiceWork, result):
+        work.wait()
+        return result
+
+    def service_buffer(self, size_bytes: int) -> ServiceBuffer:
+        """Host memory the daemon maps too (CPU groups): tensors made with its tensor() go to the
+        service path by reference, with no copies. free() it when done; the daemon frees what is
+        left with the group."""
+        if self._service is None:
+            raise InvalidArgumentError("service buffers belong to CPU groups so far", group=self.group, rank=self.rank)
+        return self._submitted(self._service.allocate, size_bytes)
+
+    def all_gather(
+        self,
+        tensor: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
+        path: str | None = None,
+        async_op: bool = False,
+    ) -> torch.Tensor | ServiceWork:
+        """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape].
+        path="service" has the daemon run it (CPU groups); async_op as for all_reduce."""
         if not isinstance(tensor, torch.Tensor) or not self._transport.on_device(tensor) or not tensor.is_contiguous():
             raise InvalidArgumentError(
                 f"tensor must be a contiguous tensor on {self.device}", group=self.group, rank=self.rank
@@ -177,8 +224,15 @@ class Communicator:
                 group=self.group,
                 rank=self.rank,
             )
+        if path is not None:
+            if self._forced_path(path) is not Path.SERVICE:
+                raise InvalidArgumentError(
+                    f"path {path!r}: all_gather takes path='service' or none", group=self.group, rank=self.rank
+                )
+            work = self._submitted(self._service.all_gather, tensor, out)
+            return work if async_op else self._waited(work, out)
         self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
-        return out
+        return ServiceWork(None, lambda ok: None, {}, 0.0) if async_op else out
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (on a CUDA group: once every rank's
@@ -257,10 +311,14 @@ class Communicator:
         finally:
             for fd in fds:
                 os.close(fd)
-        exchange = TopkExchange(layout, self.rank, slabs, self.barrier, where)
+        exchange = TopkExchange(layout, self.rank, slabs, self.barrier, where, self._service_topk_stage)
         with self._lock:
             self._exchanges.append(exchange)
         return exchange
+
+    def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
+        work, idx, scores = self._submitted(self._service.topk_stage, local_idx, local_scores)
+        return self._waited(work, (idx, scores))
 
     def _agree_on_table(self) -> None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of
@@ -349,8 +407,8 @@ class Communicator:
             path = Path.parse(name)
         except ValueError as error:
             raise InvalidArgumentError(str(error), group=self.group, rank=self.rank) from None
-        if path not in self._transport.paths:
-            available = ", ".join(repr(p.value) for p in Path if p in self._transport.paths)
+        if path not in self._paths:
+            available = ", ".join(repr(p.value) for p in Path if p in self._paths)
             hint = " (nccl needs connect(..., nccl_group=...))" if path is Path.NCCL else ""
             raise InvalidArgumentError(
                 f"path {name!r} is not available to a {self._transport.kind.upper()} group{hint}; expected one of {available}",
@@ -375,6 +433,8 @@ class Communicator:
                     "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
                 )
         self._lease.close()
+        if self._service is not None:
+            self._service.close()
         for exchange in self._exchanges:
             exchange.close()
         try:

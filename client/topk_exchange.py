@@ -39,6 +39,7 @@ class TopkExchange:
         slabs: list[SegmentMapping],
         barrier: Callable[[], None],
         where: dict,
+        service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
@@ -46,16 +47,23 @@ class TopkExchange:
         self._slabs = slabs
         self._planes = [_planes(slab, layout) for slab in slabs]
         self._barrier = barrier
+        self._service_stage = service_stage
         self._where = where
         self._stages = 0
         self._closed = False
 
-    def stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def stage(
+        self, local_idx: torch.Tensor, local_scores: torch.Tensor, *, path: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Send this rank's candidates ([rows, topk]: int32 indices, float32 scores; rows <= max_rows,
         the same on every rank) to the rows' owners; returns this rank's owner table, (idx, scores)
         each [owned_rows, world_size, topk], where [i, s, :] is exactly what rank s passed for the
-        i-th owned row, bit for bit."""
+        i-th owned row, bit for bit. path="service": the daemon moves the candidates (the same bits)."""
         self._check(local_idx, local_scores)
+        if path is not None:
+            if path != "service" or self._service_stage is None:
+                raise InvalidArgumentError(f"path {path!r}: expected None or 'service' (CPU groups)", **self._where)
+            return self._service_stage(local_idx.contiguous(), local_scores.contiguous())
         rows, world = local_idx.shape[0], self._layout.world_size
         slot = self._stages % SLOTS
         self._stages += 1

@@ -6,6 +6,7 @@
 
 #include "control.h"
 #include "errors.h"
+#include "service.h"
 #include "shm.h"
 
 #ifdef NODECOMM_WITH_CUDA
@@ -107,6 +108,33 @@ PYBIND11_MODULE(_native, m) {
       .def_property_readonly("world_size", &shm::ShmGroup::world_size)
       .def_property_readonly("op_epoch", &shm::ShmGroup::op_epoch)
       .def_property_readonly("barrier_epoch", &shm::ShmGroup::barrier_epoch);
+
+  namespace service = nodecomm::service;
+  m.def(
+      "service_all_reduce",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t count, int dtype) {
+        py::gil_scoped_release release;
+        service::all_reduce(inputs, outputs, count, nodecomm::DType(dtype));
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"),
+      "The service path: every rank's output gets the sum of every rank's input (host addresses, rank order).");
+  m.def(
+      "service_all_gather",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t nbytes) {
+        py::gil_scoped_release release;
+        service::all_gather(inputs, outputs, nbytes);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("nbytes"),
+      "The service path: rank r's nbytes land at outputs[q] + r * nbytes for every rank q.");
+  m.def(
+      "service_topk_stage",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t rows,
+         std::size_t topk) {
+        py::gil_scoped_release release;
+        service::topk_stage(inputs, outputs, rows, topk);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("rows"), py::arg("topk"),
+      "The service path's top-k owner exchange: each source's candidates into each owner's table.");
 
 #ifdef NODECOMM_WITH_CUDA
   namespace cuda = nodecomm::cuda;

@@ -147,3 +147,51 @@ def allocate_topk_slabs(name: str, exchange_id: int, world_size: int, slab_bytes
             f"allocating {world_size} top-k slabs of {slab_bytes} bytes failed: {error}", group=name
         ) from None
     return TopkSlabs(exchange_id, made, slab_bytes)
+
+
+@dataclass
+class RankAllocation:
+    """Memory one rank asked for, for the service path: a sealed memfd that the rank maps and the
+    daemon keeps mapped, so that collectives submitted on it run without copies. Unmapped once the
+    rank has freed it (or the group is released) and no queued collective names it any more."""
+
+    allocation_id: int
+    rank: int
+    fd: int
+    address: int
+    size_bytes: int
+    users: int = 0  # queued or running collectives that name it
+    freed: bool = False
+    closed: bool = False
+
+    def release(self) -> None:
+        """One user is done with it; the last one unmaps a freed allocation."""
+        self.users -= 1
+        if self.freed and self.users == 0:
+            self.close()
+
+    def free(self) -> None:
+        self.freed = True
+        if self.users == 0:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            host_memory.unmap_segment(self.address, self.size_bytes)
+            os.close(self.fd)
+
+
+def allocate_rank_memory(name: str, rank: int, allocation_id: int, size_bytes: int) -> RankAllocation:
+    try:
+        fd = host_memory.create_segment(f"nodecomm:{name}:rank{rank}:alloc{allocation_id}", size_bytes)
+    except (MemoryError, OSError) as error:
+        raise ResourceExhaustedError(
+            f"allocating {size_bytes} bytes of host memory failed: {error}", group=name
+        ) from None
+    try:
+        address = host_memory.map_segment(fd, size_bytes)
+    except OSError as error:
+        os.close(fd)
+        raise ResourceExhaustedError(f"mapping {size_bytes} bytes of host memory failed: {error}", group=name) from None
+    return RankAllocation(allocation_id, rank, fd, address, size_bytes)

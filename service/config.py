@@ -78,6 +78,10 @@ class DaemonConfig:
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
     drain_grace_seconds: float = 5.0
+    # The service path: collectives a group may have queued past the next one to run (a submit
+    # beyond gets RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
+    service_queue_depth: int = 64
+    service_threads: int = 4
     # Let the ranks of one CUDA group share a GPU: for development and tests on a one-GPU machine,
     # where several rank processes then stand in for several GPUs.
     allow_shared_devices: bool = False
@@ -115,7 +119,7 @@ class DaemonConfig:
             raise ValueError(f"live_margin: expected a fraction in [0, 1), got {self.live_margin!r}")
         if self.explore_period < 0:
             raise ValueError(f"explore_period: expected 0 (off) or a positive integer, got {self.explore_period!r}")
-        for name in ("live_min_samples", "table_switch_period"):
+        for name in ("live_min_samples", "table_switch_period", "service_queue_depth", "service_threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:

@@ -10,11 +10,13 @@ when every rank is gone. Everything here runs on the daemon's event loop.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import re
 import secrets
 import time
 from collections import Counter
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from nodecomm import _native
@@ -35,11 +37,12 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_topk_slabs
+from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_rank_memory, allocate_topk_slabs
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
+from .submissions import ServicePath
 from .tables import TableKeeper
 
 log = logging.getLogger("nodecomm.groups")
@@ -213,10 +216,12 @@ class Group:
     exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
     live: LiveEstimates | None = None  # CPU groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
+    service: ServicePath | None = None  # CPU groups: collectives the daemon runs
 
     @property
     def reserved_bytes(self) -> int:
-        return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs)
+        service = self.service.reserved_bytes if self.service is not None else 0
+        return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs) + service
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
@@ -232,8 +237,10 @@ class GroupRegistry:
         claims: ClaimTable,
         descriptor_socket: str,
         gpus: list[str],
+        executor: Executor,
     ):
         self.config = config
+        self.executor = executor  # runs the service path's collectives
         self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
         self.metrics = metrics
         self.claims = claims
@@ -242,6 +249,7 @@ class GroupRegistry:
         self._active: dict[str, Group] = {}  # by name: the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self._draining = False
+        self._allocation_ids = itertools.count(1)
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE)
 
     # -- thresholds ----------------------------------------------------------------------------
@@ -390,6 +398,15 @@ class GroupRegistry:
                 else None
             ),
         )
+        if first.device_kind == "cpu":
+            group.service = ServicePath(
+                group.name,
+                first.world_size,
+                first.dtypes,
+                self.config.service_queue_depth,
+                self.executor,
+                self._service_done,
+            )
         del self._forming[forming.name]
         self._active[group.name] = group
         self._groups[group_id] = group
@@ -598,6 +615,69 @@ class GroupRegistry:
             extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
         )
 
+    # -- the service path ------------------------------------------------------------------------
+
+    def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, ServicePath]:
+        where = dict(group=name or None, rank=rank)
+        group = self._groups.get(group_id)
+        if group is None or group.name != name or rank not in group.members:
+            raise NotFoundError(f"no group named {name!r} with id {group_id} has this rank", **where)
+        if group.service is None:
+            raise UnsupportedError("the service path runs CPU groups so far; CUDA groups come next", **where)
+        member = group.members[rank]
+        if member.gone:
+            raise NotFoundError(f"rank {rank} is no longer a member of this group", **where)
+        return group, group.service
+
+    def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
+        group, service = self._service_of(request.group, request.group_id, request.rank)
+        where = dict(group=group.name, rank=request.rank)
+        if group.state != "active":
+            raise NotFoundError(f"the group is {group.state}", **where)
+        size = request.size_bytes
+        if not 1 <= size <= self.config.max_capacity_bytes * group.args.world_size:
+            raise InvalidArgumentError(
+                f"size_bytes {size}: expected 1..{self.config.max_capacity_bytes * group.args.world_size} "
+                "(world_size times this daemon's max_capacity_bytes)",
+                **where,
+            )
+        reserved = sum(g.reserved_bytes for g in self._groups.values())
+        if reserved + size > self.config.max_reserved_bytes:
+            raise ResourceExhaustedError(
+                f"allocating {size} bytes would pass this daemon's max_reserved_bytes "
+                f"{self.config.max_reserved_bytes} ({reserved} reserved); free some first",
+                **where,
+            )
+        allocation = allocate_rank_memory(group.name, request.rank, next(self._allocation_ids), size)
+        service.add_allocation(allocation)
+        self.metrics.reserved.labels("host").inc(size)
+        token = self.claims.issue(
+            group.name,
+            group.group_id,
+            request.rank,
+            group.members[request.rank].pid,
+            [allocation.fd],
+            self.config.claim_token_ttl_seconds,
+        )
+        return pb.AllocateMemoryReply(
+            allocation_id=allocation.allocation_id, claim_token=token, memory_kind=pb.HOST_MEMFD, size_bytes=size
+        )
+
+    def free_memory(self, request: pb.FreeMemoryRequest) -> None:
+        _, service = self._service_of(request.group, request.group_id, request.rank)
+        allocation = service.free(request.rank, request.allocation_id)
+        self.metrics.reserved.labels("host").dec(allocation.size_bytes)
+
+    async def submit(self, request: pb.SubmitRequest) -> pb.SubmitReply:
+        group, service = self._service_of(request.group, request.group_id, request.rank)
+        timeout = request.timeout_seconds if request.timeout_seconds > 0 else self.config.operation_timeout_seconds
+        return await service.submit(request, min(timeout, self.config.operation_timeout_seconds))
+
+    def _service_done(self, op: str, result: str, nbytes: int) -> None:
+        self.metrics.service_ops.labels(op, result).inc()
+        if nbytes:
+            self.metrics.service_bytes.labels(op).inc(nbytes)
+
     # -- sessions ------------------------------------------------------------------------------
 
     def open_session(self, group_id: int, rank: int) -> asyncio.Queue:
@@ -680,6 +760,8 @@ class GroupRegistry:
 
     def _abort(self, group: Group, reason: int, rank: int, message: str, quiet: bool = False) -> None:
         group.memory.abort(reason, rank)
+        if group.service is not None:
+            group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
         for forming in group.exchanges.values():
             if forming.failure is None and any(not f.done() for f in forming.futures.values()):
                 self._fail_exchange(forming, PeerLostError(f"group aborted: {message}", group=group.name))
@@ -712,6 +794,9 @@ class GroupRegistry:
             for slabs in group.topk_slabs:
                 self.metrics.reserved.labels("host").dec(slabs.reserved_bytes)
                 slabs.close()
+            if group.service is not None:
+                self.metrics.reserved.labels("host").dec(group.service.reserved_bytes)
+                group.service.close()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 
     # -- operator views and shutdown -------------------------------------------------------------

@@ -63,6 +63,18 @@ class DaemonMetrics:
             registry=r,
             buckets=(2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0),
         )
+        self.service_ops = Counter(
+            "nodecomm_service_collectives_total",
+            "Collectives the daemon ran for the service path, by op and result.",
+            ["op", "result"],
+            registry=r,
+        )
+        self.service_bytes = Counter(
+            "nodecomm_service_bytes_total",
+            "Bytes each rank contributed to service-path collectives that ran, by op.",
+            ["op"],
+            registry=r,
+        )
         self.rpc_seconds = Histogram(
             "nodecomm_rpc_seconds",
             "Control-plane RPC handling time (Join includes waiting for peers).",

@@ -13,6 +13,7 @@ import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import uvloop
@@ -134,6 +135,19 @@ class ControlServicer(pb_grpc.ControlServicer):
             probe.cancel()  # the caller went away: stop the probe
 
     @rpc
+    async def AllocateMemory(self, request: pb.AllocateMemoryRequest, context) -> pb.AllocateMemoryReply:
+        return self.registry.allocate_memory(request)
+
+    @rpc
+    async def FreeMemory(self, request: pb.FreeMemoryRequest, context) -> pb.FreeMemoryReply:
+        self.registry.free_memory(request)
+        return pb.FreeMemoryReply()
+
+    @rpc
+    async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitReply:
+        return await self.registry.submit(request)
+
+    @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()
@@ -175,7 +189,8 @@ async def serve(config: DaemonConfig) -> int:
     metrics = DaemonMetrics()
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
-    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus)
+    executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
+    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus, executor)
     store = CalibrationStore(config.state_dir)
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     stored = store.load(fingerprint_key(cpu_fingerprint()))
@@ -266,6 +281,7 @@ async def serve(config: DaemonConfig) -> int:
     await server.stop(config.drain_grace_seconds)
     sweeper.cancel()
     descriptors.stop()
+    executor.shutdown(wait=True)
     if metrics_server is not None:
         metrics_server.shutdown()
     for path in (config.socket,):

@@ -24,23 +24,25 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nodecomm/v1/control.proto\x12\x0bnodecomm.v1\"F\n\x08Geometry\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\"\n\x06\x64types\x18\x02 \x03(\x0e\x32\x12.nodecomm.v1.DType\"\xe3\x01\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\'\n\x08geometry\x18\x05 \x01(\x0b\x32\x15.nodecomm.v1.Geometry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\x07 \x01(\x01\x12\x15\n\rnccl_fallback\x18\x08 \x01(\x08\x12(\n\toverrides\x18\t \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"1\n\x07Segment\x12\x12\n\nowner_rank\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\x84\x03\n\tJoinReply\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12\x19\n\x11\x64\x65scriptor_socket\x18\x03 \x01(\t\x12,\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12%\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x14.nodecomm.v1.Segment\x12%\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x14.nodecomm.v1.Segment\x12/\n\nthresholds\x18\x07 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12\x1c\n\x14timing_sample_period\x18\x08 \x01(\r\x12!\n\x19operation_timeout_seconds\x18\t \x01(\x01\x12\x12\n\nmax_blocks\x18\n \x01(\r\x12\x1b\n\x13table_switch_period\x18\x0b \x01(\r\x12\x16\n\x0e\x65xplore_period\x18\x0c \x01(\r\"o\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bvalue_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.nodecomm.v1.BoundarySourceB\x0e\n\x0c_value_bytes\"R\n\tPathRange\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12\x11\n\tunbounded\x18\x02 \x01(\x08\x12\x1f\n\x04path\x18\x03 \x01(\x0e\x32\x11.nodecomm.v1.Path\"r\n\x0eThresholdTable\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x06ranges\x18\x02 \x03(\x0b\x32\x16.nodecomm.v1.PathRange\x12)\n\nboundaries\x18\x03 \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"I\n\x06Timing\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"l\n\tSessionUp\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.nodecomm.v1.SessionHelloH\x00\x12+\n\x07timings\x18\x02 \x01(\x0b\x32\x18.nodecomm.v1.TimingBatchH\x00\x42\x06\n\x04kind\".\n\x0cSessionHello\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"3\n\x0bTimingBatch\x12$\n\x07timings\x18\x01 \x03(\x0b\x32\x13.nodecomm.v1.Timing\"V\n\nGroupEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.nodecomm.v1.GroupEventKind\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"r\n\x0bSessionDown\x12\x31\n\nthresholds\x18\x01 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTableH\x00\x12(\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x17.nodecomm.v1.GroupEventH\x00\x42\x06\n\x04kind\"=\n\x0cLeaveRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x0c\n\nLeaveReply\"\xa7\x01\n\x13TopkExchangeRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x10\n\x08sequence\x18\x04 \x01(\r\x12\x10\n\x08max_rows\x18\x05 \x01(\r\x12\x0c\n\x04topk\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\x01\"\x90\x01\n\x11TopkExchangeReply\x12\x13\n\x0b\x65xchange_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12,\n\x0bmemory_kind\x18\x03 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12#\n\x05slabs\x18\x04 \x03(\x0b\x32\x14.nodecomm.v1.Segment\"a\n\x10\x43\x61librateRequest\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tmin_bytes\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\"S\n\x10\x43\x61librationPoint\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x9c\x01\n\x0e\x43\x61librateReply\x12\x17\n\x0f\x66ingerprint_key\x18\x01 \x01(\t\x12\x11\n\tstored_at\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12-\n\x06points\x18\x04 \x03(\x0b\x32\x1d.nodecomm.v1.CalibrationPoint\"v\n\x0f\x43\x61librateUpdate\x12.\n\x05point\x18\x01 \x01(\x0b\x32\x1d.nodecomm.v1.CalibrationPointH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.nodecomm.v1.CalibrateReplyH\x00\x42\x06\n\x04kind\"k\n\x0fPeerCheckReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\"k\n\x10PeerCheckVerdict\x12\x16\n\x0epeer_memory_ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\"Q\n\x14GetThresholdsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x15\n\rnccl_fallback\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\xce\x01\n\tGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x14\n\x0cjoined_ranks\x18\x04 \x03(\x05\x12\x12\n\nlive_ranks\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\'\n\x08geometry\x18\t \x01(\x0b\x32\x15.nodecomm.v1.Geometry\"9\n\x0fListGroupsReply\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.nodecomm.v1.GroupInfo*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*V\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0b\n\x07ONESHOT\x10\x01\x12\x0b\n\x07TWOSHOT\x10\x02\x12\x07\n\x03\x44MA\x10\x03\x12\x08\n\x04NCCL\x10\x04\x12\x0b\n\x07SERVICE\x10\x05*_\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nHOST_MEMFD\x10\x01\x12\x0f\n\x0b\x43UDA_VMM_FD\x10\x02\x12\x13\n\x0f\x43UDA_IPC_LEGACY\x10\x03*\\\n\x0e\x42oundarySource\x12\x1f\n\x1b\x42OUNDARY_SOURCE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x01\x12\x0e\n\nCALIBRATED\x10\x02\x12\x0c\n\x08OVERRIDE\x10\x03*U\n\x0eGroupEventKind\x12\x1b\n\x17GROUP_EVENT_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03\x32\xcb\x04\n\x07\x43ontrol\x12\x38\n\x04Join\x12\x18.nodecomm.v1.JoinRequest\x1a\x16.nodecomm.v1.JoinReply\x12?\n\x07Session\x12\x16.nodecomm.v1.SessionUp\x1a\x18.nodecomm.v1.SessionDown(\x01\x30\x01\x12I\n\nCheckPeers\x12\x1c.nodecomm.v1.PeerCheckReport\x1a\x1d.nodecomm.v1.PeerCheckVerdict\x12T\n\x10OpenTopkExchange\x12 .nodecomm.v1.TopkExchangeRequest\x1a\x1e.nodecomm.v1.TopkExchangeReply\x12J\n\tCalibrate\x12\x1d.nodecomm.v1.CalibrateRequest\x1a\x1c.nodecomm.v1.CalibrateUpdate0\x01\x12;\n\x05Leave\x12\x19.nodecomm.v1.LeaveRequest\x1a\x17.nodecomm.v1.LeaveReply\x12O\n\rGetThresholds\x12!.nodecomm.v1.GetThresholdsRequest\x1a\x1b.nodecomm.v1.ThresholdTable\x12J\n\nListGroups\x12\x1e.nodecomm.v1.ListGroupsRequest\x1a\x1c.nodecomm.v1.ListGroupsReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19nodecomm/v1/control.proto\x12\x0bnodecomm.v1\"F\n\x08Geometry\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x04\x12\"\n\x06\x64types\x18\x02 \x03(\x0e\x32\x12.nodecomm.v1.DType\"\xe3\x01\n\x0bJoinRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\'\n\x08geometry\x18\x05 \x01(\x0b\x32\x15.nodecomm.v1.Geometry\x12\x0b\n\x03pid\x18\x06 \x01(\x05\x12\x1c\n\x14join_timeout_seconds\x18\x07 \x01(\x01\x12\x15\n\rnccl_fallback\x18\x08 \x01(\x08\x12(\n\toverrides\x18\t \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"1\n\x07Segment\x12\x12\n\nowner_rank\x18\x01 \x01(\x05\x12\x12\n\nsize_bytes\x18\x02 \x01(\x04\"\x84\x03\n\tJoinReply\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12\x19\n\x11\x64\x65scriptor_socket\x18\x03 \x01(\t\x12,\n\x0bmemory_kind\x18\x04 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12%\n\x07\x63ontrol\x18\x05 \x01(\x0b\x32\x14.nodecomm.v1.Segment\x12%\n\x07\x62uffers\x18\x06 \x03(\x0b\x32\x14.nodecomm.v1.Segment\x12/\n\nthresholds\x18\x07 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12\x1c\n\x14timing_sample_period\x18\x08 \x01(\r\x12!\n\x19operation_timeout_seconds\x18\t \x01(\x01\x12\x12\n\nmax_blocks\x18\n \x01(\r\x12\x1b\n\x13table_switch_period\x18\x0b \x01(\r\x12\x16\n\x0e\x65xplore_period\x18\x0c \x01(\r\"o\n\x08\x42oundary\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x18\n\x0bvalue_bytes\x18\x02 \x01(\x04H\x00\x88\x01\x01\x12+\n\x06source\x18\x03 \x01(\x0e\x32\x1b.nodecomm.v1.BoundarySourceB\x0e\n\x0c_value_bytes\"R\n\tPathRange\x12\x11\n\tmax_bytes\x18\x01 \x01(\x04\x12\x11\n\tunbounded\x18\x02 \x01(\x08\x12\x1f\n\x04path\x18\x03 \x01(\x0e\x32\x11.nodecomm.v1.Path\"r\n\x0eThresholdTable\x12\r\n\x05\x65poch\x18\x01 \x01(\x04\x12&\n\x06ranges\x18\x02 \x03(\x0b\x32\x16.nodecomm.v1.PathRange\x12)\n\nboundaries\x18\x03 \x03(\x0b\x32\x15.nodecomm.v1.Boundary\"I\n\x06Timing\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"l\n\tSessionUp\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.nodecomm.v1.SessionHelloH\x00\x12+\n\x07timings\x18\x02 \x01(\x0b\x32\x18.nodecomm.v1.TimingBatchH\x00\x42\x06\n\x04kind\".\n\x0cSessionHello\x12\x10\n\x08group_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\"3\n\x0bTimingBatch\x12$\n\x07timings\x18\x01 \x03(\x0b\x32\x13.nodecomm.v1.Timing\"V\n\nGroupEvent\x12)\n\x04kind\x18\x01 \x01(\x0e\x32\x1b.nodecomm.v1.GroupEventKind\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"r\n\x0bSessionDown\x12\x31\n\nthresholds\x18\x01 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTableH\x00\x12(\n\x05\x65vent\x18\x02 \x01(\x0b\x32\x17.nodecomm.v1.GroupEventH\x00\x42\x06\n\x04kind\"Z\n\x15\x41llocateMemoryRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"\x83\x01\n\x13\x41llocateMemoryReply\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12,\n\x0bmemory_kind\x18\x03 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\"Y\n\x11\x46reeMemoryRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x15\n\rallocation_id\x18\x04 \x01(\x04\"\x11\n\x0f\x46reeMemoryReply\"8\n\tMemoryRef\x12\x15\n\rallocation_id\x18\x01 \x01(\x04\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x04\"\x95\x02\n\rSubmitRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x10\n\x08sequence\x18\x04 \x01(\x04\x12\x1b\n\x02op\x18\x05 \x01(\x0e\x32\x0f.nodecomm.v1.Op\x12!\n\x05\x64type\x18\x06 \x01(\x0e\x32\x12.nodecomm.v1.DType\x12\r\n\x05\x63ount\x18\x07 \x01(\x04\x12\x0c\n\x04topk\x18\x08 \x01(\r\x12%\n\x05input\x18\t \x01(\x0b\x32\x16.nodecomm.v1.MemoryRef\x12&\n\x06output\x18\n \x01(\x0b\x32\x16.nodecomm.v1.MemoryRef\x12\x17\n\x0ftimeout_seconds\x18\x0b \x01(\x01\"\x1f\n\x0bSubmitReply\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"=\n\x0cLeaveRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\"\x0c\n\nLeaveReply\"\xa7\x01\n\x13TopkExchangeRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x10\n\x08sequence\x18\x04 \x01(\r\x12\x10\n\x08max_rows\x18\x05 \x01(\r\x12\x0c\n\x04topk\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x08 \x01(\x01\"\x90\x01\n\x11TopkExchangeReply\x12\x13\n\x0b\x65xchange_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x63laim_token\x18\x02 \x01(\x0c\x12,\n\x0bmemory_kind\x18\x03 \x01(\x0e\x32\x17.nodecomm.v1.MemoryKind\x12#\n\x05slabs\x18\x04 \x03(\x0b\x32\x14.nodecomm.v1.Segment\"a\n\x10\x43\x61librateRequest\x12\x13\n\x0b\x64\x65vice_kind\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x11\n\tmin_bytes\x18\x03 \x01(\x04\x12\x11\n\tmax_bytes\x18\x04 \x01(\x04\"S\n\x10\x43\x61librationPoint\x12\x1f\n\x04path\x18\x01 \x01(\x0e\x32\x11.nodecomm.v1.Path\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"\x9c\x01\n\x0e\x43\x61librateReply\x12\x17\n\x0f\x66ingerprint_key\x18\x01 \x01(\t\x12\x11\n\tstored_at\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\x12-\n\x06points\x18\x04 \x03(\x0b\x32\x1d.nodecomm.v1.CalibrationPoint\"v\n\x0f\x43\x61librateUpdate\x12.\n\x05point\x18\x01 \x01(\x0b\x32\x1d.nodecomm.v1.CalibrationPointH\x00\x12+\n\x04\x64one\x18\x02 \x01(\x0b\x32\x1b.nodecomm.v1.CalibrateReplyH\x00\x42\x06\n\x04kind\"k\n\x0fPeerCheckReport\x12\r\n\x05group\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\n\n\x02ok\x18\x04 \x01(\x08\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\x12\r\n\x05stage\x18\x06 \x01(\x05\"k\n\x10PeerCheckVerdict\x12\x16\n\x0epeer_memory_ok\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12/\n\nthresholds\x18\x03 \x01(\x0b\x32\x1b.nodecomm.v1.ThresholdTable\"Q\n\x14GetThresholdsRequest\x12\r\n\x05group\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x02 \x01(\t\x12\x15\n\rnccl_fallback\x18\x03 \x01(\x08\"\x13\n\x11ListGroupsRequest\"\xce\x01\n\tGroupInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\x04\x12\x12\n\nworld_size\x18\x03 \x01(\x05\x12\x14\n\x0cjoined_ranks\x18\x04 \x03(\x05\x12\x12\n\nlive_ranks\x18\x05 \x03(\x05\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0b\x64\x65vice_kind\x18\x07 \x01(\t\x12\x16\n\x0ereserved_bytes\x18\x08 \x01(\x04\x12\'\n\x08geometry\x18\t \x01(\x0b\x32\x15.nodecomm.v1.Geometry\"9\n\x0fListGroupsReply\x12&\n\x06groups\x18\x01 \x03(\x0b\x32\x16.nodecomm.v1.GroupInfo*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03*V\n\x04Path\x12\x14\n\x10PATH_UNSPECIFIED\x10\x00\x12\x0b\n\x07ONESHOT\x10\x01\x12\x0b\n\x07TWOSHOT\x10\x02\x12\x07\n\x03\x44MA\x10\x03\x12\x08\n\x04NCCL\x10\x04\x12\x0b\n\x07SERVICE\x10\x05*_\n\nMemoryKind\x12\x1b\n\x17MEMORY_KIND_UNSPECIFIED\x10\x00\x12\x0e\n\nHOST_MEMFD\x10\x01\x12\x0f\n\x0b\x43UDA_VMM_FD\x10\x02\x12\x13\n\x0f\x43UDA_IPC_LEGACY\x10\x03*\\\n\x0e\x42oundarySource\x12\x1f\n\x1b\x42OUNDARY_SOURCE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x44\x45\x46\x41ULT\x10\x01\x12\x0e\n\nCALIBRATED\x10\x02\x12\x0c\n\x08OVERRIDE\x10\x03*U\n\x0eGroupEventKind\x12\x1b\n\x17GROUP_EVENT_UNSPECIFIED\x10\x00\x12\t\n\x05READY\x10\x01\x12\r\n\tPEER_LOST\x10\x02\x12\x0c\n\x08\x44RAINING\x10\x03*H\n\x02Op\x12\x12\n\x0eOP_UNSPECIFIED\x10\x00\x12\x0e\n\nALL_REDUCE\x10\x01\x12\x0e\n\nALL_GATHER\x10\x02\x12\x0e\n\nTOPK_STAGE\x10\x03\x32\xaf\x06\n\x07\x43ontrol\x12\x38\n\x04Join\x12\x18.nodecomm.v1.JoinRequest\x1a\x16.nodecomm.v1.JoinReply\x12?\n\x07Session\x12\x16.nodecomm.v1.SessionUp\x1a\x18.nodecomm.v1.SessionDown(\x01\x30\x01\x12I\n\nCheckPeers\x12\x1c.nodecomm.v1.PeerCheckReport\x1a\x1d.nodecomm.v1.PeerCheckVerdict\x12T\n\x10OpenTopkExchange\x12 .nodecomm.v1.TopkExchangeRequest\x1a\x1e.nodecomm.v1.TopkExchangeReply\x12J\n\tCalibrate\x12\x1d.nodecomm.v1.CalibrateRequest\x1a\x1c.nodecomm.v1.CalibrateUpdate0\x01\x12V\n\x0e\x41llocateMemory\x12\".nodecomm.v1.AllocateMemoryRequest\x1a .nodecomm.v1.AllocateMemoryReply\x12J\n\nFreeMemory\x12\x1e.nodecomm.v1.FreeMemoryRequest\x1a\x1c.nodecomm.v1.FreeMemoryReply\x12>\n\x06Submit\x12\x1a.nodecomm.v1.SubmitRequest\x1a\x18.nodecomm.v1.SubmitReply\x12;\n\x05Leave\x12\x19.nodecomm.v1.LeaveRequest\x1a\x17.nodecomm.v1.LeaveReply\x12O\n\rGetThresholds\x12!.nodecomm.v1.GetThresholdsRequest\x1a\x1b.nodecomm.v1.ThresholdTable\x12J\n\nListGroups\x12\x1e.nodecomm.v1.ListGroupsRequest\x1a\x1c.nodecomm.v1.ListGroupsReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'nodecomm.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=3036
-  _globals['_DTYPE']._serialized_end=3106
-  _globals['_PATH']._serialized_start=3108
-  _globals['_PATH']._serialized_end=3194
-  _globals['_MEMORYKIND']._serialized_start=3196
-  _globals['_MEMORYKIND']._serialized_end=3291
-  _globals['_BOUNDARYSOURCE']._serialized_start=3293
-  _globals['_BOUNDARYSOURCE']._serialized_end=3385
-  _globals['_GROUPEVENTKIND']._serialized_start=3387
-  _globals['_GROUPEVENTKIND']._serialized_end=3472
+  _globals['_DTYPE']._serialized_start=3743
+  _globals['_DTYPE']._serialized_end=3813
+  _globals['_PATH']._serialized_start=3815
+  _globals['_PATH']._serialized_end=3901
+  _globals['_MEMORYKIND']._serialized_start=3903
+  _globals['_MEMORYKIND']._serialized_end=3998
+  _globals['_BOUNDARYSOURCE']._serialized_start=4000
+  _globals['_BOUNDARYSOURCE']._serialized_end=4092
+  _globals['_GROUPEVENTKIND']._serialized_start=4094
+  _globals['_GROUPEVENTKIND']._serialized_end=4179
+  _globals['_OP']._serialized_start=4181
+  _globals['_OP']._serialized_end=4253
   _globals['_GEOMETRY']._serialized_start=42
   _globals['_GEOMETRY']._serialized_end=112
   _globals['_JOINREQUEST']._serialized_start=115
@@ -67,34 +69,48 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GROUPEVENT']._serialized_end=1471
   _globals['_SESSIONDOWN']._serialized_start=1473
   _globals['_SESSIONDOWN']._serialized_end=1587
-  _globals['_LEAVEREQUEST']._serialized_start=1589
-  _globals['_LEAVEREQUEST']._serialized_end=1650
-  _globals['_LEAVEREPLY']._serialized_start=1652
-  _globals['_LEAVEREPLY']._serialized_end=1664
-  _globals['_TOPKEXCHANGEREQUEST']._serialized_start=1667
-  _globals['_TOPKEXCHANGEREQUEST']._serialized_end=1834
-  _globals['_TOPKEXCHANGEREPLY']._serialized_start=1837
-  _globals['_TOPKEXCHANGEREPLY']._serialized_end=1981
-  _globals['_CALIBRATEREQUEST']._serialized_start=1983
-  _globals['_CALIBRATEREQUEST']._serialized_end=2080
-  _globals['_CALIBRATIONPOINT']._serialized_start=2082
-  _globals['_CALIBRATIONPOINT']._serialized_end=2165
-  _globals['_CALIBRATEREPLY']._serialized_start=2168
-  _globals['_CALIBRATEREPLY']._serialized_end=2324
-  _globals['_CALIBRATEUPDATE']._serialized_start=2326
-  _globals['_CALIBRATEUPDATE']._serialized_end=2444
-  _globals['_PEERCHECKREPORT']._serialized_start=2446
-  _globals['_PEERCHECKREPORT']._serialized_end=2553
-  _globals['_PEERCHECKVERDICT']._serialized_start=2555
-  _globals['_PEERCHECKVERDICT']._serialized_end=2662
-  _globals['_GETTHRESHOLDSREQUEST']._serialized_start=2664
-  _globals['_GETTHRESHOLDSREQUEST']._serialized_end=2745
-  _globals['_LISTGROUPSREQUEST']._serialized_start=2747
-  _globals['_LISTGROUPSREQUEST']._serialized_end=2766
-  _globals['_GROUPINFO']._serialized_start=2769
-  _globals['_GROUPINFO']._serialized_end=2975
-  _globals['_LISTGROUPSREPLY']._serialized_start=2977
-  _globals['_LISTGROUPSREPLY']._serialized_end=3034
-  _globals['_CONTROL']._serialized_start=3475
-  _globals['_CONTROL']._serialized_end=4062
+  _globals['_ALLOCATEMEMORYREQUEST']._serialized_start=1589
+  _globals['_ALLOCATEMEMORYREQUEST']._serialized_end=1679
+  _globals['_ALLOCATEMEMORYREPLY']._serialized_start=1682
+  _globals['_ALLOCATEMEMORYREPLY']._serialized_end=1813
+  _globals['_FREEMEMORYREQUEST']._serialized_start=1815
+  _globals['_FREEMEMORYREQUEST']._serialized_end=1904
+  _globals['_FREEMEMORYREPLY']._serialized_start=1906
+  _globals['_FREEMEMORYREPLY']._serialized_end=1923
+  _globals['_MEMORYREF']._serialized_start=1925
+  _globals['_MEMORYREF']._serialized_end=1981
+  _globals['_SUBMITREQUEST']._serialized_start=1984
+  _globals['_SUBMITREQUEST']._serialized_end=2261
+  _globals['_SUBMITREPLY']._serialized_start=2263
+  _globals['_SUBMITREPLY']._serialized_end=2294
+  _globals['_LEAVEREQUEST']._serialized_start=2296
+  _globals['_LEAVEREQUEST']._serialized_end=2357
+  _globals['_LEAVEREPLY']._serialized_start=2359
+  _globals['_LEAVEREPLY']._serialized_end=2371
+  _globals['_TOPKEXCHANGEREQUEST']._serialized_start=2374
+  _globals['_TOPKEXCHANGEREQUEST']._serialized_end=2541
+  _globals['_TOPKEXCHANGEREPLY']._serialized_start=2544
+  _globals['_TOPKEXCHANGEREPLY']._serialized_end=2688
+  _globals['_CALIBRATEREQUEST']._serialized_start=2690
+  _globals['_CALIBRATEREQUEST']._serialized_end=2787
+  _globals['_CALIBRATIONPOINT']._serialized_start=2789
+  _globals['_CALIBRATIONPOINT']._serialized_end=2872
+  _globals['_CALIBRATEREPLY']._serialized_start=2875
+  _globals['_CALIBRATEREPLY']._serialized_end=3031
+  _globals['_CALIBRATEUPDATE']._serialized_start=3033
+  _globals['_CALIBRATEUPDATE']._serialized_end=3151
+  _globals['_PEERCHECKREPORT']._serialized_start=3153
+  _globals['_PEERCHECKREPORT']._serialized_end=3260
+  _globals['_PEERCHECKVERDICT']._serialized_start=3262
+  _globals['_PEERCHECKVERDICT']._serialized_end=3369
+  _globals['_GETTHRESHOLDSREQUEST']._serialized_start=3371
+  _globals['_GETTHRESHOLDSREQUEST']._serialized_end=3452
+  _globals['_LISTGROUPSREQUEST']._serialized_start=3454
+  _globals['_LISTGROUPSREQUEST']._serialized_end=3473
+  _globals['_GROUPINFO']._serialized_start=3476
+  _globals['_GROUPINFO']._serialized_end=3682
+  _globals['_LISTGROUPSREPLY']._serialized_start=3684
+  _globals['_LISTGROUPSREPLY']._serialized_end=3741
+  _globals['_CONTROL']._serialized_start=4256
+  _globals['_CONTROL']._serialized_end=5071
 # @@protoc_insertion_point(module_scope)

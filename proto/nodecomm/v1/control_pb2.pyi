@@ -43,6 +43,13 @@ class GroupEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     READY: _ClassVar[GroupEventKind]
     PEER_LOST: _ClassVar[GroupEventKind]
     DRAINING: _ClassVar[GroupEventKind]
+
+class Op(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OP_UNSPECIFIED: _ClassVar[Op]
+    ALL_REDUCE: _ClassVar[Op]
+    ALL_GATHER: _ClassVar[Op]
+    TOPK_STAGE: _ClassVar[Op]
 DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
@@ -65,6 +72,10 @@ GROUP_EVENT_UNSPECIFIED: GroupEventKind
 READY: GroupEventKind
 PEER_LOST: GroupEventKind
 DRAINING: GroupEventKind
+OP_UNSPECIFIED: Op
+ALL_REDUCE: Op
+ALL_GATHER: Op
+TOPK_STAGE: Op
 
 class Geometry(_message.Message):
     __slots__ = ("capacity_bytes", "dtypes")
@@ -211,6 +222,86 @@ class SessionDown(_message.Message):
     thresholds: ThresholdTable
     event: GroupEvent
     def __init__(self, thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., event: _Optional[_Union[GroupEvent, _Mapping]] = ...) -> None: ...
+
+class AllocateMemoryRequest(_message.Message):
+    __slots__ = ("group", "group_id", "rank", "size_bytes")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    size_bytes: int
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class AllocateMemoryReply(_message.Message):
+    __slots__ = ("allocation_id", "claim_token", "memory_kind", "size_bytes")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: int
+    claim_token: bytes
+    memory_kind: MemoryKind
+    size_bytes: int
+    def __init__(self, allocation_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+
+class FreeMemoryRequest(_message.Message):
+    __slots__ = ("group", "group_id", "rank", "allocation_id")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    allocation_id: int
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., allocation_id: _Optional[int] = ...) -> None: ...
+
+class FreeMemoryReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryRef(_message.Message):
+    __slots__ = ("allocation_id", "offset_bytes")
+    ALLOCATION_ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    allocation_id: int
+    offset_bytes: int
+    def __init__(self, allocation_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
+
+class SubmitRequest(_message.Message):
+    __slots__ = ("group", "group_id", "rank", "sequence", "op", "dtype", "count", "topk", "input", "output", "timeout_seconds")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    TOPK_FIELD_NUMBER: _ClassVar[int]
+    INPUT_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    group_id: int
+    rank: int
+    sequence: int
+    op: Op
+    dtype: DType
+    count: int
+    topk: int
+    input: MemoryRef
+    output: MemoryRef
+    timeout_seconds: float
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., op: _Optional[_Union[Op, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., topk: _Optional[int] = ..., input: _Optional[_Union[MemoryRef, _Mapping]] = ..., output: _Optional[_Union[MemoryRef, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class SubmitReply(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("group", "group_id", "rank")

@@ -59,6 +59,21 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.FromString,
                 _registered_method=True)
+        self.AllocateMemory = channel.unary_unary(
+                '/nodecomm.v1.Control/AllocateMemory',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.AllocateMemoryRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.AllocateMemoryReply.FromString,
+                _registered_method=True)
+        self.FreeMemory = channel.unary_unary(
+                '/nodecomm.v1.Control/FreeMemory',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.FreeMemoryRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.FreeMemoryReply.FromString,
+                _registered_method=True)
+        self.Submit = channel.unary_unary(
+                '/nodecomm.v1.Control/Submit',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.SubmitRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.SubmitReply.FromString,
+                _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/nodecomm.v1.Control/Leave',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
@@ -124,6 +139,31 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AllocateMemory(self, request, context):
+        """The service path. A rank asks for memory the daemon maps too (CPU: a sealed memfd it claims
+        on the descriptor socket); tensors placed there can be submitted without copies.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FreeMemory(self, request, context):
+        """The daemon unmaps the allocation once no queued collective names it; later requests that
+        name it are refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Submit(self, request, context):
+        """One rank's part of a collective the daemon runs itself. Matched across ranks by sequence;
+        answered once the collective has run (all ranks' requests agree), or with the one error that
+        every rank of that collective gets.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Leave(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -169,6 +209,21 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Calibrate,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.SerializeToString,
+            ),
+            'AllocateMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateMemory,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.AllocateMemoryRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.AllocateMemoryReply.SerializeToString,
+            ),
+            'FreeMemory': grpc.unary_unary_rpc_method_handler(
+                    servicer.FreeMemory,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.FreeMemoryRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.FreeMemoryReply.SerializeToString,
+            ),
+            'Submit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Submit,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.SubmitRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.SubmitReply.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
@@ -321,6 +376,87 @@ class Control:
             '/nodecomm.v1.Control/Calibrate',
             nodecomm_dot_v1_dot_control__pb2.CalibrateRequest.SerializeToString,
             nodecomm_dot_v1_dot_control__pb2.CalibrateUpdate.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/AllocateMemory',
+            nodecomm_dot_v1_dot_control__pb2.AllocateMemoryRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.AllocateMemoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FreeMemory(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/FreeMemory',
+            nodecomm_dot_v1_dot_control__pb2.FreeMemoryRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.FreeMemoryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Submit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/Submit',
+            nodecomm_dot_v1_dot_control__pb2.SubmitRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.SubmitReply.FromString,
             options,
             channel_credentials,
             insecure,

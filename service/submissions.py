@@ -1,0 +1,369 @@
+"""The service path: collectives that ranks submit and the daemon runs on their memory.
+
+A rank first asks for memory (AllocateMemory): the daemon makes a sealed memfd, keeps it mapped,
+and the rank claims and maps it too. Each rank then numbers its submits 0, 1, ...; the daemon
+pairs the ranks' n-th submits into one collective and checks that they agree (op, dtype, count,
+topk) and that every range lies inside the submitting rank's own live allocation. A group's
+collectives run one at a time, in sequence order, on the daemon's worker threads (different
+groups overlap). Every rank is answered once its collective has run, or with the one error the
+whole collective failed with. The queue is a window of `depth` sequences past the next one to
+run; a submit beyond it gets RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+
+from nodecomm import _native
+from nodecomm.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    GroupMismatchError,
+    InvalidArgumentError,
+    NodecommError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
+from nodecomm.topk_layout import WORLD_SIZES, owned_rows
+from nodecomm.v1 import control_pb2 as pb
+
+from .allocator import RankAllocation
+
+log = logging.getLogger("nodecomm.submissions")
+
+_ELEMENT_BYTES = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
+OP_NAMES = {pb.ALL_REDUCE: "all_reduce", pb.ALL_GATHER: "all_gather", pb.TOPK_STAGE: "topk_stage"}
+# Failed collectives remembered for ranks that have not submitted their part yet.
+_FAILED_KEPT = 256
+
+
+@dataclass
+class Part:
+    """One rank's request, its ranges checked: (allocation, address) of input and output."""
+
+    request: pb.SubmitRequest
+    input: tuple[RankAllocation, int] | None
+    output: tuple[RankAllocation, int] | None
+
+    def allocations(self) -> Iterable[RankAllocation]:
+        return [ref[0] for ref in (self.input, self.output) if ref is not None]
+
+
+@dataclass
+class Collective:
+    sequence: int
+    parts: dict[int, Part] = field(default_factory=dict)
+    futures: dict[int, asyncio.Future] = field(default_factory=dict)
+    failure: NodecommError | None = None
+    answered: set[int] = field(default_factory=set)  # ranks that have the failure
+    running: bool = False
+
+    # What every rank must agree on, with how to show it.
+    AGREED = ("op", "dtype", "count", "topk")
+
+
+def _shown(request: pb.SubmitRequest, name: str) -> str:
+    value = getattr(request, name)
+    if name == "op":
+        return OP_NAMES.get(value, str(value))
+    if name == "dtype":
+        return pb.DType.Name(value).lower() if value in pb.DType.values() else str(value)
+    return str(value)
+
+
+class ServicePath:
+    """One group's service path: the ranks' allocations and the queue of submitted collectives.
+    Runs on the daemon's event loop; only the collectives themselves run on `executor`."""
+
+    def __init__(
+        self,
+        group: str,
+        world_size: int,
+        dtypes: tuple[int, ...],
+        depth: int,
+        executor: Executor,
+        on_done: Callable[[str, str, int], None] = lambda op, result, nbytes: None,
+    ):
+        self.group = group
+        self.world_size = world_size
+        self.dtypes = dtypes
+        self.depth = depth
+        self._executor = executor
+        self._on_done = on_done  # (op, result, bytes moved per rank) for metrics
+        self.allocations: dict[int, RankAllocation] = {}
+        self._freed: set[int] = set()
+        self._collectives: dict[int, Collective] = {}
+        self._next = 0  # the sequence that runs next
+        self._runner: asyncio.Task | None = None
+        self._closed: NodecommError | None = None
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @property
+    def reserved_bytes(self) -> int:
+        return sum(a.size_bytes for a in self.allocations.values())
+
+    def add_allocation(self, allocation: RankAllocation) -> None:
+        self.allocations[allocation.allocation_id] = allocation
+
+    def free(self, rank: int, allocation_id: int) -> RankAllocation:
+        allocation = self._owned(rank, allocation_id, "free")
+        del self.allocations[allocation_id]
+        self._freed.add(allocation_id)
+        allocation.free()
+        return allocation
+
+    def _owned(self, rank: int, allocation_id: int, what: str) -> RankAllocation:
+        where = dict(group=self.group, rank=rank)
+        allocation = self.allocations.get(allocation_id)
+        if allocation_id in self._freed:
+            raise NotFoundError(f"allocation {allocation_id} was freed; cannot {what} it", **where)
+        if allocation is None or allocation.rank != rank:
+            raise NotFoundError(f"rank {rank} holds no allocation {allocation_id} in this group", **where)
+        return allocation
+
+    # -- submits -------------------------------------------------------------------------------
+
+    async def submit(self, request: pb.SubmitRequest, timeout: float) -> pb.SubmitReply:
+        where = dict(group=self.group, rank=request.rank)
+        if self._closed is not None:
+            raise self._closed
+        sequence = request.sequence
+        collective = self._collectives.get(sequence)
+        if collective is None:
+            if sequence < self._next:
+                raise AlreadyExistsError(f"sequence {sequence} already ran; the next is {self._next}", **where)
+            if sequence >= self._next + self.depth + _FAILED_KEPT:
+                raise InvalidArgumentError(
+                    f"sequence {sequence} is far past the next collective {self._next}; each rank numbers "
+                    "its submits 0, 1, ...",
+                    **where,
+                )
+            collective = self._collectives[sequence] = Collective(sequence)
+            if sequence >= self._next + self.depth:
+                # Failed for every rank, so that the ranks' numbering stays paired.
+                self._fail(
+                    collective,
+                    ResourceExhaustedError(
+                        f"collective {sequence} is past this group's queue: collectives {self._next}.."
+                        f"{self._next + self.depth - 1} may wait (depth {self.depth}); wait for earlier ones first",
+                        group=self.group,
+                    ),
+                )
+        if collective.failure is not None:
+            self._answer_failed(collective, request.rank)
+            raise collective.failure
+        if request.rank in collective.parts:
+            raise AlreadyExistsError(f"rank {request.rank} already submitted sequence {sequence}", **where)
+        try:
+            self._check_agreement(collective, request)
+            part = self._resolve(request)
+        except NodecommError as error:
+            self._fail(collective, error)
+            self._answer_failed(collective, request.rank)
+            raise
+        for allocation in part.allocations():
+            allocation.users += 1
+        collective.parts[request.rank] = part
+        future = collective.futures[request.rank] = asyncio.get_running_loop().create_future()
+        if len(collective.parts) == self.world_size:
+            self._kick()
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except asyncio.TimeoutError:
+            if collective.running or future.done():
+                return await future  # running now: bounded, it only copies and adds
+            missing = sorted(set(range(self.world_size)) - set(collective.parts))
+            waited = f"ranks {missing} did not submit it" if missing else "earlier collectives had not run"
+            self._fail(
+                collective,
+                DeadlineExceededError(
+                    f"collective {sequence} timed out after {timeout:.1f} s: {waited}", group=self.group
+                ),
+            )
+            raise collective.failure from None
+
+    def _check_agreement(self, collective: Collective, request: pb.SubmitRequest) -> None:
+        if not collective.parts:
+            return
+        for name in Collective.AGREED:
+            values = {r: _shown(p.request, name) for r, p in collective.parts.items()}
+            values[request.rank] = _shown(request, name)
+            if len(set(values.values())) > 1:
+                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
+                raise GroupMismatchError(
+                    f"ranks disagree on collective {collective.sequence}'s {name}: {detail}; nothing ran",
+                    group=self.group,
+                )
+
+    def _resolve(self, request: pb.SubmitRequest) -> Part:
+        """Check the request against the op's shape and the rank's allocations; the addresses."""
+        where = dict(group=self.group, rank=request.rank)
+        op, count = request.op, request.count
+        if op == pb.ALL_REDUCE:
+            if request.dtype not in self.dtypes:
+                allowed = sorted(pb.DType.Name(d).lower() for d in self.dtypes)
+                raise InvalidArgumentError(
+                    f"dtype {_shown(request, 'dtype')}: this group was formed for {allowed}", **where
+                )
+            element = _ELEMENT_BYTES[request.dtype]
+            in_bytes = out_bytes = count * element
+        elif op == pb.ALL_GATHER:
+            if request.dtype != pb.DTYPE_UNSPECIFIED:
+                raise InvalidArgumentError("all_gather moves bytes: leave dtype unspecified, count in bytes", **where)
+            element, in_bytes, out_bytes = 1, count, count * self.world_size
+        elif op == pb.TOPK_STAGE:
+            if self.world_size not in WORLD_SIZES:
+                raise InvalidArgumentError(
+                    f"top-k stages support world sizes {sorted(WORLD_SIZES)}; this group has {self.world_size}",
+                    **where,
+                )
+            if request.topk < 1 or request.dtype != pb.DTYPE_UNSPECIFIED:
+                raise InvalidArgumentError(
+                    f"topk_stage: expected topk >= 1 (got {request.topk}) and dtype unspecified "
+                    "(indices are int32, scores float32)",
+                    **where,
+                )
+            owned = len(owned_rows(count, self.world_size, request.rank))
+            element = 4
+            in_bytes = 2 * count * request.topk * 4
+            out_bytes = 2 * owned * self.world_size * request.topk * 4
+        else:
+            raise InvalidArgumentError(f"op {request.op}: expected one of {sorted(OP_NAMES.values())}", **where)
+        read = self._range(request, request.input, in_bytes, element, "input") if in_bytes else None
+        written = self._range(request, request.output, out_bytes, element, "output") if out_bytes else None
+        if read and written and read[0] is written[0]:
+            a, b = read[1], written[1]
+            if a != b and a < b + out_bytes and b < a + in_bytes:
+                raise InvalidArgumentError(
+                    "input and output overlap without being the same range; expected the same offset "
+                    "(in place) or disjoint ranges",
+                    **where,
+                )
+        return Part(request, read, written)
+
+    def _range(
+        self, request: pb.SubmitRequest, ref: pb.MemoryRef, nbytes: int, element: int, name: str
+    ) -> tuple[RankAllocation, int]:
+        allocation = self._owned(request.rank, ref.allocation_id, f"use as {name} of")
+        offset = ref.offset_bytes
+        if offset + nbytes > allocation.size_bytes:
+            raise InvalidArgumentError(
+                f"{name}: {nbytes} bytes at offset {offset} run past allocation {ref.allocation_id}'s "
+                f"{allocation.size_bytes} bytes",
+                group=self.group,
+                rank=request.rank,
+            )
+        if offset % element:
+            raise InvalidArgumentError(
+                f"{name}: offset {offset} is not a multiple of the {element}-byte element",
+                group=self.group,
+                rank=request.rank,
+            )
+        return allocation, allocation.address + offset
+
+    # -- running -------------------------------------------------------------------------------
+
+    def _kick(self) -> None:
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.get_running_loop().create_task(self._run_ready())
+
+    async def _run_ready(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            collective = self._collectives.get(self._next)
+            if collective is None or (collective.failure is None and len(collective.parts) < self.world_size):
+                return
+            if collective.failure is None:
+                collective.running = True
+                try:
+                    await loop.run_in_executor(self._executor, self._execute, collective)
+                except NodecommError as error:
+                    self._fail(collective, error)
+                else:
+                    self._succeed(collective)
+                collective.running = False
+            self._next += 1
+            if collective.failure is not None and len(collective.answered) == self.world_size:
+                self._collectives.pop(collective.sequence, None)
+
+    def _execute(self, collective: Collective) -> None:
+        parts = [collective.parts[r] for r in range(self.world_size)]
+        first = parts[0].request
+        if first.count == 0:
+            return
+        inputs = [p.input[1] for p in parts]
+        outputs = [p.output[1] if p.output is not None else 0 for p in parts]
+        if first.op == pb.ALL_REDUCE:
+            _native.service_all_reduce(inputs, outputs, first.count, first.dtype)
+        elif first.op == pb.ALL_GATHER:
+            _native.service_all_gather(inputs, outputs, first.count)
+        else:
+            _native.service_topk_stage(inputs, outputs, first.count, first.topk)
+
+    def _succeed(self, collective: Collective) -> None:
+        first = collective.parts[0].request
+        element = _ELEMENT_BYTES.get(first.dtype, 1) if first.op == pb.ALL_REDUCE else 1
+        nbytes = first.count * element * (2 * first.topk * 4 if first.op == pb.TOPK_STAGE else 1)
+        self._on_done(OP_NAMES[first.op], "ok", nbytes)
+        for future in collective.futures.values():
+            if not future.done():
+                future.set_result(pb.SubmitReply(sequence=collective.sequence))
+        self._retire(collective)
+        del self._collectives[collective.sequence]
+
+    def _fail(self, collective: Collective, error: NodecommError) -> None:
+        if collective.failure is not None:
+            return
+        collective.failure = error
+        op = next((OP_NAMES.get(p.request.op, "unknown") for p in collective.parts.values()), "unknown")
+        self._on_done(op, type(error).__name__, 0)
+        for rank, future in collective.futures.items():
+            collective.answered.add(rank)
+            if not future.done():
+                future.set_exception(error)
+        self._retire(collective)
+        self._forget_if_answered(collective)
+        self._forget_old_failures()
+        self._kick()
+
+    def _answer_failed(self, collective: Collective, rank: int) -> None:
+        collective.answered.add(rank)
+        self._forget_if_answered(collective)
+
+    def _forget_if_answered(self, collective: Collective) -> None:
+        # A failed collective the runner has not passed yet stays: it marks its sequence as done.
+        if len(collective.answered) == self.world_size and collective.sequence < self._next:
+            self._collectives.pop(collective.sequence, None)
+
+    def _forget_old_failures(self) -> None:
+        failed = sorted(s for s, c in self._collectives.items() if c.failure is not None and s < self._next)
+        for sequence in failed[: max(0, len(failed) - _FAILED_KEPT)]:
+            del self._collectives[sequence]
+
+    def _retire(self, collective: Collective) -> None:
+        """The collective's parts no longer need their memory."""
+        for part in collective.parts.values():
+            for allocation in part.allocations():
+                allocation.release()
+        collective.parts.clear()
+
+    # -- abort and release ---------------------------------------------------------------------
+
+    def fail_pending(self, error: NodecommError) -> None:
+        """The group is over: every queued collective (not the one running) gets `error`, and so
+        does every later submit."""
+        self._closed = error
+        for collective in list(self._collectives.values()):
+            if not collective.running:
+                self._fail(collective, error)
+
+    def close(self) -> None:
+        """Free every allocation; those a running collective still reads go when it finishes."""
+        for allocation in self.allocations.values():
+            allocation.free()
+        self.allocations.clear()

@@ -1,0 +1,142 @@
+"""The service path on CPU groups: the daemon runs submitted collectives on the ranks' memory.
+Real daemon, real rank processes, results compared by bits."""
+
+import multiprocessing as mp
+import os
+import time
+
+import grpc
+import pytest
+import torch
+
+import ranks
+from conftest import join_request, reserved_bytes, stub_for
+from nodecomm.v1 import control_pb2 as pb
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bit_identical_to_the_shm_paths(daemon, spawn_ranks, world_size):
+    # 1 and 7: a scalar tail; 70000: past one 256 KiB chunk of the daemon's executor for 4-byte types.
+    counts = [1, 7, 4096, 70000]
+    results = spawn_ranks(ranks.service_cases, world_size, world_size, daemon.socket, counts, timeout=300).values()
+    assert results == {r: [] for r in range(world_size)}
+    metrics = daemon.metrics_text()
+    assert 'nodecomm_service_collectives_total{op="all_reduce",result="ok"}' in metrics
+    assert 'nodecomm_service_collectives_total{op="all_gather",result="ok"}' in metrics
+
+
+def test_queued_submits_run_in_sequence_order(daemon, spawn_ranks):
+    steps = 12
+    results = spawn_ranks(ranks.service_in_order, 3, 3, daemon.socket, steps, timeout=120).values()
+    # Ranks start at 1, 2, 3: after the first all-reduce every rank holds 6, then 18, 54, ...
+    expected = [[6.0 * 3**k] * 3 for k in range(steps)]
+    assert results == {r: expected for r in range(3)}
+
+
+def test_disagreeing_parts_fail_every_rank_and_the_group_goes_on(daemon, spawn_ranks):
+    results = spawn_ranks(ranks.service_mismatch, 2, 2, daemon.socket, timeout=120).values()
+    for seen in results.values():
+        assert seen["error"].startswith("GroupMismatchError"), seen
+        assert "disagree on collective 0's count: rank 0 has 8, rank 1 has 16" in seen["error"]
+        assert seen["after"] == [2.0] * 4
+
+
+def test_a_submit_past_the_queue_is_resource_exhausted_for_every_rank(make_daemon, spawn_ranks):
+    depth = 4
+    daemon = make_daemon("--service-queue-depth", str(depth))
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), context.Queue()
+    group = spawn_ranks(ranks.service_over_quota, 2, 2, daemon.socket, depth, report, commands, timeout=120)
+    assert report.get(timeout=60) == "queued"
+    commands.put("go")
+    for seen in group.values().values():
+        assert seen["last"].startswith("ResourceExhaustedError"), seen
+        assert f"collective {depth} is past this group's queue" in seen["last"]
+        assert seen["after"] == [2.0] * 16
+
+
+def test_a_killed_rank_fails_its_peers_pending_submits(daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, daemon.socket, report, timeout=120)
+    assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
+    time.sleep(0.3)
+    killed_at = time.time()
+    group.kill(1)
+    results = group.results()
+    assert results[1][0] == "died"
+    status, (name, message, failed_at) = results[0]
+    assert status == "ok" and name == "PeerLostError", message
+    assert "rank 1" in message and "'svc-kill'" in message
+    assert failed_at - killed_at < 10.0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_topk_stage_through_the_daemon_matches_the_slabs(daemon, spawn_ranks, world_size):
+    results = spawn_ranks(
+        ranks.service_topk_cases, world_size, world_size, daemon.socket, [37, 5, 0, 36], 16, timeout=200
+    ).values()
+    assert results == {r: [] for r in range(world_size)}
+
+
+# -- the daemon's checks, driven over raw gRPC -----------------------------------------------------
+
+
+def _join_alone(stub, group: str):
+    reply = stub.Join(join_request(group=group, world_size=1, capacity=4096), timeout=10)
+    return reply.group_id
+
+
+def _submit(stub, group, group_id, sequence, allocation_id, offset=0, count=16):
+    ref = pb.MemoryRef(allocation_id=allocation_id, offset_bytes=offset)
+    request = pb.SubmitRequest(
+        group=group, group_id=group_id, rank=0, sequence=sequence, op=pb.ALL_REDUCE, dtype=pb.FLOAT32,
+        count=count, input=ref, output=ref, timeout_seconds=5,
+    )  # fmt: skip
+    return stub.Submit(request, timeout=10)
+
+
+def test_the_daemon_refuses_ranges_it_does_not_own(daemon):
+    from nodecomm.client.descriptors import claim_descriptors
+
+    channel, stub = stub_for(daemon)
+    with channel:
+        group_id = _join_alone(stub, "raw")
+        before = reserved_bytes(daemon)
+        ids = dict(group="raw", group_id=group_id, rank=0)
+        reply = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=10)
+        assert reserved_bytes(daemon) == before + 4096
+        (fd,) = claim_descriptors(daemon.socket + ".fd", reply.claim_token, 1, 5.0)
+        assert os.fstat(fd).st_size == 4096
+        os.pwrite(fd, torch.full((16,), 2.5).numpy().tobytes(), 64)
+        _submit(stub, "raw", group_id, 0, reply.allocation_id, offset=64)  # one rank: the sum is itself
+        assert torch.frombuffer(bytearray(os.pread(fd, 64, 64)), dtype=torch.float32).tolist() == [2.5] * 16
+
+        cases = [
+            (dict(offset=4096 - 32), grpc.StatusCode.INVALID_ARGUMENT, "run past allocation"),
+            (dict(offset=2), grpc.StatusCode.INVALID_ARGUMENT, "not a multiple of the 4-byte element"),
+            (dict(count=1 << 62), grpc.StatusCode.INVALID_ARGUMENT, "run past allocation"),
+        ]
+        sequence = 1
+        for kwargs, code, text in cases:
+            with pytest.raises(grpc.RpcError) as refused:
+                _submit(stub, "raw", group_id, sequence, reply.allocation_id, **kwargs)
+            assert refused.value.code() == code and text in refused.value.details()
+            sequence += 1
+        with pytest.raises(grpc.RpcError) as refused:
+            _submit(stub, "raw", group_id, sequence, reply.allocation_id + 1000)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "holds no allocation" in refused.value.details()
+        sequence += 1
+        with pytest.raises(grpc.RpcError) as refused:
+            _submit(stub, "raw", group_id, sequence - 1, reply.allocation_id)
+        assert refused.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+        stub.FreeMemory(pb.FreeMemoryRequest(**ids, allocation_id=reply.allocation_id), timeout=10)
+        assert reserved_bytes(daemon) == before
+        with pytest.raises(grpc.RpcError) as refused:
+            _submit(stub, "raw", group_id, sequence, reply.allocation_id)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "was freed" in refused.value.details()
+        os.close(fd)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=0), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub.Leave(pb.LeaveRequest(**ids), timeout=10)
