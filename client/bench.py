@@ -149,7 +149,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
     dtype = getattr(torch, args["dtype"])
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     baseline_group = dist.new_group(backend="nccl") if args["baseline"] == "nccl" else None
-    rows = []
+    rows, notes = [], []
     with nodecomm.connect(
         "bench",
         rank,
@@ -160,6 +160,11 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
         nccl_group=baseline_group,
         capacity_bytes=args["capacity_bytes"],
     ) as comm:
+        shared = None
+        if "service" in args["paths"]:
+            # The service path's inputs and outputs live in memory the daemon maps: no copies.
+            shared = comm.service_buffer(2 * max(args["sizes"]) + 64)
+            notes.append(_empty_submit_note(comm, world_size))
         for nbytes in args["sizes"]:
             count = nbytes // torch.tensor([], dtype=dtype).element_size()
             pattern = torch.arange(count, device=device) % 13
@@ -169,7 +174,13 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
             out = torch.empty_like(x)
             iterations = iterations_for(nbytes)
             for path in args["paths"]:
-                run = _operation(path, comm, dist, x, out, baseline_group)
+                if path == "service":
+                    x_in, out = shared.tensor(count, dtype), shared.tensor(count, dtype, -(-nbytes // 64) * 64)
+                    x_in.copy_(x)
+                    run = _operation(path, comm, dist, x_in, out, baseline_group)
+                else:
+                    out = torch.empty_like(x)
+                    run = _operation(path, comm, dist, x, out, baseline_group)
                 for _ in range(min(5, iterations)):
                     run()
                 if on_gpu:
@@ -184,7 +195,27 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                         print(json.dumps({"progress": point}), flush=True)
     dist.destroy_process_group()
     if rank == 0:
-        results.put(rows)
+        results.put((rows, notes))
+
+
+def _empty_submit_note(comm, world_size: int, iterations: int = 300) -> str:
+    """What one service-path request costs on the control plane: collectives with nothing to move,
+    submitted and waited for one at a time (the slowest rank per iteration)."""
+    for _ in range(20):
+        comm._service.empty_submit().wait()
+    times = []
+    for _ in range(iterations):
+        comm.barrier()
+        started = time.perf_counter()
+        comm._service.empty_submit().wait()
+        times.append(time.perf_counter() - started)
+    slowest, _ = slowest_rank(times, 0, world_size)
+    ordered = sorted(slowest)
+    p99 = ordered[round(0.99 * (len(ordered) - 1))]
+    return (
+        f"service path control plane: an empty submit (gRPC round trip, matching, no data) costs "
+        f"p50 {statistics.median(ordered) * 1e6:.1f} us, p99 {p99 * 1e6:.1f} us ({iterations} iterations)"
+    )
 
 
 def _wait_for_rows(results: mp.Queue, ranks: list) -> list:
@@ -292,7 +323,8 @@ def run_ranks(target, world_size: int, args: dict, socket: str | None, daemon_fl
             daemon.stop()
 
 
-def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
+def run_bench(setup: BenchSetup, socket: str | None) -> tuple[list[Row], list[str]]:
+    """The rows, and notes on what the rows do not show (the service path's per-request cost)."""
     shared = setup.device == "cuda" and setup.world_size > setup.gpus
     args = {
         "sizes": setup.sizes,
@@ -305,11 +337,11 @@ def run_bench(setup: BenchSetup, socket: str | None) -> list[Row]:
         "progress": setup.progress,
     }
     flags = ("--allow-shared-devices", "true") if shared else ()
-    raw = run_ranks(_rank_main, setup.world_size, args, socket, flags)
-    return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw]
+    raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags)
+    return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw], notes
 
 
-def format_table(rows: list[Row], setup: BenchSetup) -> str:
+def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> str:
     name = setup.baseline or BASELINES[setup.device]
     baseline = {r.size_bytes: r for r in rows if r.path == name}
     machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
@@ -334,15 +366,17 @@ def format_table(rows: list[Row], setup: BenchSetup) -> str:
             f"  {format_byte_size(r.size_bytes):>9} {r.count:>10} {r.dtype:>8} {r.path:>8} {r.p50_us:>10.1f} "
             f"{r.p99_us:>10.1f} {r.algbw_gbps:>11.3f} {r.busbw_gbps:>11.3f} {r.wrong:>6} {lat} {bw}"
         )
+    lines += [f"# {note}" for note in notes]
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list[Row], setup: BenchSetup) -> None:
+def write_json(path: str, rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> None:
     document = {
         **asdict(setup),
         "host": platform.node(),
         "cpus": os.cpu_count(),
         "rows": [asdict(r) for r in rows],
+        "notes": list(notes),
     }
     with open(path, "w") as handle:
         json.dump(document, handle, indent=2)

@@ -201,14 +201,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if setup.graph and setup.device != "cuda":
         print("nodecomm bench: --graph applies to --device cuda", file=sys.stderr)
         return 2
-    rows = run_bench(setup, args.socket)
-    print(format_table(rows, setup))
+    rows, notes = run_bench(setup, args.socket)
+    print(format_table(rows, setup, notes))
     if args.json:
-        write_json(args.json, rows, setup)
+        write_json(args.json, rows, setup, notes)
     return 1 if any(r.wrong for r in rows) else 0
 
 
-DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,auto", "cuda": "oneshot,twoshot,dma,auto"}
+DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,service,auto", "cuda": "oneshot,twoshot,dma,auto"}
 DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
 
 

@@ -46,8 +46,8 @@ class Source(str, enum.Enum):
 
 
 # The boundaries, in the order they are shown. A `*_max_bytes` boundary sends sizes up to and
-# including it to its path; `dma_min_bytes` sends sizes from it up to DMA.
-BOUNDARY_NAMES = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes")
+# including it to its path; a `*_min_bytes` boundary sends sizes from it up to its path.
+BOUNDARY_NAMES = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes", "service_min_bytes")
 
 
 @dataclass(frozen=True)
@@ -136,12 +136,16 @@ class DispatchTable:
 def build_table(boundaries: dict[str, Boundary], fallback: Path, epoch: int) -> DispatchTable:
     """Turn boundaries into ranges. `fallback` carries every size no boundary claims.
 
-    The rule, in order: DMA from dma_min_bytes; oneshot up to oneshot_max_bytes; twoshot up to
-    twoshot_max_bytes; otherwise the fallback (twoshot on CPU groups, NCCL on GPU groups).
+    The rule, in order: the service path from service_min_bytes; DMA from dma_min_bytes; oneshot
+    up to oneshot_max_bytes; twoshot up to twoshot_max_bytes; otherwise the fallback (twoshot on
+    CPU groups, NCCL on GPU groups).
     """
     value = {name: b.value_bytes for name, b in boundaries.items()}
 
     def rule(nbytes: int) -> Path:
+        service_min = value.get("service_min_bytes")
+        if service_min is not None and nbytes >= service_min:
+            return Path.SERVICE
         dma_min = value.get("dma_min_bytes")
         if dma_min is not None and nbytes >= dma_min:
             return Path.DMA
@@ -155,8 +159,9 @@ def build_table(boundaries: dict[str, Boundary], fallback: Path, epoch: int) -> 
 
     # The rule is constant between these points, so evaluating it at each range's top is exact.
     points = {value.get("oneshot_max_bytes"), value.get("twoshot_max_bytes")}
-    if value.get("dma_min_bytes") is not None:
-        points.add(value["dma_min_bytes"] - 1)
+    for name in ("dma_min_bytes", "service_min_bytes"):
+        if value.get(name) is not None:
+            points.add(value[name] - 1)
     points = sorted(p for p in points if p is not None and p >= 0)
     range_max: list[int] = []
     range_paths: list[Path] = []

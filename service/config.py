@@ -25,11 +25,12 @@ ENV_PREFIX = "NODECOMM_"
 
 # Built-in boundaries per device kind, the last word when neither an override nor calibration
 # sets one. CPU: oneshot_max_bytes was read off `nodecomm bench --device cpu --world-size 2` on a
-# 2-core machine (oneshot wins below it, twoshot above); CPU groups have no DMA path. CUDA:
+# 2-core machine (oneshot wins below it, twoshot above); CPU groups have no DMA path, and the
+# service path (the daemon runs the collective) wins no size there, so it is off. CUDA:
 # oneshot for latency-bound sizes, copy engines from 6 MiB, and between them NCCL where the ranks
 # pass an NCCL group (twoshot otherwise) until calibration measures the machine.
 DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
-    "cpu": {"oneshot_max_bytes": 32 << 10},
+    "cpu": {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None},
     "cuda": {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20},
 }
 

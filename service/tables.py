@@ -42,8 +42,8 @@ class TableKeeper:
         self, device_kind: str, group_overrides: dict[str, int | None] | None = None
     ) -> dict[str, Boundary]:
         """The boundaries for a new group of `device_kind`: the group's own override > the daemon's
-        override > calibrated > built-in default. CPU groups have no DMA path, so only
-        oneshot_max_bytes applies to them."""
+        override > calibrated > built-in default. CPU groups have no DMA path, so oneshot_max_bytes
+        and service_min_bytes apply to them."""
         calibrated = self.calibrated.get(device_kind, {})
         group_overrides = group_overrides or {}
         boundaries = {}

@@ -384,3 +384,17 @@ def service_topk_cases(rank: int, world_size: int, socket: str, rows_list: list[
             ):
                 problems.append(f"rows={rows}: the service owner table differs from the slab's")
     return problems
+
+
+def service_by_table(rank: int, world_size: int, socket: str) -> dict:
+    """A group whose table sends 4 KiB and up to the service path: the dispatcher picks it."""
+    with nodecomm.connect(
+        "svc-table", rank, world_size, socket=socket, timeout=60, thresholds={"service_min_bytes": "4KiB"}
+    ) as comm:
+        rows = [(low, high, path.value) for low, high, path in comm.thresholds().rows()]
+        small, large = torch.full((256,), rank + 1.0), torch.full((4096,), rank + 1.0)  # 1 KiB, 16 KiB
+        return {
+            "rows": rows,
+            "small": comm.all_reduce(small).unique().tolist(),
+            "large": comm.all_reduce(large).unique().tolist(),
+        }

@@ -45,8 +45,9 @@ def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_pa
     assert result.returncode == 0, result.stderr + result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     document = json.loads(result.stdout[result.stdout.index("{") :])
-    (boundary,) = document["boundaries"]
+    boundary, service = document["boundaries"]
     assert boundary["name"] == "oneshot_max_bytes" and boundary["source"] == "calibrated"
+    assert service == {"name": "service_min_bytes", "value_bytes": None, "source": "default"}
     assert {p["path"] for p in document["points"]} == {"oneshot", "twoshot"}
     assert len(document["points"]) == 2 * 7 and all(p["seconds"] > 0 for p in document["points"])
     stored = json.loads((state / f"calibration-{document['fingerprint_key']}.json").read_text())
@@ -60,7 +61,8 @@ def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_pa
     daemon.start()
     again = nodecomm_cli("--socket", daemon.socket, "thresholds", "--json").stdout
     assert json.loads(again)["boundaries"] == [
-        {"name": "oneshot_max_bytes", "value_bytes": boundary["value_bytes"], "source": "calibrated"}
+        {"name": "oneshot_max_bytes", "value_bytes": boundary["value_bytes"], "source": "calibrated"},
+        service,
     ]
     assert "calibration in force" in daemon.log() and '"msg": "calibrated"' not in daemon.log()
 

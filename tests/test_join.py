@@ -191,7 +191,10 @@ def test_group_overrides_win_over_the_daemons(make_daemon, spawn_ranks):
 @pytest.mark.parametrize(
     "thresholds, text",
     [
-        ({"dma_min_bytes": "1MiB"}, "expected each of ['oneshot_max_bytes'] at most once for a CPU group"),
+        (
+            {"dma_min_bytes": "1MiB"},
+            "expected each of ['oneshot_max_bytes', 'service_min_bytes'] at most once for a CPU group",
+        ),
         ({"oneshot_max_bytes": "-5"}, "thresholds['oneshot_max_bytes']"),
     ],
 )
