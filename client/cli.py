@@ -30,6 +30,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
         groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    # Non-zero unless serving, so that probes and scripts can use the exit status alone.
+    code = 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
     if args.json:
         print(
             json.dumps(
@@ -53,7 +55,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                 indent=2,
             )
         )
-        return 0
+        return code
     print(f"daemon: {status} ({args.socket or default_socket_path()})")
     print(f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10}")
     for g in groups:
@@ -63,7 +65,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     if not groups:
         print("(no groups)")
-    return 0
+    return code
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:
@@ -208,6 +210,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 1 if any(r.wrong for r in rows) else 0
 
 
+def cmd_topo(args: argparse.Namespace) -> int:
+    from nodecomm import _native
+    from nodecomm.client.topology import format_topology, node_topology
+
+    devices = _native.cuda_devices() if _native.WITH_CUDA else []
+    topology = node_topology(devices, _native.cuda_peer_links() if devices else [])
+    print(json.dumps(topology.to_json(), indent=2) if args.json else format_topology(topology))
+    return 0
+
+
 DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,service,auto", "cuda": "oneshot,twoshot,dma,auto"}
 DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
 
@@ -228,6 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     thresholds.add_argument("--nccl", action="store_true", help="new CUDA groups whose ranks pass an NCCL group")
     thresholds.add_argument("--json", action="store_true")
     thresholds.set_defaults(run=cmd_thresholds)
+
+    topo = commands.add_parser("topo", help="this node's GPUs, their links, and the paths each pair can use")
+    topo.add_argument("--json", action="store_true")
+    topo.set_defaults(run=cmd_topo)
 
     calibrate = commands.add_parser("calibrate", help="measure where each path stops winning; persist and use it")
     calibrate.add_argument("--device", default="cpu", choices=("cpu",))
@@ -253,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
     bench.add_argument(
         "--paths",
-        help="comma-separated: oneshot, twoshot, dma (GPU), auto, gloo / nccl (default: every path and auto)",
+        help="comma-separated: oneshot, twoshot, service (CPU), dma (GPU), auto, gloo / nccl "
+        "(default: every path and auto)",
     )
     bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")

@@ -141,6 +141,34 @@ PYBIND11_MODULE(_native, m) {
   m.attr("WITH_CUDA") = true;
   m.def("cuda_device_uuids", &cuda::device_uuids, "UUIDs of the visible GPUs in CUDA index order.");
   m.def(
+      "cuda_devices",
+      [] {
+        py::list out;
+        for (const auto& d : cuda::device_infos()) {
+          py::dict info;
+          info["uuid"] = d.uuid;
+          info["name"] = d.name;
+          info["pci_bus_id"] = d.pci_bus_id;
+          info["multiprocessors"] = d.multiprocessors;
+          info["memory_bytes"] = d.memory_bytes;
+          out.append(info);
+        }
+        return out;
+      },
+      "The visible GPUs in CUDA index order: uuid, name, pci_bus_id, multiprocessors, memory_bytes.");
+  m.def(
+      "cuda_peer_links",
+      [] {
+        py::list rows;
+        for (const auto& row : cuda::peer_links()) {
+          py::list cells;
+          for (const auto& link : row) cells.append(py::make_tuple(link.access, link.native_atomics, link.performance_rank));
+          rows.append(cells);
+        }
+        return rows;
+      },
+      "links[i][j] = (peer access, native atomics, performance rank) of GPU i to GPU j's memory.");
+  m.def(
       "cuda_vmm_allocate",
       [](int device, std::size_t bytes) {
         cuda::VmmMapping mapping;
