@@ -398,3 +398,19 @@ def service_by_table(rank: int, world_size: int, socket: str) -> dict:
             "small": comm.all_reduce(small).unique().tolist(),
             "large": comm.all_reduce(large).unique().tolist(),
         }
+
+
+def hold_group_for_metrics(rank: int, world_size: int, socket: str, report, commands) -> dict:
+    """Join group "prom", all-reduce through oneshot, twoshot and the service path, report
+    ("running", rank), then keep the group active until the test sends "stop"; returns each
+    path's distinct result values."""
+    seen = {}
+    with nodecomm.connect("prom", rank, world_size, socket=socket, timeout=60) as comm:
+        x = torch.full((4096,), rank + 1.0)
+        for _ in range(3):
+            for path in ("oneshot", "twoshot", "service"):
+                seen[path] = comm.all_reduce(x, path=path).unique().tolist()
+        report.put(("running", rank))
+        assert commands.get(timeout=240) == "stop"
+        comm.barrier()
+    return seen
