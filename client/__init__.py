@@ -8,12 +8,12 @@ __all__ = ["Communicator", "connect"]
 
 
 def __getattr__(name: str):
-    if name == "connect":
+    if name in __all__:
+        from .communicator import Communicator
         from .connect import connect
 
-        return connect
-    if name == "Communicator":
-        from .communicator import Communicator
-
-        return Communicator
+        # Importing the submodule `connect` bound that name to the module; the function wins, as
+        # it did when this package imported both eagerly.
+        globals().update(Communicator=Communicator, connect=connect)
+        return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -65,9 +65,12 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "busbw(GB/s)" in result.stdout and "gloo" in result.stdout
-    rows = json.loads(out.read_text())["rows"]
-    assert {r["path"] for r in rows} == {"oneshot", "twoshot", "auto", "gloo"}
-    assert len(rows) == 3 * 4 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
+    document = json.loads(out.read_text())
+    rows = document["rows"]
+    assert {r["path"] for r in rows} == {"oneshot", "twoshot", "service", "auto", "gloo"}
+    assert len(rows) == 3 * 5 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
+    (note,) = document["notes"]
+    assert note.startswith("service path control plane: an empty submit") and note in result.stdout
 
 
 def test_topk_bench_compares_tables_with_the_baseline():
