@@ -1,0 +1,34 @@
+"""The reliability suites' daemon fixture, and the line that sums up what the fuzzers tried."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from .harness import FIGURES, Checked, start_fuzz_daemon
+
+
+@pytest.fixture(scope="module")
+def fuzz_daemon(tmp_path_factory):
+    """One daemon for the whole module, with short timeouts; killed afterwards."""
+    daemon = start_fuzz_daemon(tmp_path_factory.mktemp("fuzzd"))
+    try:
+        yield daemon
+    finally:
+        daemon.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def checked(fuzz_daemon):
+    caller = Checked(fuzz_daemon)
+    try:
+        yield caller
+    finally:
+        caller.close()
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if FIGURES.calls or FIGURES.garbage_connections:
+        terminalreporter.write_sep("-", "reliability")
+        terminalreporter.write_line(FIGURES.line())
