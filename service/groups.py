@@ -75,8 +75,13 @@ class JoinArgs:
             dtypes=tuple(sorted(set(request.geometry.dtypes))),
             pid=request.pid,
             nccl_fallback=request.nccl_fallback,
+            # By name, then off (None) before values: a name given twice, once without a value,
+            # must reach validate_join (which refuses it) instead of comparing None with an int.
             overrides=tuple(
-                sorted((b.name, b.value_bytes if b.HasField("value_bytes") else None) for b in request.overrides)
+                sorted(
+                    ((b.name, b.value_bytes if b.HasField("value_bytes") else None) for b in request.overrides),
+                    key=lambda item: (item[0], item[1] is not None, item[1] or 0),
+                )
             ),
         )
 
