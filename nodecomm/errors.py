@@ -18,7 +18,7 @@ class NodecommError(Exception):
         self.rank = rank
         where = []
         if group is not None:
-            where.append(f"group {group!r}")
+            where.append(f"group {shown(group)}")
         if rank is not None:
             where.append(f"rank {rank}")
         prefix = f"[{', '.join(where)}] " if where else ""
@@ -68,6 +68,32 @@ class UnsupportedError(NodecommError):
 
 class InternalError(NodecommError):
     """A bug or an unexpected system failure; the message carries the cause."""
+
+
+# The most bytes of UTF-8 a status message may have: it travels in an HTTP/2 trailer, and a client
+# drops a trailer past a few KiB (the rank then sees a transport error instead of the daemon's).
+MAX_STATUS_DETAIL_BYTES = 1024
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """A value from a request, as an error message quotes it: ASCII (ascii()), at most about `limit`
+    characters. Requests may carry strings and lists of any length."""
+    text = ascii(value)
+    if len(text) <= limit:
+        return text
+    size = f" ({len(value)} {'items' if isinstance(value, (list, tuple)) else 'characters'})"
+    return text[:limit] + "..." + (size if isinstance(value, (str, bytes, list, tuple)) else "")
+
+
+def status_details(error: NodecommError) -> str:
+    """The status message for `error`: its text, cut in the middle past MAX_STATUS_DETAIL_BYTES."""
+    text = str(error)
+    encoded = text.encode()
+    if len(encoded) <= MAX_STATUS_DETAIL_BYTES:
+        return text
+    head = encoded[: MAX_STATUS_DETAIL_BYTES * 2 // 3].decode(errors="ignore")
+    tail = encoded[-(MAX_STATUS_DETAIL_BYTES // 4) :].decode(errors="ignore")
+    return f"{head} [... {len(text) - len(head) - len(tail)} characters cut ...] {tail}"
 
 
 _STATUS_BY_CLASS: dict[type[NodecommError], grpc.StatusCode] = {

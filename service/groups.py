@@ -32,6 +32,7 @@ from nodecomm.errors import (
     PeerLostError,
     ResourceExhaustedError,
     UnsupportedError,
+    shown,
 )
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
@@ -131,14 +132,15 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         )
     if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
         raise InvalidArgumentError(
-            f"geometry.dtypes {list(args.dtypes)}: expected one or more of {sorted(_DTYPE_NAMES.values())}", **where
+            f"geometry.dtypes {shown(list(args.dtypes))}: expected one or more of {sorted(_DTYPE_NAMES.values())}",
+            **where,
         )
     names = [name for name, _ in args.overrides]
     unknown = sorted(set(names) - set(DEFAULT_BOUNDARIES[args.device_kind]))
     if unknown or len(set(names)) != len(names):
         raise InvalidArgumentError(
-            f"overrides {names}: expected each of {sorted(DEFAULT_BOUNDARIES[args.device_kind])} at most once "
-            f"for a {args.device_kind.upper()} group",
+            f"overrides {shown(names, 200)}: expected each of {sorted(DEFAULT_BOUNDARIES[args.device_kind])} "
+            f"at most once for a {args.device_kind.upper()} group",
             **where,
         )
     if args.pid <= 0:
@@ -265,7 +267,7 @@ class GroupRegistry:
             return self.tables.preview(device_kind, nccl_fallback)
         group = self._active.get(name)
         if group is None:
-            raise NotFoundError(f"no active group named {name!r}", group=name)
+            raise NotFoundError(f"no active group named {shown(name)}", group=name)
         return group.table
 
     # -- join ----------------------------------------------------------------------------------
@@ -474,7 +476,9 @@ class GroupRegistry:
         where = dict(group=report.group or None, rank=report.rank)
         group = self._groups.get(report.group_id)
         if group is None or group.name != report.group or report.rank not in group.members:
-            raise NotFoundError(f"no group named {report.group!r} with id {report.group_id} has this rank", **where)
+            raise NotFoundError(
+                f"no group named {shown(report.group)} with id {report.group_id} has this rank", **where
+            )
         if group.args.device_kind != "cuda":
             raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
         if report.stage not in PEER_CHECK_STAGES:
@@ -521,7 +525,9 @@ class GroupRegistry:
         where = dict(group=request.group or None, rank=request.rank)
         group = self._groups.get(request.group_id)
         if group is None or group.name != request.group or request.rank not in group.members:
-            raise NotFoundError(f"no group named {request.group!r} with id {request.group_id} has this rank", **where)
+            raise NotFoundError(
+                f"no group named {shown(request.group)} with id {request.group_id} has this rank", **where
+            )
         if group.state != "active":
             raise NotFoundError(f"the group is {group.state}", **where)
         world_size = group.args.world_size
@@ -626,7 +632,7 @@ class GroupRegistry:
         where = dict(group=name or None, rank=rank)
         group = self._groups.get(group_id)
         if group is None or group.name != name or rank not in group.members:
-            raise NotFoundError(f"no group named {name!r} with id {group_id} has this rank", **where)
+            raise NotFoundError(f"no group named {shown(name)} with id {group_id} has this rank", **where)
         if group.service is None:
             raise UnsupportedError("the service path runs CPU groups so far; CUDA groups come next", **where)
         member = group.members[rank]
@@ -752,7 +758,7 @@ class GroupRegistry:
     def leave(self, name: str, group_id: int, rank: int) -> None:
         group = self._groups.get(group_id)
         if group is None or group.name != name:
-            raise NotFoundError(f"no group named {name!r} with id {group_id}", group=name or None, rank=rank)
+            raise NotFoundError(f"no group named {shown(name)} with id {group_id}", group=name or None, rank=rank)
         member = group.members.get(rank)
         if member is None or member.left:
             raise NotFoundError(f"rank {rank} is not a member of this group", group=name, rank=rank)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from nodecomm import _native
-from nodecomm.errors import NodecommError, status_code_for
+from nodecomm.errors import NodecommError, status_code_for, status_details
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -48,7 +48,7 @@ def rpc(method):
         except NodecommError as error:
             code = status_code_for(error)
             self.metrics.rpc_errors.labels(method.__name__, code.name).inc()
-            await context.abort(code, str(error))
+            await context.abort(code, status_details(error))
         finally:
             self.metrics.rpc_seconds.labels(method.__name__).observe(time.perf_counter() - started)
 
@@ -86,7 +86,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         try:
             queue = self.registry.open_session(group_id, rank)
         except NodecommError as error:
-            await context.abort(status_code_for(error), str(error))
+            await context.abort(status_code_for(error), status_details(error))
 
         async def pump_up() -> None:
             async for message in request_iterator:
@@ -129,7 +129,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 reply = probe.result()
             except NodecommError as error:
                 self.metrics.rpc_errors.labels("Calibrate", status_code_for(error).name).inc()
-                await context.abort(status_code_for(error), str(error))
+                await context.abort(status_code_for(error), status_details(error))
             yield pb.CalibrateUpdate(done=reply)
         finally:
             probe.cancel()  # the caller went away: stop the probe

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from conftest import join_request
+from nodecomm.v1 import control_pb2 as pb
 
 from .harness import Checked
 
@@ -25,3 +26,58 @@ def test_an_override_named_twice_once_without_a_value_is_invalid_not_unknown(che
     error = refused(checked, "Join", request)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "overrides ['oneshot_max_bytes', 'oneshot_max_bytes']: expected each of" in error.details()
+
+
+LONG = "\u65e5" * 100_000  # 300 KB of UTF-8, 600 KB once percent-encoded in a trailer
+
+
+@pytest.mark.parametrize(
+    "method, request_, code, expected",
+    [
+        # Found by test_submit and test_allocate_and_free: the group name came back twice, whole.
+        ("AllocateMemory", pb.AllocateMemoryRequest(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
+        ("FreeMemory", pb.FreeMemoryRequest(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
+        ("Submit", pb.SubmitRequest(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
+        ("Leave", pb.LeaveRequest(group=LONG), "NOT_FOUND", "no group named"),
+        ("OpenTopkExchange", pb.TopkExchangeRequest(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
+        ("CheckPeers", pb.PeerCheckReport(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
+        ("GetThresholds", pb.GetThresholdsRequest(group=LONG), "NOT_FOUND", "no active group named"),
+        # Found by test_the_other_calls: the device kind came back whole (service/tables.py).
+        ("GetThresholds", pb.GetThresholdsRequest(device_kind=LONG), "INVALID_ARGUMENT", "expected 'cpu' or 'cuda'"),
+        # Found by test_join: every unknown dtype and override name came back.
+        (
+            "Join",
+            join_request("long", 0, 1, dtypes=list(range(5, 3000))),
+            "INVALID_ARGUMENT",
+            "(2995 items): expected one or more of",
+        ),
+        (
+            "Join",
+            pb.JoinRequest(
+                group="long",
+                world_size=1,
+                device="cpu",
+                pid=1,
+                overrides=[pb.Boundary(name=LONG)],
+                geometry=pb.Geometry(capacity_bytes=4096, dtypes=[pb.FLOAT32]),
+            ),
+            "INVALID_ARGUMENT",
+            "at most once for a CPU group",
+        ),  # fmt: skip
+    ],
+)
+def test_a_long_value_in_a_request_gets_a_short_answer(checked, method, request_, code, expected):
+    # A status message past the client's metadata limit reached the rank as RESOURCE_EXHAUSTED
+    # "received metadata size exceeds hard limit", without the daemon's answer.
+    error = refused(checked, method, request_)
+    assert error.code().name == code and expected in error.details(), error
+    assert len(error.details().encode()) <= 1100
+
+
+def test_a_long_device_kind_to_calibrate_gets_a_short_answer(checked):
+    with pytest.raises(grpc.RpcError) as raised:
+        list(checked.stub.Calibrate(pb.CalibrateRequest(device_kind=LONG), timeout=5))
+    error = raised.value
+    assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "calibration runs on CPU groups" in error.details()
+    assert len(error.details().encode()) <= 1100
+    checked.assert_alive()
