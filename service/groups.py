@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import re
 import secrets
 import time
@@ -51,6 +52,7 @@ log = logging.getLogger("nodecomm.groups")
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
 MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
+DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,12 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         )
     if args.pid <= 0:
         raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
+
+
+def _exchange_timeout(seconds: float) -> float:
+    """How long a top-k exchange call waits for the other ranks: what it asks for when that is a
+    positive, finite number of seconds, else (0, negative, NaN, infinite) the default."""
+    return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_EXCHANGE_TIMEOUT_SECONDS
 
 
 def max_blocks_for(devices: list[int]) -> int:
@@ -569,7 +577,7 @@ class GroupRegistry:
         if len(forming.arrivals) == world_size:
             self._form_exchange(group, request.sequence, forming)
         try:
-            return await asyncio.wait_for(asyncio.shield(future), request.timeout_seconds or 60.0)
+            return await asyncio.wait_for(asyncio.shield(future), _exchange_timeout(request.timeout_seconds))
         except asyncio.TimeoutError:
             if future.done():  # formed (or failed) in the same step the deadline passed
                 return future.result()

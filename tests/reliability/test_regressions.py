@@ -8,7 +8,7 @@ import pytest
 from conftest import join_request
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import Checked
+from .harness import Checked, Lease
 
 
 def refused(checked: Checked, method: str, request: object, timeout: float = 5.0) -> grpc.RpcError:
@@ -80,4 +80,22 @@ def test_a_long_device_kind_to_calibrate_gets_a_short_answer(checked):
     error = raised.value
     assert error.code() == grpc.StatusCode.UNIMPLEMENTED and "calibration runs on CPU groups" in error.details()
     assert len(error.details().encode()) <= 1100
+    checked.assert_alive()
+
+
+@pytest.mark.parametrize("timeout", [float("nan"), float("inf"), -1.0, 0.0])
+def test_a_topk_exchange_with_any_timeout_opens(checked, timeout):
+    # Found by test_open_topk_exchange: timeout_seconds NaN reached asyncio.wait_for -> UNKNOWN
+    # "cannot convert float NaN to integer" (after the exchange's slabs were allocated).
+    stub = checked.stub
+    reply = stub.Join(join_request(f"xchg{timeout}", 0, 1, capacity=4096), timeout=5)
+    lease = Lease(stub, reply.group_id, 0)
+    ids = dict(group=f"xchg{timeout}", group_id=reply.group_id, rank=0)
+    try:
+        request = pb.TopkExchangeRequest(**ids, max_rows=4, topk=2, layout_version=1, timeout_seconds=timeout)
+        exchange = stub.OpenTopkExchange(request, timeout=5)
+        assert [s.owner_rank for s in exchange.slabs] == [0]
+    finally:
+        stub.Leave(pb.LeaveRequest(**ids), timeout=5)
+        lease.close()
     checked.assert_alive()
