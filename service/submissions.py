@@ -228,7 +228,8 @@ class ServicePath:
                     "(indices are int32, scores float32)",
                     **where,
                 )
-            owned = len(owned_rows(count, self.world_size, request.rank))
+            rows = owned_rows(count, self.world_size, request.rank)
+            owned = rows.stop - rows.start  # not len(): a count past 2**63 rows overflows it
             element = 4
             in_bytes = 2 * count * request.topk * 4
             out_bytes = 2 * owned * self.world_size * request.topk * 4

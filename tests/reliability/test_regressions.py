@@ -99,3 +99,23 @@ def test_a_topk_exchange_with_any_timeout_opens(checked, timeout):
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
         lease.close()
     checked.assert_alive()
+
+
+def test_a_topk_stage_of_more_rows_than_fit_in_an_int64_is_invalid(checked):
+    # Found by test_submit: len(range) of the owned rows overflowed -> UNKNOWN "Python int too
+    # large to convert to C ssize_t".
+    stub = checked.stub
+    reply = stub.Join(join_request("rows", 0, 1, capacity=4096), timeout=5)
+    lease = Lease(stub, reply.group_id, 0)
+    ids = dict(group="rows", group_id=reply.group_id, rank=0)
+    try:
+        allocation = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=5)
+        ref = pb.MemoryRef(allocation_id=allocation.allocation_id)
+        request = pb.SubmitRequest(
+            **ids, op=pb.TOPK_STAGE, count=2**64 - 1, topk=2**31, input=ref, output=ref, timeout_seconds=1
+        )
+        error = refused(checked, "Submit", request)
+        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "run past allocation" in error.details(), error
+    finally:
+        stub.Leave(pb.LeaveRequest(**ids), timeout=5)
+        lease.close()
