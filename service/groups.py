@@ -422,13 +422,34 @@ class GroupRegistry:
                 self.executor,
                 self._service_done,
             )
+        tokens = {}
+        try:
+            for rank, arrival in sorted(forming.arrivals.items()):
+                tokens[rank] = self.claims.issue(
+                    group.name,
+                    group_id,
+                    rank,
+                    arrival.args.pid,
+                    memory.descriptors(),
+                    self.config.claim_token_ttl_seconds,
+                )
+        except OSError as error:  # out of descriptors (EMFILE): no rank is answered with a token
+            self.claims.drop_group(group_id)
+            memory.close()
+            self._fail_forming(
+                forming,
+                ResourceExhaustedError(
+                    f"handing out the group's descriptors failed: {error.strerror}; nothing was allocated",
+                    group=first.group,
+                ),
+            )
+            del self._forming[forming.name]
+            return
         del self._forming[forming.name]
         self._active[group.name] = group
         self._groups[group_id] = group
         for rank, arrival in sorted(forming.arrivals.items()):
-            token = self.claims.issue(
-                group.name, group_id, rank, arrival.args.pid, memory.descriptors(), self.config.claim_token_ttl_seconds
-            )
+            token = tokens[rank]
             reply = pb.JoinReply(
                 group_id=group_id,
                 claim_token=token,

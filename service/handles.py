@@ -50,7 +50,15 @@ class ClaimTable:
         self._pending: dict[bytes, PendingClaim] = {}
 
     def issue(self, group: str, group_id: int, rank: int, pid: int, fds: list[int], ttl: float) -> bytes:
-        claim = PendingClaim([os.dup(fd) for fd in fds], pid, group, group_id, rank, time.monotonic() + ttl)
+        duplicates: list[int] = []
+        try:
+            for fd in fds:
+                duplicates.append(os.dup(fd))
+        except OSError:
+            for fd in duplicates:
+                os.close(fd)
+            raise
+        claim = PendingClaim(duplicates, pid, group, group_id, rank, time.monotonic() + ttl)
         token = os.urandom(TOKEN_BYTES)
         with self._lock:
             self._pending[token] = claim

@@ -1,0 +1,62 @@
+"""Rank programs of the fault suite (importable by spawned children). Each works at one stage of a
+group's life until something fails, and returns what it saw: (error class, message, seconds from
+the test's signal to the error). The test process stops or kills one of them meanwhile."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import nodecomm
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+STAGES = ("joining", "idle", "collective", "topk", "service")
+
+
+def _failure(error: Exception, signalled) -> tuple[str, str, float]:
+    return type(error).__name__, str(error), time.time() - signalled.get(timeout=60)
+
+
+def work_until_error(rank: int, world_size: int, socket: str, group: str, stage: str, report, signalled):
+    """Report ("ready", rank) once at `stage`, then keep working there until an error; the test
+    puts the signal's time on `signalled` (once per surviving rank)."""
+    if stage == "joining":
+        report.put(("ready", rank))
+        if rank == 1:
+            time.sleep(2.0)  # the victim is stopped or killed before it gets to join
+        try:
+            nodecomm.connect(group, rank, world_size, socket=socket, timeout=5).close()
+        except nodecomm.NodecommError as error:
+            return _failure(error, signalled)
+        return "no error", "", 0.0
+    comm = nodecomm.connect(group, rank, world_size, socket=socket, timeout=30)
+    exchange = comm.topk_exchange(64, 8) if stage == "topk" else None
+    x = torch.ones(4096)
+    comm.all_reduce(x)
+    try:
+        report.put(("ready", rank))
+        if stage == "idle":
+            time.sleep(1.0)  # mapped and idle: the test signals the victim meanwhile
+        while True:
+            if stage in ("idle", "collective"):
+                comm.all_reduce(x)
+            elif stage == "topk":
+                exchange.stage(torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, 8))
+            else:
+                works = [comm.all_reduce(x, path="service", async_op=True) for _ in range(3)]
+                for work in works:
+                    work.wait()
+    except nodecomm.NodecommError as error:
+        return _failure(error, signalled)
+    finally:
+        comm.close()
+
+
+def reform(rank: int, world_size: int, socket: str, group: str) -> float:
+    """Form `group` again and all-reduce once: the sum."""
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=30) as comm:
+        return comm.all_reduce(torch.full((16,), float(rank + 1)))[0].item()

@@ -1,0 +1,157 @@
+"""Faults: a rank stopped or killed at each stage of a group's life, a daemon killed under active
+groups, a claim token never used, an allocation that fails half-way. Every surviving rank gets an
+error that names what happened within its timeout, the daemon keeps serving, and the name forms
+again."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import resource
+import signal
+import time
+
+import grpc
+import pytest
+
+from conftest import Daemon, join_request, stub_for
+from nodecomm.v1 import control_pb2 as pb
+
+from . import fault_ranks
+from .harness import FIGURES
+from .test_load import daemon_resources, settle
+
+OPERATION_TIMEOUT = 3.0
+DAEMON_ARGS = [
+    "--operation-timeout-seconds", str(OPERATION_TIMEOUT),
+    "--join-timeout-seconds", "5",
+    "--session-grace-seconds", "3",
+    "--claim-token-ttl-seconds", "2",
+    "--log-level", "INFO",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fault_daemon(tmp_path_factory):
+    daemon = Daemon(tmp_path_factory.mktemp("faults"), list(DAEMON_ARGS)).start()
+    try:
+        yield daemon
+    finally:
+        daemon.stop(signal.SIGKILL)
+
+
+def _survived(fault: str) -> None:
+    faults = FIGURES.__dict__.setdefault("faults", {})
+    faults[fault] = faults.get(fault, 0) + 1
+
+
+@pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
+@pytest.mark.parametrize("stage", fault_ranks.STAGES)
+def test_a_rank_stopped_or_killed_at_each_stage(fault_daemon, spawn_ranks, stage, sig):
+    context = mp.get_context("spawn")
+    report, signalled = context.Queue(), context.Queue()
+    group = f"fault-{stage}-{sig.name}"
+    ranks = spawn_ranks(fault_ranks.work_until_error, 2, 2, fault_daemon.socket, group, stage, report, signalled)
+    assert {report.get(timeout=90)[1] for _ in range(2)} == {0, 1}
+    time.sleep(0.3)  # inside the stage's work
+    ranks.kill(1, sig)
+    signalled.put(time.time())
+    status, value = ranks.results()[0] if sig == signal.SIGKILL else _survivor_only(ranks)
+    assert status == "ok", value
+    name, message, waited = value
+    assert name in ("PeerLostError", "DeadlineExceededError"), (name, message)
+    assert "rank 1" in message or "ranks [1]" in message, message
+    # The survivor waits at most its operation (or join) timeout, plus the time to notice.
+    assert waited < 5.0 + OPERATION_TIMEOUT + 3.0, (waited, message)
+    if sig == signal.SIGSTOP:
+        ranks.kill(1, signal.SIGKILL)
+    again = spawn_ranks(fault_ranks.reform, 2, 2, fault_daemon.socket, group, timeout=120).values()
+    assert again == {0: 3.0, 1: 3.0}
+    assert fault_daemon.healthy()
+    _survived(f"{sig.name} at {stage}")
+
+
+def _survivor_only(ranks):
+    """Rank 0's result: rank 1 is stopped, not gone, so the harness cannot wait for it."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rank, status, value = ranks.queue.get(timeout=max(0.1, deadline - time.monotonic()))
+        if rank == 0:
+            return status, value
+    raise TimeoutError("rank 0 reported nothing")
+
+
+def test_a_claim_token_never_used(fault_daemon):
+    channel, stub = stub_for(fault_daemon)
+    with channel:
+        stub.ListGroups(pb.ListGroupsRequest(), timeout=10)  # this connection is part of the baseline
+        before = daemon_resources(fault_daemon.process.pid)
+        reply = stub.Join(join_request(group="unclaimed", world_size=1, timeout=5), timeout=10)
+        assert reply.claim_token
+        # No claim, no session: after the grace the rank is lost, the token expires, memory goes.
+        after = settle(fault_daemon, fault_daemon.process.pid, before, timeout=20)
+        assert (after["fds"], after["memfds"]) == (before["fds"], before["memfds"]), (before, after)
+        reply = stub.Join(join_request(group="unclaimed", world_size=1, timeout=5), timeout=10)  # forms again
+        assert reply.group_id
+    assert "did not open its session" in fault_daemon.log()
+    _survived("claim token never used")
+
+
+def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
+    daemon = Daemon(tmp_path, list(DAEMON_ARGS)).start()
+    try:
+        pid = daemon.process.pid
+        baseline = daemon_resources(pid)
+        # Room for a few more descriptors: a group of 8 (9 memfds) fails part of the way through.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + 12, baseline["fds"] + 12))
+        channel, stub = stub_for(daemon)
+        with channel:
+            futures = [
+                stub.Join.future(join_request(group="big", rank=r, world_size=8, timeout=10), timeout=20)
+                for r in range(8)
+            ]
+            codes = set()
+            for future in futures:
+                with pytest.raises(grpc.RpcError) as refused:
+                    future.result()
+                codes.add(
+                    (
+                        refused.value.code(),
+                        "nothing was allocated" in refused.value.details() or refused.value.details(),
+                    )
+                )
+        assert codes == {(grpc.StatusCode.RESOURCE_EXHAUSTED, True)}, codes
+        after = daemon_resources(pid)
+        assert (after["fds"], after["memfds"]) == (baseline["fds"], baseline["memfds"]), (baseline, after)
+        assert spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, "big", timeout=120).values() == {0: 3.0, 1: 3.0}
+    finally:
+        daemon.stop(signal.SIGKILL)
+    _survived("allocation failing half-way")
+
+
+def test_the_daemon_killed_under_active_groups(tmp_path, spawn_ranks):
+    daemon = Daemon(tmp_path, list(DAEMON_ARGS)).start()
+    try:
+        context = mp.get_context("spawn")
+        report, signalled = context.Queue(), context.Queue()
+        groups = [
+            spawn_ranks(fault_ranks.work_until_error, 2, 2, daemon.socket, f"dk-{stage}", stage, report, signalled)
+            for stage in ("collective", "service")
+        ]
+        assert len({report.get(timeout=90) for _ in range(4)}) == 2  # (ready, 0) and (ready, 1), twice
+        time.sleep(0.3)
+        daemon.stop(signal.SIGKILL)
+        for _ in range(4):
+            signalled.put(time.time())
+        for ranks in groups:
+            for name, message, waited in ranks.values().values():
+                assert name in ("DaemonUnavailableError", "PeerLostError"), (name, message)
+                assert waited < OPERATION_TIMEOUT + 15.0, (waited, message)
+        daemon.start()
+        for stage in ("collective", "service"):
+            assert spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, f"dk-{stage}", timeout=120).values() == {
+                0: 3.0,
+                1: 3.0,
+            }
+    finally:
+        daemon.stop(signal.SIGKILL)
+    _survived("daemon killed under active groups")
