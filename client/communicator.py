@@ -130,8 +130,8 @@ class Communicator:
         the daemon runs; CUDA groups also "dma", and "nccl" when connected with an nccl_group); by
         default the daemon's table picks by size. Every path but nccl gives the same bits: fp32
         accumulation in rank order 0..n-1, one rounding. async_op: return a work whose wait()
-        completes the call (`out` holds the sum after it); only the service path runs in the
-        background, the others are complete when the work is returned.
+        completes the call and returns `out`; only the service path runs in the background, the
+        others are complete when the work is returned.
         """
         self._check_tensor(tensor, "tensor")
         if out is None:
@@ -170,10 +170,10 @@ class Communicator:
                     chosen, sampled = neighbour, True
         if chosen is Path.SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
-            return work if async_op else self._waited(work, out)
+            return work if async_op else work.wait()
         sample = (chosen, nbytes) if sampled else None
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
-        return ServiceWork(None, lambda ok: None, {}, 0.0) if async_op else out
+        return ServiceWork.completed(out) if async_op else out
 
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:
@@ -182,10 +182,6 @@ class Communicator:
                 return submit(*args)
             except NodecommError as error:
                 raise self._located(error) from None
-
-    def _waited(self, work: ServiceWork, result):
-        work.wait()
-        return result
 
     def service_buffer(self, size_bytes: int) -> ServiceBuffer:
         """Host memory the daemon maps too (CPU groups): tensors made with its tensor() go to the
@@ -230,9 +226,9 @@ class Communicator:
                     f"path {path!r}: all_gather takes path='service' or none", group=self.group, rank=self.rank
                 )
             work = self._submitted(self._service.all_gather, tensor, out)
-            return work if async_op else self._waited(work, out)
+            return work if async_op else work.wait()
         self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
-        return ServiceWork(None, lambda ok: None, {}, 0.0) if async_op else out
+        return ServiceWork.completed(out) if async_op else out
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (on a CUDA group: once every rank's
@@ -317,8 +313,7 @@ class Communicator:
         return exchange
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
-        work, idx, scores = self._submitted(self._service.topk_stage, local_idx, local_scores)
-        return self._waited(work, (idx, scores))
+        return self._submitted(self._service.topk_stage, local_idx, local_scores).wait()
 
     def _agree_on_table(self) -> None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of

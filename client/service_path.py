@@ -74,20 +74,27 @@ class _Staged:
 
 
 class ServiceWork:
-    """A submitted collective. wait() returns once the daemon has run it, or raises its error."""
+    """A submitted collective. wait() returns its result (the output tensor, or the owner table's
+    (idx, scores)) once the daemon has run it, or raises its error."""
 
-    def __init__(self, future: grpc.Future | None, on_done, where: dict, timeout: float):
+    def __init__(self, future: grpc.Future | None, on_done, where: dict, timeout: float, result=None):
         self._future = future
         self._on_done = on_done
         self._where = where
         self._timeout = timeout
+        self._result = result
         self._error: NodecommError | None = None
         self._finished = future is None
+
+    @classmethod
+    def completed(cls, result) -> ServiceWork:
+        """The work of a call that finished before it returned."""
+        return cls(None, lambda ok: None, {}, 0.0, result)
 
     def done(self) -> bool:
         return self._finished or self._future.done()
 
-    def wait(self) -> None:
+    def wait(self):
         if not self._finished:
             try:
                 self._future.result(timeout=self._timeout)
@@ -103,6 +110,7 @@ class ServiceWork:
                 self._on_done(self._error is None)
         if self._error is not None:
             raise self._error
+        return self._result
 
 
 class ServicePath:
@@ -195,19 +203,17 @@ class ServicePath:
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> ServiceWork:
         nbytes = tensor.numel() * tensor.element_size()
         return self._submit(
-            pb.ALL_REDUCE, DTYPE_CODES[tensor.dtype], tensor.numel(), 0, [tensor], [out], nbytes, nbytes
+            pb.ALL_REDUCE, DTYPE_CODES[tensor.dtype], tensor.numel(), 0, [tensor], [out], nbytes, nbytes, out
         )
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> ServiceWork:
         nbytes = tensor.numel() * tensor.element_size()
         return self._submit(
-            pb.ALL_GATHER, pb.DTYPE_UNSPECIFIED, nbytes, 0, [tensor], [out], nbytes, nbytes * self.world_size
+            pb.ALL_GATHER, pb.DTYPE_UNSPECIFIED, nbytes, 0, [tensor], [out], nbytes, nbytes * self.world_size, out
         )
 
-    def topk_stage(
-        self, local_idx: torch.Tensor, local_scores: torch.Tensor
-    ) -> tuple[ServiceWork, torch.Tensor, torch.Tensor]:
-        """Submit the exchange of [rows, topk] candidates; the owner table fills when the work is done."""
+    def topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> ServiceWork:
+        """Submit the exchange of [rows, topk] candidates; the work's result is the owner table."""
         rows, topk = local_idx.shape
         owned = len(owned_rows(rows, self.world_size, self._ids["rank"]))
         idx = torch.empty((owned, self.world_size, topk), dtype=torch.int32)
@@ -215,9 +221,9 @@ class ServicePath:
         plane = rows * topk * 4
         work = self._submit(
             pb.TOPK_STAGE, pb.DTYPE_UNSPECIFIED, rows, topk, [local_idx, local_scores], [idx, scores], 2 * plane,
-            2 * owned * self.world_size * topk * 4,
+            2 * owned * self.world_size * topk * 4, (idx, scores),
         )  # fmt: skip
-        return work, idx, scores
+        return work
 
     def _submit(
         self,
@@ -229,6 +235,7 @@ class ServicePath:
         outputs: list[torch.Tensor],
         in_bytes: int,
         out_bytes: int,
+        result=None,
     ) -> ServiceWork:
         """Reference the tensors where they lie in service memory (one input and one output
         tensor), else stage them: inputs packed in order, then outputs."""
@@ -265,7 +272,7 @@ class ServicePath:
             timeout_seconds=self._timeout,
         )
         future = self._stub.Submit.future(request, timeout=self._timeout + 5.0)
-        return ServiceWork(future, lambda ok: self._give_back(staged, ok), self._where, self._timeout + 10.0)
+        return ServiceWork(future, lambda ok: self._give_back(staged, ok), self._where, self._timeout + 10.0, result)
 
     def empty_submit(self) -> ServiceWork:
         """A collective with nothing to move: what one submit costs on the control plane."""

@@ -109,8 +109,9 @@ def pair_relation(a: Gpu, b: Gpu) -> str:
 
 
 def pair_paths(access: bool) -> list[str]:
-    """The nodecomm paths a pair can carry: the peer-memory ones need peer access."""
-    return ["oneshot", "twoshot", "dma", "nccl"] if access else ["dma (through host)", "nccl"]
+    """The nodecomm paths a pair can carry: every path but NCCL maps the peer's memory, so
+    without peer access the group's check fails and only NCCL remains."""
+    return ["oneshot", "twoshot", "dma", "nccl"] if access else ["nccl"]
 
 
 @dataclass
@@ -149,7 +150,7 @@ def node_topology(
         cause = (
             "an IOMMU is on (ACS or IOMMU translation can block peer traffic)" if iommu else "check ACS and the BIOS"
         )
-        warnings.append(f"no peer access between GPUs {pairs}: only dma through host memory and NCCL; {cause}")
+        warnings.append(f"no peer access between GPUs {pairs}: groups spanning them run on NCCL only; {cause}")
     crossing = [(i, j) for i in range(n) for j in range(i + 1, n) if relations[i][j] in ("NODE", "SYS")]
     if crossing:
         pairs = ", ".join(f"{i}-{j}" for i, j in crossing)

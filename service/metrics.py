@@ -40,7 +40,8 @@ class DaemonMetrics:
         )
         self.peer_checks = Counter(
             "nodecomm_peer_checks_total",
-            "CUDA groups' peer-memory check stages by result; a failure sends the group to NCCL.",
+            "CUDA groups' peer-memory check stages by result; after a failure the group runs on NCCL "
+            "only (or fails to form without an NCCL group).",
             ["result"],
             registry=r,
         )

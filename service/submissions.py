@@ -170,6 +170,8 @@ class ServicePath:
             allocation.users += 1
         collective.parts[request.rank] = part
         future = collective.futures[request.rank] = asyncio.get_running_loop().create_future()
+        # A part whose wait timed out is no longer awaited: its outcome is retrieved here instead.
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
         if len(collective.parts) == self.world_size:
             self._kick()
         try:

@@ -63,7 +63,7 @@ def test_relations_paths_and_warnings(tmp_path):
     ]
     assert topology.gpus[3].link == "Gen5 x8 (max Gen5 x16)"
     assert topology.paths[0][1] == ["oneshot", "twoshot", "dma", "nccl"]
-    assert topology.paths[0][3] == ["dma (through host)", "nccl"]
+    assert topology.paths[0][3] == ["nccl"]
     text = "\n".join(topology.warnings)
     assert "no peer access between GPUs 0-3" in text
     assert "GPUs 0-3, 1-3, 2-3 sit behind different root complexes" in text
