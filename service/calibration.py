@@ -44,8 +44,17 @@ def cpu_fingerprint() -> dict[str, object]:
         "machine": platform.machine(),
         "cpu_model": model,
         "cpus": os.cpu_count(),
-        "native": os.path.basename(_native.__file__),
+        "native": native_build(),
     }
+
+
+def native_build() -> str:
+    """A digest of the native module's file: a rebuilt or upgraded transport is measured anew."""
+    digest = hashlib.sha256()
+    with open(_native.__file__, "rb") as module:
+        for block in iter(lambda: module.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()[:16]
 
 
 def fingerprint_key(fingerprint: dict[str, object]) -> str:
