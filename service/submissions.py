@@ -241,12 +241,21 @@ class ServicePath:
         written = self._range(request, request.output, out_bytes, element, "output") if out_bytes else None
         if read and written and read[0] is written[0]:
             a, b = read[1], written[1]
-            if a != b and a < b + out_bytes and b < a + in_bytes:
-                raise InvalidArgumentError(
-                    "input and output overlap without being the same range; expected the same offset "
-                    "(in place) or disjoint ranges",
-                    **where,
-                )
+            if a < b + out_bytes and b < a + in_bytes:
+                if op != pb.ALL_REDUCE:
+                    # The output holds every rank's part (or rows): writing it would overwrite this
+                    # rank's input before every rank has read it, on this rank and its peers.
+                    raise InvalidArgumentError(
+                        f"{OP_NAMES[op]}: input and output overlap; expected disjoint ranges (only an "
+                        "all_reduce runs in place)",
+                        **where,
+                    )
+                if a != b:
+                    raise InvalidArgumentError(
+                        "input and output overlap without being the same range; expected the same offset "
+                        "(in place) or disjoint ranges",
+                        **where,
+                    )
         return Part(request, read, written)
 
     def _range(

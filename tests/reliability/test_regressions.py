@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 
@@ -119,3 +121,54 @@ def test_a_topk_stage_of_more_rows_than_fit_in_an_int64_is_invalid(checked):
     finally:
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
         lease.close()
+
+
+def _pair(checked: Checked, name: str) -> tuple[dict[int, dict], list[Lease]]:
+    """A formed world-2 group of raw joins (both ranks this process), its sessions open."""
+    replies: dict[int, pb.JoinReply] = {}
+
+    def join(rank: int) -> None:
+        replies[rank] = checked.stub.Join(join_request(name, rank, 2, capacity=4096), timeout=5)
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    group_id = replies[0].group_id
+    return {r: dict(group=name, group_id=group_id, rank=r) for r in (0, 1)}, [
+        Lease(checked.stub, group_id, r) for r in (0, 1)
+    ]
+
+
+@pytest.mark.parametrize("op, topk", [(pb.ALL_GATHER, 0), (pb.TOPK_STAGE, 1)])
+def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked, op, topk):
+    # Found by test_both_ranks_of_a_pair_submit_at_once: rank 1's all_gather with its input at its
+    # output's offset ran, and rank 0's part overwrote rank 1's input before it was copied: rank 1
+    # (and any rank after it) got rank 0's bytes in rank 1's slot.
+    stub = checked.stub
+    ids, leases = _pair(checked, f"inplace{op}")
+    try:
+        refs = {}
+        for rank in (0, 1):
+            allocation = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids[rank], size_bytes=4096), timeout=5)
+            refs[rank] = allocation.allocation_id
+        requests = [
+            pb.SubmitRequest(
+                **ids[rank], op=op, count=64, topk=topk, timeout_seconds=5,
+                input=pb.MemoryRef(allocation_id=refs[rank], offset_bytes=0),
+                output=pb.MemoryRef(allocation_id=refs[rank], offset_bytes=0 if rank == 1 else 1024),
+            )
+            for rank in (0, 1)
+        ]  # fmt: skip
+        futures = [stub.Submit.future(request, timeout=10) for request in requests]
+        for future in futures:
+            error = future.exception()
+            assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+            assert "input and output overlap; expected disjoint ranges" in error.details(), error.details()
+    finally:
+        for rank in (0, 1):
+            stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
+        for lease in leases:
+            lease.close()
+    checked.assert_alive()
