@@ -188,6 +188,19 @@ class ServicePath:
                 ),
             )
             raise collective.failure from None
+        except asyncio.CancelledError:
+            # The caller went away (cancelled, or past its gRPC deadline). Its part must not stay
+            # queued: it would hold its allocations mapped for good and keep the sequence waiting.
+            if not collective.running and not future.done():
+                self._fail(
+                    collective,
+                    DeadlineExceededError(
+                        f"collective {sequence} did not run: rank {request.rank} stopped waiting for it "
+                        "(its call was cancelled or passed its deadline)",
+                        group=self.group,
+                    ),
+                )
+            raise
 
     def _check_agreement(self, collective: Collective, request: pb.SubmitRequest) -> None:
         if not collective.parts:

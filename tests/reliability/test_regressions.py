@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from conftest import join_request
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import Checked, Lease
+from .harness import Checked, Lease, wait_until
 
 
 def refused(checked: Checked, method: str, request: object, timeout: float = 5.0) -> grpc.RpcError:
@@ -171,4 +173,43 @@ def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked,
             stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
         for lease in leases:
             lease.close()
+    checked.assert_alive()
+
+
+def _memfds_named(pid: int, text: str) -> list[str]:
+    """The daemon's descriptors and mappings of memfds whose name holds `text`."""
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass  # closed meanwhile
+    with open(f"/proc/{pid}/maps") as maps:
+        held.extend(line.split()[-2] for line in maps if "memfd:" in line)
+    return [name for name in held if text in name]
+
+
+def test_a_submit_whose_caller_goes_away_releases_its_part(fuzz_daemon, checked):
+    # Found while fuzzing Submit with gRPC deadlines shorter than its timeout: the cancelled call
+    # left its part queued, so the sequence never ran or failed (a retry got ALREADY_EXISTS "already
+    # submitted") and its allocation stayed mapped and open after FreeMemory and the group's release.
+    stub = checked.stub
+    reply = stub.Join(join_request("cancel", 0, 1, capacity=4096), timeout=5)
+    lease = Lease(stub, reply.group_id, 0)
+    ids = dict(group="cancel", group_id=reply.group_id, rank=0)
+    allocation = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=5)
+    ref = pb.MemoryRef(allocation_id=allocation.allocation_id)
+    # Sequence 1 waits for sequence 0, which never comes; the caller gives up first.
+    request = pb.SubmitRequest(
+        **ids, sequence=1, op=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=4, input=ref, output=ref, timeout_seconds=5
+    )
+    assert refused(checked, "Submit", request, timeout=0.2).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    time.sleep(0.1)
+    again = refused(checked, "Submit", request)
+    assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "rank 0 stopped waiting for it" in again.details()
+    stub.FreeMemory(pb.FreeMemoryRequest(**ids, allocation_id=allocation.allocation_id), timeout=5)
+    stub.Leave(pb.LeaveRequest(**ids), timeout=5)
+    lease.close()
+    pid = fuzz_daemon.process.pid
+    wait_until(lambda: not _memfds_named(pid, "nodecomm:cancel:"), 5, "the group's memfds closed and unmapped")
     checked.assert_alive()
