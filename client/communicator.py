@@ -170,9 +170,11 @@ class Communicator:
                     chosen, sampled = neighbour, True
         if chosen is Path.SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
+            self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
             return work if async_op else work.wait()
         sample = (chosen, nbytes) if sampled else None
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
+        self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
         return ServiceWork.completed(out) if async_op else out
 
     def _submitted(self, submit, *args) -> ServiceWork:
@@ -226,8 +228,12 @@ class Communicator:
                     f"path {path!r}: all_gather takes path='service' or none", group=self.group, rank=self.rank
                 )
             work = self._submitted(self._service.all_gather, tensor, out)
+            self._lease.count(pb.ALL_GATHER, Path.SERVICE, tensor.numel() * tensor.element_size())
             return work if async_op else work.wait()
         self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
+        # CPU groups gather through the staging slots, CUDA groups with copy engines.
+        gathered_by = Path.DMA if self._transport.kind == "cuda" else Path.ONESHOT
+        self._lease.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
         return ServiceWork.completed(out) if async_op else out
 
     def barrier(self) -> None:
@@ -307,13 +313,21 @@ class Communicator:
         finally:
             for fd in fds:
                 os.close(fd)
-        exchange = TopkExchange(layout, self.rank, slabs, self.barrier, where, self._service_topk_stage)
+        exchange = TopkExchange(
+            layout, self.rank, slabs, self.barrier, where, self._service_topk_stage, self._count_topk_stage
+        )
         with self._lock:
             self._exchanges.append(exchange)
         return exchange
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
-        return self._submitted(self._service.topk_stage, local_idx, local_scores).wait()
+        work = self._submitted(self._service.topk_stage, local_idx, local_scores)
+        self._lease.count(pb.TOPK_STAGE, Path.SERVICE, 2 * local_idx.numel() * 4)
+        return work.wait()
+
+    def _count_topk_stage(self, nbytes: int) -> None:
+        """A stage through the slabs: every source writes straight into its owners' memory, once."""
+        self._lease.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
 
     def _agree_on_table(self) -> None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of

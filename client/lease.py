@@ -1,7 +1,7 @@
 """The rank's Session stream: its lease with the daemon, run on a background thread.
 
 Down the stream come group events and new tables (kept as offers until the ranks agree to
-switch); up go batches of sampled timings. If the stream breaks after
+switch); up go batches of sampled timings and operation counts. If the stream breaks after
 the daemon accepted it while the communicator is open, the daemon is gone: the lease sets the
 group's abort word (so peers spinning in a barrier stop too) and the communicator's next call
 raises DaemonUnavailableError. A stream the daemon refuses at the start keeps its status.
@@ -43,6 +43,8 @@ class Lease:
         self._control = control_address
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         self._pending: list[pb.Timing] = []
+        self._counts: dict[tuple[int, Path], list[int]] = {}  # (op, path) -> [operations, bytes]
+        self._batch_lock = threading.Lock()  # the caller's thread adds, the stream's thread may flush
         self._last_flush = time.monotonic()
         self._ready = threading.Event()
         self._closing = False
@@ -66,7 +68,14 @@ class Lease:
 
     def _requests(self) -> Iterator[pb.SessionUp]:
         while True:
-            message = self._outbox.get()
+            try:
+                message = self._outbox.get(timeout=_FLUSH_SECONDS)
+            except queue.Empty:
+                # A rank gone quiet still reports what it did, about once a second.
+                batch = self._take_batch()
+                if batch is not None:
+                    yield batch
+                continue
             if message is None:
                 return
             yield message
@@ -100,16 +109,42 @@ class Lease:
             self._ready.set()
 
     def report(self, path: Path, nbytes: int, seconds: float) -> None:
-        self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds))
-        if len(self._pending) >= _BATCH or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
+        with self._batch_lock:
+            self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds))
+            due = len(self._pending) >= _BATCH
+        if due or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
 
+    def count(self, op: int, path: Path, nbytes: int) -> None:
+        """One call of `op` (pb.Op) on `path` moving `nbytes` of this rank's payload."""
+        with self._batch_lock:
+            entry = self._counts.get((op, path))
+            if entry is None:
+                entry = self._counts[(op, path)] = [0, 0]
+            entry[0] += 1
+            entry[1] += nbytes
+        if time.monotonic() - self._last_flush > _FLUSH_SECONDS:
+            self.flush()
+
+    def _take_batch(self) -> pb.SessionUp | None:
+        """The timings and counts not sent yet, as one message (None if there are none)."""
+        with self._batch_lock:
+            self._last_flush = time.monotonic()
+            if not self._pending and not self._counts:
+                return None
+            counts = [
+                pb.OperationCount(op=op, path=path.to_proto(), operations=n, bytes=nbytes)
+                for (op, path), (n, nbytes) in self._counts.items()
+            ]
+            batch = pb.SessionUp(timings=pb.TimingBatch(timings=self._pending, counts=counts))
+            self._pending, self._counts = [], {}
+        return batch
+
     def flush(self) -> None:
-        """Send the timings not sent yet."""
-        if self._pending:
-            self._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=self._pending)))
-            self._pending = []
-        self._last_flush = time.monotonic()
+        """Send the timings and counts not sent yet."""
+        batch = self._take_batch()
+        if batch is not None:
+            self._outbox.put(batch)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closing:

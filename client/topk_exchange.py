@@ -40,6 +40,7 @@ class TopkExchange:
         barrier: Callable[[], None],
         where: dict,
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        count: Callable[[int], None] = lambda nbytes: None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
@@ -48,6 +49,7 @@ class TopkExchange:
         self._planes = [_planes(slab, layout) for slab in slabs]
         self._barrier = barrier
         self._service_stage = service_stage
+        self._count = count  # (bytes of candidates) for the daemon's operation counts
         self._where = where
         self._stages = 0
         self._closed = False
@@ -75,6 +77,7 @@ class TopkExchange:
                 idx_plane[: len(span), self._rank].copy_(source_idx[span.start : span.stop])
                 score_plane[: len(span), self._rank].copy_(source_bits[span.start : span.stop])
         self._barrier()
+        self._count(2 * local_idx.numel() * 4)
         mine = len(owned_rows(rows, world, self._rank))
         idx_plane, score_plane = self._planes[self._rank][slot]
         return idx_plane[:mine].clone(), score_plane[:mine].clone().view(torch.float32)

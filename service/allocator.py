@@ -37,11 +37,6 @@ class GroupMemory:
     closed: bool = field(default=False)
 
     @property
-    def kind_label(self) -> str:
-        """The metrics label for this memory: "host" or "cuda"."""
-        return "host" if self.memory_kind == pb.HOST_MEMFD else "cuda"
-
-    @property
     def control_bytes(self) -> int:
         return _native.CONTROL_BYTES
 

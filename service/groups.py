@@ -51,6 +51,7 @@ log = logging.getLogger("nodecomm.groups")
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
+_OP_NAMES = {v: pb.Op.Name(v).lower() for v in pb.Op.values() if v}
 MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
 DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 60.0
 
@@ -232,6 +233,16 @@ class Group:
     live: LiveEstimates | None = None  # CPU groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
     service: ServicePath | None = None  # CPU groups: collectives the daemon runs
+    counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
+    devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
+
+    def placement(self) -> list[tuple[str, str, int]]:
+        """(kind, device, bytes) of the group's own memory: the control page, then each rank's buffer."""
+        placed = [("host", "host", self.memory.control_bytes)]
+        for device in self.devices:
+            on_host = device == "cpu"
+            placed.append(("host" if on_host else "cuda", "host" if on_host else device, self.memory.buffer_bytes))
+        return placed
 
     @property
     def reserved_bytes(self) -> int:
@@ -407,6 +418,7 @@ class GroupRegistry:
             memory=memory,
             table=self.tables.for_new_group(first.device_kind, first.nccl_fallback, dict(first.overrides)),
             members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
+            devices=[a.args.device for _, a in sorted(forming.arrivals.items())],
             live=(
                 LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
                 if self.config.live_recalibration and first.device_kind == "cpu"
@@ -466,7 +478,8 @@ class GroupRegistry:
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
             arrival.future.set_result(reply)
-        self.metrics.reserved.labels(memory.kind_label).inc(memory.reserved_bytes)
+        for kind, device, nbytes in group.placement():
+            self.metrics.reserve(kind, device, "collectives", nbytes)
         self._update_gauges()
         asyncio.get_running_loop().call_later(self.config.session_grace_seconds, self._check_sessions, group_id)
         log.info(
@@ -542,6 +555,7 @@ class GroupRegistry:
             )
             return
         group.table = self.tables.nccl_only()
+        self.metrics.fallbacks.labels("peer_memory_unusable").inc()
         check.verdict.set_result(
             pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
         )
@@ -635,7 +649,7 @@ class GroupRegistry:
             self._fail_exchange(forming, error)
             return
         group.topk_slabs.append(slabs)
-        self.metrics.reserved.labels("host").inc(slabs.reserved_bytes)
+        self.metrics.reserve("host", "host", "topk", slabs.reserved_bytes)
         exchange_id = secrets.randbits(63)
         for rank, future in forming.futures.items():
             token = self.claims.issue(
@@ -690,7 +704,7 @@ class GroupRegistry:
             )
         allocation = allocate_rank_memory(group.name, request.rank, next(self._allocation_ids), size)
         service.add_allocation(allocation)
-        self.metrics.reserved.labels("host").inc(size)
+        self.metrics.reserve("host", "host", "service", size)
         token = self.claims.issue(
             group.name,
             group.group_id,
@@ -706,7 +720,7 @@ class GroupRegistry:
     def free_memory(self, request: pb.FreeMemoryRequest) -> None:
         _, service = self._service_of(request.group, request.group_id, request.rank)
         allocation = service.free(request.rank, request.allocation_id)
-        self.metrics.reserved.labels("host").dec(allocation.size_bytes)
+        self.metrics.reserve("host", "host", "service", -allocation.size_bytes)
 
     async def submit(self, request: pb.SubmitRequest) -> pb.SubmitReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
@@ -749,6 +763,18 @@ class GroupRegistry:
             self._abort(group, _native.ABORT_PEER_LOST, rank, f"rank {rank}'s session ended without Leave")
         self._release_if_empty(group)
         self._update_gauges()
+
+    def record_counts(self, group_id: int, counts: list[pb.OperationCount]) -> None:
+        group = self._groups.get(group_id)
+        if group is None:
+            return
+        for count in counts:
+            if count.op not in _OP_NAMES or count.path not in pb.Path.values() or not count.path:
+                continue
+            labels = (_OP_NAMES[count.op], Path.from_proto(count.path).value)
+            group.counted.add(labels)
+            self.metrics.operations.labels(group.name, *labels).inc(count.operations)
+            self.metrics.operation_bytes.labels(group.name, *labels).inc(count.bytes)
 
     def record_timings(self, group_id: int, rank: int, timings: list[pb.Timing]) -> None:
         group = self._groups.get(group_id)
@@ -828,15 +854,19 @@ class GroupRegistry:
             if self._active.get(group.name) is group:
                 del self._active[group.name]
             del self._groups[group.group_id]
-            self.metrics.reserved.labels(group.memory.kind_label).dec(group.memory.reserved_bytes)
+            for kind, device, nbytes in group.placement():
+                self.metrics.reserve(kind, device, "collectives", -nbytes)
             self.claims.drop_group(group.group_id)
             group.memory.close()
             for slabs in group.topk_slabs:
-                self.metrics.reserved.labels("host").dec(slabs.reserved_bytes)
+                self.metrics.reserve("host", "host", "topk", -slabs.reserved_bytes)
                 slabs.close()
             if group.service is not None:
-                self.metrics.reserved.labels("host").dec(group.service.reserved_bytes)
+                self.metrics.reserve("host", "host", "service", -group.service.reserved_bytes)
                 group.service.close()
+            for op, path in group.counted:
+                self.metrics.operations.remove(group.name, op, path)
+                self.metrics.operation_bytes.remove(group.name, op, path)
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 
     # -- operator views and shutdown -------------------------------------------------------------

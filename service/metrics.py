@@ -1,5 +1,7 @@
 """The daemon's Prometheus metrics: prefix nodecomm_, base units, label sets bounded by design
-(paths, ops, size buckets and outcome names are fixed lists; group names never become labels)."""
+(paths, ops, size buckets, error kinds and outcome names are fixed lists; devices are the GPUs the
+daemon sees; a group's name labels only its own operation counts, which are removed when the group
+is released, so those series are bounded by the groups alive)."""
 
 from __future__ import annotations
 
@@ -28,6 +30,37 @@ class DaemonMetrics:
         self.aborts = Counter("nodecomm_group_aborts_total", "Groups aborted, by reason.", ["reason"], registry=r)
         self.reserved = Gauge(
             "nodecomm_reserved_bytes", "Bytes of buffers reserved, by memory kind.", ["kind"], registry=r
+        )
+        self.buffer_bytes = Gauge(
+            "nodecomm_buffer_bytes",
+            "Bytes of buffers reserved, by device (host or GPU UUID) and use (collectives, topk, service).",
+            ["device", "use"],
+            registry=r,
+        )
+        self.operations = Counter(
+            "nodecomm_operations_total",
+            "Collective calls the ranks made through the client, by group, op and path; reported about "
+            "once a second per rank (CUDA-graph replays are not seen).",
+            ["group", "op", "path"],
+            registry=r,
+        )
+        self.operation_bytes = Counter(
+            "nodecomm_operation_bytes_total",
+            "Payload bytes the ranks passed to those calls, by group, op and path.",
+            ["group", "op", "path"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "nodecomm_fallbacks_total",
+            "Groups moved off their paths, by reason (peer_memory_unusable: every size goes to NCCL).",
+            ["reason"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "nodecomm_errors_total",
+            "Errors answered to callers, by kind (the nodecomm.errors class).",
+            ["kind"],
+            registry=r,
         )
         self.claims = Counter(
             "nodecomm_descriptor_claims_total", "Descriptor claims by outcome.", ["result"], registry=r
@@ -92,3 +125,10 @@ class DaemonMetrics:
         for result in ("ok", "failed"):
             self.peer_checks.labels(result)
             self.calibrations.labels(result)
+        self.fallbacks.labels("peer_memory_unusable")
+
+    def reserve(self, kind: str, device: str, use: str, nbytes: int) -> None:
+        """Account nbytes (negative: released) of `kind` memory ("host" or "cuda") on `device`
+        ("host" or a GPU UUID) for `use`."""
+        self.reserved.labels(kind).inc(nbytes)
+        self.buffer_bytes.labels(device, use).inc(nbytes)

@@ -48,6 +48,7 @@ def rpc(method):
         except NodecommError as error:
             code = status_code_for(error)
             self.metrics.rpc_errors.labels(method.__name__, code.name).inc()
+            self.metrics.errors.labels(type(error).__name__).inc()
             await context.abort(code, status_details(error))
         finally:
             self.metrics.rpc_seconds.labels(method.__name__).observe(time.perf_counter() - started)
@@ -92,6 +93,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             async for message in request_iterator:
                 if message.WhichOneof("kind") == "timings":
                     self.registry.record_timings(group_id, rank, list(message.timings.timings))
+                    self.registry.record_counts(group_id, list(message.timings.counts))
 
         upstream = asyncio.ensure_future(pump_up())
         upstream.add_done_callback(lambda _: queue.put_nowait(None))
@@ -129,6 +131,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                 reply = probe.result()
             except NodecommError as error:
                 self.metrics.rpc_errors.labels("Calibrate", status_code_for(error).name).inc()
+                self.metrics.errors.labels(type(error).__name__).inc()
                 await context.abort(status_code_for(error), status_details(error))
             yield pb.CalibrateUpdate(done=reply)
         finally:

@@ -200,10 +200,24 @@ class SessionHello(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TimingBatch(_message.Message):
-    __slots__ = ("timings",)
+    __slots__ = ("timings", "counts")
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
     timings: _containers.RepeatedCompositeFieldContainer[Timing]
-    def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ...) -> None: ...
+    counts: _containers.RepeatedCompositeFieldContainer[OperationCount]
+    def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[OperationCount, _Mapping]]] = ...) -> None: ...
+
+class OperationCount(_message.Message):
+    __slots__ = ("op", "path", "operations", "bytes")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OPERATIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    op: Op
+    path: Path
+    operations: int
+    bytes: int
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., path: _Optional[_Union[Path, str]] = ..., operations: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
 
 class GroupEvent(_message.Message):
     __slots__ = ("kind", "rank", "message")

@@ -1,0 +1,55 @@
+"""The daemon's own accounting, read from /metrics while a group works and after it is gone:
+operation counts by group/op/path, buffer bytes by device and use, errors by kind."""
+
+import multiprocessing as mp
+import re
+import time
+
+import pytest
+
+import nodecomm
+import ranks
+
+
+def sample(text: str, name: str, **labels) -> float | None:
+    """The value of the series `name{labels}` in a /metrics text (labels in any order)."""
+    for line in text.splitlines():
+        match = re.fullmatch(rf"{name}\{{(.*)\}} (\S+)", line)
+        if match and dict(re.findall(r'(\w+)="([^"]*)"', match.group(1))) == labels:
+            return float(match.group(2))
+    return None
+
+
+def test_operation_counts_buffers_and_errors(daemon, spawn_ranks):
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), context.Queue()
+    group = spawn_ranks(ranks.hold_group_for_metrics, 2, 2, daemon.socket, report, commands, timeout=120)
+    assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
+    expected = {"oneshot": 3 * 2, "twoshot": 3 * 2, "service": 3 * 2}  # 3 calls on each of 2 ranks
+    deadline = time.monotonic() + 15
+    while True:  # the ranks report their counts about once a second
+        text = daemon.metrics_text()
+        seen = {p: sample(text, "nodecomm_operations_total", group="prom", op="all_reduce", path=p) for p in expected}
+        if seen == expected or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert seen == expected
+    assert sample(text, "nodecomm_operation_bytes_total", group="prom", op="all_reduce", path="service") == 6 * 16384
+    reserved = sample(text, "nodecomm_reserved_bytes", kind="host")
+    collectives = sample(text, "nodecomm_buffer_bytes", device="host", use="collectives")
+    staging = sample(text, "nodecomm_buffer_bytes", device="host", use="service")  # the service path's copies
+    assert collectives > 0 and staging == 2 * (64 << 10) and reserved == collectives + staging
+
+    with pytest.raises(nodecomm.InvalidArgumentError):
+        nodecomm.connect("bad name!", 0, 1, socket=daemon.socket, timeout=5)
+    assert sample(daemon.metrics_text(), "nodecomm_errors_total", kind="InvalidArgumentError") == 1.0
+
+    for _ in range(2):
+        commands.put("stop")
+    group.values()
+    deadline = time.monotonic() + 10
+    while sample(daemon.metrics_text(), "nodecomm_buffer_bytes", device="host", use="collectives") != 0.0:
+        assert time.monotonic() < deadline, "the group's buffers are still accounted after it left"
+        time.sleep(0.2)
+    text = daemon.metrics_text()
+    assert 'group="prom"' not in text  # its series went with it
