@@ -125,7 +125,10 @@ class DescriptorServer:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
         os.chmod(path, 0o660)
-        self._sock.listen(128)
+        # The kernel's most (net.core.somaxconn): past the backlog, a client's connect fails at
+        # once with EAGAIN, so a burst of connections (ranks claiming together, or garbage) would
+        # turn away real claims instead of queueing them for the accept loop.
+        self._sock.listen(socket.SOMAXCONN)
         self._thread = threading.Thread(target=self._serve, name="nodecomm-descriptors", daemon=True)
         self._stopping = False
 

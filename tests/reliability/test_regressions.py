@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import threading
 import time
 
@@ -10,6 +11,7 @@ import grpc
 import pytest
 
 from conftest import join_request
+from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.v1 import control_pb2 as pb
 
 from .harness import Checked, Lease, wait_until
@@ -212,4 +214,31 @@ def test_a_submit_whose_caller_goes_away_releases_its_part(fuzz_daemon, checked)
     lease.close()
     pid = fuzz_daemon.process.pid
     wait_until(lambda: not _memfds_named(pid, "nodecomm:cancel:"), 5, "the group's memfds closed and unmapped")
+    checked.assert_alive()
+
+
+def test_a_claim_behind_a_burst_of_connections_is_served(fuzz_daemon, checked):
+    # Found by test_garbage's many connections at once: the descriptor socket listened with a
+    # backlog of 128, so past 128 pending connections a rank's claim failed at once with EAGAIN
+    # ("Resource temporarily unavailable") instead of waiting its turn.
+    stub = checked.stub
+    reply = stub.Join(join_request("burst", 0, 1, capacity=4096), timeout=5)
+    lease = Lease(stub, reply.group_id, 0)
+    ids = dict(group="burst", group_id=reply.group_id, rank=0)
+    held: list[socket.socket] = []
+    try:
+        for _ in range(600):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held.append(sock)
+            sock.settimeout(5)
+            sock.connect(fuzz_daemon.socket + ".fd")  # and says nothing
+        fds = claim_descriptors(fuzz_daemon.socket + ".fd", reply.claim_token, 4, 10.0)
+        assert len(fds) == 2  # the control segment and the one rank's buffer
+        for fd in fds:
+            os.close(fd)
+    finally:
+        for sock in held:
+            sock.close()
+        stub.Leave(pb.LeaveRequest(**ids), timeout=5)
+        lease.close()
     checked.assert_alive()
