@@ -166,11 +166,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
 
-        if args.device != "cpu":
-            print("nodecomm bench --op topk: CPU groups only so far (--device cpu)", file=sys.stderr)
-            return 2
         rows = [int(r) for r in args.rows.split(",")]
-        print(run_topk_bench(args.world_size, rows, args.topk, args.iterations, args.socket))
+        print(run_topk_bench(args.world_size, rows, args.topk, args.iterations, args.socket, args.device))
         return 0
     from nodecomm.client.bench import BASELINES, BenchSetup, format_table, run_bench, sizes_between, write_json
 

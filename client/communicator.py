@@ -30,7 +30,7 @@ from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
 from .service_path import ServiceBuffer, ServicePath, ServiceWork
-from .topk_exchange import TopkExchange
+from .topk_exchange import CudaTopkExchange, TopkExchange
 
 log = logging.getLogger("nodecomm.client")
 
@@ -268,7 +268,7 @@ class Communicator:
             self._samples.pop(0)
             self._lease.report(path, nbytes, seconds)
 
-    def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange:
+    def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange | CudaTopkExchange:
         """Open a top-k owner exchange for up to `max_rows` rows of `topk` candidates per rank.
 
         Collective: every rank calls it in the same order with the same max_rows and topk, or all
@@ -295,27 +295,46 @@ class Communicator:
         except grpc.RpcError as error:
             raise from_rpc_error(error, **where) from None
         layout = TopkLayout(max_rows, topk, self.world_size)
+        on_gpu = self._transport.kind == "cuda"
+        if on_gpu:
+            needed = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, topk)
+            fits = reply.memory_kind == pb.CUDA_VMM_FD and reply.rows_per_owner == layout.rows_per_owner
+        else:
+            needed, fits = layout.slab_bytes, reply.memory_kind == pb.HOST_MEMFD
         fds = claim(self._descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
         slabs: list[SegmentMapping] = []
         try:
             for fd, slab in zip(fds, reply.slabs, strict=True):
-                if slab.size_bytes != layout.slab_bytes:
+                if not fits or slab.size_bytes < needed or (not on_gpu and slab.size_bytes != needed):
                     raise DaemonUnavailableError(
-                        f"the daemon's slab has {slab.size_bytes} bytes; layout version {LAYOUT_VERSION} needs "
-                        f"{layout.slab_bytes}",
+                        f"the daemon's slab ({pb.MemoryKind.Name(reply.memory_kind)}, {slab.size_bytes} bytes) is "
+                        f"not the {needed} bytes this client lays out for {max_rows} rows of {topk}",
                         **where,
                     )
-                slabs.append(map_host_segment(fd, slab.size_bytes, where))
+                if on_gpu:
+                    address = _native.cuda_vmm_import(fd, slab.size_bytes, self.device.index)
+                    slabs.append(SegmentMapping(address, slab.size_bytes))
+                else:
+                    slabs.append(map_host_segment(fd, slab.size_bytes, where))
         except BaseException:
-            for mapping in slabs:
-                host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+            if on_gpu:
+                self._transport.unmap(slabs)
+            else:
+                for mapping in slabs:
+                    host_memory.unmap_segment(mapping.address, mapping.size_bytes)
             raise
         finally:
             for fd in fds:
                 os.close(fd)
-        exchange = TopkExchange(
-            layout, self.rank, slabs, self.barrier, where, self._service_topk_stage, self._count_topk_stage
-        )
+        if on_gpu:
+            exchange = CudaTopkExchange(
+                layout, self.rank, slabs, self._transport, reply.blocks, self._operation_timeout, where,
+                self._count_topk_stage,
+            )  # fmt: skip
+        else:
+            exchange = TopkExchange(
+                layout, self.rank, slabs, self.barrier, where, self._service_topk_stage, self._count_topk_stage
+            )
         with self._lock:
             self._exchanges.append(exchange)
         return exchange

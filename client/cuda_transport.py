@@ -117,6 +117,29 @@ class CudaTransport:
     def elapsed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
         return start.elapsed_time(end) / 1e3 if end.query() else None
 
+    def topk_stage(
+        self,
+        slabs: list[int],
+        rows_per_owner: int,
+        topk: int,
+        blocks: int,
+        idx: torch.Tensor,
+        scores: torch.Tensor,
+        out_idx: torch.Tensor,
+        out_scores: torch.Tensor,
+        timeout: float,
+    ) -> None:
+        self._group.topk_stage(
+            slabs, rows_per_owner, topk, blocks, idx.data_ptr(), scores.data_ptr(), idx.shape[0], out_idx.data_ptr(),
+            out_scores.data_ptr(), timeout, torch.cuda.current_stream(self.device).cuda_stream,
+        )  # fmt: skip
+
+    def unmap(self, mappings: list[SegmentMapping]) -> None:
+        """Unmap device memory mapped here (a top-k exchange's slabs) once nothing runs on it."""
+        torch.cuda.synchronize(self.device)
+        for mapping in mappings:
+            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
         self._group = None

@@ -1,7 +1,9 @@
 """nodecomm bench --op topk: TopkExchange.stage beside gather-then-slice through torch.distributed,
 in one run. The baseline all-gathers every rank's [rows, topk] candidates (indices and scores)
-and each owner slices out its rows, giving the same [owned_rows, world_size, topk] table. Time:
-the slowest rank's per iteration, each iteration after a barrier."""
+and each owner slices out its rows, giving the same [owned_rows, world_size, topk] table: gloo on
+the CPU, NCCL on GPUs (NCCL refuses ranks that share a GPU: then the run has no baseline). Time:
+the slowest rank's per iteration; on the CPU each iteration after a barrier, on GPUs iterations
+back to back between CUDA events."""
 
 from __future__ import annotations
 
@@ -10,18 +12,18 @@ import os
 import platform
 import statistics
 
-from .bench import host_times, run_ranks, slowest_rank
+from .bench import _cuda_times, host_times, run_ranks, slowest_rank
 
 
-def _gather_then_slice(idx, scores, span: range, world_size: int):
+def _gather_then_slice(idx, scores, span: range, world_size: int, group=None):
     """The baseline: every rank's candidates everywhere, then this owner's rows of each."""
     import torch
     import torch.distributed as dist
 
     all_idx = [torch.empty_like(idx) for _ in range(world_size)]
     all_scores = [torch.empty_like(scores) for _ in range(world_size)]
-    dist.all_gather(all_idx, idx)
-    dist.all_gather(all_scores, scores)
+    dist.all_gather(all_idx, idx, group=group)
+    dist.all_gather(all_scores, scores, group=group)
     mine = slice(span.start, span.stop)
     return torch.stack([t[mine] for t in all_idx], 1), torch.stack([t[mine] for t in all_scores], 1)
 
@@ -35,25 +37,36 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
     from nodecomm.topk_layout import owned_rows
 
     torch.set_num_threads(1)
+    on_gpu = args["device"] == "cuda"
+    device = f"cuda:{rank % torch.cuda.device_count()}" if on_gpu else "cpu"
+    if on_gpu:
+        torch.cuda.set_device(device)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    baseline = "nccl" if on_gpu else "gloo"
+    group = dist.new_group(backend="nccl") if on_gpu and args["baseline"] else None
     topk, rows_list = args["topk"], args["rows"]
     out = []
-    with nodecomm.connect("topk-bench", rank, world_size, socket=args["socket"], timeout=60) as comm:
+    with nodecomm.connect("topk-bench", rank, world_size, device=device, socket=args["socket"], timeout=60) as comm:
         exchange = comm.topk_exchange(max(rows_list), topk)
         for rows in rows_list:
             generator = torch.Generator().manual_seed(rank)
-            idx = torch.randint(0, 1 << 30, (rows, topk), generator=generator, dtype=torch.int32)
-            scores = torch.randn(rows, topk, generator=generator)
+            idx = torch.randint(0, 1 << 30, (rows, topk), generator=generator, dtype=torch.int32).to(device)
+            scores = torch.randn(rows, topk, generator=generator).to(device)
             span = owned_rows(rows, world_size, rank)
 
-            runs = {
-                "stage": functools.partial(exchange.stage, idx, scores),
-                "gloo": functools.partial(_gather_then_slice, idx, scores, span, world_size),
-            }
+            runs = {"stage": functools.partial(exchange.stage, idx, scores)}
+            if args["baseline"]:
+                runs[baseline] = functools.partial(_gather_then_slice, idx, scores, span, world_size, group)
             tables = {name: run() for name, run in runs.items()}
-            same = all(torch.equal(a, b) for a, b in zip(tables["stage"], tables["gloo"], strict=True))
+            same = all(
+                torch.equal(a, b) for a, b in zip(tables["stage"], tables.get(baseline, tables["stage"]), strict=True)
+            )
             for name, run in runs.items():
-                slowest, differ = slowest_rank(host_times(run, args["iterations"], comm), int(not same), world_size)
+                if on_gpu:
+                    times = _cuda_times(run, args["iterations"], comm, graph=False)
+                else:
+                    times = host_times(run, args["iterations"], comm)
+                slowest, differ = slowest_rank(times, int(not same), world_size)
                 if rank == 0:
                     out.append((rows, name, slowest, differ))
     dist.destroy_process_group()
@@ -61,19 +74,38 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
         results.put(out)
 
 
-def run_topk_bench(world_size: int, rows_list: list[int], topk: int, iterations: int, socket: str | None) -> str:
-    raw = run_ranks(_rank_main, world_size, {"rows": rows_list, "topk": topk, "iterations": iterations}, socket)
-    p50 = {(rows, name): statistics.median(times) * 1e6 for rows, name, times, _ in raw}
+def run_topk_bench(
+    world_size: int, rows_list: list[int], topk: int, iterations: int, socket: str | None, device: str = "cpu"
+) -> str:
+    gpus = 0
+    if device == "cuda":
+        import torch
+
+        gpus = torch.cuda.device_count()
+    name = "nccl" if device == "cuda" else "gloo"
+    with_baseline = device == "cpu" or world_size <= gpus
+    args = {"rows": rows_list, "topk": topk, "iterations": iterations, "device": device, "baseline": with_baseline}
+    flags = ("--allow-shared-devices", "true") if device == "cuda" and not with_baseline else ()
+    raw = run_ranks(_rank_main, world_size, args, socket, flags)
+    p50 = {(rows, kind): statistics.median(times) * 1e6 for rows, kind, times, _ in raw}
     differ = {rows for rows, _, _, bad in raw if bad}
+    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
+    if device == "cuda":
+        import torch
+
+        machine += f" gpu={torch.cuda.get_device_name(0)!r} gpus={gpus}"
     lines = [
-        f"# nodecomm bench --op topk: world_size={world_size} topk={topk} iterations={iterations} "
-        f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}",
-        "# time: slowest rank per iteration, p50; gloo = all_gather of indices and scores, then each owner slices",
+        f"# nodecomm bench --op topk: device={device} world_size={world_size} topk={topk} iterations={iterations} {machine}",
+        f"# time: slowest rank per iteration, p50; {name} = all_gather of indices and scores, then each owner slices",
         "#",
-        f"# {'rows':>6} {'stage(us)':>11} {'gloo(us)':>11} {'stage/gloo':>10} {'tables equal':>12}",
+        f"# {'rows':>6} {'stage(us)':>11} {name + '(us)':>11} {'stage/' + name:>10} {'tables equal':>12}",
     ]
+    if not with_baseline:
+        lines.insert(2, f"# no {name} baseline in this run (NCCL refuses ranks that share a GPU)")
     for rows in rows_list:
-        stage, gloo = p50[(rows, "stage")], p50[(rows, "gloo")]
-        equal = "no" if rows in differ else "yes"
-        lines.append(f"  {rows:>6} {stage:>11.1f} {gloo:>11.1f} {stage / gloo:>10.3f} {equal:>12}")
+        stage = p50[(rows, "stage")]
+        base = p50.get((rows, name))
+        equal = "no" if rows in differ else ("yes" if with_baseline else "-")
+        shown = f"{base:>11.1f} {stage / base:>10.3f}" if base else f"{'-':>11} {'-':>10}"
+        lines.append(f"  {rows:>6} {stage:>11.1f} {shown} {equal:>12}")
     return "\n".join(lines)

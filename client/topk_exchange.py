@@ -29,6 +29,37 @@ def _planes(mapping: SegmentMapping, layout: TopkLayout) -> list[tuple[torch.Ten
     return [(planes[slot, 0], planes[slot, 1]) for slot in range(SLOTS)]
 
 
+def check_candidates(
+    local_idx: torch.Tensor, local_scores: torch.Tensor, topk: int, max_rows: int, device: torch.device, where: dict
+) -> None:
+    """A stage's inputs: [rows, topk] int32 indices and float32 scores on the group's device."""
+    shape_ok = (
+        isinstance(local_idx, torch.Tensor)
+        and isinstance(local_scores, torch.Tensor)
+        and local_idx.dim() == 2
+        and local_idx.shape == local_scores.shape
+        and local_idx.shape[1] == topk
+    )
+    if not shape_ok:
+        shapes = [
+            tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (local_idx, local_scores)
+        ]
+        raise InvalidArgumentError(
+            f"local_idx and local_scores must both be [rows, {topk}] tensors, got {shapes[0]} and {shapes[1]}", **where
+        )
+    if local_idx.dtype != torch.int32 or local_scores.dtype != torch.float32:
+        raise InvalidArgumentError(
+            f"expected int32 indices and float32 scores, got {local_idx.dtype} and {local_scores.dtype}", **where
+        )
+    if local_idx.device != device or local_scores.device != device:
+        raise InvalidArgumentError(
+            f"this exchange belongs to a group on {device}; got tensors on {local_idx.device} and {local_scores.device}",
+            **where,
+        )
+    if local_idx.shape[0] > max_rows:
+        raise InvalidArgumentError(f"{local_idx.shape[0]} rows exceed the exchange's max_rows {max_rows}", **where)
+
+
 class TopkExchange:
     """Built by Communicator.topk_exchange; stage() is collective, like every collective."""
 
@@ -85,32 +116,7 @@ class TopkExchange:
     def _check(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> None:
         if self._closed:
             raise InvalidArgumentError("this top-k exchange is closed", **self._where)
-        shape_ok = (
-            isinstance(local_idx, torch.Tensor)
-            and isinstance(local_scores, torch.Tensor)
-            and local_idx.dim() == 2
-            and local_idx.shape == local_scores.shape
-            and local_idx.shape[1] == self.topk
-        )
-        if not shape_ok:
-            shapes = [
-                tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in (local_idx, local_scores)
-            ]
-            raise InvalidArgumentError(
-                f"local_idx and local_scores must both be [rows, {self.topk}] tensors, got {shapes[0]} and {shapes[1]}",
-                **self._where,
-            )
-        if local_idx.dtype != torch.int32 or local_scores.dtype != torch.float32:
-            raise InvalidArgumentError(
-                f"expected int32 indices and float32 scores, got {local_idx.dtype} and {local_scores.dtype}",
-                **self._where,
-            )
-        if not (local_idx.is_cpu and local_scores.is_cpu):
-            raise InvalidArgumentError("this exchange belongs to a CPU group; pass CPU tensors", **self._where)
-        if local_idx.shape[0] > self.max_rows:
-            raise InvalidArgumentError(
-                f"{local_idx.shape[0]} rows exceed the exchange's max_rows {self.max_rows}", **self._where
-            )
+        check_candidates(local_idx, local_scores, self.topk, self.max_rows, torch.device("cpu"), self._where)
 
     def close(self) -> None:
         """Unmap the slabs here (the daemon frees them with the group). Calling it again does nothing."""
@@ -120,3 +126,61 @@ class TopkExchange:
         self._planes = []
         for slab in self._slabs:
             host_memory.unmap_segment(slab.address, slab.size_bytes)
+
+
+class CudaTopkExchange:
+    """A CUDA group's exchange: each stage is one kernel on the current stream (capturable in a
+    CUDA graph), writing into the owners' slabs on their GPUs (native/cuda/topk.h); the grid and
+    the slab geometry are the daemon's, the same for every rank."""
+
+    def __init__(
+        self,
+        layout: TopkLayout,
+        rank: int,
+        slabs: list[SegmentMapping],
+        transport,
+        blocks: int,
+        timeout: float,
+        where: dict,
+        count: Callable[[int], None] = lambda nbytes: None,
+    ):
+        self.max_rows, self.topk = layout.max_rows, layout.topk
+        self._layout = layout
+        self._rank = rank
+        self._slabs = slabs
+        self._addresses = [slab.address for slab in slabs]
+        self._transport = transport
+        self._blocks = blocks
+        self._timeout = timeout
+        self._where = where
+        self._count = count
+        self._closed = False
+
+    def stage(
+        self, local_idx: torch.Tensor, local_scores: torch.Tensor, *, path: str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As TopkExchange.stage, enqueued on the current stream: the tables are new tensors that
+        hold the result once the stream reaches the end of the stage."""
+        if self._closed:
+            raise InvalidArgumentError("this top-k exchange is closed", **self._where)
+        if path is not None:
+            raise InvalidArgumentError(f"path {path!r}: CUDA exchanges run their one kernel path", **self._where)
+        check_candidates(local_idx, local_scores, self.topk, self.max_rows, self._transport.device, self._where)
+        local_idx, local_scores = local_idx.contiguous(), local_scores.contiguous()
+        rows, world = local_idx.shape[0], self._layout.world_size
+        owned = len(owned_rows(rows, world, self._rank))
+        out_idx = torch.empty((owned, world, self.topk), dtype=torch.int32, device=local_idx.device)
+        out_scores = torch.empty((owned, world, self.topk), dtype=torch.float32, device=local_idx.device)
+        self._transport.topk_stage(
+            self._addresses, self._layout.rows_per_owner, self.topk, self._blocks, local_idx, local_scores, out_idx,
+            out_scores, self._timeout,
+        )  # fmt: skip
+        self._count(2 * local_idx.numel() * 4)
+        return out_idx, out_scores
+
+    def close(self) -> None:
+        """Unmap the slabs here, once this device's work on them is done."""
+        if self._closed:
+            return
+        self._closed = True
+        self._transport.unmap(self._slabs)

@@ -197,6 +197,10 @@ PYBIND11_MODULE(_native, m) {
         return cuda::resident_blocks(device);
       },
       py::arg("device"), "How many blocks of the all-reduce kernel fit on `device` at once.");
+  m.def("cuda_topk_slab_bytes", &cuda::topk_slab_bytes, py::arg("rows_per_owner"), py::arg("world_size"),
+        py::arg("topk"), "Bytes of one owner's top-k slab on its GPU: flags, then two slots of planes.");
+  m.def("cuda_topk_blocks", &cuda::topk_blocks, py::arg("rows_per_owner"), py::arg("world_size"), py::arg("topk"),
+        py::arg("max_blocks"), "The grid every rank of a top-k exchange runs.");
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",
@@ -213,6 +217,10 @@ PYBIND11_MODULE(_native, m) {
            "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")
       .def("barrier", &cuda::CudaGroup::barrier, py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
            py::arg("stream"), "Enqueue a barrier among the ranks' streams.")
+      .def("topk_stage", &cuda::CudaGroup::topk_stage, py::call_guard<py::gil_scoped_release>(), py::arg("slabs"),
+           py::arg("rows_per_owner"), py::arg("topk"), py::arg("blocks"), py::arg("idx"), py::arg("scores"),
+           py::arg("rows"), py::arg("out_idx"), py::arg("out_scores"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue one top-k exchange stage: this rank's candidates to their owners, its owner table out.")
       .def("check_peers", &cuda::CudaGroup::check_peers, py::call_guard<py::gil_scoped_release>(), py::arg("nonce"),
            py::arg("timeout_s"),
            "Write a tag into every peer's buffer and wait for every peer's tag in this one: '' or what failed.")

@@ -112,11 +112,14 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> Gro
 
 @dataclass
 class TopkSlabs:
-    """A top-k exchange's memory: one slab per owner rank (nodecomm.topk_layout), host memfds."""
+    """A top-k exchange's memory: one slab per owner rank. Host memfds (nodecomm.topk_layout) for
+    CPU groups; for CUDA groups, VMM allocations on each owner's GPU (native/cuda/topk.h), which
+    the daemon keeps mapped until the group is released."""
 
     exchange_id: int
     fds: list[int]
     slab_bytes: int
+    device_mappings: list[DeviceMapping] = field(default_factory=list)
     closed: bool = field(default=False)
 
     @property
@@ -126,8 +129,31 @@ class TopkSlabs:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            for fd in self.fds:
-                os.close(fd)
+            try:
+                for mapping in self.device_mappings:
+                    _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+            finally:
+                for fd in self.fds:
+                    os.close(fd)
+
+
+def allocate_cuda_topk_slabs(name: str, exchange_id: int, devices: list[int], slab_bytes: int) -> TopkSlabs:
+    """One zeroed slab per owner on its GPU (devices[owner], the daemon's CUDA index), all of one size."""
+    fds: list[int] = []
+    mappings: list[DeviceMapping] = []
+    sizes = {_native.cuda_vmm_rounded_size(device, slab_bytes) for device in devices}
+    try:
+        for device in devices:
+            fd, address, size = _native.cuda_vmm_allocate(device, max(sizes))
+            fds.append(fd)
+            mappings.append(DeviceMapping(address, size))
+    except (MemoryError, OSError, NodecommError) as error:
+        TopkSlabs(exchange_id, fds, 0, mappings).close()
+        raise ResourceExhaustedError(
+            f"allocating {len(devices)} top-k slabs of {slab_bytes} bytes on GPUs {sorted(set(devices))} failed: {error}",
+            group=name,
+        ) from None
+    return TopkSlabs(exchange_id, fds, max(sizes), mappings)
 
 
 def allocate_topk_slabs(name: str, exchange_id: int, world_size: int, slab_bytes: int) -> TopkSlabs:

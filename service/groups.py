@@ -39,7 +39,14 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import GroupMemory, TopkSlabs, allocate_group, allocate_rank_memory, allocate_topk_slabs
+from .allocator import (
+    GroupMemory,
+    TopkSlabs,
+    allocate_cuda_topk_slabs,
+    allocate_group,
+    allocate_rank_memory,
+    allocate_topk_slabs,
+)
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
@@ -578,8 +585,6 @@ class GroupRegistry:
             raise InvalidArgumentError(
                 f"top-k exchanges support world sizes {sorted(WORLD_SIZES)}; this group has {world_size}", **where
             )
-        if group.args.device_kind != "cpu":
-            raise UnsupportedError("top-k exchanges run on CPU groups so far; CUDA groups come next", **where)
         if request.layout_version != LAYOUT_VERSION:
             raise InvalidArgumentError(
                 f"layout_version {request.layout_version}: this daemon lays slabs out as version {LAYOUT_VERSION}",
@@ -635,7 +640,15 @@ class GroupRegistry:
     def _form_exchange(self, group: Group, sequence: int, forming: FormingExchange) -> None:
         first = forming.arrivals[0]
         layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
-        needed = layout.slab_bytes * layout.world_size
+        on_gpus = group.args.device_kind == "cuda"
+        if on_gpus:
+            slab_bytes = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, layout.topk)
+            blocks = _native.cuda_topk_blocks(
+                layout.rows_per_owner, layout.world_size, layout.topk, max_blocks_for(self._device_indices(group))
+            )
+        else:
+            slab_bytes, blocks = layout.slab_bytes, 0
+        needed = slab_bytes * layout.world_size
         reserved = sum(g.reserved_bytes for g in self._groups.values())
         try:
             if reserved + needed > self.config.max_reserved_bytes:
@@ -644,30 +657,55 @@ class GroupRegistry:
                     f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
                     group=group.name,
                 )
-            slabs = allocate_topk_slabs(group.name, sequence, layout.world_size, layout.slab_bytes)
+            if on_gpus:
+                slabs = allocate_cuda_topk_slabs(group.name, sequence, self._device_indices(group), slab_bytes)
+            else:
+                slabs = allocate_topk_slabs(group.name, sequence, layout.world_size, slab_bytes)
         except ResourceExhaustedError as error:
             self._fail_exchange(forming, error)
             return
+        tokens: dict[int, bytes] = {}
+        try:
+            for rank in forming.futures:
+                tokens[rank] = self.claims.issue(
+                    group.name, group.group_id, rank, group.members[rank].pid, slabs.fds,
+                    self.config.claim_token_ttl_seconds,
+                )  # fmt: skip
+        except OSError as error:  # out of descriptors handing them out: take back what was issued
+            for token in tokens.values():
+                claim = self.claims.take(token)
+                if claim is not None:
+                    claim.close()
+            slabs.close()
+            self._fail_exchange(
+                forming, ResourceExhaustedError(f"handing out the slabs failed: {error.strerror}", group=group.name)
+            )
+            return
         group.topk_slabs.append(slabs)
-        self.metrics.reserve("host", "host", "topk", slabs.reserved_bytes)
+        for owner in range(layout.world_size):
+            device = group.devices[owner]
+            placed = ("host", "host") if device == "cpu" else ("cuda", device)
+            self.metrics.reserve(*placed, "topk", slabs.slab_bytes)
         exchange_id = secrets.randbits(63)
         for rank, future in forming.futures.items():
-            token = self.claims.issue(
-                group.name,
-                group.group_id,
-                rank,
-                group.members[rank].pid,
-                slabs.fds,
-                self.config.claim_token_ttl_seconds,
+            reply = pb.TopkExchangeReply(
+                exchange_id=exchange_id,
+                claim_token=tokens[rank],
+                memory_kind=pb.CUDA_VMM_FD if on_gpus else pb.HOST_MEMFD,
+                blocks=blocks,
+                rows_per_owner=layout.rows_per_owner,
             )
-            reply = pb.TopkExchangeReply(exchange_id=exchange_id, claim_token=token, memory_kind=pb.HOST_MEMFD)
             for owner in range(layout.world_size):
-                reply.slabs.add(owner_rank=owner, size_bytes=layout.slab_bytes)
+                reply.slabs.add(owner_rank=owner, size_bytes=slabs.slab_bytes)
             future.set_result(reply)
         log.info(
             "top-k exchange opened",
             extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
         )
+
+    def _device_indices(self, group: Group) -> list[int]:
+        """The daemon's CUDA index of each rank's GPU, in rank order."""
+        return [self.gpus.index(device) for device in group.devices]
 
     # -- the service path ------------------------------------------------------------------------
 
@@ -859,7 +897,9 @@ class GroupRegistry:
             self.claims.drop_group(group.group_id)
             group.memory.close()
             for slabs in group.topk_slabs:
-                self.metrics.reserve("host", "host", "topk", -slabs.reserved_bytes)
+                for device in group.devices:
+                    placed = ("host", "host") if device == "cpu" else ("cuda", device)
+                    self.metrics.reserve(*placed, "topk", -slabs.slab_bytes)
                 slabs.close()
             if group.service is not None:
                 self.metrics.reserve("host", "host", "service", -group.service.reserved_bytes)

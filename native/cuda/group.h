@@ -17,6 +17,7 @@
 #include "collectives.h"
 #include "driver.h"
 #include "layout.h"
+#include "topk.h"
 
 namespace nodecomm::cuda {
 
@@ -87,6 +88,17 @@ class CudaGroup {
   void barrier(double timeout_s, std::uintptr_t stream) {
     DeviceScope scope(device_);
     cuda::barrier(view_, timeout_s, reinterpret_cast<cudaStream_t>(stream));
+  }
+
+  // One stage of a top-k exchange whose slabs (every rank's, mapped here) the daemon laid out
+  // for rows_per_owner and topk, with the grid it chose (topk.h).
+  void topk_stage(const std::vector<std::uintptr_t>& slabs, std::size_t rows_per_owner, std::size_t topk, int blocks,
+                  std::uintptr_t idx, std::uintptr_t scores, std::size_t rows, std::uintptr_t out_idx,
+                  std::uintptr_t out_scores, double timeout_s, std::uintptr_t stream) {
+    NODECOMM_CHECK(int(slabs.size()) == view_.world_size, "expected one slab per rank");
+    DeviceScope scope(device_);
+    const TopkView view{slabs.data(), view_.world_size, view_.rank, rows_per_owner, topk, view_.control, blocks};
+    cuda::topk_stage(view, idx, scores, rows, out_idx, out_scores, timeout_s, reinterpret_cast<cudaStream_t>(stream));
   }
 
   // Proves that this rank can write every peer's buffer through its mapping and that every peer's

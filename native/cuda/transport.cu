@@ -27,6 +27,8 @@
 #include "collectives.h"
 #include "driver.h"
 #include "layout.h"
+#include "sync.cuh"
+#include "world.h"
 
 namespace nodecomm::cuda {
 namespace {
@@ -42,34 +44,6 @@ template <int N>
 struct Peers {
   std::uint8_t* rank[N];
 };
-
-__device__ __forceinline__ void store_release(std::uint64_t* address, std::uint64_t value) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
-}
-
-__device__ __forceinline__ std::uint64_t load_acquire(const std::uint64_t* address) {
-  std::uint64_t value;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ std::uint64_t load_volatile(const std::uint64_t* address) {
-  return *reinterpret_cast<const volatile std::uint64_t*>(address);
-}
-
-__device__ __forceinline__ void store_volatile(std::uint64_t* address, std::uint64_t value) {
-  *reinterpret_cast<volatile std::uint64_t*>(address) = value;
-}
-
-__device__ __forceinline__ std::uint64_t now_ns() {
-  std::uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-__device__ __forceinline__ std::uint64_t* word(std::uint8_t* base, std::size_t offset) {
-  return reinterpret_cast<std::uint64_t*>(base + offset);
-}
 
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ float widen(__half x) { return __half2float(x); }
@@ -123,23 +97,6 @@ __host__ __device__ __forceinline__ std::size_t round_to_packs(std::size_t n) {
   return (n + Pack<T>::kSize - 1) / Pack<T>::kSize * Pack<T>::kSize;
 }
 
-// Record why this rank stopped (the first record stays) in the control segment, where the host
-// reads it; a timeout also aborts the group. Host memory takes no device atomics on PCIe hosts,
-// so "first" is best effort: every record and reason written is a true one.
-__device__ void fail(std::uint8_t* control, int rank, std::uint64_t code, int peer, std::uint64_t epoch) {
-  std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
-  if (load_volatile(record) == control::kErrorNone) {
-    store_volatile(record + 1, std::uint64_t(peer));
-    store_volatile(record + 2, epoch);
-    __threadfence_system();
-    store_volatile(record, code);
-  }
-  if (code == control::kErrorTimeout && load_volatile(word(control, 0)) == 0) {
-    store_volatile(word(control, 0), (std::uint64_t(control::kStalled) << 32) | std::uint64_t(rank));
-  }
-  __threadfence_system();
-}
-
 // Block-pair barrier among block b of every rank. Returns false (after recording why) on a
 // timeout or an abort; every thread of the block gets the same answer.
 template <int N>
@@ -161,25 +118,7 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
     const int peer = threadIdx.x;
     store_release(word(peers.rank[peer], kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8), epoch);
     const std::uint64_t* flag = word(mine, kFlagOffset + (std::size_t(block) * kMaxRanks + peer) * 8);
-    std::uint64_t started = 0;
-    // The abort word and the clock are read every 32 spins: the abort word is host memory, a
-    // PCIe round trip that would otherwise slow every wait.
-    for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
-      if (spins % 32 != 0) continue;
-      if (load_volatile(word(control, 0)) != 0) {
-        fail(control, rank, control::kErrorAborted, peer, epoch);
-        *failed = 1;
-        break;
-      }
-      const std::uint64_t now = now_ns();
-      if (started == 0) {
-        started = now;
-      } else if (now - started > timeout_ns) {
-        fail(control, rank, control::kErrorTimeout, peer, epoch);
-        *failed = 1;
-        break;
-      }
-    }
+    if (!wait_at_least(flag, epoch, control, rank, peer, timeout_ns)) *failed = 1;
   }
   __syncthreads();
   return *failed == 0;
@@ -413,23 +352,6 @@ void all_reduce_typed(const GroupView& group, std::uintptr_t input, std::uintptr
   auto* out = reinterpret_cast<T*>(output);
   if (algorithm == Algorithm::kDma) return dma_all_reduce<T, N>(group, in, out, count, timeout, stream, pipeline);
   kernel_all_reduce<T, N>(group, in, out, count, algorithm, timeout, stream);
-}
-
-// Calls fn(std::integral_constant<int, world_size>{}): the world size as a compile-time constant.
-template <typename Fn>
-void for_world(int world_size, Fn&& fn) {
-  switch (world_size) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    case 5: return fn(std::integral_constant<int, 5>{});
-    case 6: return fn(std::integral_constant<int, 6>{});
-    case 7: return fn(std::integral_constant<int, 7>{});
-    case 8: return fn(std::integral_constant<int, 8>{});
-    case 16: return fn(std::integral_constant<int, 16>{});
-  }
-  NODECOMM_RAISE(kInvalidArgument, "CUDA paths support world sizes 1-8 and 16, got " + std::to_string(world_size));
 }
 
 void check_group(const GroupView& group) {

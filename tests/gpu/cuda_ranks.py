@@ -169,3 +169,111 @@ def nccl_fallback(rank: int, world_size: int, socket: str, port: int) -> dict:
             return {"table": table, "default": bool((y == total).all()), "forced": bool((z == total).all())}
     finally:
         dist.destroy_process_group()
+
+
+def candidates(source: int, stage: int, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source rank `source`'s [rows, topk] candidates at `stage`: any int32 index, and scores as
+    arbitrary bits (NaN payloads, infinities, -0.0), on the CPU."""
+    generator = torch.Generator().manual_seed(7919 * stage + source)
+    idx = torch.randint(-(2**31), 2**31 - 1, (rows, topk), dtype=torch.int32, generator=generator)
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, topk), dtype=torch.int32, generator=generator)
+    return idx, bits.view(torch.float32)
+
+
+def owner_table(rank: int, world_size: int, stage: int, rows: int, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What this rank must receive: [i, s, :] = source s's candidates for its i-th owned row."""
+    from nodecomm.topk_layout import owned_rows
+
+    span = owned_rows(rows, world_size, rank)
+    sources = [candidates(s, stage, rows, topk) for s in range(world_size)]
+    idx = torch.stack([c[0][span.start : span.stop] for c in sources], 1)
+    scores = torch.stack([c[1][span.start : span.stop] for c in sources], 1)
+    return idx, scores
+
+
+def topk_exact(
+    rank: int, world_size: int, socket: str, max_rows: int, topk: int, rows_list: list[int], delayed_rank: int
+) -> list[str]:
+    """CUDA top-k stages, eager back to back with no synchronisation between them, then one stage
+    captured in a graph and replayed 8 times (the delayed rank sleeps on its GPU inside the graph):
+    every owner table checked bit for bit."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    problems = []
+    with nodecomm.connect("topk-cuda", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+        exchange = comm.topk_exchange(max_rows, topk)
+        tables = []
+        for stage, rows in enumerate(rows_list):
+            idx, scores = candidates(rank, stage, rows, topk)
+            if rank == delayed_rank:
+                torch.cuda._sleep(5_000_000)
+            tables.append(exchange.stage(idx.to(device), scores.to(device)))
+        torch.cuda.synchronize()
+        for stage, (rows, (got_idx, got_scores)) in enumerate(zip(rows_list, tables, strict=True)):
+            want_idx, want_scores = owner_table(rank, world_size, stage, rows, topk)
+            if not (
+                torch.equal(got_idx.cpu(), want_idx)
+                and torch.equal(got_scores.cpu().view(torch.int32), want_scores.view(torch.int32))
+            ):
+                problems.append(f"eager stage {stage} rows={rows}: the owner table differs")
+
+        rows = rows_list[0]
+        static_idx = torch.empty((rows, topk), dtype=torch.int32, device=device)
+        static_scores = torch.empty((rows, topk), dtype=torch.float32, device=device)
+        graph = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream()
+        capture_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(capture_stream), torch.cuda.graph(graph, stream=capture_stream):
+            if rank == delayed_rank:
+                torch.cuda._sleep(20_000_000)  # ~10 ms of GPU cycles, inside the graph
+            out_idx, out_scores = exchange.stage(static_idx, static_scores)
+        history = []
+        for replay in range(8):
+            idx, scores = candidates(rank, 100 + replay, rows, topk)
+            static_idx.copy_(idx)
+            static_scores.copy_(scores)
+            graph.replay()
+            history.append((out_idx.clone(), out_scores.clone()))
+        torch.cuda.synchronize()
+        for replay, (got_idx, got_scores) in enumerate(history):
+            want_idx, want_scores = owner_table(rank, world_size, 100 + replay, rows, topk)
+            if not (
+                torch.equal(got_idx.cpu(), want_idx)
+                and torch.equal(got_scores.cpu().view(torch.int32), want_scores.view(torch.int32))
+            ):
+                problems.append(f"graph replay {replay}: the owner table differs")
+        comm.barrier()
+        record = _native.error_record(comm._control.address, rank)
+        if record[0] != 0:
+            problems.append(f"error record {record}")
+    return problems
+
+
+def topk_large_offsets(rank: int, world_size: int, socket: str, rows_per_owner: int, topk: int) -> int:
+    """An exchange whose slab offsets pass 2^31 bytes (slot 1's score plane starts past 3 planes):
+    candidates are a function of (source, row, column), so a truncated offset shows as a wrong
+    value; returns how many elements differ, counted on the GPU."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    rows = rows_per_owner * world_size
+    with nodecomm.connect("topk-large", rank, world_size, device=device, socket=socket, timeout=300) as comm:
+        exchange = comm.topk_exchange(rows, topk)
+        row = torch.arange(rows, device=device, dtype=torch.int32).view(-1, 1)
+        column = torch.arange(topk, device=device, dtype=torch.int32).view(1, -1)
+
+        def value(source, r, c):
+            return r * 4099 + c * 31 + source * 7
+
+        idx = value(rank, row, column)
+        scores = (idx ^ 0x5BD1E995).view(torch.float32)
+        del row
+        wrong = 0
+        for _ in range(2):  # stage 1 uses slot 1 (past 2 GiB), stage 2 slot 0
+            got_idx, got_scores = exchange.stage(idx, scores)
+            owned = torch.arange(rank * rows_per_owner, (rank + 1) * rows_per_owner, device=device, dtype=torch.int32)
+            source = torch.arange(world_size, device=device, dtype=torch.int32).view(1, -1, 1)
+            want = value(source, owned.view(-1, 1, 1), column.view(1, 1, -1))
+            wrong += int((got_idx != want).sum()) + int((got_scores.view(torch.int32) != (want ^ 0x5BD1E995)).sum())
+            del got_idx, got_scores, want
+        torch.cuda.synchronize()
+    return wrong

@@ -352,16 +352,20 @@ class TopkExchangeRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., max_rows: _Optional[int] = ..., topk: _Optional[int] = ..., layout_version: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
 class TopkExchangeReply(_message.Message):
-    __slots__ = ("exchange_id", "claim_token", "memory_kind", "slabs")
+    __slots__ = ("exchange_id", "claim_token", "memory_kind", "slabs", "blocks", "rows_per_owner")
     EXCHANGE_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
     SLABS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_OWNER_FIELD_NUMBER: _ClassVar[int]
     exchange_id: int
     claim_token: bytes
     memory_kind: MemoryKind
     slabs: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    blocks: int
+    rows_per_owner: int
+    def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., blocks: _Optional[int] = ..., rows_per_owner: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
     __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes")

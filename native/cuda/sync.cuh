@@ -1,0 +1,81 @@
+// sync.cuh — what every CUDA kernel of nodecomm synchronises with: release/acquire stores and
+// loads at system scope (peers' memory may sit across PCIe), the global timer, the group's abort
+// word and error records (../control.h), and one bounded wait that honours both.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "../control.h"
+
+namespace nodecomm::cuda {
+
+__device__ __forceinline__ void store_release(std::uint64_t* address, std::uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+__device__ __forceinline__ std::uint64_t load_acquire(const std::uint64_t* address) {
+  std::uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ std::uint64_t load_volatile(const std::uint64_t* address) {
+  return *reinterpret_cast<const volatile std::uint64_t*>(address);
+}
+
+__device__ __forceinline__ void store_volatile(std::uint64_t* address, std::uint64_t value) {
+  *reinterpret_cast<volatile std::uint64_t*>(address) = value;
+}
+
+__device__ __forceinline__ std::uint64_t now_ns() {
+  std::uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ std::uint64_t* word(std::uint8_t* base, std::size_t offset) {
+  return reinterpret_cast<std::uint64_t*>(base + offset);
+}
+
+// Record why this rank stopped (the first record stays) in the control segment, where the host
+// reads it; a timeout also aborts the group. Host memory takes no device atomics on PCIe hosts,
+// so "first" is best effort: every record and reason written is a true one.
+__device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code, int peer, std::uint64_t epoch) {
+  std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
+  if (load_volatile(record) == control::kErrorNone) {
+    store_volatile(record + 1, std::uint64_t(peer));
+    store_volatile(record + 2, epoch);
+    __threadfence_system();
+    store_volatile(record, code);
+  }
+  if (code == control::kErrorTimeout && load_volatile(word(control, 0)) == 0) {
+    store_volatile(word(control, 0), (std::uint64_t(control::kStalled) << 32) | std::uint64_t(rank));
+  }
+  __threadfence_system();
+}
+
+// Wait until *flag reaches epoch. The abort word and the clock are read every 32 spins: the abort
+// word is host memory, a PCIe round trip that would otherwise slow every wait. False (after
+// recording why, against `peer`) on an abort or once timeout_ns have passed.
+__device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
+                                     int peer, std::uint64_t timeout_ns) {
+  std::uint64_t started = 0;
+  for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
+    if (spins % 32 != 0) continue;
+    if (load_volatile(word(control, 0)) != 0) {
+      fail(control, rank, control::kErrorAborted, peer, epoch);
+      return false;
+    }
+    const std::uint64_t now = now_ns();
+    if (started == 0) {
+      started = now;
+    } else if (now - started > timeout_ns) {
+      fail(control, rank, control::kErrorTimeout, peer, epoch);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace nodecomm::cuda

@@ -1,0 +1,28 @@
+// world.h — the world size as a compile-time constant, for kernels that unroll over ranks.
+#pragma once
+
+#include <string>
+#include <type_traits>
+
+#include "../errors.h"
+
+namespace nodecomm::cuda {
+
+// Calls fn(std::integral_constant<int, world_size>{}): the world size as a compile-time constant.
+template <typename Fn>
+void for_world(int world_size, Fn&& fn) {
+  switch (world_size) {
+    case 1: return fn(std::integral_constant<int, 1>{});
+    case 2: return fn(std::integral_constant<int, 2>{});
+    case 3: return fn(std::integral_constant<int, 3>{});
+    case 4: return fn(std::integral_constant<int, 4>{});
+    case 5: return fn(std::integral_constant<int, 5>{});
+    case 6: return fn(std::integral_constant<int, 6>{});
+    case 7: return fn(std::integral_constant<int, 7>{});
+    case 8: return fn(std::integral_constant<int, 8>{});
+    case 16: return fn(std::integral_constant<int, 16>{});
+  }
+  NODECOMM_RAISE(kInvalidArgument, "CUDA paths support world sizes 1-8 and 16, got " + std::to_string(world_size));
+}
+
+}  // namespace nodecomm::cuda
