@@ -19,7 +19,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .communicator import Communicator, Transport
 from .cuda_transport import CudaTransport
-from .descriptors import claim, map_host_segment
+from .descriptors import claim, identify, map_host_segment
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
 from .mapping import SegmentMapping
@@ -158,6 +158,8 @@ def connect(
         overrides.append(pb.Boundary(name=name, value_bytes=size) if size is not None else pb.Boundary(name=name))
 
     socket = socket or default_socket_path()
+    # Proves this process's pid, uid and groups (SO_PEERCRED) to a daemon that admits only some.
+    identity = identify(socket + ".fd", timeout, where)
     channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
     request = pb.JoinRequest(
@@ -170,6 +172,7 @@ def connect(
         join_timeout_seconds=timeout,
         nccl_fallback=nccl_group is not None,
         overrides=overrides,
+        identity=identity,
     )
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)

@@ -30,6 +30,28 @@ def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> 
     return list(fds)
 
 
+IDENTIFY = b"nodecomm:whoami\x00"
+
+
+def identify(path: str, timeout: float, where: dict) -> bytes:
+    """An identity token for this process from the descriptor socket at `path` (b"" when there is
+    no descriptor socket there); raises PermissionDeniedError with the daemon's reason when it does
+    not admit this process's uid and groups."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(path)
+            sock.sendall(IDENTIFY)
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+    except OSError:
+        return b""  # then the Join goes without one, and the daemon says if it needs one
+    if answer[:1] == b"\x00" and len(answer) == 17:
+        return answer[1:]
+    raise PermissionDeniedError(f"the daemon refused this process: {answer[1:].decode(errors='replace')}", **where)
+
+
 def claim(path: str, token: bytes, expected: int, timeout: float, where: dict) -> list[int]:
     """claim_descriptors, with failures as nodecomm errors and the count checked."""
     try:

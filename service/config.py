@@ -48,8 +48,20 @@ class DaemonConfig:
     socket: str = dataclasses.field(default_factory=default_socket_path)
     # The companion socket that passes file descriptors; empty: "<socket>.fd" beside the socket.
     descriptor_socket: str = ""
-    # "host:port" on a loopback address, or empty for no TCP listener.
+    # "host:port" on a loopback address, or empty for no TCP listener. Another address needs TLS:
+    # tls_cert and tls_key (PEM files), and tls_client_ca to require client certificates.
     tcp_address: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+    # Who may use the daemon. The sockets are 0660 and their directory 0750, owned by
+    # socket_group (a group name or gid; empty: the daemon's own group). With allowed_uids or
+    # allowed_gids (comma-separated ids or names), a Join must also carry an identity the
+    # descriptor socket issued after checking the caller's SO_PEERCRED against them (the
+    # daemon's own uid is always allowed); the client does this on its own.
+    socket_group: str = ""
+    allowed_uids: str = ""
+    allowed_gids: str = ""
     # "host:port" for Prometheus /metrics, or "off".
     metrics_address: str = "127.0.0.1:9464"
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
@@ -78,6 +90,11 @@ class DaemonConfig:
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
+    # Per-daemon quotas, past which a Join gets RESOURCE_EXHAUSTED before anything is allocated:
+    # groups formed or forming, ranks in one group, bytes of buffers on any one GPU.
+    max_groups: int = 256
+    max_ranks_per_group: int = 16
+    max_bytes_per_gpu: int = 16 << 30
     drain_grace_seconds: float = 5.0
     # The service path: collectives a group may have queued past the next one to run (a submit
     # beyond gets RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
@@ -98,13 +115,25 @@ class DaemonConfig:
             object.__setattr__(self, "descriptor_socket", self.socket + ".fd")
         if not self.state_dir:
             object.__setattr__(self, "state_dir", default_state_dir())
+        if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
+            raise ValueError("tls_cert and tls_key: expected both (PEM files) or neither; tls_client_ca needs them")
+        for name in ("tls_cert", "tls_key", "tls_client_ca"):
+            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
+                raise ValueError(f"{name} {getattr(self, name)!r}: no such file")
         if self.tcp_address:
             host = _split_address("tcp_address", self.tcp_address)[0]
-            if not ipaddress.ip_address(host).is_loopback:
+            if not ipaddress.ip_address(host).is_loopback and not self.tls_cert:
                 raise ValueError(
-                    f"tcp_address {self.tcp_address!r}: expected a loopback address (127.0.0.0/8 or ::1); "
-                    "the control plane is not exposed beyond the node"
+                    f"tcp_address {self.tcp_address!r}: expected a loopback address (127.0.0.0/8 or ::1), or "
+                    "tls_cert and tls_key for any other; the control plane is not exposed in the clear"
                 )
+        for name in ("allowed_uids", "allowed_gids"):
+            parse_ids(name, getattr(self, name))
+        if self.socket_group:
+            parse_ids("socket_group", self.socket_group)
+        for name in ("max_groups", "max_ranks_per_group"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.metrics_address != "off":
             _split_address("metrics_address", self.metrics_address)
         for name in (
@@ -125,7 +154,7 @@ class DaemonConfig:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:
             raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
-        for name in ("max_capacity_bytes", "max_reserved_bytes"):
+        for name in ("max_capacity_bytes", "max_reserved_bytes", "max_bytes_per_gpu"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 64:
                 raise ValueError(f"{name}: expected a byte size of at least 64, got {getattr(self, name)!r}")
         unknown = set(self.overrides) - set(BOUNDARY_NAMES)
@@ -138,6 +167,26 @@ class DaemonConfig:
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
         return None if self.metrics_address == "off" else _split_address("metrics_address", self.metrics_address)
+
+
+def parse_ids(field: str, text: str) -> frozenset[int]:
+    """Comma-separated numeric ids or names: uids for allowed_uids, gids otherwise."""
+    import grp
+    import pwd
+
+    ids = set()
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        if item.isdigit():
+            ids.add(int(item))
+            continue
+        try:
+            ids.add(pwd.getpwnam(item).pw_uid if field == "allowed_uids" else grp.getgrnam(item).gr_gid)
+        except KeyError:
+            kind = "user" if field == "allowed_uids" else "group"
+            raise ValueError(f"{field}: no {kind} named {item!r}; expected ids or names, comma-separated") from None
+    return frozenset(ids)
 
 
 def _split_address(field: str, address: str) -> tuple[str, int]:

@@ -121,6 +121,11 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         )
     if not 1 <= args.world_size <= MAX_WORLD_SIZE:
         raise InvalidArgumentError(f"world_size {args.world_size}: expected 1..{MAX_WORLD_SIZE}", **where)
+    if args.world_size > config.max_ranks_per_group:
+        raise ResourceExhaustedError(
+            f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
+            **where,
+        )
     if not 0 <= args.rank < args.world_size:
         raise InvalidArgumentError(
             f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where
@@ -330,6 +335,13 @@ class GroupRegistry:
                 forming.failed_ranks.add(args.rank)
                 raise forming.failure
         if forming is None:
+            groups = len(self._groups) + sum(1 for f in self._forming.values() if f.arrivals)
+            if groups >= self.config.max_groups:
+                raise ResourceExhaustedError(
+                    f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released",
+                    group=args.group,
+                    rank=args.rank,
+                )
             forming = self._forming[args.group] = FormingGroup(args.group)
         if args.rank in forming.arrivals:
             other = forming.arrivals[args.rank].args
@@ -406,7 +418,7 @@ class GroupRegistry:
     def _form(self, forming: FormingGroup) -> None:
         first = forming.arrivals[0].args
         try:
-            self._check_quota(first)
+            self._check_quota(first, [a.args.device for _, a in sorted(forming.arrivals.items())])
             devices = [
                 None if a.args.device == "cpu" else self.gpus.index(a.args.device)
                 for _, a in sorted(forming.arrivals.items())
@@ -502,11 +514,27 @@ class GroupRegistry:
             },
         )
 
-    def _check_quota(self, args: JoinArgs) -> None:
+    def _check_quota(self, args: JoinArgs, devices: list[str]) -> None:
+        """Before anything is allocated: the daemon's byte budget, and each GPU's."""
         if args.device_kind == "cpu":
             buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
         else:
             buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
+            on_gpu = Counter()
+            for group in self._groups.values():
+                for kind, device, nbytes in group.placement():
+                    if kind == "cuda":
+                        on_gpu[device] += nbytes
+                for slabs in group.topk_slabs:
+                    for device in group.devices:
+                        on_gpu[device] += slabs.slab_bytes if device != "cpu" else 0
+            for device, ranks in Counter(devices).items():
+                if on_gpu[device] + ranks * buffer_bytes > self.config.max_bytes_per_gpu:
+                    raise ResourceExhaustedError(
+                        f"GPU {device} would hold {on_gpu[device] + ranks * buffer_bytes} bytes of buffers, past "
+                        f"this daemon's max_bytes_per_gpu {self.config.max_bytes_per_gpu}; nothing was allocated",
+                        group=args.group,
+                    )
         needed = _native.CONTROL_BYTES + args.world_size * buffer_bytes
         reserved = sum(g.reserved_bytes for g in self._groups.values())
         if reserved + needed > self.config.max_reserved_bytes:

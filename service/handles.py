@@ -1,9 +1,12 @@
-"""The descriptor socket: where a rank trades its one-time claim token for its group's memfds.
+"""The descriptor socket: where a rank trades its one-time claim token for its group's memfds, and
+where a process proves who it is before it joins.
 
-Protocol (one exchange per connection): the rank sends its 16-byte token; the daemon checks the
-connecting process's SO_PEERCRED against the pid the rank declared at Join, then answers with one
-status byte and, on success (0), the descriptors attached with SCM_RIGHTS; on failure (1) the
-rest of the message is a UTF-8 reason. Served by threads with blocking sockets, so a slow or
+Protocol (one exchange per connection): the rank sends 16 bytes, a claim token or IDENTIFY. For a
+token the daemon checks the connecting process's SO_PEERCRED against the pid the rank declared
+at Join, then answers with one status byte and, on success (0), the descriptors attached with
+SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY it checks the
+process's uid and groups against the daemon's admission lists and answers 0 and a 16-byte
+identity token (which a Join then carries, binding the rank to that pid), or 1 and the reason. Served by threads with blocking sockets, so a slow or
 silent client delays nobody and nothing here waits on the event loop.
 
 Each pending claim owns duplicates of its group's descriptors: releasing the group (which closes
@@ -23,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 TOKEN_BYTES = 16
+IDENTIFY = b"nodecomm:whoami\x00"  # a claim token is random: it equals this with probability 2^-128
 _CLAIM_IO_TIMEOUT = 2.0
 log = logging.getLogger("nodecomm.handles")
 
@@ -93,6 +97,65 @@ class ClaimTable:
             return len(self._pending)
 
 
+@dataclass(frozen=True)
+class Identity:
+    pid: int
+    uid: int
+    gids: frozenset[int]
+    expires_at: float
+
+
+class IdentityTable:
+    """Identities issued on the descriptor socket and not yet presented at Join. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._issued: dict[bytes, Identity] = {}
+
+    def issue(self, pid: int, uid: int, gids: frozenset[int], ttl: float) -> bytes:
+        token = os.urandom(TOKEN_BYTES)
+        with self._lock:
+            now = time.monotonic()
+            for stale in [t for t, i in self._issued.items() if i.expires_at < now]:
+                del self._issued[stale]
+            self._issued[token] = Identity(pid, uid, gids, now + ttl)
+        return token
+
+    def take(self, token: bytes) -> Identity | None:
+        """The identity for `token`, once; None if unknown, used or expired."""
+        with self._lock:
+            identity = self._issued.pop(token, None)
+        return identity if identity is not None and identity.expires_at >= time.monotonic() else None
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Who may use the daemon: anyone who can reach its sockets when both lists are empty;
+    otherwise the daemon's own uid, the listed uids, and members of the listed groups."""
+
+    uids: frozenset[int] = frozenset()
+    gids: frozenset[int] = frozenset()
+
+    @property
+    def required(self) -> bool:
+        return bool(self.uids or self.gids)
+
+    def admits(self, uid: int, gids: frozenset[int]) -> bool:
+        return not self.required or uid == os.geteuid() or uid in self.uids or bool(gids & self.gids)
+
+
+def process_groups(pid: int, gid: int) -> frozenset[int]:
+    """The primary and supplementary groups of `pid` (only the primary one if /proc hides it)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return frozenset([gid, *(int(g) for g in line.split()[1:])])
+    except OSError:
+        pass
+    return frozenset([gid])
+
+
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """(pid, uid, gid) of the process at the other end of a Unix socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
@@ -118,9 +181,20 @@ def is_declared_process(peer_pid: int, declared_pid: int) -> bool:
 
 
 class DescriptorServer:
-    def __init__(self, path: str, claims: ClaimTable, on_claim: Callable[[str, str], None]):
+    def __init__(
+        self,
+        path: str,
+        claims: ClaimTable,
+        on_claim: Callable[[str, str], None],
+        identities: IdentityTable | None = None,
+        admission: Admission = Admission(),
+        identity_ttl: float = 60.0,
+    ):
         self.path = path
         self._claims = claims
+        self._identities = identities or IdentityTable()
+        self._admission = admission
+        self._identity_ttl = identity_ttl
         self._on_claim = on_claim  # (result, detail) for metrics and logs
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.bind(path)
@@ -177,6 +251,8 @@ class DescriptorServer:
             token += chunk
         if len(token) != TOKEN_BYTES:
             return self._refuse(conn, "malformed", f"expected a {TOKEN_BYTES}-byte claim token, got {len(token)} bytes")
+        if token == IDENTIFY:
+            return self._identify(conn)
         claim = self._claims.take(token)
         if claim is None:
             return self._refuse(conn, "unknown_token", "unknown, already used or expired claim token")
@@ -193,6 +269,19 @@ class DescriptorServer:
             self._on_claim("ok", f"group {claim.group!r} rank {claim.rank} pid {pid}")
         finally:
             claim.close()
+
+    def _identify(self, conn: socket.socket) -> None:
+        pid, uid, gid = peer_credentials(conn)
+        gids = process_groups(pid, gid)
+        if not self._admission.admits(uid, gids):
+            return self._refuse(
+                conn,
+                "not_admitted",
+                f"uid {uid} (groups {sorted(gids)}) may not use this daemon: it admits uids "
+                f"{sorted(self._admission.uids)} and members of groups {sorted(self._admission.gids)}",
+            )
+        conn.sendall(b"\x00" + self._identities.issue(pid, uid, gids, self._identity_ttl))
+        self._on_claim("identified", f"pid {pid} uid {uid}")
 
     def _refuse(self, conn: socket.socket, result: str, reason: str) -> None:
         conn.sendall(b"\x01" + reason.encode())

@@ -22,14 +22,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from nodecomm import _native
-from nodecomm.errors import NodecommError, status_code_for, status_details
+from nodecomm.errors import NodecommError, PermissionDeniedError, status_code_for, status_details
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .calibration import CalibrationStore, cpu_fingerprint, fingerprint_key
-from .config import DaemonConfig, load_config
+from .config import DaemonConfig, load_config, parse_ids
 from .groups import GroupRegistry, JoinArgs
-from .handles import ClaimTable, DescriptorServer
+from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .logs import configure_logging
 from .metrics import DaemonMetrics
 
@@ -57,11 +57,21 @@ def rpc(method):
 
 
 class ControlServicer(pb_grpc.ControlServicer):
-    def __init__(self, registry: GroupRegistry, metrics: DaemonMetrics, config: DaemonConfig, store: CalibrationStore):
+    def __init__(
+        self,
+        registry: GroupRegistry,
+        metrics: DaemonMetrics,
+        config: DaemonConfig,
+        store: CalibrationStore,
+        identities: IdentityTable,
+        admission: Admission,
+    ):
         self.registry = registry
         self.metrics = metrics
         self.config = config
         self.store = store
+        self.identities = identities
+        self.admission = admission
 
     @rpc
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -72,7 +82,28 @@ class ControlServicer(pb_grpc.ControlServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
+        self._check_identity(request)
         return await self.registry.join(JoinArgs.from_request(request), timeout)
+
+    def _check_identity(self, request: pb.JoinRequest) -> None:
+        """A Join's identity, where the daemon admits only some callers (or one is presented
+        anyway): issued on the descriptor socket to the very process that declares its pid."""
+        where = dict(group=request.group or None, rank=request.rank)
+        if not request.identity:
+            if self.admission.required:
+                raise PermissionDeniedError(
+                    "this daemon admits only some uids and groups: a Join must carry the identity the "
+                    "descriptor socket issues (send IDENTIFY there first; nodecomm.connect does)",
+                    **where,
+                )
+            return
+        identity = self.identities.take(request.identity)
+        if identity is None:
+            raise PermissionDeniedError("unknown, already used or expired identity token", **where)
+        if not is_declared_process(identity.pid, request.pid):
+            raise PermissionDeniedError(
+                f"the identity was issued to pid {identity.pid}, but this Join declares pid {request.pid}", **where
+            )
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
         try:
@@ -173,10 +204,40 @@ async def _calibrate_on_start(registry: GroupRegistry, config: DaemonConfig, sto
         log.warning("calibration on start failed; built-in defaults stay", extra={"error": str(error)})
 
 
-def _prepare_socket_path(path: str) -> None:
-    """Create the socket's directory; remove a stale socket, but never take over a live one."""
+def _restrict(path: str, mode: int, group: str) -> None:
+    """Give `path` its mode and, when configured, the socket group (which must exist and be ours
+    to give: root, or a group the daemon's user belongs to)."""
+    os.chmod(path, mode)
+    if group:
+        (gid,) = parse_ids("socket_group", group)
+        try:
+            os.chown(path, -1, gid)
+        except PermissionError:
+            raise OSError(
+                f"socket_group {group!r}: cannot give {path} to gid {gid}; run as root or as a member"
+            ) from None
+
+
+def _tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
+    def read(path: str) -> bytes:
+        with open(path, "rb") as handle:
+            return handle.read()
+
+    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
+    return grpc.ssl_server_credentials(
+        [(read(config.tls_key), read(config.tls_cert))],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
+def _prepare_socket_path(path: str, group: str = "") -> None:
+    """Create the socket's directory (0750, the socket group's); remove a stale socket, but never
+    take over a live one."""
     directory = os.path.dirname(path) or "."
-    os.makedirs(directory, mode=0o750, exist_ok=True)
+    if not os.path.isdir(directory):
+        os.makedirs(directory, mode=0o750, exist_ok=True)
+        _restrict(directory, 0o750, group)
     if not os.path.exists(path):
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -202,8 +263,12 @@ async def serve(config: DaemonConfig) -> int:
     else:
         log.info("no stored calibration for this machine", extra={"state_dir": config.state_dir})
 
-    _prepare_socket_path(config.socket)
-    _prepare_socket_path(config.descriptor_socket)
+    _prepare_socket_path(config.socket, config.socket_group)
+    _prepare_socket_path(config.descriptor_socket, config.socket_group)
+    identities = IdentityTable()
+    admission = Admission(
+        parse_ids("allowed_uids", config.allowed_uids), parse_ids("allowed_gids", config.allowed_gids)
+    )
     descriptors = DescriptorServer(
         config.descriptor_socket,
         claims,
@@ -211,7 +276,11 @@ async def serve(config: DaemonConfig) -> int:
             metrics.claims.labels(result).inc(),
             log.info("descriptor claim", extra={"result": result, "detail": detail}),
         ),
+        identities=identities,
+        admission=admission,
+        identity_ttl=config.claim_token_ttl_seconds,
     )
+    _restrict(config.descriptor_socket, 0o660, config.socket_group)
 
     server = grpc.aio.server(
         options=[
@@ -222,12 +291,16 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.max_receive_message_length", 4 << 20),
         ]
     )
-    pb_grpc.add_ControlServicer_to_server(ControlServicer(registry, metrics, config, store), server)
+    pb_grpc.add_ControlServicer_to_server(
+        ControlServicer(registry, metrics, config, store, identities, admission), server
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.add_insecure_port(f"unix:{config.socket}")
-    if config.tcp_address:
+    if config.tcp_address and config.tls_cert:
+        server.add_secure_port(config.tcp_address, _tls_credentials(config))
+    elif config.tcp_address:
         server.add_insecure_port(config.tcp_address)
 
     metrics_server = None
@@ -237,7 +310,7 @@ async def serve(config: DaemonConfig) -> int:
         metrics_address = (metrics_address[0], metrics_server.server_port)
 
     await server.start()
-    os.chmod(config.socket, 0o660)
+    _restrict(config.socket, 0o660, config.socket_group)
     descriptors.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -86,7 +86,7 @@ class Geometry(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides")
+    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides", "identity")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class JoinRequest(_message.Message):
     JOIN_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NCCL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
     group: str
     rank: int
     world_size: int
@@ -105,7 +106,8 @@ class JoinRequest(_message.Message):
     join_timeout_seconds: float
     nccl_fallback: bool
     overrides: _containers.RepeatedCompositeFieldContainer[Boundary]
-    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ...) -> None: ...
+    identity: bytes
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("owner_rank", "size_bytes")
