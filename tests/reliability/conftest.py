@@ -32,3 +32,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if FIGURES.calls or FIGURES.garbage_connections:
         terminalreporter.write_sep("-", "reliability")
         terminalreporter.write_line(FIGURES.line())
+        if config.option.verbose > 0:
+            for line in FIGURES.outcome_lines():
+                terminalreporter.write_line(line)

@@ -77,6 +77,7 @@ class Figures:
     """What the fuzzers tried, for the line the run ends with."""
 
     calls: Counter = field(default_factory=Counter)  # RPC method -> calls
+    outcomes: Counter = field(default_factory=Counter)  # (method, "OK" or status name) -> answers
     garbage_connections: int = 0
     crashes: int = 0
     unexpected: int = 0
@@ -88,6 +89,14 @@ class Figures:
             f"{self.garbage_connections} garbage connections, {self.crashes} daemon crashes, "
             f"{self.unexpected} unexpected status codes"
         )
+
+    def outcome_lines(self) -> list[str]:
+        methods = sorted({method for method, _ in self.outcomes})
+        return [
+            f"  {method}: "
+            + ", ".join(f"{answer} {n}" for (m, answer), n in sorted(self.outcomes.items()) if m == method)
+            for method in methods
+        ]
 
     def garbage(self, connections: int = 1) -> None:
         with self.lock:
@@ -148,6 +157,8 @@ class Checked:
 
     def check_status(self, method: str, error: grpc.RpcError, request: object) -> grpc.StatusCode:
         code, details = error.code(), error.details() or ""
+        with FIGURES.lock:
+            FIGURES.outcomes[method, code.name] += 1
         problem = None
         if code not in ALLOWED:
             problem = f"status {code.name}"
@@ -177,9 +188,15 @@ class Checked:
         """The reply, or the status code of an allowed refusal."""
         self.count(method)
         try:
-            return getattr(self.stub, method)(request, timeout=timeout)
+            reply = getattr(self.stub, method)(request, timeout=timeout)
         except grpc.RpcError as error:
             return self.check_status(method, error, request)
+        self.succeeded(method)
+        return reply
+
+    def succeeded(self, method: str) -> None:
+        with FIGURES.lock:
+            FIGURES.outcomes[method, "OK"] += 1
 
     def stream(self, method: str, requests: object, timeout: float = 5.0) -> tuple[list, object]:
         """(the messages received, then None on success or the allowed status code)."""
@@ -190,6 +207,7 @@ class Checked:
                 received.append(message)
         except grpc.RpcError as error:
             return received, self.check_status(method, error, requests)
+        self.succeeded(method)
         return received, None
 
     def assert_alive(self) -> None:

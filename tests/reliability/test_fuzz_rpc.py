@@ -1,0 +1,750 @@
+"""Every RPC of the control plane, driven with arbitrary field values against one real daemon.
+
+Each answer must be a success or an allowed status with a short, non-empty message (never
+UNKNOWN or INTERNAL: those mean an unhandled exception), and after every example the daemon must
+still run and say SERVING. Real groups (world 1 and world 2, their sessions open) and real
+allocations are built first, so that the fuzzed requests also hit ids that exist: nothing they
+send may make the daemon write outside the output range it accepted, touch an allocation no
+request names as output, or keep memory or descriptors once every rank has left.
+"""
+
+from __future__ import annotations
+
+import itertools
+import mmap
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conftest import join_request, reserved_bytes
+from nodecomm import _native
+from nodecomm.client.descriptors import claim_descriptors
+from nodecomm.thresholds import BOUNDARY_NAMES
+from nodecomm.topk_layout import owned_rows
+from nodecomm.v1 import control_pb2 as pb
+
+from .harness import Checked, Lease, fd_count, fuzz, wait_until
+
+MAX_WORLD = _native.SHM_MAX_RANKS
+PID = os.getpid()
+NAN, INF = float("nan"), float("inf")
+
+# -- strategies ------------------------------------------------------------------------------------
+
+
+def _edges_or(low: int, high: int, *edges: int) -> st.SearchStrategy[int]:
+    return st.one_of(st.sampled_from([v for v in (low, high, *edges) if low <= v <= high]), st.integers(low, high))
+
+
+INT32 = _edges_or(-(2**31), 2**31 - 1, -1, 0, 1, 2, 3, 8, MAX_WORLD, MAX_WORLD + 1)
+UINT32 = _edges_or(0, 2**32 - 1, 1, 2, 2**31, 2**31 - 1)
+UINT64 = _edges_or(0, 2**64 - 1, 1, 2, 63, 64, 4096, 2**31, 2**32, 2**62, 2**63, 2**63 - 1)
+ODD_FLOATS = st.sampled_from([0.0, -0.0, -1.0, NAN, INF, -INF, 1e300, 5e-324, 2.0**63])
+ANY_FLOAT = st.one_of(ODD_FLOATS, st.floats())
+# Short positive waits or odd values (a request that waits for absent peers costs what it asks for).
+WAIT = st.one_of(st.floats(0.005, 0.05), ODD_FLOATS, st.floats())
+# Long strings of one character: a valid one past the 128-character limit, NUL, multi-byte.
+LONG_TEXT = st.builds(
+    lambda char, count: char * count,
+    st.sampled_from(["g", "\x00", "é", "日", "\U0001f980", "a/", "%s", "{}"]),
+    st.sampled_from([128, 129, 2000, 100_000, 1_500_000]),
+)
+# Any characters, up to a few hundred (a short random text repeated: cheap to generate).
+MEDIUM_TEXT = st.builds(lambda text, count: text * count, st.text(min_size=1, max_size=12), st.integers(10, 40))
+TEXT = st.one_of(st.text(max_size=40), MEDIUM_TEXT, LONG_TEXT)
+GROUP_NAMES = st.one_of(st.sampled_from(["fz", "fz-a", "fz.b", "Z9._:/-", "fz-solo", "fz-pair", "a" * 128]), TEXT)
+DTYPE = st.one_of(st.sampled_from(list(pb.DType.values())), INT32)
+OP = st.one_of(st.sampled_from(list(pb.Op.values())), INT32)
+PATH = st.one_of(st.sampled_from(list(pb.Path.values())), INT32)
+
+
+@st.composite
+def boundaries(draw, names: st.SearchStrategy[str] = TEXT) -> pb.Boundary:
+    name = draw(st.one_of(st.sampled_from(BOUNDARY_NAMES), names))
+    boundary = pb.Boundary(name=name, source=draw(INT32))
+    value = draw(st.one_of(st.none(), UINT64))
+    if value is not None:
+        boundary.value_bytes = value
+    return boundary
+
+
+# Long lists, made from one number (drawing each item would make most of the test's time).
+MANY_DTYPES = st.integers(500, 3000).map(lambda n: [(i * 2654435761) % 2**32 - 2**31 for i in range(n)])
+MANY_OVERRIDES = st.integers(200, 3000).map(
+    lambda n: [pb.Boundary(name=f"{BOUNDARY_NAMES[i % 4]}{'x' * (i % 3)}", value_bytes=i) for i in range(n)]
+)
+
+
+# What a wild value may replace in a Join that a real rank would send.
+JOIN_MUTATIONS: dict[str, st.SearchStrategy] = {
+    "group": GROUP_NAMES,
+    "rank": INT32,
+    "world_size": INT32,
+    "device": st.one_of(st.sampled_from(["cuda", "cuda:0", "GPU-00000000-0000-0000-0000-000000000000"]), TEXT),
+    "capacity_bytes": _edges_or(0, 2**64 - 1, 63, 64, 16 << 20, (16 << 20) + 1),
+    "dtypes": st.lists(DTYPE, max_size=4) | MANY_DTYPES,
+    "pid": INT32,
+    "join_timeout_seconds": ANY_FLOAT,
+    "nccl_fallback": st.just(True),
+    "overrides": st.lists(boundaries(), max_size=3) | MANY_OVERRIDES,
+}
+CPU_BOUNDARIES = ["oneshot_max_bytes", "service_min_bytes"]
+
+
+@st.composite
+def join_requests(draw, group: str | None = None, world_size: int | None = None) -> pb.JoinRequest:
+    """A Join a real rank would send, with up to four of its fields replaced by wild values."""
+    world_size = world_size or draw(st.sampled_from([1, 1, 1, 2, 3]))
+    request = pb.JoinRequest(
+        group=group or draw(st.sampled_from([f"fz-j{i}" for i in range(64)])),
+        rank=draw(st.integers(0, world_size - 1)),
+        world_size=world_size,
+        device="cpu",
+        geometry=pb.Geometry(
+            capacity_bytes=draw(st.sampled_from([64, 4096, 65536])),
+            dtypes=draw(st.lists(st.sampled_from([pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16]), min_size=1, max_size=3)),
+        ),
+        pid=PID,
+        join_timeout_seconds=draw(st.floats(0.005, 0.05)),
+    )
+    for name in draw(st.lists(st.sampled_from(CPU_BOUNDARIES), max_size=2, unique=True)):
+        request.overrides.add(name=name, value_bytes=draw(st.integers(0, 1 << 20)))
+    mutable = sorted(set(JOIN_MUTATIONS) - ({"group"} if group else set()))
+    for name in draw(st.lists(st.sampled_from(mutable), max_size=4, unique=True)):
+        value = draw(JOIN_MUTATIONS[name])
+        if name in ("capacity_bytes", "dtypes", "overrides"):
+            target = request.geometry if name != "overrides" else request
+            target.ClearField(name)
+            if isinstance(value, list):
+                getattr(target, name).extend(value)
+            else:
+                setattr(target, name, value)
+        else:
+            setattr(request, name, value)
+    return request
+
+
+def timings() -> st.SearchStrategy[pb.TimingBatch]:
+    timing = st.builds(
+        pb.Timing,
+        path=PATH,
+        bytes=UINT64,
+        seconds=st.one_of(st.floats(1e-6, 1e-2), ANY_FLOAT),
+    )
+    return st.builds(pb.TimingBatch, timings=st.lists(timing, max_size=40))
+
+
+def evidence() -> st.SearchStrategy[pb.TimingBatch]:
+    """Many timings of oneshot and twoshot in a few sizes: enough for live recalibration to move
+    the group's boundary (and push a table down every session), with odd seconds now and then."""
+    timing = st.builds(
+        pb.Timing,
+        path=st.sampled_from([pb.ONESHOT, pb.TWOSHOT]),
+        bytes=st.sampled_from([0, 1, 4096, 32 << 10, (32 << 10) + 1, 1 << 20, 1 << 40, 2**64 - 1]),
+        seconds=st.one_of(st.floats(1e-6, 1e-3), st.sampled_from([0.0, 5e-324, 3599.999, 1e-300])),
+    )
+    return st.builds(pb.TimingBatch, timings=st.lists(timing, min_size=20, max_size=80))
+
+
+# -- the real state the fuzzers aim at ---------------------------------------------------------------
+
+
+@dataclass
+class Allocation:
+    allocation_id: int
+    size: int
+    view: mmap.mmap  # the test's own mapping of the daemon's memfd
+
+
+@dataclass
+class RealGroup:
+    name: str
+    group_id: int
+    world_size: int
+    leases: dict[int, Lease] = field(default_factory=dict)
+    # The service path's sequences the daemon has seen, to steer submits at the next one.
+    consumed: set[int] = field(default_factory=set)
+    next_sequence: int = 0
+    exchanges: int = 100  # top-k exchange sequences used (the fuzzer's wild ones are mostly below)
+
+    def ids(self, rank: int = 0) -> dict:
+        return dict(group=self.name, group_id=self.group_id, rank=rank)
+
+    def consume(self, sequence: int) -> None:
+        self.consumed.add(sequence)
+        while self.next_sequence in self.consumed:
+            self.next_sequence += 1
+
+
+@dataclass
+class World:
+    solo: RealGroup  # world 1: its submits run at once
+    pair: RealGroup  # world 2: a rank's submit waits for its peer, who never comes
+    target: Allocation  # solo rank 0's: the fuzzed submits' output
+    canary: Allocation  # solo rank 0's: named only as input, never as output
+    freed: int  # solo rank 0's, freed before fuzzing
+    pair0: Allocation  # pair rank 0's
+    pair1: Allocation  # pair rank 1's
+    baseline_reserved: float
+    baseline_fds: int
+    # Groups the fuzzed joins formed: (name, id, world_size); their ranks never open sessions.
+    formed: list[tuple[str, int, int]] = field(default_factory=list)
+    spare: list[tuple[dict, int]] = field(default_factory=list)  # fuzzed allocations kept: (ids, id)
+    freed_ids: list[int] = field(default_factory=list)
+
+    @property
+    def protected(self) -> set[int]:
+        """Allocations the fuzzers may name in anything but FreeMemory."""
+        return {a.allocation_id for a in (self.target, self.canary, self.pair0, self.pair1)}
+
+
+def _allocate(checked: Checked, group: RealGroup, rank: int, size: int, fill: bytes) -> Allocation:
+    reply = checked.stub.AllocateMemory(pb.AllocateMemoryRequest(**group.ids(rank), size_bytes=size), timeout=10)
+    (fd,) = claim_descriptors(checked.daemon.socket + ".fd", reply.claim_token, 1, 5.0)
+    view = mmap.mmap(fd, size)
+    os.close(fd)
+    view[:] = (fill * (size // len(fill) + 1))[:size]
+    return Allocation(reply.allocation_id, size, view)
+
+
+@pytest.fixture(scope="module")
+def world(fuzz_daemon, checked) -> World:
+    stub = checked.stub
+    stub.ListGroups(pb.ListGroupsRequest(), timeout=5)  # connected: the baseline counts this channel
+    baseline_reserved = reserved_bytes(fuzz_daemon)
+    baseline_fds = fd_count(fuzz_daemon.process.pid)
+    dtypes = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
+    reply = stub.Join(join_request("fz-solo", 0, 1, capacity=4096, dtypes=dtypes), timeout=10)
+    solo = RealGroup("fz-solo", reply.group_id, 1)
+    solo.leases[0] = Lease(stub, reply.group_id, 0)
+
+    replies: dict[int, pb.JoinReply] = {}
+
+    def join_pair(rank: int) -> None:
+        replies[rank] = stub.Join(join_request("fz-pair", rank, 2, capacity=4096, dtypes=dtypes), timeout=10)
+
+    threads = [threading.Thread(target=join_pair, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pair = RealGroup("fz-pair", replies[0].group_id, 2)
+    for rank in (0, 1):
+        pair.leases[rank] = Lease(stub, pair.group_id, rank)
+    for lease in (*solo.leases.values(), *pair.leases.values()):
+        lease.wait_ready()
+
+    target = _allocate(checked, solo, 0, 64 << 10, os.urandom(4096))
+    canary = _allocate(checked, solo, 0, 4096, b"canary!\x00")
+    freed = _allocate(checked, solo, 0, 4096, b"\x00")
+    stub.FreeMemory(pb.FreeMemoryRequest(**solo.ids(), allocation_id=freed.allocation_id), timeout=10)
+    pair0 = _allocate(checked, pair, 0, 4096, b"pair0")
+    pair1 = _allocate(checked, pair, 1, 4096, b"pair1")
+    return World(solo, pair, target, canary, freed.allocation_id, pair0, pair1, baseline_reserved, baseline_fds)
+
+
+def _assert_groups_intact(checked: Checked, world: World) -> None:
+    """The real groups are still formed with every lease live, and the canaries are untouched."""
+    reply = checked.call("ListGroups", pb.ListGroupsRequest())
+    assert isinstance(reply, pb.ListGroupsReply), reply
+    states = {g.group_id: (g.state, list(g.live_ranks)) for g in reply.groups}
+    assert states.get(world.solo.group_id) == ("active", [0]), states.get(world.solo.group_id)
+    assert states.get(world.pair.group_id) == ("active", [0, 1]), states.get(world.pair.group_id)
+    assert bytes(world.canary.view) == (b"canary!\x00" * 512)
+
+
+# -- targets: a real group's ids, one of them changed, or wild ones ------------------------------------
+
+
+@st.composite
+def targets(draw, world: World, *, real_only: bool = False) -> dict:
+    """group, group_id and rank of a request: mostly a real group's, each field sometimes wild."""
+    kinds = ["solo"] * 6 + ["pair"] * 2 + ([] if real_only else ["formed", "wild"])
+    kind = draw(st.sampled_from(kinds))
+    if kind == "wild":
+        return dict(group=draw(GROUP_NAMES), group_id=draw(UINT64), rank=draw(INT32))
+    # Pools that change as the daemon answers are indexed with plain numbers, so that every
+    # example draws the same way whatever the pool holds (hypothesis replays examples).
+    index = draw(st.integers(0, 63))
+    if kind == "formed" and world.formed:
+        name, group_id, world_size = world.formed[index % len(world.formed)]
+    else:
+        group = world.pair if kind == "pair" else world.solo
+        name, group_id, world_size = group.name, group.group_id, group.world_size
+    ids = dict(group=name, group_id=group_id, rank=draw(st.integers(0, 7)) % world_size)
+    mutated = draw(st.sampled_from([None, None, None, "group", "group_id", "rank"]))
+    if mutated == "group":
+        ids["group"] = draw(GROUP_NAMES)
+    elif mutated == "group_id":
+        ids["group_id"] = draw(UINT64)
+    elif mutated == "rank":
+        ids["rank"] = draw(INT32)
+    return ids
+
+
+def _group_of(world: World, ids: dict) -> RealGroup | None:
+    for group in (world.solo, world.pair):
+        if (ids["group"], ids["group_id"]) == (group.name, group.group_id) and 0 <= ids["rank"] < group.world_size:
+            return group
+    return None
+
+
+_FRESH = itertools.count()
+
+
+def _fresh_group(checked: Checked) -> tuple[str, int]:
+    """A world-1 group formed now, its session not open: the daemon drops its rank after the
+    session grace period unless a fuzzed Session or Leave comes first. (name, group id)"""
+    name = f"fz-fresh{next(_FRESH)}"
+    return name, checked.stub.Join(join_request(name, 0, 1, capacity=4096), timeout=5).group_id
+
+
+# -- the fuzzers ------------------------------------------------------------------------------------
+
+
+@fuzz(300)
+@given(data=st.data())
+def test_join(checked, world, data):
+    request = data.draw(join_requests())
+    # A join that looks valid waits for its peers: the deadline bounds what it may cost.
+    reply = checked.call("Join", request, timeout=0.15)
+    if isinstance(reply, pb.JoinReply):
+        assert request.world_size == 1 and reply.group_id, (request, reply)
+        # Its rank never opens a session: the daemon must drop it after the grace period.
+        world.formed.append((request.group, reply.group_id, 1))
+        del world.formed[:-20]
+    checked.assert_alive()
+
+
+@fuzz(40)
+@given(data=st.data())
+def test_ranks_joining_together_with_disagreements(checked, world, data):
+    """Several ranks of one name at once, each request its own: agreement, mismatch, duplicates."""
+    name = data.draw(st.sampled_from(["fz-storm", "fz-storm2"]))
+    world_size = data.draw(st.integers(1, 4))
+    requests = [data.draw(join_requests(name, world_size)) for _ in range(data.draw(st.integers(1, 4)))]
+    futures = [checked.stub.Join.future(r, timeout=0.3) for r in requests]
+    for request, future in zip(requests, futures, strict=True):
+        try:
+            reply = future.result()
+        except grpc.RpcError as error:
+            checked.check_status("Join", error, request)
+        else:
+            checked.succeeded("Join")
+            world.formed.append((name, reply.group_id, request.world_size))
+    checked.count("Join", len(requests))
+    checked.assert_alive()
+
+
+@fuzz(150)
+@given(data=st.data())
+def test_session_streams(checked, world, data):
+    hello_targets = st.one_of(
+        st.builds(pb.SessionHello, group_id=UINT64, rank=INT32),
+        st.sampled_from([(g, 0) for g in (world.solo.group_id, world.pair.group_id)] or [(0, 0)]).map(
+            lambda t: pb.SessionHello(group_id=t[0], rank=t[1])
+        ),
+        st.integers(0, 19).map(
+            lambda i: pb.SessionHello(group_id=world.formed[i % len(world.formed)][1] if world.formed else 0, rank=0)
+        ),
+    )
+    message = st.one_of(
+        hello_targets.map(lambda h: pb.SessionUp(hello=h)),
+        timings().map(lambda t: pb.SessionUp(timings=t)),
+        st.just(pb.SessionUp()),
+    )
+    messages = data.draw(st.lists(message, max_size=6))
+    if data.draw(st.booleans()):  # first a hello for a group that just formed, its session not open
+        _, group_id = _fresh_group(checked)
+        rank = data.draw(st.sampled_from([0, 0, 0, 1, -1]))
+        messages.insert(0, pb.SessionUp(hello=pb.SessionHello(group_id=group_id, rank=rank)))
+    received, code = checked.stream("Session", iter(messages), timeout=4)
+    if code is None:  # accepted: it must have been a hello for a rank that had no session yet
+        assert messages and messages[0].WhichOneof("kind") == "hello", messages
+        assert received and received[0].event.kind == pb.READY, received
+    checked.assert_alive()
+
+
+@fuzz(150)
+@given(batch=st.one_of(timings(), evidence()))
+def test_timings_on_a_live_session(checked, world, batch):
+    """Whatever a rank reports as its timings, its session (the lease) must stay open."""
+    for lease in (world.solo.leases[0], *world.pair.leases.values()):
+        lease.send(pb.SessionUp(timings=batch))
+    _assert_groups_intact(checked, world)
+    checked.assert_alive()
+
+
+def test_the_leases_survived_the_timings(checked, world):
+    time.sleep(0.3)  # the last batches are read after their examples ended
+    _assert_groups_intact(checked, world)
+    for group in (world.solo, world.pair):
+        assert all(lease.open and lease.error is None for lease in group.leases.values())
+    # The evidence moved the boundary: every rank of a group was offered the new table.
+    for group in (world.solo, world.pair):
+        tables = [
+            [m.thresholds.epoch for m in lease.received if m.HasField("thresholds")] for lease in group.leases.values()
+        ]
+        assert all(tables) and len({tuple(t) for t in tables}) == 1, tables
+
+
+def _reference(world: World, allocation_id: int) -> Allocation | None:
+    for allocation in (world.target, world.canary, world.pair0, world.pair1):
+        if allocation.allocation_id == allocation_id:
+            return allocation
+    return None
+
+
+@st.composite
+def memory_refs(draw, world: World, *, output: bool) -> pb.MemoryRef | None:
+    choices = ["target", "target", "freed", "pair0", "pair1", "wild", "absent"] + ([] if output else ["canary"])
+    kind = draw(st.sampled_from(choices))
+    if kind == "absent":
+        return None
+    allocation_id = {
+        "target": world.target.allocation_id,
+        "canary": world.canary.allocation_id,
+        "freed": world.freed,
+        "pair0": world.pair0.allocation_id,
+        "pair1": world.pair1.allocation_id,
+    }.get(kind)
+    if allocation_id is None:
+        allocation_id = draw(UINT64.filter(lambda a: a != world.canary.allocation_id))
+    size = 64 << 10
+    offset = draw(
+        st.one_of(
+            st.sampled_from([0, 0, 4, 64, 4092, 4096, size - 64, size - 4, size, size + 4]),
+            st.integers(0, size // 4).map(lambda n: n * 4),
+            UINT64,
+        )
+    )
+    return pb.MemoryRef(allocation_id=allocation_id, offset_bytes=offset)
+
+
+def _output_bytes(request: pb.SubmitRequest, world_size: int) -> int:
+    """How many bytes an accepted submit may write at its output offset."""
+    element = ELEMENT_BYTES.get(request.dtype, 1)
+    if request.op == pb.ALL_REDUCE:
+        return request.count * element
+    if request.op == pb.ALL_GATHER:
+        return request.count * world_size
+    rows = owned_rows(request.count, world_size, request.rank)
+    return 2 * (rows.stop - rows.start) * world_size * request.topk * 4
+
+
+ELEMENT_BYTES = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
+
+
+@st.composite
+def shapes(draw) -> dict:
+    """What the ranks of one collective agree on: op, dtype, topk and count."""
+    op = draw(st.sampled_from([pb.ALL_REDUCE, pb.ALL_REDUCE, pb.ALL_GATHER, pb.TOPK_STAGE]))
+    return dict(
+        op=op,
+        dtype=draw(st.sampled_from(sorted(ELEMENT_BYTES))) if op == pb.ALL_REDUCE else pb.DTYPE_UNSPECIFIED,
+        topk=draw(st.integers(1, 4)) if op == pb.TOPK_STAGE else 0,
+        count=draw(st.one_of(st.integers(0, 64), st.integers(0, 20000))),
+    )
+
+
+@st.composite
+def submits(
+    draw, world: World, ids: dict | None = None, shape: dict | None = None, max_mutations: int = 3
+) -> tuple[pb.SubmitRequest, RealGroup | None]:
+    """A submit a real rank would send (its own allocations, ranges that fit or just do not, the
+    next sequence), with up to three of its fields replaced by wild values; and its group."""
+    ids = ids or draw(targets(world, real_only=draw(st.booleans())))
+    group = _group_of(world, ids)
+    shape = shape or draw(shapes())
+    op = shape["op"]
+    request = pb.SubmitRequest(**ids, **shape, timeout_seconds=draw(st.floats(0.005, 0.05)))
+    delta = draw(st.one_of(st.just(0), st.just(0), st.just(0), st.integers(-2, 2), st.integers(60, 70)))
+    request.sequence = max(0, (group.next_sequence if group is not None else 0) + delta)
+    if group is world.pair:
+        inputs = outputs = [world.pair0 if ids["rank"] == 0 else world.pair1]
+    else:
+        inputs, outputs = [world.target, world.canary], [world.target]
+    align = ELEMENT_BYTES[request.dtype] if op == pb.ALL_REDUCE else (1 if op == pb.ALL_GATHER else 4)
+    source, sink = draw(st.sampled_from(inputs)), draw(st.sampled_from(outputs))
+    in_offset = draw(st.integers(0, source.size // align)) * align
+    in_place = source is sink and draw(st.booleans())
+    out_offset = in_offset if in_place else draw(st.integers(0, sink.size // align)) * align
+    request.input.CopyFrom(pb.MemoryRef(allocation_id=source.allocation_id, offset_bytes=in_offset))
+    request.output.CopyFrom(pb.MemoryRef(allocation_id=sink.allocation_id, offset_bytes=out_offset))
+
+    mutations = {
+        "sequence": UINT64,
+        "op": OP,
+        "dtype": DTYPE,
+        "count": UINT64,
+        "topk": UINT32,
+        "input": memory_refs(world, output=False),
+        "output": memory_refs(world, output=True),
+        "timeout_seconds": ANY_FLOAT,
+    }
+    for name in draw(st.lists(st.sampled_from(sorted(mutations)), max_size=max_mutations, unique=True)):
+        value = draw(mutations[name])
+        if name in ("input", "output"):
+            request.ClearField(name)
+            if value is not None:
+                getattr(request, name).CopyFrom(value)
+        else:
+            setattr(request, name, value)
+    return request, group
+
+
+@fuzz(600)
+@given(data=st.data())
+def test_submit(checked, world, data):
+    request, group = data.draw(submits(world))
+    # Now and then the caller gives up before the daemon answers (its part must not linger).
+    deadline = data.draw(st.sampled_from([10.0, 10.0, 10.0, 10.0, 0.02]))
+    views = (world.target, world.pair0, world.pair1)
+    before = {a.allocation_id: bytes(a.view) for a in views}
+
+    reply = checked.call("Submit", request, timeout=deadline)
+
+    sequence = request.sequence
+    if group is not None and group.next_sequence <= sequence < group.next_sequence + 64 + 256:
+        group.consume(sequence)  # created, and now done: it ran, failed, timed out or was abandoned
+    # What the daemon may have written: the accepted output range, and nothing else anywhere.
+    written = range(0)
+    gave_up = deadline < 1 and reply == grpc.StatusCode.DEADLINE_EXCEEDED
+    if gave_up:
+        time.sleep(0.1)  # a collective already running when the caller left finishes
+        if request.output.allocation_id == world.target.allocation_id and group is world.solo:
+            start = request.output.offset_bytes
+            written = range(start, start + _output_bytes(request, 1))
+    if isinstance(reply, pb.SubmitReply) and request.count:
+        assert group is world.solo and request.output.allocation_id == world.target.allocation_id, request
+        start = request.output.offset_bytes
+        written = range(start, start + _output_bytes(request, 1))
+        if request.op == pb.ALL_GATHER:  # one rank: its own bytes, from where it said they were
+            source = request.input
+            old = before.get(source.allocation_id) or bytes(_reference(world, source.allocation_id).view)
+            got = bytes(world.target.view[written.start : written.stop])
+            assert got == old[source.offset_bytes : source.offset_bytes + request.count], request
+    for allocation in views:
+        old, new = before[allocation.allocation_id], bytes(allocation.view)
+        if new != old:
+            changed = [i for i in range(len(old)) if old[i] != new[i]]
+            assert allocation is world.target and changed[0] in written, (request, changed[:8])
+            assert changed[-1] in written, (request, changed[-8:])
+    assert bytes(world.canary.view) == b"canary!\x00" * 512
+    checked.assert_alive()
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_both_ranks_of_a_pair_submit_at_once(checked, world, data):
+    """The pair's ranks submit the same collective together, now and then a field differing: it
+    runs (each rank's output written, only there) or fails for both, and nothing else changes."""
+    pair, shape = world.pair, data.draw(shapes())
+    requests = [
+        data.draw(submits(world, pair.ids(rank), shape, max_mutations=data.draw(st.sampled_from([0, 0, 1, 2]))))[0]
+        for rank in (0, 1)
+    ]
+    views = {0: world.pair0, 1: world.pair1}
+    before = {rank: bytes(view.view) for rank, view in views.items()}
+    futures = [checked.stub.Submit.future(request, timeout=10) for request in requests]
+    checked.count("Submit", 2)
+    ok = []
+    for request, future in zip(requests, futures, strict=True):
+        try:
+            future.result()
+        except grpc.RpcError as error:
+            checked.check_status("Submit", error, request)
+        else:
+            checked.succeeded("Submit")
+            ok.append(request.rank)
+        if pair.next_sequence <= request.sequence < pair.next_sequence + 64 + 256:
+            pair.consume(request.sequence)
+    assert ok in ([], [0, 1]), (ok, requests)  # one collective: every rank's answer is the same
+    for rank, view in views.items():
+        request = requests[rank]
+        written = range(0)
+        if ok and request.count:
+            assert request.output.allocation_id == view.allocation_id, request
+            start = request.output.offset_bytes
+            written = range(start, start + _output_bytes(request, 2))
+            if request.op == pb.ALL_GATHER:  # rank 0's bytes, then rank 1's
+                parts = [
+                    before[r][requests[r].input.offset_bytes : requests[r].input.offset_bytes + request.count]
+                    for r in (0, 1)
+                ]
+                assert bytes(view.view[written.start : written.stop]) == b"".join(parts), requests
+        old, new = before[rank], bytes(view.view)
+        if new != old:
+            changed = [i for i in range(len(old)) if old[i] != new[i]]
+            assert changed[0] in written and changed[-1] in written, (requests, changed[:4], changed[-4:])
+    assert bytes(world.canary.view) == b"canary!\x00" * 512
+    checked.assert_alive()
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_allocate_and_free(checked, world, data):
+    ids = data.draw(targets(world))
+    if data.draw(st.booleans()):
+        size = data.draw(_edges_or(0, 2**64 - 1, 1, 4096, 16 << 20, (16 << 20) + 1, 32 << 20, (32 << 20) + 1))
+        reply = checked.call("AllocateMemory", pb.AllocateMemoryRequest(**ids, size_bytes=size))
+        if isinstance(reply, pb.AllocateMemoryReply):
+            assert _group_of(world, ids) is not None and reply.size_bytes == size, (ids, reply)
+            world.spare.append((ids, reply.allocation_id))
+            while len(world.spare) > 6:  # keep the quota for the others
+                owner, allocation_id = world.spare.pop(0)
+                freed = checked.call("FreeMemory", pb.FreeMemoryRequest(**owner, allocation_id=allocation_id))
+                assert isinstance(freed, pb.FreeMemoryReply), freed
+                world.freed_ids.append(allocation_id)
+    else:
+        pool = [a for _, a in world.spare] + world.freed_ids[-5:] + [world.freed]
+        allocation_id = data.draw(st.one_of(st.integers(0, 63).map(lambda i: pool[i % len(pool)]), UINT64))
+        if allocation_id in world.protected:
+            allocation_id = world.freed
+        reply = checked.call("FreeMemory", pb.FreeMemoryRequest(**ids, allocation_id=allocation_id))
+        if isinstance(reply, pb.FreeMemoryReply):
+            world.spare = [(g, a) for g, a in world.spare if a != allocation_id]
+            world.freed_ids.append(allocation_id)
+    checked.assert_alive()
+
+
+TOPK_MUTATIONS = {
+    "sequence": UINT32,
+    "max_rows": UINT32,
+    "topk": UINT32,
+    "layout_version": UINT32,
+    "timeout_seconds": ANY_FLOAT,
+}
+
+
+@st.composite
+def topk_exchanges(draw, ids: dict, sequence: int, geometry: tuple[int, int]) -> pb.TopkExchangeRequest:
+    request = pb.TopkExchangeRequest(
+        **ids,
+        sequence=sequence,
+        max_rows=geometry[0],
+        topk=geometry[1],
+        layout_version=1,
+        timeout_seconds=draw(st.floats(0.005, 0.05)),
+    )
+    for name in draw(st.lists(st.sampled_from(sorted(TOPK_MUTATIONS)), max_size=2, unique=True)):
+        setattr(request, name, draw(TOPK_MUTATIONS[name]))
+    return request
+
+
+@fuzz(200)
+@given(data=st.data())
+def test_open_topk_exchange(checked, world, data):
+    """One rank's call, or (the pair) both ranks' at once, each with its own wild fields."""
+    ids = data.draw(targets(world))
+    group = _group_of(world, ids)
+    if group is not None:
+        group.exchanges += 1  # a new exchange: the group's earlier ones are formed or failed
+    sequence = group.exchanges if group is not None else data.draw(UINT32)
+    geometry = (data.draw(st.integers(1, 64)), data.draw(st.integers(1, 16)))
+    ranks = [ids["rank"]]
+    if group is world.pair and data.draw(st.booleans()):
+        ranks = [0, 1]
+    requests = [data.draw(topk_exchanges({**ids, "rank": rank}, sequence, geometry)) for rank in ranks]
+    futures = [checked.stub.OpenTopkExchange.future(r, timeout=0.3 if group is world.pair else 5) for r in requests]
+    checked.count("OpenTopkExchange", len(requests))
+    for request, future in zip(requests, futures, strict=True):
+        try:
+            future.result()
+        except grpc.RpcError as error:
+            checked.check_status("OpenTopkExchange", error, request)
+        else:
+            checked.succeeded("OpenTopkExchange")
+    checked.assert_alive()
+
+
+@fuzz(300)
+@given(data=st.data())
+def test_the_other_calls(checked, world, data):
+    method = data.draw(st.sampled_from(["Leave", "CheckPeers", "GetThresholds", "ListGroups", "Calibrate"]))
+    if method == "Leave":
+        ids = data.draw(targets(world))
+        if _group_of(world, ids) is not None:
+            ids["group_id"] ^= 1  # never the real groups' ranks: the others still use them
+        if data.draw(st.booleans()):  # a group that just formed, its ids now and then changed
+            name, group_id = _fresh_group(checked)
+            ids = dict(group=name, group_id=group_id, rank=0)
+            mutated = data.draw(st.sampled_from([None, None, "group", "group_id", "rank"]))
+            if mutated is not None:
+                ids[mutated] = data.draw({"group": GROUP_NAMES, "group_id": UINT64, "rank": INT32}[mutated])
+        for _ in range(data.draw(st.integers(1, 2))):  # the second time, the rank has left
+            checked.call("Leave", pb.LeaveRequest(**ids))
+    elif method == "CheckPeers":
+        report = pb.PeerCheckReport(
+            **data.draw(targets(world)), ok=data.draw(st.booleans()), detail=data.draw(TEXT), stage=data.draw(INT32)
+        )
+        checked.call("CheckPeers", report, timeout=3)
+    elif method == "GetThresholds":
+        request = pb.GetThresholdsRequest(
+            group=data.draw(st.one_of(st.just(""), st.just("fz-solo"), GROUP_NAMES)),
+            device_kind=data.draw(st.one_of(st.sampled_from(["", "cpu", "cuda", "tpu"]), TEXT)),
+            nccl_fallback=data.draw(st.booleans()),
+        )
+        reply = checked.call("GetThresholds", request)
+        if isinstance(reply, pb.ThresholdTable):
+            assert reply.ranges and reply.ranges[-1].unbounded, reply
+    elif method == "ListGroups":
+        reply = checked.call("ListGroups", pb.ListGroupsRequest())
+        assert isinstance(reply, pb.ListGroupsReply), reply
+    else:
+        request = _refused_calibration(data)
+        received, code = checked.stream("Calibrate", request, timeout=5)
+        assert code is not None and not received, f"a calibration ran for {request}"
+    checked.assert_alive()
+
+
+def _refused_calibration(data) -> pb.CalibrateRequest:
+    """A CalibrateRequest the daemon must refuse before probing (a real probe takes minutes)."""
+    request = pb.CalibrateRequest(
+        device_kind=data.draw(st.one_of(st.sampled_from(["", "cpu", "cuda"]), TEXT)),
+        world_size=data.draw(INT32),
+        min_bytes=data.draw(UINT64),
+        max_bytes=data.draw(UINT64),
+    )
+    world_size = request.world_size or 2
+    low, high = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
+    if (request.device_kind or "cpu") == "cpu" and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
+        request.world_size = data.draw(st.sampled_from([1, -1, MAX_WORLD + 1, 2**31 - 1]))
+    return request
+
+
+# -- afterwards: every rank leaves, and everything goes back ------------------------------------------
+
+
+def test_everything_is_released_after_every_rank_leaves(fuzz_daemon, checked, world):
+    _assert_groups_intact(checked, world)
+    stub = checked.stub
+    for group in (world.solo, world.pair):
+        for rank, lease in group.leases.items():
+            stub.Leave(pb.LeaveRequest(**group.ids(rank)), timeout=10)
+            lease.close()
+    for allocation in (world.target, world.canary, world.pair0, world.pair1):
+        allocation.view.close()
+
+    def released() -> bool:
+        reply = stub.ListGroups(pb.ListGroupsRequest(), timeout=5)
+        return not reply.groups
+
+    # The fuzzed joins' groups go once their session grace ends; unclaimed tokens once they expire.
+    wait_until(released, 10, "every group released")
+    assert reserved_bytes(fuzz_daemon) == world.baseline_reserved
+    pid = fuzz_daemon.process.pid
+    try:
+        wait_until(lambda: fd_count(pid) <= world.baseline_fds, 10, "the daemon's descriptors back to baseline")
+    except AssertionError:
+        raise AssertionError(
+            f"{fd_count(pid)} descriptors open, {world.baseline_fds} at the start: "
+            + str(sorted(os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")))
+        ) from None
+    checked.assert_alive()
