@@ -12,17 +12,25 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 import uvloop
+from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from nodecomm import _native
-from nodecomm.errors import NodecommError, PermissionDeniedError, status_code_for, status_details
+from nodecomm.errors import (
+    InvalidArgumentError,
+    NodecommError,
+    PermissionDeniedError,
+    status_code_for,
+    status_details,
+)
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -37,6 +45,50 @@ log = logging.getLogger("nodecomm.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
 
 
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What a handler gets for request bytes that do not parse as the method's message (gRPC's own
+    deserializer raises there: the caller got UNKNOWN, and the daemon logged a traceback)."""
+
+    message: str
+
+    def error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(self.message)
+
+
+def _lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | UndecodableRequest]:
+    def parse(raw: bytes) -> Message | UndecodableRequest:
+        try:
+            return message_class.FromString(raw)
+        except DecodeError as error:
+            name = message_class.DESCRIPTOR.full_name
+            return UndecodableRequest(f"the request's {len(raw)} bytes are not a valid {name}: {error}")
+
+    return parse
+
+
+def add_control_servicer(servicer: ControlServicer, server: grpc.aio.Server) -> None:
+    """control_pb2_grpc.add_ControlServicer_to_server, but requests that do not parse reach the
+    handler as UndecodableRequest, which it answers INVALID_ARGUMENT."""
+    service = pb.DESCRIPTOR.services_by_name["Control"]
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    handlers = {
+        method.name: kinds[method.client_streaming, method.server_streaming](
+            getattr(servicer, method.name),
+            request_deserializer=_lenient_parser(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString,
+        )
+        for method in service.methods
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)
+
+
 def rpc(method):
     """Time the handler and answer a NodecommError with its status code and message."""
 
@@ -44,6 +96,8 @@ def rpc(method):
     async def handler(self: ControlServicer, request, context: grpc.aio.ServicerContext):
         started = time.perf_counter()
         try:
+            if isinstance(request, UndecodableRequest):
+                raise request.error()
             return await method(self, request, context)
         except NodecommError as error:
             code = status_code_for(error)
@@ -110,6 +164,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.config.session_grace_seconds)
         except asyncio.TimeoutError:
             first = None
+        if isinstance(first, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
         if first is None or first.WhichOneof("kind") != "hello":
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank"
@@ -120,8 +176,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         except NodecommError as error:
             await context.abort(status_code_for(error), status_details(error))
 
+        undecodable: list[UndecodableRequest] = []
+
         async def pump_up() -> None:
             async for message in request_iterator:
+                if isinstance(message, UndecodableRequest):
+                    undecodable.append(message)  # the stream ends: the rank is lost
+                    return
                 if message.WhichOneof("kind") == "timings":
                     self.registry.record_timings(group_id, rank, list(message.timings.timings))
                     self.registry.record_counts(group_id, list(message.timings.counts))
@@ -134,6 +195,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                 if message is None:
                     break
                 yield message
+            if undecodable:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, undecodable[0].message)
         finally:
             upstream.cancel()
             self.registry.close_session(group_id, rank)
@@ -147,6 +210,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         return await self.registry.open_topk_exchange(request)
 
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
+        if isinstance(request, UndecodableRequest):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
         def on_point(path: str, size: int, seconds: float) -> None:
@@ -291,9 +356,7 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.max_receive_message_length", 4 << 20),
         ]
     )
-    pb_grpc.add_ControlServicer_to_server(
-        ControlServicer(registry, metrics, config, store, identities, admission), server
-    )
+    add_control_servicer(ControlServicer(registry, metrics, config, store, identities, admission), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)

@@ -242,3 +242,26 @@ def test_a_claim_behind_a_burst_of_connections_is_served(fuzz_daemon, checked):
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
         lease.close()
     checked.assert_alive()
+
+
+def test_request_bytes_that_do_not_parse_are_invalid_not_unknown(checked):
+    # Found by test_bytes_that_are_not_a_request: gRPC's generated deserializer raised DecodeError,
+    # answered UNKNOWN "Unexpected <class 'DecodeError'>" and logged a traceback for each call.
+    channel = checked.channel
+    for method in ("Join", "Submit", "ListGroups"):
+        with pytest.raises(grpc.RpcError) as raised:
+            channel.unary_unary(f"/nodecomm.v1.Control/{method}")(b"\xff\xff\xff", timeout=5)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+        assert f"are not a valid nodecomm.v1.{method}" in raised.value.details()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(channel.unary_stream("/nodecomm.v1.Control/Calibrate")(b"\xff", timeout=5))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value
+    # Mid-stream on a live session: the stream ends with the reason, and the rank is lost.
+    reply = checked.stub.Join(join_request("undecodable", 0, 1, capacity=4096), timeout=5)
+    hello = pb.SessionUp(hello=pb.SessionHello(group_id=reply.group_id, rank=0)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as raised:
+        list(channel.stream_stream("/nodecomm.v1.Control/Session")(iter([hello, b"\xff\xff"]), timeout=5))
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nodecomm.v1.SessionUp" in raised.value.details()
+    groups = checked.stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups
+    assert reply.group_id not in [g.group_id for g in groups if g.state == "active"]
+    checked.assert_alive()
