@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
+from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -137,7 +138,8 @@ def timings() -> st.SearchStrategy[pb.TimingBatch]:
         bytes=UINT64,
         seconds=st.one_of(st.floats(1e-6, 1e-2), ANY_FLOAT),
     )
-    return st.builds(pb.TimingBatch, timings=st.lists(timing, max_size=40))
+    count = st.builds(pb.OperationCount, op=OP, path=PATH, operations=UINT64, bytes=UINT64)
+    return st.builds(pb.TimingBatch, timings=st.lists(timing, max_size=40), counts=st.lists(count, max_size=6))
 
 
 def evidence() -> st.SearchStrategy[pb.TimingBatch]:
@@ -717,6 +719,56 @@ def _refused_calibration(data) -> pb.CalibrateRequest:
     if (request.device_kind or "cpu") == "cpu" and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
         request.world_size = data.draw(st.sampled_from([1, -1, MAX_WORLD + 1, 2**31 - 1]))
     return request
+
+
+CONTROL = pb.DESCRIPTOR.services_by_name["Control"]
+
+
+def _raw_request(method: str, payload: bytes) -> bytes:
+    """`payload` as it goes out, except a Calibrate it would start (a real probe takes minutes)."""
+    if method != "Calibrate":
+        return payload
+    try:
+        request = pb.CalibrateRequest.FromString(payload)
+    except DecodeError:
+        return payload
+    world_size = request.world_size or 2
+    low, high = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
+    if (request.device_kind or "cpu") == "cpu" and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
+        request.world_size = MAX_WORLD + 1
+    return request.SerializeToString()
+
+
+@fuzz(200)
+@given(
+    method=st.sampled_from([m.name for m in CONTROL.methods]),
+    payload=st.one_of(
+        st.binary(max_size=300),
+        st.builds(
+            lambda head, body: head + body, st.sampled_from([b"\n", b"\x08", b"\x12\xff\xff\xff\xff\x0f"]), st.binary()
+        ),
+    ),
+)
+def test_bytes_that_are_not_a_request(checked, world, method, payload):
+    """Any bytes as a request message (most do not parse; those that do are odd requests)."""
+    payload = _raw_request(method, payload)
+    descriptor = CONTROL.methods_by_name[method]
+    path = f"/{CONTROL.full_name}/{method}"
+    channel = checked.channel
+    checked.count(method)
+    try:
+        if descriptor.client_streaming:
+            list(channel.stream_stream(path)(iter([payload]), timeout=3))
+        elif descriptor.server_streaming:
+            received = list(channel.unary_stream(path)(payload, timeout=3))
+            assert not received, f"a calibration ran for {payload!r}"
+        else:
+            channel.unary_unary(path)(payload, timeout=0.3 if method in ("Join", "OpenTopkExchange") else 3)
+    except grpc.RpcError as error:
+        checked.check_status(method, error, payload)
+    else:
+        checked.succeeded(method)
+    checked.assert_alive()
 
 
 # -- afterwards: every rank leaves, and everything goes back ------------------------------------------
