@@ -154,21 +154,26 @@ def test_a_huge_frame(fuzz_daemon, checked, baseline, kind):
 
 @dataclass
 class Owner:
-    ids: dict
-    fds: int  # the daemon's descriptor count with this group formed (its segments) and idle
+    ids: dict  # a group this process joined: its tokens are claimed here
+    stranger: dict  # a group joined declaring pid 1: its tokens are refused here (wrong peer)
+    fds: int  # the daemon's descriptor count with both formed (their segments) and idle
 
 
 @pytest.fixture(scope="module")
 def owner(fuzz_daemon, checked, baseline) -> Owner:
-    """A formed world-1 group of this process, its session open: it hands out real tokens."""
-    reply = checked.stub.Join(join_request("garbage-owner", 0, 1, capacity=4096), timeout=5)
-    lease = Lease(checked.stub, reply.group_id, 0)
-    lease.wait_ready()
-    ids = dict(group="garbage-owner", group_id=reply.group_id, rank=0)
-    time.sleep(2.5)  # the join's unclaimed token expires (ttl 2 s): its duplicates are closed
-    yield Owner(ids, fd_count(fuzz_daemon.process.pid))
-    checked.stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-    lease.close()
+    """Formed world-1 groups, their sessions open: they hand out real tokens."""
+    groups, leases = {}, []
+    for name, pid in (("garbage-owner", None), ("garbage-stranger", 1)):
+        reply = checked.stub.Join(join_request(name, 0, 1, capacity=4096, pid=pid), timeout=5)
+        leases.append(Lease(checked.stub, reply.group_id, 0))
+        leases[-1].wait_ready()
+        groups[name] = dict(group=name, group_id=reply.group_id, rank=0)
+    time.sleep(2.5)  # the joins' unclaimed tokens expire (ttl 2 s): their duplicates are closed
+    yield Owner(groups["garbage-owner"], groups["garbage-stranger"], fd_count(fuzz_daemon.process.pid))
+    for ids in groups.values():
+        checked.stub.Leave(pb.LeaveRequest(**ids), timeout=5)
+    for lease in leases:
+        lease.close()
 
 
 def fresh_token(checked: Checked, ids: dict) -> tuple[bytes, int]:
@@ -205,16 +210,18 @@ def answer(sock: socket.socket) -> tuple[bytes, list[int]]:
 
 @fuzz(200)
 @given(
-    shape=st.sampled_from(["random", "short", "token+extra", "unknown+fds", "token+fds", "nothing"]),
+    shape=st.sampled_from(["random", "short", "token+extra", "unknown+fds", "token+fds", "nothing", "stranger"]),
     payload=st.binary(max_size=64),
     extra=st.binary(min_size=1, max_size=256),
     fd_count_=st.integers(1, 6),
 )
 def test_garbage_on_the_descriptor_socket(fuzz_daemon, checked, owner, shape, payload, extra, fd_count_):
     stray = stray_descriptors(fd_count_) if shape.endswith("+fds") else []
-    token = None
+    token = stranger = None
     if shape.startswith("token"):
         token, _ = fresh_token(checked, owner.ids)
+    elif shape == "stranger":
+        stranger, _ = fresh_token(checked, owner.stranger)
     with ExitStack() as stack:
         for fd in stray:
             stack.callback(os.close, fd)
@@ -226,6 +233,7 @@ def test_garbage_on_the_descriptor_socket(fuzz_daemon, checked, owner, shape, pa
             "unknown+fds": (payload + bytes(TOKEN_BYTES))[:TOKEN_BYTES] + extra,
             "token+fds": token or b"",
             "nothing": b"",
+            "stranger": stranger or b"",
         }[shape]
         try:
             if stray:
@@ -241,6 +249,8 @@ def test_garbage_on_the_descriptor_socket(fuzz_daemon, checked, owner, shape, pa
     FIGURES.garbage()
     if token is not None:  # a real token claims its one descriptor, whatever came with it
         assert message[:1] == b"\x00" and len(received) == 1, (message, received)
+    elif stranger is not None:  # issued to pid 1: refused to this process, and used up
+        assert message[:1] == b"\x01" and b"was issued to pid 1" in message and not received, message
     elif sent[:TOKEN_BYTES] in SPECIAL_REQUESTS:  # not a claim: an answer, never a descriptor
         assert message[:1] in (b"\x00", b"\x01") and not received, (message, received)
     else:  # fewer than 16 bytes are malformed, the first 16 of more an unknown token
