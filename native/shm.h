@@ -337,7 +337,9 @@ class ShmGroup {
     for (std::uint64_t spins = 0;; ++spins) {
       if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) >= epoch) return;
       const auto [reason, detail] = abort_state(control_);
-      if (reason != kNotAborted) raise_aborted(reason, detail);
+      // A peer that arrived and then left (or died) aborts the group after its arrival: look at
+      // the flag once more, so that a barrier the peer did reach is not failed for its departure.
+      if (reason != kNotAborted && __atomic_load_n(flag, __ATOMIC_ACQUIRE) < epoch) raise_aborted(reason, detail);
       if (spins < 4096) {
         cpu_relax();
         continue;

@@ -199,12 +199,14 @@ class Ranks:
 
     def values(self) -> dict[int, object]:
         """Every rank's return value; fails the test with the first rank's traceback otherwise."""
-        out = {}
+        out, failures = {}, []
         for rank, (status, value) in sorted(self.results().items()):
             if status != "ok":
                 detail = value[2] if isinstance(value, tuple) else value
-                pytest.fail(f"rank {rank} {status}: {detail}")
+                failures.append(f"rank {rank} {status}: {detail}")
             out[rank] = value
+        if failures:
+            pytest.fail("\n".join(failures))  # every rank's: the first to fail is not always the cause
         return out
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:

@@ -63,7 +63,8 @@ __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t ep
   std::uint64_t started = 0;
   for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
     if (spins % 32 != 0) continue;
-    if (load_volatile(word(control, 0)) != 0) {
+    // A peer that arrived and then left aborts the group after its arrival: the flag decides.
+    if (load_volatile(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
       fail(control, rank, control::kErrorAborted, peer, epoch);
       return false;
     }

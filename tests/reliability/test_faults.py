@@ -89,7 +89,7 @@ def test_a_claim_token_never_used(fault_daemon):
         assert reply.claim_token
         # No claim, no session: after the grace the rank is lost, the token expires, memory goes.
         after = settle(fault_daemon, fault_daemon.process.pid, before, timeout=20)
-        assert (after["fds"], after["memfds"]) == (before["fds"], before["memfds"]), (before, after)
+        assert after["fds"] <= before["fds"] and after["memfds"] <= before["memfds"], (before, after)
         reply = stub.Join(join_request(group="unclaimed", world_size=1, timeout=5), timeout=10)  # forms again
         assert reply.group_id
     assert "did not open its session" in fault_daemon.log()
@@ -120,8 +120,9 @@ def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
                     )
                 )
         assert codes == {(grpc.StatusCode.RESOURCE_EXHAUSTED, True)}, codes
-        after = daemon_resources(pid)
-        assert (after["fds"], after["memfds"]) == (baseline["fds"], baseline["memfds"]), (baseline, after)
+        after = settle(daemon, pid, baseline, timeout=10)
+        # Back at (or below: an idle connection may have closed) the baseline: nothing leaked.
+        assert after["fds"] <= baseline["fds"] and after["memfds"] <= baseline["memfds"], (baseline, after)
         assert spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, "big", timeout=120).values() == {0: 3.0, 1: 3.0}
     finally:
         daemon.stop(signal.SIGKILL)

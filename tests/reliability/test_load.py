@@ -82,8 +82,9 @@ def test_load_holds_and_nothing_leaks(load_daemon, spawn_ranks):
     }
     FIGURES.load = figures
     assert figures["corrupted"] == 0
-    assert after["fds"] == baseline["fds"] and after["memfds"] == baseline["memfds"], (baseline, after)
-    assert after["memfd_mappings"] == baseline["memfd_mappings"], (baseline, after)
+    # Back at (or below: idle connections close) the baseline: nothing leaked.
+    assert after["fds"] <= baseline["fds"] and after["memfds"] <= baseline["memfds"], (baseline, after)
+    assert after["memfd_mappings"] <= baseline["memfd_mappings"], (baseline, after)
     # Python's allocator keeps some of what it freed; a leak per group would be far larger.
     assert figures["rss_growth_kib"] < 64 << 10, (baseline, after, figures)
     assert joins >= 10 and ops >= 100 and baseline["fds"] > 0, (figures, baseline)
