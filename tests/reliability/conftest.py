@@ -29,9 +29,11 @@ def checked(fuzz_daemon):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if FIGURES.calls or FIGURES.garbage_connections:
+    lines = FIGURES.lines()
+    if lines:
         terminalreporter.write_sep("-", "reliability")
-        terminalreporter.write_line(FIGURES.line())
+        for line in lines:
+            terminalreporter.write_line(line)
         if config.option.verbose > 0:
             for line in FIGURES.outcome_lines():
                 terminalreporter.write_line(line)

@@ -74,13 +74,16 @@ TRANSPORT_FAILURES = ("metadata size exceeds", "Received RST_STREAM")
 
 @dataclass
 class Figures:
-    """What the fuzzers tried, for the line the run ends with."""
+    """What the reliability suites tried and found, for the lines the run ends with."""
 
     calls: Counter = field(default_factory=Counter)  # RPC method -> calls
     outcomes: Counter = field(default_factory=Counter)  # (method, "OK" or status name) -> answers
     garbage_connections: int = 0
     crashes: int = 0
     unexpected: int = 0
+    faults: Counter = field(default_factory=Counter)  # fault injected and survived -> times
+    load: dict = field(default_factory=dict)  # the load test's figures (test_load.py)
+    access: list = field(default_factory=list)  # access-control cases that held
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def line(self) -> str:
@@ -89,6 +92,27 @@ class Figures:
             f"{self.garbage_connections} garbage connections, {self.crashes} daemon crashes, "
             f"{self.unexpected} unexpected status codes"
         )
+
+    def lines(self) -> list[str]:
+        """Every suite's figures that ran: fuzzing, faults, load and leaks, access control."""
+        out = [self.line()] if self.calls or self.garbage_connections else []
+        if self.faults:
+            out.append(
+                f"faults: {sum(self.faults.values())} injected and survived ({len(self.faults)} kinds: "
+                + ", ".join(sorted(self.faults))
+                + ")"
+            )
+        if self.load:
+            load = self.load
+            out.append(
+                f"load: {load['joins_per_second']:.1f} joins/s, {load['operations_per_second']:.0f} operations/s "
+                f"beside them, p99 Join {load['p99_join_ms']:.1f} ms, p99 operation {load['p99_operation_us']:.0f} us; "
+                f"leaks found {load['leaks']}, results lost or corrupted {load['corrupted']}, "
+                f"daemon RSS {load['rss_growth_kib']:+d} KiB"
+            )
+        if self.access:
+            out.append(f"access control: {len(self.access)} cases held ({', '.join(self.access)})")
+        return out
 
     def outcome_lines(self) -> list[str]:
         methods = sorted({method for method, _ in self.outcomes})

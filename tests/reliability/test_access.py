@@ -29,8 +29,7 @@ NOBODY = 65534  # uid nobody, gid nogroup on Debian
 
 
 def _checked(case: str) -> None:
-    checks = FIGURES.__dict__.setdefault("access", [])
-    checks.append(case)
+    FIGURES.access.append(case)
 
 
 @pytest.fixture

@@ -40,8 +40,7 @@ def fault_daemon(tmp_path_factory):
 
 
 def _survived(fault: str) -> None:
-    faults = FIGURES.__dict__.setdefault("faults", {})
-    faults[fault] = faults.get(fault, 0) + 1
+    FIGURES.faults[fault] += 1
 
 
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
