@@ -22,10 +22,11 @@ if __name__ == "__main__":
     ps = [mp.get_context("spawn").Process(target=rank, args=(r, sys.argv[1])) for r in range(2)]
     [p.start() for p in ps]; [p.join() for p in ps]
 PY
+holder=$!
 sleep 10
 nodecomm --socket $socket status | tee "$OUT/status.txt"; nodecomm --socket $socket status --json > "$OUT/status.json"
 curl -s 127.0.0.1:9464/metrics > "$OUT/metrics.txt" || python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" > "$OUT/metrics.txt"
-wait %2 2>/dev/null
+wait $holder
 timeout 240 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --op topk --device cuda \
   --world-size "${TOPK_WORLD:-2}" --rows 64,256,1024,2048 --topk 2048 --iterations 20 | tee "$OUT/bench-topk.txt"
 kill $daemon
