@@ -47,7 +47,10 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "joined_ranks": list(g.joined_ranks),
                             "live_ranks": list(g.live_ranks),
                             "reserved_bytes": g.reserved_bytes,
+                            "service_bytes": g.service_bytes,
+                            "topk_exchanges": g.topk_exchanges,
                             "capacity_bytes": g.geometry.capacity_bytes,
+                            "paths": _paths_summary(g.thresholds) if g.thresholds.ranges else None,
                         }
                         for g in groups
                     ],
@@ -57,15 +60,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return code
     print(f"daemon: {status} ({args.socket or default_socket_path()})")
-    print(f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10}")
+    print(
+        f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10} "
+        f"{'service':>9} {'topk':>4}  paths"
+    )
     for g in groups:
         live = ",".join(map(str, g.live_ranks)) or "-"
         print(
-            f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} {format_byte_size(g.reserved_bytes):>10}"
+            f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} "
+            f"{format_byte_size(g.reserved_bytes):>10} {format_byte_size(g.service_bytes):>9} {g.topk_exchanges:>4}  "
+            f"{_paths_summary(g.thresholds) if g.thresholds.ranges else '-'}"
         )
     if not groups:
         print("(no groups)")
     return code
+
+
+def _paths_summary(table: pb.ThresholdTable) -> str:
+    """'oneshot <=32KiB, twoshot': each range's path and its top size."""
+    rows = DispatchTable.from_proto(table).rows()
+    return ", ".join(path.value if high == "inf" else f"{path.value} <={high}" for _, high, path in rows)
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:

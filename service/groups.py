@@ -965,6 +965,9 @@ class GroupRegistry:
                     device_kind=group.args.device_kind,
                     reserved_bytes=group.reserved_bytes,
                     geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
+                    thresholds=group.table.to_proto(),
+                    topk_exchanges=len(group.topk_slabs),
+                    service_bytes=group.service.reserved_bytes if group.service is not None else 0,
                 )
             )
         return infos

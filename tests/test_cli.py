@@ -30,8 +30,9 @@ def test_status_and_thresholds_show_a_live_group(daemon, spawn_ranks):
     (shown,) = document["groups"]
     assert shown["name"] == "shown" and shown["state"] == "active" and shown["live_ranks"] == [0, 1]
     assert shown["reserved_bytes"] > 2 * shown["capacity_bytes"]
+    assert shown["paths"] == "oneshot <=32KiB, twoshot" and shown["topk_exchanges"] == 0
     human = nodecomm_cli("--socket", daemon.socket, "status")
-    assert "shown" in human.stdout and "active" in human.stdout
+    assert "shown" in human.stdout and "active" in human.stdout and "oneshot <=32KiB, twoshot" in human.stdout
     table = nodecomm_cli("--socket", daemon.socket, "thresholds", "--group", "shown", "--json")
     assert json.loads(table.stdout)["boundaries"][0]["name"] == "oneshot_max_bytes"
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()

@@ -452,7 +452,7 @@ class ListGroupsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry")
+    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -462,6 +462,9 @@ class GroupInfo(_message.Message):
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BYTES_FIELD_NUMBER: _ClassVar[int]
     GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    TOPK_EXCHANGES_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_id: int
     world_size: int
@@ -471,7 +474,10 @@ class GroupInfo(_message.Message):
     device_kind: str
     reserved_bytes: int
     geometry: Geometry
-    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ...) -> None: ...
+    thresholds: ThresholdTable
+    topk_exchanges: int
+    service_bytes: int
+    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ...) -> None: ...
 
 class ListGroupsReply(_message.Message):
     __slots__ = ("groups",)
