@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from nodecomm import _native, host_memory
+from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
     InvalidArgumentError,
@@ -67,6 +68,7 @@ class Communicator:
         operation_timeout: float,
         table_switch_period: int = 0,
         explore_period: int = 0,
+        rank_secret: bytes = b"",
     ):
         self.group = group
         self.rank = rank
@@ -89,10 +91,13 @@ class Communicator:
         self._operation_timeout = operation_timeout
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
-        self._lease = Lease(self._stub, group_id, rank, control.address)
+        self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
+        self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata)
         # CPU groups: collectives the daemon runs (path="service").
         self._service = (
-            ServicePath(self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout)
+            ServicePath(
+                self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata
+            )
             if transport.kind == "cpu"
             else None
         )
@@ -291,7 +296,7 @@ class Communicator:
             timeout_seconds=timeout,
         )
         try:
-            reply = self._stub.OpenTopkExchange(request, timeout=timeout + 5.0)
+            reply = self._stub.OpenTopkExchange(request, timeout=timeout + 5.0, metadata=self._metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error, **where) from None
         layout = TopkLayout(max_rows, topk, self.world_size)
@@ -455,7 +460,11 @@ class Communicator:
             self._closed = True
         if self._lease.lost_reason is None and self._lease.refusal is None:
             try:
-                self._stub.Leave(pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank), timeout=5.0)
+                self._stub.Leave(
+                    pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank),
+                    timeout=5.0,
+                    metadata=self._metadata,
+                )
             except grpc.RpcError as error:
                 log.info(
                     "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}

@@ -11,6 +11,7 @@ import torch
 
 from nodecomm import _native, host_memory
 from nodecomm.byte_size import parse_byte_size
+from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
 from nodecomm.thresholds import DispatchTable
@@ -85,7 +86,13 @@ def _check_nccl_group(nccl_group: object, rank: int, world_size: int, where: dic
 
 
 def _check_peers(
-    stub: pb_grpc.ControlStub, transport: CudaTransport, group: str, group_id: int, timeout: float, where: dict
+    stub: pb_grpc.ControlStub,
+    transport: CudaTransport,
+    group: str,
+    group_id: int,
+    timeout: float,
+    where: dict,
+    metadata: tuple[tuple[str, bytes], ...],
 ) -> pb.ThresholdTable:
     """Prove the group's peer memory works before using it (a map plus write/read-back per
     directed pair, then one exact all-reduce per peer path); every rank reports each stage and
@@ -100,7 +107,7 @@ def _check_peers(
             group=group, group_id=group_id, rank=transport.rank, ok=not detail, detail=detail, stage=stage
         )
         try:
-            verdict = stub.CheckPeers(report, timeout=timeout + 5.0)
+            verdict = stub.CheckPeers(report, timeout=timeout + 5.0, metadata=metadata)
         except grpc.RpcError as error:
             raise from_rpc_error(error, **where) from None
         if not verdict.peer_memory_ok:
@@ -211,7 +218,9 @@ def connect(
             transport = CudaTransport(
                 rank, world_size, device_index, buffers, control, capacity_bytes, reply.max_blocks, nccl_group
             )
-            table = _check_peers(stub, transport, group, reply.group_id, timeout, where)
+            table = _check_peers(
+                stub, transport, group, reply.group_id, timeout, where, rank_metadata(reply.rank_secret)
+            )
         communicator = Communicator(
             group=group,
             rank=rank,
@@ -227,6 +236,7 @@ def connect(
             operation_timeout=reply.operation_timeout_seconds,
             table_switch_period=reply.table_switch_period,
             explore_period=reply.explore_period,
+            rank_secret=reply.rank_secret,
         )
     except BaseException:
         if transport is not None:

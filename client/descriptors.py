@@ -6,6 +6,7 @@ import os
 import socket
 
 from nodecomm import host_memory
+from nodecomm.credentials import IDENTIFY
 from nodecomm.errors import DaemonUnavailableError, PermissionDeniedError
 
 from .mapping import SegmentMapping
@@ -28,9 +29,6 @@ def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> 
             os.close(fd)
         raise PermissionError(message[1:].decode(errors="replace"))
     return list(fds)
-
-
-IDENTIFY = b"nodecomm:whoami\x00"
 
 
 def identify(path: str, timeout: float, where: dict) -> bytes:

@@ -36,11 +36,13 @@ class Lease:
         group_id: int,
         rank: int,
         control_address: int,
+        metadata: tuple[tuple[str, bytes], ...] = (),
     ):
         self._stub = stub
         self._group_id = group_id
         self._rank = rank
         self._control = control_address
+        self._metadata = metadata
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         self._pending: list[pb.Timing] = []
         self._counts: dict[tuple[int, Path], list[int]] = {}  # (op, path) -> [operations, bytes]
@@ -82,7 +84,7 @@ class Lease:
 
     def _run(self) -> None:
         try:
-            self._call = self._stub.Session(self._requests())
+            self._call = self._stub.Session(self._requests(), metadata=self._metadata)
             for message in self._call:
                 if message.WhichOneof("kind") == "thresholds":
                     # Offered, not used: the ranks switch together (Communicator._agree_on_table).

@@ -125,6 +125,7 @@ class ServicePath:
         world_size: int,
         descriptor_socket: str,
         operation_timeout: float,
+        metadata: tuple[tuple[str, bytes], ...] = (),
     ):
         self._stub = stub
         self._ids = dict(group=group, group_id=group_id, rank=rank)
@@ -132,6 +133,7 @@ class ServicePath:
         self.world_size = world_size
         self._descriptor_socket = descriptor_socket
         self._timeout = operation_timeout
+        self._metadata = metadata  # the rank's secret, on every call
         self._lock = threading.Lock()
         self._sequence = 0
         self._buffers: list[ServiceBuffer] = []  # live, the caller's and the staging pool's
@@ -142,7 +144,9 @@ class ServicePath:
     def allocate(self, size_bytes: int) -> ServiceBuffer:
         try:
             reply = self._stub.AllocateMemory(
-                pb.AllocateMemoryRequest(**self._ids, size_bytes=size_bytes), timeout=self._timeout
+                pb.AllocateMemoryRequest(**self._ids, size_bytes=size_bytes),
+                timeout=self._timeout,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error, **self._where) from None
@@ -161,7 +165,9 @@ class ServicePath:
                 self._buffers.remove(buffer)
         try:
             self._stub.FreeMemory(
-                pb.FreeMemoryRequest(**self._ids, allocation_id=buffer.allocation_id), timeout=self._timeout
+                pb.FreeMemoryRequest(**self._ids, allocation_id=buffer.allocation_id),
+                timeout=self._timeout,
+                metadata=self._metadata,
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error, **self._where) from None
@@ -271,7 +277,7 @@ class ServicePath:
             output=target,
             timeout_seconds=self._timeout,
         )
-        future = self._stub.Submit.future(request, timeout=self._timeout + 5.0)
+        future = self._stub.Submit.future(request, timeout=self._timeout + 5.0, metadata=self._metadata)
         return ServiceWork(future, lambda ok: self._give_back(staged, ok), self._where, self._timeout + 10.0, result)
 
     def empty_submit(self) -> ServiceWork:

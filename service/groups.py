@@ -10,6 +10,7 @@ when every rank is gone. Everything here runs on the daemon's event loop.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import logging
 import math
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
+from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
@@ -31,6 +33,7 @@ from nodecomm.errors import (
     NodecommError,
     NotFoundError,
     PeerLostError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     UnsupportedError,
     shown,
@@ -198,6 +201,7 @@ class FormingGroup:
 class Member:
     rank: int
     pid: int = 0
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False
     left: bool = False
@@ -493,6 +497,7 @@ class GroupRegistry:
                 max_blocks=max_blocks,
                 table_switch_period=self.config.table_switch_period if first.device_kind == "cpu" else 0,
                 explore_period=self.config.explore_period if first.device_kind == "cpu" else 0,
+                rank_secret=group.members[rank].secret,
             )
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
@@ -797,6 +802,21 @@ class GroupRegistry:
         self.metrics.service_ops.labels(op, result).inc()
         if nbytes:
             self.metrics.service_bytes.labels(op).inc(nbytes)
+
+    # -- who may act as a rank ------------------------------------------------------------------
+
+    def authenticate(self, group_id: int, rank: int, secret: bytes) -> None:
+        """Refuse a per-rank call that does not carry the rank's secret from its Join. An unknown
+        group or rank passes here: the call itself answers NOT_FOUND."""
+        group = self._groups.get(group_id)
+        member = group.members.get(rank) if group is not None else None
+        if member is not None and not hmac.compare_digest(member.secret, secret):
+            raise PermissionDeniedError(
+                f"this caller does not hold rank {rank}'s membership: the rank secret from its Join is "
+                f"{'wrong' if secret else 'missing'} (metadata {RANK_SECRET_KEY!r})",
+                group=group.name,
+                rank=rank,
+            )
 
     # -- sessions ------------------------------------------------------------------------------
 

@@ -25,8 +25,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nodecomm.credentials import IDENTIFY
+
 TOKEN_BYTES = 16
-IDENTIFY = b"nodecomm:whoami\x00"  # a claim token is random: it equals this with probability 2^-128
 _CLAIM_IO_TIMEOUT = 2.0
 log = logging.getLogger("nodecomm.handles")
 

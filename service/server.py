@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from nodecomm import _native
+from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     InvalidArgumentError,
     NodecommError,
@@ -172,6 +173,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             )
         group_id, rank = first.hello.group_id, first.hello.rank
         try:
+            self.registry.authenticate(group_id, rank, _rank_secret(context))
             queue = self.registry.open_session(group_id, rank)
         except NodecommError as error:
             await context.abort(status_code_for(error), status_details(error))
@@ -203,10 +205,12 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def CheckPeers(self, request: pb.PeerCheckReport, context) -> pb.PeerCheckVerdict:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.check_peers(request, self.config.join_timeout_seconds)
 
     @rpc
     async def OpenTopkExchange(self, request: pb.TopkExchangeRequest, context) -> pb.TopkExchangeReply:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.open_topk_exchange(request)
 
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
@@ -235,19 +239,23 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def AllocateMemory(self, request: pb.AllocateMemoryRequest, context) -> pb.AllocateMemoryReply:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return self.registry.allocate_memory(request)
 
     @rpc
     async def FreeMemory(self, request: pb.FreeMemoryRequest, context) -> pb.FreeMemoryReply:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         self.registry.free_memory(request)
         return pb.FreeMemoryReply()
 
     @rpc
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitReply:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.submit(request)
 
     @rpc
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
+        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()
 
@@ -267,6 +275,14 @@ async def _calibrate_on_start(registry: GroupRegistry, config: DaemonConfig, sto
         await registry.tables.calibrate(pb.CalibrateRequest(), config.socket, store)
     except NodecommError as error:
         log.warning("calibration on start failed; built-in defaults stay", extra={"error": str(error)})
+
+
+def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
+    """The caller's rank secret (JoinReply.rank_secret), from the call's metadata; b"" if none."""
+    for key, value in context.invocation_metadata() or ():
+        if key == RANK_SECRET_KEY and isinstance(value, bytes):
+            return value
+    return b""
 
 
 def _restrict(path: str, mode: int, group: str) -> None:

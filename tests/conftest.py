@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -20,6 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nodecomm.credentials import rank_metadata
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -248,8 +251,60 @@ def spawn_ranks():
 # -- raw control-plane helpers -------------------------------------------------------------------
 
 
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class RankSecrets(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """What the client does for tests that speak raw gRPC: remembers the secret each Join reply
+    gives its (group_id, rank), and sends it with that rank's later calls."""
+
+    def __init__(self) -> None:
+        self.secrets: dict[tuple[int, int], bytes] = {}
+
+    def _with_secret(self, details: grpc.ClientCallDetails, group_id, rank) -> grpc.ClientCallDetails:
+        secret = self.secrets.get((group_id, rank))
+        if secret is None:
+            return details
+        metadata = [*(details.metadata or ()), *rank_metadata(secret)]
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready, details.compression
+        )
+
+    def intercept_unary_unary(self, continuation, details, request):
+        if details.method.endswith("/Join"):
+            outcome = continuation(details, request)
+
+            def remember(done) -> None:
+                if done.exception() is None:
+                    self.secrets[(done.result().group_id, request.rank)] = done.result().rank_secret
+
+            outcome.add_done_callback(remember)
+            return outcome
+        group_id, rank = getattr(request, "group_id", None), getattr(request, "rank", None)
+        return continuation(self._with_secret(details, group_id, rank), request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):
+        first = next(request_iterator, None)  # a Session's hello names the rank
+        hello = getattr(first, "hello", None)
+        if hello is not None:
+            details = self._with_secret(details, hello.group_id, hello.rank)
+        rest = itertools.chain([first], request_iterator) if first is not None else iter(())
+        return continuation(details, rest)
+
+
+def rank_channel(socket_path: str) -> grpc.Channel:
+    """A channel that carries each joined rank's secret on its later calls (RankSecrets)."""
+    return grpc.intercept_channel(grpc.insecure_channel(grpc_target(socket_path)), RankSecrets())
+
+
 def stub_for(daemon):
-    channel = grpc.insecure_channel(grpc_target(daemon.socket))
+    channel = rank_channel(daemon.socket)
     return channel, pb_grpc.ControlStub(channel)
 
 

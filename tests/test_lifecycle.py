@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 import ranks
-from conftest import join_request, reserved_bytes
+from conftest import join_request, rank_channel, reserved_bytes
 from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
@@ -28,7 +28,7 @@ def wait_until(predicate, timeout: float) -> bool:
 
 def test_ranks_that_never_open_a_session_are_released_with_their_tokens(make_daemon):
     daemon = make_daemon("--session-grace-seconds", "1")
-    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel:
+    with rank_channel(daemon.socket) as channel:
         stub = pb_grpc.ControlStub(channel)
         first = stub.Join.future(join_request(group="ghost", rank=0), timeout=10)
         second = stub.Join(join_request(group="ghost", rank=1), timeout=10)

@@ -22,8 +22,7 @@ from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, Phase, settings
 
-from conftest import Daemon
-from nodecomm.socket_path import grpc_target
+from conftest import Daemon, rank_channel
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -172,7 +171,7 @@ class Checked:
 
     def __init__(self, daemon: Daemon):
         self.daemon = daemon
-        self.channel = grpc.insecure_channel(grpc_target(daemon.socket))
+        self.channel = rank_channel(daemon.socket)  # raw calls, with each joined rank's secret
         self.stub = pb_grpc.ControlStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
 

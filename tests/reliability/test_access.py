@@ -184,3 +184,34 @@ def test_quotas(make_daemon):
         # The forming group is gone: the quota has room again.
         assert stub.Join(join_request(group="two", world_size=1), timeout=10).group_id
     _checked("quotas")
+
+
+def test_only_the_joined_process_acts_as_its_rank(daemon):
+    from nodecomm.credentials import rank_metadata
+    from nodecomm.socket_path import grpc_target
+    from nodecomm.v1 import control_pb2 as pb
+    from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(grpc_target(daemon.socket)) as channel:  # no secrets added for us
+        stub = pb_grpc.ControlStub(channel)
+        reply = stub.Join(join_request(group="mine", world_size=1), timeout=10)
+        ids = dict(group="mine", group_id=reply.group_id, rank=0)
+        assert len(reply.rank_secret) == 16
+        calls = {
+            "Leave": lambda md: stub.Leave(pb.LeaveRequest(**ids), timeout=5, metadata=md),
+            "AllocateMemory": lambda md: stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=64), timeout=5, metadata=md),
+            "Session": lambda md: next(
+                stub.Session(iter([pb.SessionUp(hello=pb.SessionHello(group_id=reply.group_id, rank=0))]), timeout=5, metadata=md)
+            ),
+        }  # fmt: skip
+        for name, call in calls.items():
+            for metadata, what in ((None, "missing"), (rank_metadata(b"x" * 16), "wrong")):
+                with pytest.raises(grpc.RpcError) as denied:
+                    call(metadata)
+                assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+                assert (
+                    f"does not hold rank 0's membership: the rank secret from its Join is {what}"
+                    in denied.value.details()
+                )
+        stub.Leave(pb.LeaveRequest(**ids), timeout=5, metadata=rank_metadata(reply.rank_secret))  # the rank itself
+    _checked("only the joined process acts as its rank")

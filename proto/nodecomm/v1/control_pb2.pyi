@@ -118,7 +118,7 @@ class Segment(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period")
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class JoinReply(_message.Message):
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TABLE_SWITCH_PERIOD_FIELD_NUMBER: _ClassVar[int]
     EXPLORE_PERIOD_FIELD_NUMBER: _ClassVar[int]
+    RANK_SECRET_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     claim_token: bytes
     descriptor_socket: str
@@ -143,7 +144,8 @@ class JoinReply(_message.Message):
     max_blocks: int
     table_switch_period: int
     explore_period: int
-    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ...) -> None: ...
+    rank_secret: bytes
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("name", "value_bytes", "source")
