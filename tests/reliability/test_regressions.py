@@ -12,6 +12,7 @@ import pytest
 
 from conftest import join_request
 from nodecomm.client.descriptors import claim_descriptors
+from nodecomm.credentials import rank_metadata
 from nodecomm.v1 import control_pb2 as pb
 
 from .harness import Checked, Lease, wait_until
@@ -260,7 +261,8 @@ def test_request_bytes_that_do_not_parse_are_invalid_not_unknown(checked):
     reply = checked.stub.Join(join_request("undecodable", 0, 1, capacity=4096), timeout=5)
     hello = pb.SessionUp(hello=pb.SessionHello(group_id=reply.group_id, rank=0)).SerializeToString()
     with pytest.raises(grpc.RpcError) as raised:
-        list(channel.stream_stream("/nodecomm.v1.Control/Session")(iter([hello, b"\xff\xff"]), timeout=5))
+        session = channel.stream_stream("/nodecomm.v1.Control/Session")
+        list(session(iter([hello, b"\xff\xff"]), timeout=5, metadata=rank_metadata(reply.rank_secret)))
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nodecomm.v1.SessionUp" in raised.value.details()
     groups = checked.stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups
     assert reply.group_id not in [g.group_id for g in groups if g.state == "active"]
