@@ -7,6 +7,8 @@ classes (it looks them up here), so a caller catches one hierarchy whatever fail
 
 from __future__ import annotations
 
+import re
+
 import grpc
 
 
@@ -123,10 +125,18 @@ def status_code_for(error: NodecommError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+# The location a NodecommError's message starts with: "[group 'g', rank 3] ", "[group 'g'] ", "[rank 3] ".
+_LOCATION = re.compile(r"\[(group '[^']*'(, rank -?\d+)?|rank -?\d+)\] ")
+
+
 def from_rpc_error(error: grpc.RpcError, *, group: str | None = None, rank: int | None = None) -> NodecommError:
-    """The nodecomm error for a failed RPC, keeping the daemon's message."""
+    """The nodecomm error for a failed RPC, keeping the daemon's message (its location gives way to
+    the caller's, which names the rank too)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     details = (error.details() if hasattr(error, "details") else None) or str(error)
+    if group is not None or rank is not None:
+        location = _LOCATION.match(details)
+        details = details[location.end() :] if location else details
     cls = _CLASS_BY_STATUS.get(code, InternalError)
     if code == grpc.StatusCode.UNAVAILABLE:
         details = f"daemon unavailable: {details}"

@@ -38,6 +38,7 @@ def test_disagreeing_parts_fail_every_rank_and_the_group_goes_on(daemon, spawn_r
     for seen in results.values():
         assert seen["error"].startswith("GroupMismatchError"), seen
         assert "disagree on collective 0's count: rank 0 has 8, rank 1 has 16" in seen["error"]
+        assert seen["error"].count("[group") == 1, seen["error"]  # located once, by the caller
         assert seen["after"] == [2.0] * 4
 
 
