@@ -106,7 +106,7 @@ def host_times(run, iterations: int, comm) -> list[float]:
     return times
 
 
-def _cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
+def cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
     """Eager: per-call times of `iterations` calls back to back. Graph: per-call times of
     GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
     import torch
@@ -134,20 +134,30 @@ def _cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
     return [events[i].elapsed_time(events[i + 1]) / 1e3 / calls for i in range(steps)]
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Queue) -> None:
+def start_rank(rank: int, world_size: int, args: dict, port: int) -> str:
+    """A bench rank's process: one thread, its GPU (ranks spread over the visible ones) or the CPU,
+    and the gloo group every rank holds for slowest_rank. Returns the device."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    device = f"cuda:{rank % torch.cuda.device_count()}" if args["device"] == "cuda" else "cpu"
+    if device != "cpu":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    return device
+
+
+def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Queue) -> None:
+    device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
 
     import nodecomm
 
-    torch.set_num_threads(1)
-    on_gpu = args["device"] == "cuda"
-    device = f"cuda:{rank % torch.cuda.device_count()}" if on_gpu else "cpu"
-    if on_gpu:
-        torch.cuda.set_device(device)
+    on_gpu = device != "cpu"
     dtype = getattr(torch, args["dtype"])
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     baseline_group = dist.new_group(backend="nccl") if args["baseline"] == "nccl" else None
     rows, notes = [], []
     with nodecomm.connect(
@@ -184,7 +194,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                 for _ in range(min(5, iterations)):
                     run()
                 if on_gpu:
-                    times = _cuda_times(run, iterations, comm, args["graph"])
+                    times = cuda_times(run, iterations, comm, args["graph"])
                 else:
                     times = host_times(run, iterations, comm)
                 slowest, wrong = slowest_rank(times, int((out != expected).sum()), world_size)

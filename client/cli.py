@@ -111,11 +111,15 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
     else:
         subject = f"new {args.device.upper()} groups" + (" with an NCCL group" if args.nccl else "")
     print(f"dispatch table (epoch {table.epoch}) for {subject}")
+    _print_table(table)
+    return 0
+
+
+def _print_table(table: DispatchTable) -> None:
     for lo, hi, path in table.rows():
         print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
     for boundary in table.boundaries:
         print(f"  {boundary.describe()}")
-    return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -169,10 +173,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         cells = " ".join(f"{times[name] * 1e6:>10.1f}us" for name in sorted(times))
         print(f"{format_byte_size(size):>10} {cells}")
     print(f"calibrated (fingerprint {reply.fingerprint_key}, stored in {reply.stored_at}):")
-    for lo, hi, path in table.rows():
-        print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
-    for boundary in table.boundaries:
-        print(f"  {boundary.describe()}")
+    _print_table(table)
     return 0
 
 

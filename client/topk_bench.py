@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 
-from .bench import _cuda_times, host_times, run_ranks, slowest_rank
+from .bench import cuda_times, host_times, run_ranks, slowest_rank, start_rank
 
 
 def _gather_then_slice(idx, scores, span: range, world_size: int, group=None):
@@ -29,19 +29,14 @@ def _gather_then_slice(idx, scores, span: range, world_size: int, group=None):
 
 
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
 
     import nodecomm
     from nodecomm.topk_layout import owned_rows
 
-    torch.set_num_threads(1)
-    on_gpu = args["device"] == "cuda"
-    device = f"cuda:{rank % torch.cuda.device_count()}" if on_gpu else "cpu"
-    if on_gpu:
-        torch.cuda.set_device(device)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    on_gpu = device != "cpu"
     baseline = "nccl" if on_gpu else "gloo"
     group = dist.new_group(backend="nccl") if on_gpu and args["baseline"] else None
     topk, rows_list = args["topk"], args["rows"]
@@ -63,7 +58,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
             )
             for name, run in runs.items():
                 if on_gpu:
-                    times = _cuda_times(run, args["iterations"], comm, graph=False)
+                    times = cuda_times(run, args["iterations"], comm, graph=False)
                 else:
                     times = host_times(run, args["iterations"], comm)
                 slowest, differ = slowest_rank(times, int(not same), world_size)

@@ -26,9 +26,18 @@ class Gpu:
     pci_bus_id: str
     memory_bytes: int
     numa_node: int | None = None
-    link: str = "unknown"  # e.g. "Gen5 x16 (max Gen5 x16)"
+    current_link: str | None = None  # e.g. "Gen5 x8"; None where sysfs does not say
+    max_link: str | None = None
     root_complex: str | None = None  # the host bridge, e.g. "pci0000:40"
     bridges: list[str] = field(default_factory=list)  # PCI addresses from the root port down
+
+    @property
+    def link(self) -> str:
+        return f"{self.current_link} (max {self.max_link})" if self.current_link else "unknown"
+
+    @property
+    def downtrained(self) -> bool:
+        return self.current_link is not None and self.current_link != self.max_link
 
 
 def read_text(path: str) -> str | None:
@@ -64,17 +73,11 @@ def describe_gpu(index: int, info: dict, sysfs: str = SYSFS_PCI) -> Gpu:
     bus_id = info["pci_bus_id"]
     base = os.path.join(sysfs, bus_id)
     numa = read_text(os.path.join(base, "numa_node"))
-    speed, width = (
-        read_text(os.path.join(base, "current_link_speed")),
-        read_text(os.path.join(base, "current_link_width")),
-    )
-    top_speed, top_width = (
-        read_text(os.path.join(base, "max_link_speed")),
-        read_text(os.path.join(base, "max_link_width")),
-    )
-    link = "unknown"
-    if speed and width:
-        link = f"{link_generation(speed)} x{width} (max {link_generation(top_speed)} x{top_width})"
+
+    def link(which: str) -> str | None:
+        speed, width = (read_text(os.path.join(base, f"{which}_link_{part}")) for part in ("speed", "width"))
+        return f"{link_generation(speed)} x{width}" if speed and width else None
+
     root_complex, bridges = pci_ancestry(bus_id, sysfs)
     return Gpu(
         index=index,
@@ -83,7 +86,8 @@ def describe_gpu(index: int, info: dict, sysfs: str = SYSFS_PCI) -> Gpu:
         pci_bus_id=bus_id,
         memory_bytes=info["memory_bytes"],
         numa_node=int(numa) if numa not in (None, "-1") else None,
-        link=link,
+        current_link=link("current"),
+        max_link=link("max"),
         root_complex=root_complex,
         bridges=bridges,
     )
@@ -160,9 +164,7 @@ def node_topology(
                 "NCCL_P2P_LEVEL is not set: NCCL will not use peer-to-peer between GPUs behind different root "
                 "complexes; set it (e.g. SYS) only where measurement shows it helps"
             )
-    slow = [
-        g.index for g in gpus if g.link != "unknown" and g.link.split(" (")[0] != g.link.split("(max ")[-1].rstrip(")")
-    ]
+    slow = [g.index for g in gpus if g.downtrained]
     if slow:
         warnings.append(
             f"GPUs {slow} run below their maximum PCIe link (idle GPUs downclock the link; check under load)"

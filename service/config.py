@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import grp
 import ipaddress
 import os
+import pwd
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -171,9 +173,6 @@ class DaemonConfig:
 
 def parse_ids(field: str, text: str) -> frozenset[int]:
     """Comma-separated numeric ids or names: uids for allowed_uids, gids otherwise."""
-    import grp
-    import pwd
-
     ids = set()
     for item in (part.strip() for part in text.split(",")):
         if not item:

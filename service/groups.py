@@ -252,12 +252,20 @@ class Group:
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
 
-    def placement(self) -> list[tuple[str, str, int]]:
-        """(kind, device, bytes) of the group's own memory: the control page, then each rank's buffer."""
-        placed = [("host", "host", self.memory.control_bytes)]
-        for device in self.devices:
-            on_host = device == "cpu"
-            placed.append(("host" if on_host else "cuda", "host" if on_host else device, self.memory.buffer_bytes))
+    def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
+        """(kind, device, use, bytes) of the group's memory: the control page and each rank's
+        buffer, then each owner's slab of every top-k exchange (of `slabs` when given, and then
+        only those). Service allocations are accounted one by one as they come and go."""
+
+        def on(device: str) -> tuple[str, str]:
+            return ("host", "host") if device == "cpu" else ("cuda", device)
+
+        placed = []
+        if slabs is None:
+            placed.append(("host", "host", "collectives", self.memory.control_bytes))
+            placed += [(*on(device), "collectives", self.memory.buffer_bytes) for device in self.devices]
+        for exchange in self.topk_slabs if slabs is None else slabs:
+            placed += [(*on(device), "topk", exchange.slab_bytes) for device in self.devices]
         return placed
 
     @property
@@ -502,8 +510,8 @@ class GroupRegistry:
             for owner in range(first.world_size):
                 reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
             arrival.future.set_result(reply)
-        for kind, device, nbytes in group.placement():
-            self.metrics.reserve(kind, device, "collectives", nbytes)
+        for placed in group.placement():
+            self.metrics.reserve(*placed)
         self._update_gauges()
         asyncio.get_running_loop().call_later(self.config.session_grace_seconds, self._check_sessions, group_id)
         log.info(
@@ -527,12 +535,9 @@ class GroupRegistry:
             buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
             on_gpu = Counter()
             for group in self._groups.values():
-                for kind, device, nbytes in group.placement():
+                for kind, device, _, nbytes in group.placement():
                     if kind == "cuda":
                         on_gpu[device] += nbytes
-                for slabs in group.topk_slabs:
-                    for device in group.devices:
-                        on_gpu[device] += slabs.slab_bytes if device != "cpu" else 0
             for device, ranks in Counter(devices).items():
                 if on_gpu[device] + ranks * buffer_bytes > self.config.max_bytes_per_gpu:
                     raise ResourceExhaustedError(
@@ -556,11 +561,7 @@ class GroupRegistry:
         failed check takes the peer paths away: every size goes to NCCL, or, without an NCCL
         group, the group cannot run and every rank gets UnsupportedError."""
         where = dict(group=report.group or None, rank=report.rank)
-        group = self._groups.get(report.group_id)
-        if group is None or group.name != report.group or report.rank not in group.members:
-            raise NotFoundError(
-                f"no group named {shown(report.group)} with id {report.group_id} has this rank", **where
-            )
+        group = self._group_of(report.group, report.group_id, report.rank)
         if group.args.device_kind != "cuda":
             raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
         if report.stage not in PEER_CHECK_STAGES:
@@ -606,11 +607,7 @@ class GroupRegistry:
         """Wait for every rank's call for the same exchange; if they agree, allocate every owner's
         slab and answer each rank with a token for them. Disagreeing ranks all get one error."""
         where = dict(group=request.group or None, rank=request.rank)
-        group = self._groups.get(request.group_id)
-        if group is None or group.name != request.group or request.rank not in group.members:
-            raise NotFoundError(
-                f"no group named {shown(request.group)} with id {request.group_id} has this rank", **where
-            )
+        group = self._group_of(request.group, request.group_id, request.rank)
         if group.state != "active":
             raise NotFoundError(f"the group is {group.state}", **where)
         world_size = group.args.world_size
@@ -715,10 +712,8 @@ class GroupRegistry:
             )
             return
         group.topk_slabs.append(slabs)
-        for owner in range(layout.world_size):
-            device = group.devices[owner]
-            placed = ("host", "host") if device == "cpu" else ("cuda", device)
-            self.metrics.reserve(*placed, "topk", slabs.slab_bytes)
+        for placed in group.placement([slabs]):
+            self.metrics.reserve(*placed)
         exchange_id = secrets.randbits(63)
         for rank, future in forming.futures.items():
             reply = pb.TopkExchangeReply(
@@ -742,11 +737,18 @@ class GroupRegistry:
 
     # -- the service path ------------------------------------------------------------------------
 
-    def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, ServicePath]:
-        where = dict(group=name or None, rank=rank)
+    def _group_of(self, name: str, group_id: int, rank: int) -> Group:
+        """The group `rank` of `name` (id `group_id`) belongs to, or NotFoundError."""
         group = self._groups.get(group_id)
         if group is None or group.name != name or rank not in group.members:
-            raise NotFoundError(f"no group named {shown(name)} with id {group_id} has this rank", **where)
+            raise NotFoundError(
+                f"no group named {shown(name)} with id {group_id} has this rank", group=name or None, rank=rank
+            )
+        return group
+
+    def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, ServicePath]:
+        where = dict(group=name or None, rank=rank)
+        group = self._group_of(name, group_id, rank)
         if group.service is None:
             raise UnsupportedError("the service path runs CPU groups so far; CUDA groups come next", **where)
         member = group.members[rank]
@@ -940,14 +942,11 @@ class GroupRegistry:
             if self._active.get(group.name) is group:
                 del self._active[group.name]
             del self._groups[group.group_id]
-            for kind, device, nbytes in group.placement():
-                self.metrics.reserve(kind, device, "collectives", -nbytes)
+            for kind, device, use, nbytes in group.placement():
+                self.metrics.reserve(kind, device, use, -nbytes)
             self.claims.drop_group(group.group_id)
             group.memory.close()
             for slabs in group.topk_slabs:
-                for device in group.devices:
-                    placed = ("host", "host") if device == "cpu" else ("cuda", device)
-                    self.metrics.reserve(*placed, "topk", -slabs.slab_bytes)
                 slabs.close()
             if group.service is not None:
                 self.metrics.reserve("host", "host", "service", -group.service.reserved_bytes)

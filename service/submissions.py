@@ -48,6 +48,7 @@ class Part:
     request: pb.SubmitRequest
     input: tuple[RankAllocation, int] | None
     output: tuple[RankAllocation, int] | None
+    in_bytes: int  # what this rank contributes
 
     def allocations(self) -> Iterable[RankAllocation]:
         return [ref[0] for ref in (self.input, self.output) if ref is not None]
@@ -269,7 +270,7 @@ class ServicePath:
                         "(in place) or disjoint ranges",
                         **where,
                     )
-        return Part(request, read, written)
+        return Part(request, read, written, in_bytes)
 
     def _range(
         self, request: pb.SubmitRequest, ref: pb.MemoryRef, nbytes: int, element: int, name: str
@@ -331,10 +332,8 @@ class ServicePath:
             _native.service_topk_stage(inputs, outputs, first.count, first.topk)
 
     def _succeed(self, collective: Collective) -> None:
-        first = collective.parts[0].request
-        element = _ELEMENT_BYTES.get(first.dtype, 1) if first.op == pb.ALL_REDUCE else 1
-        nbytes = first.count * element * (2 * first.topk * 4 if first.op == pb.TOPK_STAGE else 1)
-        self._on_done(OP_NAMES[first.op], "ok", nbytes)
+        first = collective.parts[0]
+        self._on_done(OP_NAMES[first.request.op], "ok", first.in_bytes)
         for future in collective.futures.values():
             if not future.done():
                 future.set_result(pb.SubmitReply(sequence=collective.sequence))
