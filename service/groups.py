@@ -660,6 +660,20 @@ class GroupRegistry:
                 ),
             )
             raise forming.failure from None
+        except asyncio.CancelledError:
+            # The caller went away (cancelled, or past its gRPC deadline). Forming without it would
+            # hand a token to no one and leave its peers' slabs half-used; its retry would only
+            # find its own stale arrival.
+            if not future.done():
+                self._fail_exchange(
+                    forming,
+                    DeadlineExceededError(
+                        f"top-k exchange {request.sequence} did not open: rank {request.rank} stopped waiting "
+                        "for it (its call was cancelled or passed its deadline); nothing was allocated",
+                        group=group.name,
+                    ),
+                )
+            raise
 
     def _fail_exchange(self, forming: FormingExchange, error: NodecommError) -> None:
         forming.failure = error
@@ -711,6 +725,7 @@ class GroupRegistry:
                 forming, ResourceExhaustedError(f"handing out the slabs failed: {error.strerror}", group=group.name)
             )
             return
+        del group.exchanges[sequence]  # formed: only failures stay, for the ranks still to come
         group.topk_slabs.append(slabs)
         for placed in group.placement([slabs]):
             self.metrics.reserve(*placed)

@@ -179,6 +179,40 @@ def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked,
     checked.assert_alive()
 
 
+def test_a_topk_exchange_whose_caller_goes_away_fails_for_every_rank(checked):
+    # Found reading open_topk_exchange beside Submit's fix: a cancelled open left its arrival, so
+    # the peer's open formed the exchange and allocated slabs with a token for no one, and the
+    # cancelled rank's retry got ALREADY_EXISTS "already opened".
+    stub = checked.stub
+    ids, leases = _pair(checked, "xcancel")
+    try:
+        request = {
+            rank: pb.TopkExchangeRequest(**ids[rank], max_rows=4, topk=2, layout_version=1, timeout_seconds=5)
+            for rank in (0, 1)
+        }
+        assert refused(checked, "OpenTopkExchange", request[0], timeout=0.2).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        time.sleep(0.1)
+        for rank in (1, 0):
+            error = refused(checked, "OpenTopkExchange", request[rank])
+            assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
+            assert "rank 0 stopped waiting for it" in error.details() and "nothing was allocated" in error.details()
+        groups = {g.name: g for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups}
+        assert groups["xcancel"].topk_exchanges == 0
+        # The next exchange, which both ranks open, forms.
+        following = [
+            pb.TopkExchangeRequest(**ids[rank], sequence=1, max_rows=4, topk=2, layout_version=1, timeout_seconds=5)
+            for rank in (0, 1)
+        ]
+        futures = [stub.OpenTopkExchange.future(r, timeout=10) for r in following]
+        assert [len(f.result().slabs) for f in futures] == [2, 2]
+    finally:
+        for rank in (0, 1):
+            stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
+        for lease in leases:
+            lease.close()
+    checked.assert_alive()
+
+
 def _memfds_named(pid: int, text: str) -> list[str]:
     """The daemon's descriptors and mappings of memfds whose name holds `text`."""
     held = []
