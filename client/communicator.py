@@ -333,7 +333,7 @@ class Communicator:
                 os.close(fd)
         if on_gpu:
             exchange = CudaTopkExchange(
-                layout, self.rank, slabs, self._transport, reply.blocks, self._operation_timeout, where,
+                layout, self.rank, slabs, self._transport, self._run, reply.blocks, self._operation_timeout, where,
                 self._count_topk_stage,
             )  # fmt: skip
         else:
@@ -458,6 +458,12 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+        # This rank's queued GPU work first: peers may still wait on its signals, and Leave aborts
+        # their waits. Bounded: every kernel gives up after its timeout.
+        try:
+            self._transport.synchronize()
+        except RuntimeError as error:  # a broken CUDA context: leave all the same
+            log.warning("synchronizing before leave failed", extra={"group": self.group, "error": str(error)})
         if self._lease.lost_reason is None and self._lease.refusal is None:
             try:
                 self._stub.Leave(

@@ -140,6 +140,9 @@ class CudaTransport:
         for mapping in mappings:
             _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
 
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
         self._group = None

@@ -49,6 +49,9 @@ class HostTransport:
     def elapsed(self, start: float, end: float) -> float | None:
         return end - start
 
+    def synchronize(self) -> None:
+        """Nothing to wait for: collectives here have finished when they return."""
+
     def close(self) -> None:
         self._group = None
         for mapping in self._buffers:

@@ -139,6 +139,7 @@ class CudaTopkExchange:
         rank: int,
         slabs: list[SegmentMapping],
         transport,
+        run: Callable[..., None],
         blocks: int,
         timeout: float,
         where: dict,
@@ -150,6 +151,7 @@ class CudaTopkExchange:
         self._slabs = slabs
         self._addresses = [slab.address for slab in slabs]
         self._transport = transport
+        self._run = run  # the communicator's: its lock, and a lost peer or daemon raised before launching
         self._blocks = blocks
         self._timeout = timeout
         self._where = where
@@ -160,7 +162,8 @@ class CudaTopkExchange:
         self, local_idx: torch.Tensor, local_scores: torch.Tensor, *, path: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As TopkExchange.stage, enqueued on the current stream: the tables are new tensors that
-        hold the result once the stream reaches the end of the stage."""
+        hold the result once the stream reaches the end of the stage. A stage whose kernel gives up
+        (a peer lost, or past the timeout) leaves them unwritten; the next call raises why."""
         if self._closed:
             raise InvalidArgumentError("this top-k exchange is closed", **self._where)
         if path is not None:
@@ -171,9 +174,9 @@ class CudaTopkExchange:
         owned = len(owned_rows(rows, world, self._rank))
         out_idx = torch.empty((owned, world, self.topk), dtype=torch.int32, device=local_idx.device)
         out_scores = torch.empty((owned, world, self.topk), dtype=torch.float32, device=local_idx.device)
-        self._transport.topk_stage(
-            self._addresses, self._layout.rows_per_owner, self.topk, self._blocks, local_idx, local_scores, out_idx,
-            out_scores, self._timeout,
+        self._run(
+            self._transport.topk_stage, self._addresses, self._layout.rows_per_owner, self.topk, self._blocks,
+            local_idx, local_scores, out_idx, out_scores, self._timeout,
         )  # fmt: skip
         self._count(2 * local_idx.numel() * 4)
         return out_idx, out_scores

@@ -127,6 +127,24 @@ def wait_alone(rank: int, world_size: int, socket: str) -> tuple[str, str]:
         return "no error", ""
 
 
+def close_with_work_queued(rank: int, world_size: int, socket: str) -> list[str]:
+    """Every rank queues a last all-reduce behind a long kernel on its stream (the delayed rank's
+    the longest) and closes without synchronising: close must not leave before that work ran,
+    or its Leave aborts the peers still waiting on its signals. Results are read afterwards."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    count, dtype = 70_001, torch.bfloat16
+    outputs = {}
+    with nodecomm.connect("closing", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+        for path in PATHS:
+            x = rank_input(rank, count, dtype, 7).to(device)
+            torch.cuda._sleep(2_000_000_000 if rank == world_size - 1 else 100_000)  # ~1 s vs ~50 us
+            outputs[path] = comm.all_reduce(x, path=path)
+    expected = reference_sum(world_size, count, dtype, 7)
+    return [f"{path}: {int((y.cpu() != expected).sum())} elements differ" for path, y in outputs.items()
+            if not _same_bits(y, expected)]  # fmt: skip
+
+
 def large_offsets(rank: int, world_size: int, socket: str, count: int) -> dict[str, int]:
     """A bf16 payload past 2 GiB in one slot: element offsets beyond 2^31 / 2. Inputs are small
     integers whose sums are exact and vary with the position, so a truncated offset shows."""

@@ -60,6 +60,12 @@ def test_peer_that_never_comes_times_out(make_daemon, spawn_ranks):
     assert name == "PeerLostError" and "rank 0 timed out waiting for rank 1" in message
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_close_waits_for_queued_work_before_leaving(cuda_daemon, spawn_ranks, world_size):
+    results = spawn_ranks(cuda_ranks.close_with_work_queued, world_size, world_size, cuda_daemon.socket, timeout=300)
+    assert results.values() == {r: [] for r in range(world_size)}
+
+
 def test_offsets_past_two_gib(make_daemon, spawn_ranks):
     import torch
 
