@@ -49,10 +49,11 @@ struct ErrorRecord {
 
 inline ErrorRecord error_record(std::uintptr_t control, int rank) {
   const auto* record = reinterpret_cast<const std::uint64_t*>(control + kErrorOffset + kErrorStride * rank);
+  // The code first: a kernel writes peer and epoch, fences, then the code.
   ErrorRecord out;
+  out.code = __atomic_load_n(record, __ATOMIC_ACQUIRE);
   out.peer = __atomic_load_n(record + 1, __ATOMIC_ACQUIRE);
   out.epoch = __atomic_load_n(record + 2, __ATOMIC_ACQUIRE);
-  out.code = __atomic_load_n(record, __ATOMIC_ACQUIRE);
   return out;
 }
 

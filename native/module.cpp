@@ -196,7 +196,7 @@ PYBIND11_MODULE(_native, m) {
         cuda::DeviceScope scope(device);
         return cuda::resident_blocks(device);
       },
-      py::arg("device"), "How many blocks of the all-reduce kernel fit on `device` at once.");
+      py::arg("device"), "How many blocks of any kernel with block-pair waits fit on `device` at once.");
   m.def("cuda_topk_slab_bytes", &cuda::topk_slab_bytes, py::arg("rows_per_owner"), py::arg("world_size"),
         py::arg("topk"), "Bytes of one owner's top-k slab on its GPU: flags, then two slots of planes.");
   m.def("cuda_topk_blocks", &cuda::topk_blocks, py::arg("rows_per_owner"), py::arg("world_size"), py::arg("topk"),

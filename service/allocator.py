@@ -70,8 +70,20 @@ def host_buffer_bytes(slot_bytes: int) -> int:
     return _native.shm_buffer_bytes(slot_bytes)
 
 
-def cuda_buffer_bytes(slot_bytes: int, device: int) -> int:
-    return _native.cuda_vmm_rounded_size(device, _native.cuda_buffer_bytes(slot_bytes))
+def allocate_on_gpus(devices: list[int], nbytes: int, fds: list[int], mappings: list[DeviceMapping]) -> int:
+    """One zeroed VMM allocation per entry of `devices`, all of one size (nbytes rounded up for the
+    coarsest GPU), each appended to fds and mappings as it is made so that the caller's clean-up
+    covers a failure half-way. Returns the size."""
+    size = max(_native.cuda_vmm_rounded_size(device, nbytes) for device in devices)
+    for device in devices:
+        fd, address, made = _native.cuda_vmm_allocate(device, size)
+        fds.append(fd)
+        mappings.append(DeviceMapping(address, made))
+        if made != size:
+            raise ResourceExhaustedError(
+                f"GPU {device} rounded a {size}-byte allocation to {made}; every rank's must have one size"
+            )
+    return size
 
 
 def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> GroupMemory:
@@ -87,16 +99,8 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> Gro
             for rank in range(len(devices)):
                 made_fds.append(host_memory.create_segment(f"nodecomm:{name}:rank{rank}", buffer_bytes))
         else:
-            kind, buffer_bytes = pb.CUDA_VMM_FD, max(cuda_buffer_bytes(slot_bytes, d) for d in devices)
-            for device in devices:
-                fd, address, size = _native.cuda_vmm_allocate(device, buffer_bytes)
-                made_fds.append(fd)
-                mappings.append(DeviceMapping(address, size))
-                if size != buffer_bytes:
-                    raise ResourceExhaustedError(
-                        f"GPU {device} rounded a {buffer_bytes}-byte buffer to {size}; every rank's buffer "
-                        "must have one size"
-                    )
+            kind = pb.CUDA_VMM_FD
+            buffer_bytes = allocate_on_gpus(devices, _native.cuda_buffer_bytes(slot_bytes), made_fds, mappings)
         control_address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
     except (MemoryError, OSError, NodecommError) as error:
         for mapping in mappings:
@@ -141,19 +145,15 @@ def allocate_cuda_topk_slabs(name: str, exchange_id: int, devices: list[int], sl
     """One zeroed slab per owner on its GPU (devices[owner], the daemon's CUDA index), all of one size."""
     fds: list[int] = []
     mappings: list[DeviceMapping] = []
-    sizes = {_native.cuda_vmm_rounded_size(device, slab_bytes) for device in devices}
     try:
-        for device in devices:
-            fd, address, size = _native.cuda_vmm_allocate(device, max(sizes))
-            fds.append(fd)
-            mappings.append(DeviceMapping(address, size))
+        size = allocate_on_gpus(devices, slab_bytes, fds, mappings)
     except (MemoryError, OSError, NodecommError) as error:
         TopkSlabs(exchange_id, fds, 0, mappings).close()
         raise ResourceExhaustedError(
             f"allocating {len(devices)} top-k slabs of {slab_bytes} bytes on GPUs {sorted(set(devices))} failed: {error}",
             group=name,
         ) from None
-    return TopkSlabs(exchange_id, fds, max(sizes), mappings)
+    return TopkSlabs(exchange_id, fds, size, mappings)
 
 
 def allocate_topk_slabs(name: str, exchange_id: int, world_size: int, slab_bytes: int) -> TopkSlabs:

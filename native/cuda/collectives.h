@@ -51,7 +51,7 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream);
 
-// How many blocks of the all-reduce kernel fit on `device` at once. Every rank's whole grid must
+// How many blocks of any kernel with block-pair waits (all-reduce, top-k) fit on `device` at once. Every rank's whole grid must
 // be resident, or block pairs could wait on blocks that never get an SM: where several ranks share
 // a GPU, their grids together.
 int resident_blocks(int device);

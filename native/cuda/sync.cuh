@@ -10,6 +10,13 @@
 
 namespace nodecomm::cuda {
 
+// Nanoseconds for the kernels' waits: an infinite or huge timeout waits as long as a uint64
+// counts, a NaN or non-positive one not at all (converting either to an integer is undefined).
+inline std::uint64_t timeout_ns(double seconds) {
+  if (!(seconds > 0)) return 0;
+  return seconds < 1.8e10 ? std::uint64_t(seconds * 1e9) : UINT64_MAX;
+}
+
 __device__ __forceinline__ void store_release(std::uint64_t* address, std::uint64_t value) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
@@ -49,6 +56,7 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
     __threadfence_system();
     store_volatile(record, code);
   }
+  __threadfence_system();  // the record before the abort word: a peer that sees the abort reads it
   if (code == control::kErrorTimeout && load_volatile(word(control, 0)) == 0) {
     store_volatile(word(control, 0), (std::uint64_t(control::kStalled) << 32) | std::uint64_t(rank));
   }
@@ -64,7 +72,7 @@ __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t ep
   for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
     if (spins % 32 != 0) continue;
     // A peer that arrived and then left aborts the group after its arrival: the flag decides.
-    if (load_volatile(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
+    if (load_acquire(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
       fail(control, rank, control::kErrorAborted, peer, epoch);
       return false;
     }

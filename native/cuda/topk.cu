@@ -128,6 +128,22 @@ bool aligned(std::uintptr_t address) { return address % 16 == 0; }
 
 }  // namespace
 
+int topk_blocks_per_sm() {
+  int per_sm = 1 << 30;
+  const auto fits = [&](auto kernel) {
+    int blocks = 0;
+    NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+    per_sm = std::min(per_sm, blocks);
+  };
+  for (const int world_size : kWorldSizes) {
+    for_world(world_size, [&](auto world) {
+      constexpr int N = decltype(world)::value;
+      if constexpr (N <= 8) fits(topk_stage_kernel<N, true>), fits(topk_stage_kernel<N, false>);
+    });
+  }
+  return per_sm;
+}
+
 int topk_blocks(std::size_t rows_per_owner, int world_size, std::size_t topk, int max_blocks) {
   const std::size_t wanted = (topk_plane_bytes(rows_per_owner, world_size, topk) + kBytesPerBlock - 1) / kBytesPerBlock;
   const std::size_t cap = std::min({std::size_t(std::max(max_blocks, 1)), std::size_t(kMaxBlocks),
@@ -150,7 +166,7 @@ void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores,
   // Every rank passes the same rows, so with none every rank skips the launch alike.
   if (rows == 0) return;
   const bool vector = view.topk % 4 == 0 && aligned(idx) && aligned(scores) && aligned(out_idx) && aligned(out_scores);
-  const std::uint64_t timeout = std::uint64_t(timeout_s * 1e9);
+  const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(view.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
     if constexpr (N <= 8) {

@@ -41,6 +41,10 @@ inline std::size_t topk_slab_bytes(std::size_t rows_per_owner, int world_size, s
 // The exchange's grid: from its geometry and the group's block cap, so every rank gets the same.
 int topk_blocks(std::size_t rows_per_owner, int world_size, std::size_t topk, int max_blocks);
 
+// Blocks of the stage kernel that fit on one SM of the current device at once (its fewest over
+// world sizes and copy widths): its blocks wait on peers' blocks, so its grid must be resident.
+int topk_blocks_per_sm();
+
 // One rank's view of an exchange: every rank's slab as mapped here, in rank order.
 struct TopkView {
   const std::uintptr_t* slabs;

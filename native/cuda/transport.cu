@@ -28,6 +28,7 @@
 #include "driver.h"
 #include "layout.h"
 #include "sync.cuh"
+#include "topk.h"
 #include "world.h"
 
 namespace nodecomm::cuda {
@@ -268,8 +269,6 @@ Peers<N> peers_of(const GroupView& group) {
   return peers;
 }
 
-std::uint64_t timeout_ns(double seconds) { return std::uint64_t(seconds * 1e9); }
-
 template <int N>
 void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t timeout, cudaStream_t stream) {
   signal_kernel<N><<<1, kSignalThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
@@ -409,10 +408,24 @@ void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 }
 
 int resident_blocks(int device) {
-  // The kernel with the most registers per thread bounds them all.
-  int per_sm = 0, sms = 0;
-  NODECOMM_CUDA(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, all_reduce_kernel<float, 16, true>, kThreads, 0));
+  // Every kernel whose blocks wait on peers' blocks needs its whole grid resident at once, so the
+  // one with the fewest blocks per SM bounds them all; register use does not follow the element
+  // size or the world size, so each instantiation is asked.
+  int per_sm = topk_blocks_per_sm();
+  const auto fits = [&](auto kernel) {
+    int blocks = 0;
+    NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
+    per_sm = std::min(per_sm, blocks);
+  };
+  for (const int world_size : kWorldSizes) {
+    for_world(world_size, [&](auto world) {
+      constexpr int N = decltype(world)::value;
+      fits(all_reduce_kernel<float, N, true>), fits(all_reduce_kernel<float, N, false>);
+      fits(all_reduce_kernel<__half, N, true>), fits(all_reduce_kernel<__half, N, false>);
+      fits(all_reduce_kernel<__nv_bfloat16, N, true>), fits(all_reduce_kernel<__nv_bfloat16, N, false>);
+    });
+  }
+  int sms = 0;
   NODECOMM_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return per_sm * sms;
 }

@@ -8,6 +8,8 @@
 
 namespace nodecomm::cuda {
 
+inline constexpr int kWorldSizes[] = {1, 2, 3, 4, 5, 6, 7, 8, 16};
+
 // Calls fn(std::integral_constant<int, world_size>{}): the world size as a compile-time constant.
 template <typename Fn>
 void for_world(int world_size, Fn&& fn) {
