@@ -10,11 +10,14 @@ CPU groups calibrate `shm` oneshot against twoshot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import platform
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -152,26 +155,33 @@ async def probe_cpu(
             "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline", "--progress",
             "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
         ]  # fmt: skip
-        process = await asyncio.create_subprocess_exec(
-            *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
-        )
+        # subprocess, not the event loop's: uvloop starts children with fork(), which copies this
+        # multithreaded daemon (gRPC's threads included) and runs fork handlers in the copy before
+        # exec; such a copy died with SIGSEGV in CI before it ever ran the probe. subprocess uses
+        # vfork() and exec at once. Its own session: the probe and its ranks are killed together.
+        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        loop = asyncio.get_running_loop()
         output: list[str] = []
 
-        async def follow() -> None:
-            async for raw in process.stdout:
-                line = raw.decode(errors="replace")
-                if line.startswith('{"progress"'):
-                    point = json.loads(line)["progress"]
-                    on_point(point["path"], point["size_bytes"], point["p50_us"] / 1e6)
-                else:
-                    output.append(line)
-            await process.wait()
+        def follow() -> None:
+            """On a worker thread: the probe's lines until its output ends, then its exit."""
+            with process.stdout:
+                for raw in process.stdout:
+                    line = raw.decode(errors="replace")
+                    if line.startswith('{"progress"'):
+                        point = json.loads(line)["progress"]
+                        loop.call_soon_threadsafe(on_point, point["path"], point["size_bytes"], point["p50_us"] / 1e6)
+                    else:
+                        output.append(line)
+            process.wait()
 
+        reading = asyncio.ensure_future(asyncio.to_thread(follow))
         try:
-            await asyncio.wait_for(follow(), timeout)
+            await asyncio.wait_for(asyncio.shield(reading), timeout)
         except (asyncio.TimeoutError, asyncio.CancelledError) as stopped:
-            process.kill()
-            await process.wait()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            await asyncio.shield(reading)  # the output ends with the probe's processes
             if isinstance(stopped, asyncio.CancelledError):
                 raise
             raise InternalError(f"the calibration probe did not finish within {timeout:.0f} s") from None

@@ -2,10 +2,14 @@
 daemon, persisted and reused by a restarted daemon without probing again."""
 
 import json
+import os
+import time
 
 import pytest
 
+from conftest import stub_for
 from nodecomm.service.calibration import small_path_max
+from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
 SIZES = [1 << k for k in range(10, 17)]  # 1 KiB .. 64 KiB
@@ -68,8 +72,6 @@ def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_pa
 
 
 def test_a_new_fingerprint_is_probed_on_start_when_configured(make_daemon, tmp_path):
-    import time
-
     daemon = make_daemon("--state-dir", str(tmp_path / "fresh"), "--calibrate-on-start", "true")
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and '"msg": "calibration in force"' not in daemon.log():
@@ -78,3 +80,48 @@ def test_a_new_fingerprint_is_probed_on_start_when_configured(make_daemon, tmp_p
     assert list((tmp_path / "fresh").glob("calibration-*.json"))
     shown = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
     assert "(calibrated)" in shown
+
+
+def _descendants(pid: int) -> list[int]:
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass  # gone meanwhile
+    found, frontier = [], [pid]
+    while frontier:
+        children = [child for child, parent in parents.items() if parent in frontier]
+        found += children
+        frontier = children
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_cancelled_calibration_stops_its_probe_and_its_ranks(make_daemon):
+    daemon = make_daemon()
+    pid = daemon.process.pid
+    channel, stub = stub_for(daemon)
+    with channel:
+        request = pb.CalibrateRequest(device_kind="cpu", world_size=2, min_bytes=1024, max_bytes=64 << 20)
+        call = stub.Calibrate(request, timeout=300)
+        assert next(call).WhichOneof("kind") == "point"  # the probe and its ranks are running
+        probe = _descendants(pid)
+        assert len(probe) >= 3
+        call.cancel()
+        deadline = time.monotonic() + 30
+        while any(map(_alive, probe)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(map(_alive, probe)), "the probe's processes outlived the calibration"
+    # The calibration lock was released with it.
+    result = nodecomm_cli("--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "2KiB")
+    assert result.returncode == 0, result.stderr + result.stdout
