@@ -136,6 +136,17 @@ class CalibrationStore:
         return path
 
 
+def start_probe(args: list[str]) -> subprocess.Popen:
+    """Start a probe process, its output (stdout and stderr) on a pipe, in a session of its own so
+    that it and its rank processes are killed together.
+
+    subprocess, not the event loop's: uvloop starts children with fork(), which copies this
+    multithreaded daemon and runs gRPC's fork handlers in the copy before exec; a few percent of
+    such copies die with SIGSEGV while gRPC is busy (seen in CI: exit -11, no output). subprocess
+    uses vfork() and exec, which run no fork handlers."""
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 async def probe_cpu(
     socket: str,
     world_size: int,
@@ -155,11 +166,7 @@ async def probe_cpu(
             "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline", "--progress",
             "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
         ]  # fmt: skip
-        # subprocess, not the event loop's: uvloop starts children with fork(), which copies this
-        # multithreaded daemon (gRPC's threads included) and runs fork handlers in the copy before
-        # exec; such a copy died with SIGSEGV in CI before it ever ran the probe. subprocess uses
-        # vfork() and exec at once. Its own session: the probe and its ranks are killed together.
-        process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        process = start_probe(args)
         loop = asyncio.get_running_loop()
         output: list[str] = []
 

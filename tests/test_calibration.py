@@ -125,3 +125,45 @@ def test_a_cancelled_calibration_stops_its_probe_and_its_ranks(make_daemon):
     # The calibration lock was released with it.
     result = nodecomm_cli("--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "2KiB")
     assert result.returncode == 0, result.stderr + result.stdout
+
+
+def test_probes_start_without_forking_a_busy_grpc_daemon():
+    # Found in CI: a calibration probe died with SIGSEGV (exit -11) before it printed anything. The
+    # daemon started it through uvloop, which fork()s the threaded daemon and runs gRPC's fork
+    # handlers in the copy; under gRPC traffic about 4% of such copies crashed before exec.
+    import asyncio
+
+    import grpc
+    import uvloop
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from nodecomm.service.calibration import start_probe
+
+    async def spawn_under_traffic(spawns: int) -> dict[int, int]:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        busy = True
+
+        async def traffic() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = health_pb2_grpc.HealthStub(channel)
+                while busy:
+                    await stub.Check(health_pb2.HealthCheckRequest(), timeout=5)
+
+        callers = [asyncio.create_task(traffic()) for _ in range(4)]
+        codes: dict[int, int] = {}
+        try:
+            for _ in range(spawns):
+                process = start_probe(["/bin/true"])
+                process.stdout.close()
+                code = await asyncio.to_thread(process.wait)
+                codes[code] = codes.get(code, 0) + 1
+        finally:
+            busy = False
+            await asyncio.gather(*callers)
+            await server.stop(None)
+        return codes
+
+    assert uvloop.run(spawn_under_traffic(1000)) == {0: 1000}
