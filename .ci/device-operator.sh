@@ -1,5 +1,6 @@
 # What the operator docs show from a GPU machine: nodecomm topo and status (with a live CUDA
-# group), and the top-k exchange's bench beside NCCL gather-then-slice. Writes them under $OUT.
+# group), the CUDA calibration's table and plot, and the top-k exchange's bench beside NCCL
+# gather-then-slice. Writes them under $OUT.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
@@ -27,6 +28,9 @@ sleep 10
 nodecomm --socket $socket status | tee "$OUT/status.txt"; nodecomm --socket $socket status --json > "$OUT/status.json"
 curl -s 127.0.0.1:9464/metrics > "$OUT/metrics.txt" || python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" > "$OUT/metrics.txt"
 wait $holder
+# The CUDA calibration (two probe ranks sharing the GPU on one-GPU machines), its table and plot.
+timeout 300 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" --socket $socket \
+  calibrate --device cuda --world-size "${CALIBRATE_WORLD:-2}" --plot "$OUT/calibration-cuda.png" | tee "$OUT/calibration-cuda.txt"
 timeout 240 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --op topk --device cuda \
   --world-size "${TOPK_WORLD:-2}" --rows 64,256,1024,2048 --topk 2048 --iterations 20 | tee "$OUT/bench-topk.txt"
 kill $daemon

@@ -127,9 +127,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         device_kind=args.device,
         world_size=args.world_size,
         min_bytes=parse_byte_size(args.min_bytes),
-        max_bytes=parse_byte_size(args.max_bytes),
+        max_bytes=parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device]),
     )
-    print(f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes}, {args.world_size} probe ranks ...")
+    ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
+    print(
+        f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes or DEFAULT_MAX[args.device]}, {ranks} ..."
+    )
     channel, stub = _stub(args.socket)
     reply = None
     with channel:
@@ -258,10 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
     topo.set_defaults(run=cmd_topo)
 
     calibrate = commands.add_parser("calibrate", help="measure where each path stops winning; persist and use it")
-    calibrate.add_argument("--device", default="cpu", choices=("cpu",))
-    calibrate.add_argument("--world-size", type=int, default=2, help="probe ranks")
+    calibrate.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    calibrate.add_argument("--world-size", type=int, default=0, help="probe ranks (default: 2 on the CPU, one per GPU)")
     calibrate.add_argument("--min-bytes", default="4KiB")
-    calibrate.add_argument("--max-bytes", default="64MiB")
+    calibrate.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
     calibrate.add_argument("--probe-timeout", type=float, default=3600.0, help="seconds to wait for the probe")
     calibrate.add_argument("--json", action="store_true")
     calibrate.add_argument("--plot", metavar="PNG", help="also draw latency against size per path (needs matplotlib)")

@@ -4,7 +4,8 @@ A probe runs the `nodecomm bench` rank programs against this daemon (a subproces
 never imports torch), times every constructed path over a size sweep, and places each boundary
 where the next path wins by a margin over a tail of sizes. The result is stored in the state
 directory under a fingerprint of the machine, so a restarted daemon reuses it without probing.
-CPU groups calibrate `shm` oneshot against twoshot.
+CPU groups calibrate `shm` oneshot against twoshot; CUDA groups oneshot, twoshot, dma and, where
+every probe rank has a GPU of its own, NCCL, timed in CUDA graphs as engines run them.
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ def cpu_fingerprint() -> dict[str, object]:
     }
 
 
+def cuda_fingerprint(devices: list[dict], links: list[list[tuple]]) -> dict[str, object]:
+    """What a CUDA calibration depends on: which GPUs (model, PCI address, UUID), how they reach
+    each other, and the native build. `devices` and `links` as _native.cuda_devices() and
+    _native.cuda_peer_links() give them."""
+    return {
+        "device_kind": "cuda",
+        "gpus": [f"{d['name']} {d['pci_bus_id']} {d['uuid']}" for d in devices],
+        "peer_links": [[list(cell) for cell in row] for row in links],
+        "native": native_build(),
+    }
+
+
 def native_build() -> str:
     """A digest of the native module's file: a rebuilt or upgraded transport is measured anew."""
     digest = hashlib.sha256()
@@ -83,6 +96,37 @@ def small_path_max(
     if len(ordered) - first < tail:
         return ordered[-1]
     return None if first == 0 else ordered[first - 1]
+
+
+def cuda_boundaries(
+    medians: dict[str, dict[int, float]], margin: float = DEFAULT_MARGIN, tail: int = DEFAULT_TAIL
+) -> dict[str, int | None]:
+    """A CUDA table's boundaries from the paths' medians, the small paths giving way in the order
+    the table tries them: oneshot to the best of the others, twoshot to the best of the large
+    paths, NCCL (where measured) to dma, each by small_path_max over the sizes the earlier ones
+    left. A path that never wins is off (None). Boundaries sit on measured sizes: between the last
+    size a path won and the first its successor won, the table's fallback carries the sizes."""
+    sizes = sorted(medians["oneshot"])
+    large = [p for p in ("dma", "nccl") if p in medians]
+
+    def best(paths: list[str]) -> dict[int, float]:
+        return {s: min(medians[p][s] for p in paths) for s in sizes}
+
+    def after(limit: int | None, within: list[int]) -> list[int]:
+        return [s for s in within if limit is None or s > limit]
+
+    oneshot_max = small_path_max(sizes, medians["oneshot"], best(["twoshot", *large]), margin, tail)
+    rest = after(oneshot_max, sizes)
+    twoshot_max = small_path_max(rest, medians["twoshot"], best(large), margin, tail) if rest else None
+    rest = after(twoshot_max, rest)
+    if rest and "nccl" in medians:
+        nccl_max = small_path_max(rest, medians["nccl"], medians["dma"], margin, tail)
+        rest = after(nccl_max, rest)
+    return {
+        "oneshot_max_bytes": oneshot_max,
+        "twoshot_max_bytes": twoshot_max,
+        "dma_min_bytes": rest[0] if rest else None,
+    }
 
 
 @dataclass(frozen=True)
@@ -147,7 +191,16 @@ def start_probe(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-async def probe_cpu(
+# What each kind's probe times: CPU groups' two shm paths; on GPUs the peer paths in CUDA graphs,
+# beside which the bench adds NCCL wherever every rank has a GPU of its own.
+PROBE_FLAGS = {
+    "cpu": ["--device", "cpu", "--paths", "oneshot,twoshot", "--no-baseline"],
+    "cuda": ["--device", "cuda", "--paths", "oneshot,twoshot,dma", "--graph"],
+}
+
+
+async def probe(
+    device_kind: str,
     socket: str,
     world_size: int,
     min_bytes: int,
@@ -162,8 +215,8 @@ async def probe_cpu(
         out = os.path.join(directory, "probe.json")
         args = [
             # -X faulthandler: a probe that crashes prints every thread's stack into the error.
-            sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench", "--device", "cpu",
-            "--world-size", str(world_size), "--paths", "oneshot,twoshot", "--no-baseline", "--progress",
+            sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
+            *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
             "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
         ]  # fmt: skip
         process = start_probe(args)
@@ -203,7 +256,11 @@ async def probe_cpu(
     return medians
 
 
-def cpu_calibration(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:
-    sizes = sorted(medians["oneshot"])
-    boundary = small_path_max(sizes, medians["oneshot"], medians["twoshot"])
-    return Calibration(fingerprint_key(fingerprint), fingerprint, {"oneshot_max_bytes": boundary}, medians, time.time())
+def calibration_from(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:
+    """The boundaries the medians place, for the fingerprint's device kind."""
+    if fingerprint["device_kind"] == "cuda":
+        boundaries = cuda_boundaries(medians)
+    else:
+        sizes = sorted(medians["oneshot"])
+        boundaries = {"oneshot_max_bytes": small_path_max(sizes, medians["oneshot"], medians["twoshot"])}
+    return Calibration(fingerprint_key(fingerprint), fingerprint, boundaries, medians, time.time())

@@ -300,7 +300,7 @@ class GroupRegistry:
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self._draining = False
         self._allocation_ids = itertools.count(1)
-        self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE)
+        self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
 
     # -- thresholds ----------------------------------------------------------------------------
 

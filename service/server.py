@@ -35,7 +35,7 @@ from nodecomm.errors import (
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .calibration import CalibrationStore, cpu_fingerprint, fingerprint_key
+from .calibration import CalibrationStore
 from .config import DaemonConfig, load_config, parse_ids
 from .groups import GroupRegistry, JoinArgs
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
@@ -268,13 +268,18 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.ListGroupsReply(groups=self.registry.list_groups())
 
 
-async def _calibrate_on_start(registry: GroupRegistry, config: DaemonConfig, store: CalibrationStore) -> None:
-    """No calibration for this machine's fingerprint: probe now, while serving."""
-    log.info("calibrating on start: no stored calibration for this machine")
-    try:
-        await registry.tables.calibrate(pb.CalibrateRequest(), config.socket, store)
-    except NodecommError as error:
-        log.warning("calibration on start failed; built-in defaults stay", extra={"error": str(error)})
+async def _calibrate_on_start(
+    registry: GroupRegistry, config: DaemonConfig, store: CalibrationStore, kinds: list[str]
+) -> None:
+    """No calibration for this machine's fingerprint: probe now, while serving, kind by kind."""
+    for kind in kinds:
+        log.info("calibrating on start: no stored calibration for this machine", extra={"device_kind": kind})
+        try:
+            await registry.tables.calibrate(pb.CalibrateRequest(device_kind=kind), config.socket, store)
+        except NodecommError as error:
+            log.warning(
+                "calibration on start failed; built-in defaults stay", extra={"device_kind": kind, "error": str(error)}
+            )
 
 
 def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
@@ -338,11 +343,12 @@ async def serve(config: DaemonConfig) -> int:
     registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus, executor)
     store = CalibrationStore(config.state_dir)
     # A calibration measured on this machine before (same fingerprint) is used without probing.
-    stored = store.load(fingerprint_key(cpu_fingerprint()))
-    if stored is not None:
-        registry.tables.use_calibration(stored)
-    else:
-        log.info("no stored calibration for this machine", extra={"state_dir": config.state_dir})
+    uncalibrated = registry.tables.reuse_stored(store)
+    if uncalibrated:
+        log.info(
+            "no stored calibration for this machine",
+            extra={"state_dir": config.state_dir, "device_kinds": uncalibrated},
+        )
 
     _prepare_socket_path(config.socket, config.socket_group)
     _prepare_socket_path(config.descriptor_socket, config.socket_group)
@@ -424,8 +430,8 @@ async def serve(config: DaemonConfig) -> int:
         },
     )
     probe = None
-    if stored is None and config.calibrate_on_start:
-        probe = asyncio.ensure_future(_calibrate_on_start(registry, config, store))
+    if uncalibrated and config.calibrate_on_start:
+        probe = asyncio.ensure_future(_calibrate_on_start(registry, config, store, uncalibrated))
     await stop.wait()
     if probe is not None:
         probe.cancel()

@@ -14,12 +14,21 @@ import logging
 import time
 from collections.abc import Callable
 
+from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
-from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError
+from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError, shown
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
 from nodecomm.v1 import control_pb2 as pb
 
-from .calibration import Calibration, CalibrationStore, cpu_calibration, cpu_fingerprint, probe_cpu
+from .calibration import (
+    Calibration,
+    CalibrationStore,
+    calibration_from,
+    cpu_fingerprint,
+    cuda_fingerprint,
+    fingerprint_key,
+    probe,
+)
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
@@ -28,10 +37,15 @@ log = logging.getLogger("nodecomm.tables")
 
 
 class TableKeeper:
-    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, max_world_size: int):
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, max_world_size: int, gpu_count: int = 0):
         self.config = config
         self.metrics = metrics
         self.max_world_size = max_world_size
+        self.gpu_count = gpu_count
+        # What each device kind's calibration depends on on this machine; CUDA only with GPUs.
+        self.fingerprints = {"cpu": cpu_fingerprint()}
+        if gpu_count:
+            self.fingerprints["cuda"] = cuda_fingerprint(_native.cuda_devices(), _native.cuda_peer_links())
         self._epoch = 0
         # Boundaries measured on this machine, per device kind (see service.calibration).
         self.calibrated: dict[str, dict[str, int | None]] = {}
@@ -78,6 +92,30 @@ class TableKeeper:
             },
         )
 
+    def reuse_stored(self, store: CalibrationStore) -> list[str]:
+        """Use every calibration measured on this machine before (same fingerprint), without
+        probing; returns the device kinds that have none."""
+        missing = []
+        for kind, fingerprint in self.fingerprints.items():
+            stored = store.load(fingerprint_key(fingerprint))
+            if stored is None:
+                missing.append(kind)
+            else:
+                self.use_calibration(stored)
+        return missing
+
+    def _probe_world_size(self, kind: str, asked: int) -> int:
+        """The probe's ranks: as asked, else 2 on the CPU and one per GPU (at least 2) on GPUs."""
+        world_size = asked or (max(2, self.gpu_count) if kind == "cuda" else 2)
+        if not 2 <= world_size <= self.max_world_size:
+            raise InvalidArgumentError(f"world_size {world_size}: expected 2..{self.max_world_size} probe ranks")
+        if kind == "cuda" and world_size > self.gpu_count and not self.config.allow_shared_devices:
+            raise UnsupportedError(
+                f"{world_size} probe ranks on {self.gpu_count} GPUs would share one; a daemon with "
+                "allow_shared_devices lets them (its numbers then show ranks sharing a GPU, and no NCCL)"
+            )
+        return world_size
+
     async def calibrate(
         self,
         request: pb.CalibrateRequest,
@@ -87,25 +125,25 @@ class TableKeeper:
     ) -> pb.CalibrateReply:
         """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
         kind = request.device_kind or "cpu"
-        if kind != "cpu":
-            raise UnsupportedError(f"device_kind {kind!r}: calibration runs on CPU groups so far; GPU probes come next")
-        world_size = request.world_size or 2
-        min_bytes, max_bytes = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
-        if not 2 <= world_size <= self.max_world_size or not 4 <= min_bytes <= max_bytes:
-            raise InvalidArgumentError(
-                f"world_size {world_size} and sizes {min_bytes}..{max_bytes}: expected 2..{self.max_world_size} ranks "
-                "and 4 <= min_bytes <= max_bytes"
-            )
+        if kind not in DEFAULT_BOUNDARIES:
+            raise InvalidArgumentError(f"device_kind {shown(kind)}: expected 'cpu' or 'cuda'")
+        if kind not in self.fingerprints:
+            raise UnsupportedError(f"device_kind {kind!r}: this daemon sees no GPU to calibrate")
+        world_size = self._probe_world_size(kind, request.world_size)
+        min_bytes = request.min_bytes or 4 << 10
+        max_bytes = request.max_bytes or (256 << 20 if kind == "cuda" else 64 << 20)
+        if not 4 <= min_bytes <= max_bytes:
+            raise InvalidArgumentError(f"sizes {min_bytes}..{max_bytes}: expected 4 <= min_bytes <= max_bytes")
         if self._calibrating.locked():
             raise AlreadyExistsError("a calibration is already running on this daemon")
         async with self._calibrating:
             started = time.monotonic()
             try:
-                medians = await probe_cpu(socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                medians = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
-            calibration = cpu_calibration(cpu_fingerprint(), medians)
+            calibration = calibration_from(self.fingerprints[kind], medians)
             stored = store.save(calibration)
         self.metrics.calibrations.labels("ok").inc()
         log.info(
@@ -122,7 +160,7 @@ class TableKeeper:
         reply = pb.CalibrateReply(
             fingerprint_key=calibration.key,
             stored_at=str(stored),
-            thresholds=self._build_table(kind, False, 0).to_proto(),
+            thresholds=self._build_table(kind, "nccl" in medians, 0).to_proto(),
         )
         for path, by_size in sorted(medians.items()):
             for size, seconds in sorted(by_size.items()):
@@ -147,7 +185,7 @@ class TableKeeper:
     def preview(self, device_kind: str, nccl_fallback: bool) -> DispatchTable:
         """What a new group of device_kind would get now (epoch 0: not any group's table)."""
         if device_kind not in DEFAULT_BOUNDARIES:
-            raise InvalidArgumentError(f"device_kind {device_kind!r}: expected 'cpu' or 'cuda'")
+            raise InvalidArgumentError(f"device_kind {shown(device_kind)}: expected 'cpu' or 'cuda'")
         return self._build_table(device_kind, nccl_fallback and device_kind == "cuda", 0)
 
     def nccl_only(self) -> DispatchTable:

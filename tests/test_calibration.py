@@ -8,7 +8,7 @@ import time
 import pytest
 
 from conftest import stub_for
-from nodecomm.service.calibration import small_path_max
+from nodecomm.service.calibration import cuda_boundaries, small_path_max
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
@@ -36,6 +36,42 @@ def _times(values):
 )
 def test_small_path_max(small, large, expected):
     assert small_path_max(SIZES, _times(small), _times(large)) == expected
+
+
+CUDA_SIZES = [1 << k for k in range(12, 29, 2)]  # 4 KiB .. 256 MiB in steps of 4
+
+
+def _cuda_medians(**winners: list[int]) -> dict[str, dict[int, float]]:
+    """Medians where each named path is fastest at the sizes listed (by index), 2x slower elsewhere."""
+    medians = {}
+    for path, indices in winners.items():
+        medians[path] = {size: (1.0 if i in indices else 2.0) * size for i, size in enumerate(CUDA_SIZES)}
+    return medians
+
+
+@pytest.mark.parametrize(
+    "winners, expected",
+    [
+        # One GPU's probe: no NCCL. oneshot, then twoshot, then dma, each from where it wins.
+        (dict(oneshot=[0, 1, 2], twoshot=[3, 4, 5], dma=[6, 7, 8]), (64 << 10, 4 << 20, 16 << 20)),
+        # NCCL wins in the middle: the sizes between twoshot and dma are left to the fallback.
+        (dict(oneshot=[0, 1], twoshot=[2, 3], nccl=[4, 5, 6], dma=[7, 8]), (16 << 10, 256 << 10, 64 << 20)),
+        # twoshot never wins: off, and dma takes over from oneshot.
+        (dict(oneshot=[0, 1, 2, 3], twoshot=[], dma=[4, 5, 6, 7, 8]), (256 << 10, None, 1 << 20)),
+        # dma wins only at the last size: one size is no tail, twoshot keeps the sweep and dma is off.
+        (dict(oneshot=[0, 1, 2], twoshot=[3, 4, 5, 6, 7], dma=[8]), (64 << 10, 256 << 20, None)),
+        # oneshot never wins.
+        (dict(oneshot=[], twoshot=[0, 1, 2, 3], dma=[4, 5, 6, 7, 8]), (None, 256 << 10, 1 << 20)),
+    ],
+)
+def test_cuda_boundaries(winners, expected):
+    boundaries = cuda_boundaries(_cuda_medians(**winners))
+    assert (boundaries["oneshot_max_bytes"], boundaries["twoshot_max_bytes"], boundaries["dma_min_bytes"]) == expected
+
+
+def test_calibrating_cuda_without_a_gpu_is_refused(daemon):
+    result = nodecomm_cli("--socket", daemon.socket, "calibrate", "--device", "cuda")
+    assert result.returncode == 1 and "this daemon sees no GPU to calibrate" in result.stderr, result.stderr
 
 
 def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_path):

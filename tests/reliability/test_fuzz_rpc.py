@@ -716,7 +716,7 @@ def _refused_calibration(data) -> pb.CalibrateRequest:
     )
     world_size = request.world_size or 2
     low, high = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
-    if (request.device_kind or "cpu") == "cpu" and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
+    if (request.device_kind or "cpu") in ("cpu", "cuda") and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
         request.world_size = data.draw(st.sampled_from([1, -1, MAX_WORLD + 1, 2**31 - 1]))
     return request
 
@@ -734,7 +734,7 @@ def _raw_request(method: str, payload: bytes) -> bytes:
         return payload
     world_size = request.world_size or 2
     low, high = request.min_bytes or 4 << 10, request.max_bytes or 64 << 20
-    if (request.device_kind or "cpu") == "cpu" and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
+    if (request.device_kind or "cpu") in ("cpu", "cuda") and 2 <= world_size <= MAX_WORLD and 4 <= low <= high:
         request.world_size = MAX_WORLD + 1
     return request.SerializeToString()
 
