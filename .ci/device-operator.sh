@@ -28,10 +28,19 @@ sleep 10
 nodecomm --socket $socket status | tee "$OUT/status.txt"; nodecomm --socket $socket status --json > "$OUT/status.json"
 curl -s 127.0.0.1:9464/metrics > "$OUT/metrics.txt" || python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" > "$OUT/metrics.txt"
 wait $holder
-# The CUDA calibration (two probe ranks sharing the GPU on one-GPU machines), its table and plot.
+# The CUDA calibration (two probe ranks sharing the GPU on one-GPU machines, under MPS so that
+# their kernels run at once instead of time-slicing), its table and plot.
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog; mkdir -p /tmp/mps /tmp/mpslog
+nvidia-cuda-mps-control -d && echo "MPS started"
+kill $daemon; wait $daemon 2>/dev/null
+python3 -m nodecomm.service.server --socket $socket --metrics-address 127.0.0.1:9464 --allow-shared-devices true \
+  --state-dir /tmp/nodecommd/state >> "$OUT/daemon.log" 2>&1 &
+daemon=$!
+sleep 3
 timeout 300 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" --socket $socket \
   calibrate --device cuda --world-size "${CALIBRATE_WORLD:-2}" --plot "$OUT/calibration-cuda.png" | tee "$OUT/calibration-cuda.txt"
 timeout 240 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --op topk --device cuda \
   --world-size "${TOPK_WORLD:-2}" --rows 64,256,1024,2048 --topk 2048 --iterations 20 | tee "$OUT/bench-topk.txt"
 kill $daemon
+echo quit | nvidia-cuda-mps-control
 true

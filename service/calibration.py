@@ -99,34 +99,57 @@ def small_path_max(
 
 
 def cuda_boundaries(
-    medians: dict[str, dict[int, float]], margin: float = DEFAULT_MARGIN, tail: int = DEFAULT_TAIL
+    medians: dict[str, dict[int, float]], fallback: str, margin: float = DEFAULT_MARGIN
 ) -> dict[str, int | None]:
-    """A CUDA table's boundaries from the paths' medians, the small paths giving way in the order
-    the table tries them: oneshot to the best of the others, twoshot to the best of the large
-    paths, NCCL (where measured) to dma, each by small_path_max over the sizes the earlier ones
-    left. A path that never wins is off (None). Boundaries sit on measured sizes: between the last
-    size a path won and the first its successor won, the table's fallback carries the sizes."""
-    sizes = sorted(medians["oneshot"])
-    large = [p for p in ("dma", "nccl") if p in medians]
+    """A CUDA table's boundaries (oneshot_max, twoshot_max, dma_min) from the paths' medians, for
+    groups whose fallback path is `fallback` ("nccl" or "twoshot"): of every assignment of the
+    boundaries to measured sizes (or off), the one whose table loses least against the fastest
+    path, summed over the sizes, counting only losses beyond `margin`. A loss is relative (time /
+    fastest - 1), so a blip at one size (a payload just past a slot, say) cannot outweigh a path
+    winning the sizes around it. Ties go to the later switch. Raises InternalError when a path it
+    needs was not measured."""
+    needed = ("oneshot", "twoshot", "dma", fallback)
+    missing = sorted({p for p in needed if not medians.get(p)})
+    if missing:
+        raise InternalError(f"the probe measured no {', '.join(missing)}; cannot place CUDA boundaries")
+    sizes = sorted(set.intersection(*(set(medians[p]) for p in needed)))
+    fastest = {s: min(medians[p][s] for p in needed) for s in sizes}
 
-    def best(paths: list[str]) -> dict[int, float]:
-        return {s: min(medians[p][s] for p in paths) for s in sizes}
+    def loss(oneshot_max: int | None, twoshot_max: int | None, dma_min: int | None) -> float:
+        total = 0.0
+        for size in sizes:
+            if dma_min is not None and size >= dma_min:
+                path = "dma"
+            elif oneshot_max is not None and size <= oneshot_max:
+                path = "oneshot"
+            elif twoshot_max is not None and size <= twoshot_max:
+                path = "twoshot"
+            else:
+                path = fallback
+            total += max(0.0, medians[path][size] / fastest[size] - 1.0 - margin)
+        return total
 
-    def after(limit: int | None, within: list[int]) -> list[int]:
-        return [s for s in within if limit is None or s > limit]
-
-    oneshot_max = small_path_max(sizes, medians["oneshot"], best(["twoshot", *large]), margin, tail)
-    rest = after(oneshot_max, sizes)
-    twoshot_max = small_path_max(rest, medians["twoshot"], best(large), margin, tail) if rest else None
-    rest = after(twoshot_max, rest)
-    if rest and "nccl" in medians:
-        nccl_max = small_path_max(rest, medians["nccl"], medians["dma"], margin, tail)
-        rest = after(nccl_max, rest)
-    return {
-        "oneshot_max_bytes": oneshot_max,
-        "twoshot_max_bytes": twoshot_max,
-        "dma_min_bytes": rest[0] if rest else None,
-    }
+    index = {size: i for i, size in enumerate(sizes)}
+    choices = [None, *sizes]
+    best: tuple | None = None
+    for oneshot_max in choices:
+        for twoshot_max in choices:
+            if twoshot_max is not None and oneshot_max is not None and twoshot_max <= oneshot_max:
+                continue  # twoshot would carry nothing: the same table as twoshot off
+            for dma_min in choices:
+                below = [b for b in (oneshot_max, twoshot_max) if b is not None]
+                if dma_min is not None and below and dma_min <= max(below):
+                    continue
+                later = (
+                    index.get(oneshot_max, -1),
+                    index.get(twoshot_max, -1),
+                    len(sizes) if dma_min is None else index[dma_min],
+                )
+                key = (round(loss(oneshot_max, twoshot_max, dma_min), 9), tuple(-i for i in later))
+                if best is None or key < best[0]:
+                    best = (key, (oneshot_max, twoshot_max, dma_min))
+    oneshot_max, twoshot_max, dma_min = best[1]
+    return {"oneshot_max_bytes": oneshot_max, "twoshot_max_bytes": twoshot_max, "dma_min_bytes": dma_min}
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,8 @@ class Calibration:
     # Slowest rank's median seconds per path and size, as measured.
     medians: dict[str, dict[int, float]]
     measured_at: float
+    # CUDA, where the probe timed NCCL: the boundaries for groups whose fallback is NCCL.
+    nccl_boundaries: dict[str, int | None] | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -147,7 +172,9 @@ class Calibration:
         medians = {
             path: {int(size): seconds for size, seconds in by_size.items()} for path, by_size in raw["medians"].items()
         }
-        return cls(raw["key"], raw["fingerprint"], raw["boundaries"], medians, raw["measured_at"])
+        return cls(
+            raw["key"], raw["fingerprint"], raw["boundaries"], medians, raw["measured_at"], raw.get("nccl_boundaries")
+        )
 
 
 class CalibrationStore:
@@ -228,11 +255,15 @@ async def probe(
             with process.stdout:
                 for raw in process.stdout:
                     line = raw.decode(errors="replace")
-                    if line.startswith('{"progress"'):
-                        point = json.loads(line)["progress"]
-                        loop.call_soon_threadsafe(on_point, point["path"], point["size_bytes"], point["p50_us"] / 1e6)
-                    else:
+                    try:
+                        point = json.loads(line)["progress"] if line.startswith('{"progress"') else None
+                        measured = (point["path"], point["size_bytes"], point["p50_us"] / 1e6) if point else None
+                    except (ValueError, KeyError, TypeError):
+                        measured = None  # not a progress line after all: kept as output
+                    if measured is None:
                         output.append(line)
+                    else:
+                        loop.call_soon_threadsafe(on_point, *measured)
             process.wait()
 
         reading = asyncio.ensure_future(asyncio.to_thread(follow))
@@ -248,19 +279,23 @@ async def probe(
         if process.returncode != 0 or not os.path.exists(out):
             tail = "".join(output)[-2000:]
             raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
-        with open(out) as handle:
-            rows = json.load(handle)["rows"]
-    medians: dict[str, dict[int, float]] = {}
-    for row in rows:
-        medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
+        try:
+            with open(out) as handle:
+                rows = json.load(handle)["rows"]
+            medians: dict[str, dict[int, float]] = {}
+            for row in rows:
+                medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
     return medians
 
 
 def calibration_from(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:
     """The boundaries the medians place, for the fingerprint's device kind."""
+    key = fingerprint_key(fingerprint)
     if fingerprint["device_kind"] == "cuda":
-        boundaries = cuda_boundaries(medians)
-    else:
-        sizes = sorted(medians["oneshot"])
-        boundaries = {"oneshot_max_bytes": small_path_max(sizes, medians["oneshot"], medians["twoshot"])}
-    return Calibration(fingerprint_key(fingerprint), fingerprint, boundaries, medians, time.time())
+        with_nccl = cuda_boundaries(medians, "nccl") if "nccl" in medians else None
+        return Calibration(key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl)
+    sizes = sorted(medians["oneshot"])
+    boundaries = {"oneshot_max_bytes": small_path_max(sizes, medians["oneshot"], medians["twoshot"])}
+    return Calibration(key, fingerprint, boundaries, medians, time.time())

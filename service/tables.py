@@ -47,18 +47,20 @@ class TableKeeper:
         if gpu_count:
             self.fingerprints["cuda"] = cuda_fingerprint(_native.cuda_devices(), _native.cuda_peer_links())
         self._epoch = 0
-        # Boundaries measured on this machine, per device kind (see service.calibration).
+        # Boundaries measured on this machine, per device kind (see service.calibration), and for
+        # CUDA groups whose fallback is NCCL where the probe timed it.
         self.calibrated: dict[str, dict[str, int | None]] = {}
+        self.calibrated_nccl: dict[str, dict[str, int | None]] = {}
         self._calibrating = asyncio.Lock()
         self._publish_thresholds()
 
     def default_boundaries(
-        self, device_kind: str, group_overrides: dict[str, int | None] | None = None
+        self, device_kind: str, group_overrides: dict[str, int | None] | None = None, nccl: bool = False
     ) -> dict[str, Boundary]:
-        """The boundaries for a new group of `device_kind`: the group's own override > the daemon's
-        override > calibrated > built-in default. CPU groups have no DMA path, so oneshot_max_bytes
-        and service_min_bytes apply to them."""
-        calibrated = self.calibrated.get(device_kind, {})
+        """The boundaries for a new group of `device_kind` (whose fallback is NCCL if `nccl`): the
+        group's own override > the daemon's override > calibrated > built-in default. CPU groups
+        have no DMA path, so oneshot_max_bytes and service_min_bytes apply to them."""
+        calibrated = (nccl and self.calibrated_nccl.get(device_kind)) or self.calibrated.get(device_kind, {})
         group_overrides = group_overrides or {}
         boundaries = {}
         for name, default in DEFAULT_BOUNDARIES[device_kind].items():
@@ -82,6 +84,10 @@ class TableKeeper:
     def use_calibration(self, calibration: Calibration) -> None:
         kind = str(calibration.fingerprint["device_kind"])
         self.calibrated[kind] = dict(calibration.boundaries)
+        if calibration.nccl_boundaries is not None:
+            self.calibrated_nccl[kind] = dict(calibration.nccl_boundaries)
+        else:
+            self.calibrated_nccl.pop(kind, None)
         self._publish_thresholds()
         log.info(
             "calibration in force",
@@ -107,8 +113,9 @@ class TableKeeper:
     def _probe_world_size(self, kind: str, asked: int) -> int:
         """The probe's ranks: as asked, else 2 on the CPU and one per GPU (at least 2) on GPUs."""
         world_size = asked or (max(2, self.gpu_count) if kind == "cuda" else 2)
-        if not 2 <= world_size <= self.max_world_size:
-            raise InvalidArgumentError(f"world_size {world_size}: expected 2..{self.max_world_size} probe ranks")
+        most = min(self.max_world_size, self.config.max_ranks_per_group)
+        if not 2 <= world_size <= most:
+            raise InvalidArgumentError(f"world_size {world_size}: expected 2..{most} probe ranks")
         if kind == "cuda" and world_size > self.gpu_count and not self.config.allow_shared_devices:
             raise UnsupportedError(
                 f"{world_size} probe ranks on {self.gpu_count} GPUs would share one; a daemon with "
@@ -140,10 +147,10 @@ class TableKeeper:
             started = time.monotonic()
             try:
                 medians = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                calibration = calibration_from(self.fingerprints[kind], medians)
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
-            calibration = calibration_from(self.fingerprints[kind], medians)
             stored = store.save(calibration)
         self.metrics.calibrations.labels("ok").inc()
         log.info(
@@ -171,7 +178,7 @@ class TableKeeper:
         self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
     ) -> DispatchTable:
         fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
-        return build_table(self.default_boundaries(device_kind, group_overrides), fallback, epoch)
+        return build_table(self.default_boundaries(device_kind, group_overrides, nccl_fallback), fallback, epoch)
 
     def _next_epoch(self) -> int:
         self._epoch += 1

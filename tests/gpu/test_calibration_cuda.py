@@ -14,12 +14,14 @@ BOUNDARIES = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes")
 
 
 def test_cuda_calibration_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_path):
+    # Three sizes: without MPS, ranks sharing a GPU time-slice, ~2 ms a barrier; this checks the
+    # flow, not the numbers (.ci/device-operator.sh measures those under MPS).
     state = tmp_path / "state"
     daemon = make_daemon("--allow-shared-devices", "true", "--state-dir", str(state))
     plot = tmp_path / "calibration-cuda.png"
     result = nodecomm_cli(
         "--socket", daemon.socket, "calibrate", "--device", "cuda", "--world-size", "2",
-        "--min-bytes", "4KiB", "--max-bytes", "16MiB", "--json", "--plot", str(plot),
+        "--min-bytes", "4KiB", "--max-bytes", "16KiB", "--json", "--plot", str(plot),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr + result.stdout
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
