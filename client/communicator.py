@@ -93,15 +93,12 @@ class Communicator:
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata)
-        # CPU groups: collectives the daemon runs (path="service").
-        self._service = (
-            ServicePath(
-                self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata
-            )
-            if transport.kind == "cpu"
-            else None
-        )
-        self._paths = transport.paths | {Path.SERVICE} if self._service is not None else transport.paths
+        # Collectives the daemon runs (path="service").
+        self._service = ServicePath(
+            self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata,
+            transport.device,
+        )  # fmt: skip
+        self._paths = transport.paths | {Path.SERVICE}
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.
         self._lock = threading.Lock()
@@ -191,11 +188,9 @@ class Communicator:
                 raise self._located(error) from None
 
     def service_buffer(self, size_bytes: int) -> ServiceBuffer:
-        """Host memory the daemon maps too (CPU groups): tensors made with its tensor() go to the
-        service path by reference, with no copies. free() it when done; the daemon frees what is
-        left with the group."""
-        if self._service is None:
-            raise InvalidArgumentError("service buffers belong to CPU groups so far", group=self.group, rank=self.rank)
+        """Memory the daemon maps too (host memory on CPU groups, this rank's GPU on CUDA groups):
+        tensors made with its tensor() go to the service path by reference, with no copies. free()
+        it when done; the daemon frees what is left with the group."""
         return self._submitted(self._service.allocate, size_bytes)
 
     def all_gather(

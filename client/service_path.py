@@ -1,10 +1,16 @@
 """The service path from a rank's side: memory the daemon maps too, and collectives it runs.
 
-A ServiceBuffer is host memory the daemon allocated and this rank mapped; tensors placed in it
-(`buffer.tensor(...)`) are submitted by reference. Any other tensor goes through a staging buffer
-from a small pool: copied in before the submit, the result copied out when the work is waited on.
-Submits are numbered per communicator, in call order, which is how the daemon pairs the ranks'
-parts of one collective; every rank must submit its collectives in the same order.
+A ServiceBuffer is memory the daemon allocated and this rank mapped (host memory on CPU groups,
+the rank's GPU on CUDA groups); tensors placed in it (`buffer.tensor(...)`) are submitted by
+reference. Any other tensor goes through a staging buffer from a small pool: copied in before the
+submit, the result copied out when the work is waited on. Submits are numbered per communicator,
+in call order, which is how the daemon pairs the ranks' parts of one collective; every rank must
+submit its collectives in the same order.
+
+On CUDA groups nothing synchronises the host with the GPU: a submit records an interprocess
+event on the current stream once the input is written (the daemon's stream waits on it), and
+wait() makes the current stream wait on the daemon's "done" event, which the daemon's answer
+carries as soon as the collective is enqueued; the output is ready when the stream gets there.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
+from nodecomm import _native
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, from_rpc_error
 from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
@@ -27,16 +34,32 @@ from .dtypes import DTYPE_CODES
 
 _STAGING_MIN_BYTES = 64 << 10
 _ALIGN = 64
+_HOST = torch.device("cpu")
+_READY_EVENTS = 16  # CUDA: "input ready" events reused round robin (the daemon opens each once)
+
+
+class _DeviceBytes:
+    """Device memory described by __cuda_array_interface__, for torch.as_tensor without a copy."""
+
+    def __init__(self, address: int, size_bytes: int):
+        self.__cuda_array_interface__ = {
+            "shape": (size_bytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "strides": None,
+        }
 
 
 class ServiceBuffer:
-    """Host memory shared with the daemon. Tensors from `tensor()` stay valid after free() (the
-    mapping lives as long as they do), but can no longer be submitted."""
+    """Memory shared with the daemon: host memory (CPU groups; tensors from `tensor()` stay valid
+    after free(), the mapping lives as long as they do) or memory on the rank's GPU (CUDA groups;
+    tensors stay valid until the communicator closes). Freed, it can no longer be submitted."""
 
-    def __init__(self, allocation_id: int, size_bytes: int, fd: int, free):
+    def __init__(self, allocation_id: int, size_bytes: int, base: torch.Tensor, free):
         self.allocation_id = allocation_id
         self.size_bytes = size_bytes
-        self._base = torch.frombuffer(mmap.mmap(fd, size_bytes), dtype=torch.uint8)
+        self._base = base
         self.address = self._base.data_ptr()
         self._free = free
         self.freed = False
@@ -55,8 +78,14 @@ class ServiceBuffer:
             )
         return self._base[offset_bytes : offset_bytes + nbytes].view(dtype).view(shape)
 
+    @property
+    def device(self) -> torch.device:
+        return self._base.device
+
     def offset_of(self, tensor: torch.Tensor, nbytes: int) -> int | None:
         """The byte offset of `tensor`'s first `nbytes` in this buffer, or None if they are not inside."""
+        if tensor.device != self.device:
+            return None
         offset = tensor.data_ptr() - self.address
         return offset if not self.freed and 0 <= offset and offset + nbytes <= self.size_bytes else None
 
@@ -75,7 +104,8 @@ class _Staged:
 
 class ServiceWork:
     """A submitted collective. wait() returns its result (the output tensor, or the owner table's
-    (idx, scores)) once the daemon has run it, or raises its error."""
+    (idx, scores)) once the daemon has run it (CUDA groups: once the current stream waits for it),
+    or raises its error."""
 
     def __init__(self, future: grpc.Future | None, on_done, where: dict, timeout: float, result=None):
         self._future = future
@@ -89,15 +119,16 @@ class ServiceWork:
     @classmethod
     def completed(cls, result) -> ServiceWork:
         """The work of a call that finished before it returned."""
-        return cls(None, lambda ok: None, {}, 0.0, result)
+        return cls(None, lambda reply: None, {}, 0.0, result)
 
     def done(self) -> bool:
         return self._finished or self._future.done()
 
     def wait(self):
         if not self._finished:
+            reply = None
             try:
-                self._future.result(timeout=self._timeout)
+                reply = self._future.result(timeout=self._timeout)
             except grpc.RpcError as error:
                 self._error = from_rpc_error(error, **self._where)
             except grpc.FutureTimeoutError:
@@ -107,7 +138,7 @@ class ServiceWork:
                 )
             finally:
                 self._finished = True
-                self._on_done(self._error is None)
+                self._on_done(reply)
         if self._error is not None:
             raise self._error
         return self._result
@@ -126,8 +157,10 @@ class ServicePath:
         descriptor_socket: str,
         operation_timeout: float,
         metadata: tuple[tuple[str, bytes], ...] = (),
+        device: torch.device = _HOST,
     ):
         self._stub = stub
+        self.device = device
         self._ids = dict(group=group, group_id=group_id, rank=rank)
         self._where = dict(group=group, rank=rank)
         self.world_size = world_size
@@ -138,6 +171,11 @@ class ServicePath:
         self._sequence = 0
         self._buffers: list[ServiceBuffer] = []  # live, the caller's and the staging pool's
         self._idle_staging: list[ServiceBuffer] = []
+        # CUDA: device memory mapped here, unmapped at close; events to and from the daemon.
+        self._device_mappings: list[tuple[int, int]] = []
+        self._ready: list[tuple[torch.cuda.Event, bytes]] = []
+        self._ready_next = 0
+        self._done: dict[bytes, torch.cuda.Event] = {}
 
     # -- memory --------------------------------------------------------------------------------
 
@@ -152,7 +190,14 @@ class ServicePath:
             raise from_rpc_error(error, **self._where) from None
         (fd,) = claim(self._descriptor_socket, reply.claim_token, 1, self._timeout, self._where)
         try:
-            buffer = ServiceBuffer(reply.allocation_id, reply.size_bytes, fd, self._free)
+            if self.device.type == "cuda":
+                address = _native.cuda_vmm_import(fd, reply.size_bytes, self.device.index)
+                with self._lock:
+                    self._device_mappings.append((address, reply.size_bytes))
+                base = torch.as_tensor(_DeviceBytes(address, reply.size_bytes), device=self.device)
+            else:
+                base = torch.frombuffer(mmap.mmap(fd, reply.size_bytes), dtype=torch.uint8)
+            buffer = ServiceBuffer(reply.allocation_id, reply.size_bytes, base, self._free)
         finally:
             os.close(fd)  # the mapping keeps the memory
         with self._lock:
@@ -193,10 +238,14 @@ class ServicePath:
             size *= 2
         return self.allocate(size)
 
-    def _give_back(self, staged: _Staged | None, ok: bool) -> None:
+    def _finish(self, staged: _Staged | None, reply: pb.SubmitReply | None) -> None:
+        """The work's answer is in (None: it failed): on CUDA groups the current stream waits for
+        the daemon's done event; staged outputs are copied out and the staging buffer goes back."""
+        if reply is not None and self.device.type == "cuda":
+            self._done_event(reply.done_event).wait(torch.cuda.current_stream(self.device))
         if staged is None:
             return
-        if ok:
+        if reply is not None:
             for destination, offset in staged.copy_to:
                 nbytes = destination.numel() * destination.element_size()
                 source = staged.buffer.tensor(nbytes, torch.uint8, offset)
@@ -222,8 +271,8 @@ class ServicePath:
         """Submit the exchange of [rows, topk] candidates; the work's result is the owner table."""
         rows, topk = local_idx.shape
         owned = len(owned_rows(rows, self.world_size, self._ids["rank"]))
-        idx = torch.empty((owned, self.world_size, topk), dtype=torch.int32)
-        scores = torch.empty((owned, self.world_size, topk), dtype=torch.float32)
+        idx = torch.empty((owned, self.world_size, topk), dtype=torch.int32, device=self.device)
+        scores = torch.empty((owned, self.world_size, topk), dtype=torch.float32, device=self.device)
         plane = rows * topk * 4
         work = self._submit(
             pb.TOPK_STAGE, pb.DTYPE_UNSPECIFIED, rows, topk, [local_idx, local_scores], [idx, scores], 2 * plane,
@@ -263,10 +312,12 @@ class ServicePath:
                 copy_to.append((tensor, offset))
                 offset += tensor.numel() * tensor.element_size()
             staged = _Staged(buffer, copy_to)
+        ready_event = self._record_ready() if self.device.type == "cuda" else b""
         with self._lock:
             sequence = self._sequence
             self._sequence += 1
         request = pb.SubmitRequest(
+            ready_event=ready_event,
             **self._ids,
             sequence=sequence,
             op=op,
@@ -278,16 +329,43 @@ class ServicePath:
             timeout_seconds=self._timeout,
         )
         future = self._stub.Submit.future(request, timeout=self._timeout + 5.0, metadata=self._metadata)
-        return ServiceWork(future, lambda ok: self._give_back(staged, ok), self._where, self._timeout + 10.0, result)
+        return ServiceWork(future, lambda reply: self._finish(staged, reply), self._where, self._timeout + 10.0, result)
+
+    def _record_ready(self) -> bytes:
+        """Record the next "input ready" event on the current stream; its IPC handle."""
+        if torch.cuda.is_current_stream_capturing():
+            raise InvalidArgumentError("the service path cannot be captured in a CUDA graph", **self._where)
+        with self._lock:
+            if len(self._ready) < _READY_EVENTS:
+                event = torch.cuda.Event(interprocess=True)
+                event.record(torch.cuda.current_stream(self.device))  # a handle needs a recorded event
+                self._ready.append((event, event.ipc_handle()))
+            event, handle = self._ready[self._ready_next % len(self._ready)]
+            self._ready_next += 1
+        event.record(torch.cuda.current_stream(self.device))
+        return handle
+
+    def _done_event(self, handle: bytes) -> torch.cuda.Event:
+        with self._lock:
+            event = self._done.get(handle)
+            if event is None:
+                event = self._done[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
+        return event
 
     def empty_submit(self) -> ServiceWork:
         """A collective with nothing to move: what one submit costs on the control plane."""
         return self._submit(pb.ALL_REDUCE, pb.FLOAT32, 0, 0, [], [], 0, 0)
 
     def close(self) -> None:
-        """Forget the buffers; the daemon frees them with the group, tensors keep their mappings."""
+        """Forget the buffers; the daemon frees them with the group. Host tensors keep their
+        mappings; device memory is unmapped once this GPU's work is done."""
         with self._lock:
             for buffer in self._buffers:
                 buffer.freed = True
             self._buffers.clear()
             self._idle_staging.clear()
+            mappings, self._device_mappings = self._device_mappings, []
+        if mappings:
+            torch.cuda.synchronize(self.device)
+            for address, size in mappings:
+                _native.cuda_vmm_unmap(address, size)

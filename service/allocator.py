@@ -11,6 +11,7 @@ answered; a failure half-way frees what was made, so all ranks get buffers or no
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodecomm import _native, host_memory
@@ -172,15 +173,19 @@ def allocate_topk_slabs(name: str, exchange_id: int, world_size: int, slab_bytes
 
 @dataclass
 class RankAllocation:
-    """Memory one rank asked for, for the service path: a sealed memfd that the rank maps and the
-    daemon keeps mapped, so that collectives submitted on it run without copies. Unmapped once the
-    rank has freed it (or the group is released) and no queued collective names it any more."""
+    """Memory one rank asked for, for the service path: a sealed memfd (CPU groups) or a VMM
+    allocation on the rank's GPU (CUDA groups) that the rank maps and the daemon keeps mapped, so
+    that collectives submitted on it run without copies. Unmapped once the rank has freed it (or
+    the group is released) and no queued collective names it any more."""
 
     allocation_id: int
     rank: int
     fd: int
     address: int
     size_bytes: int
+    placement: tuple[str, str] = ("host", "host")  # the metrics' (kind, device)
+    # Device memory: how to unmap it once the GPU is done with it (the group's executor sets it).
+    unmap_device: Callable[[RankAllocation], None] | None = None
     users: int = 0  # queued or running collectives that name it
     freed: bool = False
     closed: bool = False
@@ -199,8 +204,33 @@ class RankAllocation:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.unmap_device is not None:
+                self.unmap_device(self)
+                return
             host_memory.unmap_segment(self.address, self.size_bytes)
             os.close(self.fd)
+
+
+def allocate_rank_device_memory(
+    name: str, rank: int, allocation_id: int, size_bytes: int, device: int, uuid: str, executing_device: int
+) -> RankAllocation:
+    """A VMM allocation on the rank's GPU (`device`, the daemon's CUDA index), which the group's
+    executing GPU may also read and write (peer access) where that is another one."""
+    fds: list[int] = []
+    mappings: list[DeviceMapping] = []
+    try:
+        size = allocate_on_gpus([device], size_bytes, fds, mappings)
+        if executing_device != device:
+            _native.cuda_vmm_grant(mappings[0].address, size, executing_device)
+    except (MemoryError, OSError, NodecommError) as error:
+        for mapping in mappings:
+            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+        for fd in fds:
+            os.close(fd)
+        raise ResourceExhaustedError(
+            f"allocating {size_bytes} bytes on GPU {uuid} for rank {rank} failed: {error}", group=name
+        ) from None
+    return RankAllocation(allocation_id, rank, fds[0], mappings[0].address, size, placement=("cuda", uuid))
 
 
 def allocate_rank_memory(name: str, rank: int, allocation_id: int, size_bytes: int) -> RankAllocation:

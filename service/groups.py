@@ -47,6 +47,7 @@ from .allocator import (
     TopkSlabs,
     allocate_cuda_topk_slabs,
     allocate_group,
+    allocate_rank_device_memory,
     allocate_rank_memory,
     allocate_topk_slabs,
 )
@@ -54,7 +55,7 @@ from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
-from .submissions import ServicePath
+from .submissions import CudaExecution, ServicePath
 from .tables import TableKeeper
 
 log = logging.getLogger("nodecomm.groups")
@@ -248,7 +249,7 @@ class Group:
     exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
     live: LiveEstimates | None = None  # CPU groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
-    service: ServicePath | None = None  # CPU groups: collectives the daemon runs
+    service: ServicePath | None = None  # collectives the daemon runs
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
 
@@ -456,15 +457,12 @@ class GroupRegistry:
                 else None
             ),
         )
-        if first.device_kind == "cpu":
-            group.service = ServicePath(
-                group.name,
-                first.world_size,
-                first.dtypes,
-                self.config.service_queue_depth,
-                self.executor,
-                self._service_done,
-            )
+        depth = self.config.service_queue_depth
+        # CUDA groups run the service path on rank 0's GPU, reading the others' over peer access.
+        cuda = CudaExecution(self._device_indices(group)[0], depth + 2) if first.device_kind == "cuda" else None
+        group.service = ServicePath(
+            group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
+        )
         tokens = {}
         try:
             for rank, arrival in sorted(forming.arrivals.items()):
@@ -764,8 +762,6 @@ class GroupRegistry:
     def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, ServicePath]:
         where = dict(group=name or None, rank=rank)
         group = self._group_of(name, group_id, rank)
-        if group.service is None:
-            raise UnsupportedError("the service path runs CPU groups so far; CUDA groups come next", **where)
         member = group.members[rank]
         if member.gone:
             raise NotFoundError(f"rank {rank} is no longer a member of this group", **where)
@@ -790,9 +786,17 @@ class GroupRegistry:
                 f"{self.config.max_reserved_bytes} ({reserved} reserved); free some first",
                 **where,
             )
-        allocation = allocate_rank_memory(group.name, request.rank, next(self._allocation_ids), size)
+        allocation_id = next(self._allocation_ids)
+        if group.args.device_kind == "cuda":
+            devices = self._device_indices(group)
+            allocation = allocate_rank_device_memory(
+                group.name, request.rank, allocation_id, size, devices[request.rank], group.devices[request.rank],
+                devices[0],
+            )  # fmt: skip
+        else:
+            allocation = allocate_rank_memory(group.name, request.rank, allocation_id, size)
         service.add_allocation(allocation)
-        self.metrics.reserve("host", "host", "service", size)
+        self.metrics.reserve(*allocation.placement, "service", allocation.size_bytes)
         token = self.claims.issue(
             group.name,
             group.group_id,
@@ -801,14 +805,18 @@ class GroupRegistry:
             [allocation.fd],
             self.config.claim_token_ttl_seconds,
         )
+        kind = pb.CUDA_VMM_FD if group.args.device_kind == "cuda" else pb.HOST_MEMFD
         return pb.AllocateMemoryReply(
-            allocation_id=allocation.allocation_id, claim_token=token, memory_kind=pb.HOST_MEMFD, size_bytes=size
+            allocation_id=allocation.allocation_id,
+            claim_token=token,
+            memory_kind=kind,
+            size_bytes=allocation.size_bytes,
         )
 
     def free_memory(self, request: pb.FreeMemoryRequest) -> None:
         _, service = self._service_of(request.group, request.group_id, request.rank)
         allocation = service.free(request.rank, request.allocation_id)
-        self.metrics.reserve("host", "host", "service", -allocation.size_bytes)
+        self.metrics.reserve(*allocation.placement, "service", -allocation.size_bytes)
 
     async def submit(self, request: pb.SubmitRequest) -> pb.SubmitReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
@@ -964,7 +972,8 @@ class GroupRegistry:
             for slabs in group.topk_slabs:
                 slabs.close()
             if group.service is not None:
-                self.metrics.reserve("host", "host", "service", -group.service.reserved_bytes)
+                for allocation in group.service.allocations.values():
+                    self.metrics.reserve(*allocation.placement, "service", -allocation.size_bytes)
                 group.service.close()
             for op, path in group.counted:
                 self.metrics.operations.remove(group.name, op, path)

@@ -8,14 +8,21 @@ collectives run one at a time, in sequence order, on the daemon's worker threads
 groups overlap). Every rank is answered once its collective has run, or with the one error the
 whole collective failed with. The queue is a window of `depth` sequences past the next one to
 run; a submit beyond it gets RESOURCE_EXHAUSTED.
+
+On CUDA groups (CudaExecution) the memory is on the ranks' GPUs and nothing waits on the host:
+each submit carries an event the rank recorded once its input was written; the daemon's stream
+on the group's executing GPU waits on every rank's, runs the collective, and records a "done"
+event whose handle answers every rank once it is enqueued; the ranks' streams wait on it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from nodecomm import _native
@@ -39,6 +46,9 @@ _ELEMENT_BYTES = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 OP_NAMES = {pb.ALL_REDUCE: "all_reduce", pb.ALL_GATHER: "all_gather", pb.TOPK_STAGE: "topk_stage"}
 # Failed collectives remembered for ranks that have not submitted their part yet.
 _FAILED_KEPT = 256
+# CUDA groups: distinct "input ready" events one rank may use (each is opened once and kept).
+READY_EVENTS_PER_RANK = 64
+_EVENT_HANDLE_BYTES = 64
 
 
 @dataclass
@@ -76,6 +86,99 @@ def _shown(request: pb.SubmitRequest, name: str) -> str:
     return str(value)
 
 
+class CudaExecution:
+    """A CUDA group's service path on the device: the daemon's stream on the group's executing
+    GPU, the ranks' "input ready" events (opened once each), and a ring of "done" events. Every
+    call runs on the group's one worker thread, so enqueueing, unmapping and closing stay in order
+    and a stream waiting on a rank never holds up the event loop."""
+
+    def __init__(self, device: int, ring: int):
+        self.device = device
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="nodecomm-cuda-service")
+        self._stream: int | None = None
+        self._opened: dict[bytes, int] = {}
+        self._done: list[tuple[int, bytes]] = []
+        self._ring = ring
+        self._lock = threading.Lock()
+        self._unmaps: list[tuple[int, int]] = []  # (address, size) freed, to unmap once the stream is idle
+        self._closing = False
+        self._closed = False
+
+    def run(self, sequence: int, parts: list[Part]) -> bytes:
+        """Enqueue collective `sequence` after every part's ready event; the done event's handle."""
+        if self._stream is None:
+            self._stream = _native.cuda_stream_create(self.device)
+            self._done = [_native.cuda_ipc_event_create(self.device) for _ in range(self._ring)]
+        for part in parts:
+            handle = part.request.ready_event
+            if handle not in self._opened:
+                self._opened[handle] = _native.cuda_ipc_event_open(self.device, handle)
+            _native.cuda_stream_wait_event(self.device, self._stream, self._opened[handle])
+        first = parts[0].request
+        inputs = [p.input[1] if p.input is not None else 0 for p in parts]
+        outputs = [p.output[1] if p.output is not None else 0 for p in parts]
+        if first.count:
+            if first.op == pb.ALL_REDUCE:
+                _native.cuda_service_all_reduce(self.device, inputs, outputs, first.count, first.dtype, self._stream)
+            elif first.op == pb.ALL_GATHER:
+                _native.cuda_service_all_gather(self.device, inputs, outputs, first.count, self._stream)
+            else:
+                _native.cuda_service_topk_stage(self.device, inputs, outputs, first.count, first.topk, self._stream)
+        event, handle = self._done[sequence % self._ring]
+        _native.cuda_event_record(self.device, event, self._stream)
+        return handle
+
+    def unmap(self, allocation: RankAllocation) -> None:
+        """Unmap a freed allocation once the stream has run everything enqueued before now."""
+        os.close(allocation.fd)
+        with self._lock:
+            self._unmaps.append((allocation.address, allocation.size_bytes))
+            if self._closed:  # the stream is gone, and with it all work on this memory
+                self._unmap_freed()
+            elif not self._closing:
+                self.thread.submit(self._sync_and_unmap)
+            # else: the queued _close unmaps it
+
+    def _sync_and_unmap(self) -> None:
+        try:
+            if self._stream is not None:
+                _native.cuda_stream_synchronize(self.device, self._stream)
+        except NodecommError as error:
+            log.error("waiting for a CUDA service stream failed", extra={"error": str(error)})
+        with self._lock:
+            self._unmap_freed()
+
+    def _unmap_freed(self) -> None:
+        for address, size in self._unmaps:
+            try:
+                _native.cuda_vmm_unmap(address, size)
+            except NodecommError as error:
+                log.error("unmapping a service allocation failed", extra={"error": str(error)})
+        self._unmaps.clear()
+
+    def close(self) -> None:
+        """Once the stream has run its work: unmap what was freed, destroy the stream and events,
+        end the thread. Allocations freed later are unmapped at once."""
+        with self._lock:
+            self._closing = True
+        self.thread.submit(self._close)
+        self.thread.shutdown(wait=False)
+
+    def _close(self) -> None:
+        try:
+            if self._stream is not None:
+                _native.cuda_stream_synchronize(self.device, self._stream)
+            for event in [*self._opened.values(), *(e for e, _ in self._done)]:
+                _native.cuda_event_destroy(event)
+            if self._stream is not None:
+                _native.cuda_stream_destroy(self._stream)
+        except NodecommError as error:
+            log.error("closing a CUDA service path failed", extra={"error": str(error)})
+        with self._lock:
+            self._closed = True
+            self._unmap_freed()
+
+
 class ServicePath:
     """One group's service path: the ranks' allocations and the queue of submitted collectives.
     Runs on the daemon's event loop; only the collectives themselves run on `executor`."""
@@ -88,12 +191,16 @@ class ServicePath:
         depth: int,
         executor: Executor,
         on_done: Callable[[str, str, int], None] = lambda op, result, nbytes: None,
+        cuda: CudaExecution | None = None,
     ):
         self.group = group
         self.world_size = world_size
         self.dtypes = dtypes
         self.depth = depth
-        self._executor = executor
+        self.cuda = cuda
+        # A CUDA group's collectives go to its own thread (see CudaExecution), a CPU group's to the pool.
+        self._executor = cuda.thread if cuda is not None else executor
+        self._ready_events: dict[int, set[bytes]] = {}  # CUDA: each rank's distinct ready events
         self._on_done = on_done  # (op, result, bytes moved per rank) for metrics
         self.allocations: dict[int, RankAllocation] = {}
         self._freed: set[int] = set()
@@ -109,6 +216,8 @@ class ServicePath:
         return sum(a.size_bytes for a in self.allocations.values())
 
     def add_allocation(self, allocation: RankAllocation) -> None:
+        if self.cuda is not None:
+            allocation.unmap_device = self.cuda.unmap
         self.allocations[allocation.allocation_id] = allocation
 
     def free(self, rank: int, allocation_id: int) -> RankAllocation:
@@ -219,6 +328,7 @@ class ServicePath:
     def _resolve(self, request: pb.SubmitRequest) -> Part:
         """Check the request against the op's shape and the rank's allocations; the addresses."""
         where = dict(group=self.group, rank=request.rank)
+        self._check_ready_event(request, where)
         op, count = request.op, request.count
         if op == pb.ALL_REDUCE:
             if request.dtype not in self.dtypes:
@@ -272,6 +382,27 @@ class ServicePath:
                     )
         return Part(request, read, written, in_bytes)
 
+    def _check_ready_event(self, request: pb.SubmitRequest, where: dict) -> None:
+        handle = request.ready_event
+        if self.cuda is None:
+            if handle:
+                raise InvalidArgumentError("ready_event is for CUDA groups; leave it empty", **where)
+            return
+        if len(handle) != _EVENT_HANDLE_BYTES:
+            raise InvalidArgumentError(
+                f"ready_event of {len(handle)} bytes: a CUDA group's submit carries the {_EVENT_HANDLE_BYTES}-byte "
+                "IPC handle of an event recorded on the rank's stream once its input was written",
+                **where,
+            )
+        seen = self._ready_events.setdefault(request.rank, set())
+        if handle not in seen and len(seen) >= READY_EVENTS_PER_RANK:
+            raise InvalidArgumentError(
+                f"rank {request.rank} has used {READY_EVENTS_PER_RANK} distinct ready events, this daemon's "
+                "limit per rank; reuse them",
+                **where,
+            )
+        seen.add(handle)
+
     def _range(
         self, request: pb.SubmitRequest, ref: pb.MemoryRef, nbytes: int, element: int, name: str
     ) -> tuple[RankAllocation, int]:
@@ -307,21 +438,24 @@ class ServicePath:
             if collective.failure is None:
                 collective.running = True
                 try:
-                    await loop.run_in_executor(self._executor, self._execute, collective)
+                    done_event = await loop.run_in_executor(self._executor, self._execute, collective)
                 except NodecommError as error:
                     self._fail(collective, error)
                 else:
-                    self._succeed(collective)
+                    self._succeed(collective, done_event)
                 collective.running = False
             self._next += 1
             if collective.failure is not None and len(collective.answered) == self.world_size:
                 self._collectives.pop(collective.sequence, None)
 
-    def _execute(self, collective: Collective) -> None:
+    def _execute(self, collective: Collective) -> bytes:
+        """Run it (CPU) or enqueue it (CUDA: returns the done event's handle)."""
         parts = [collective.parts[r] for r in range(self.world_size)]
+        if self.cuda is not None:
+            return self.cuda.run(collective.sequence, parts)
         first = parts[0].request
         if first.count == 0:
-            return
+            return b""
         inputs = [p.input[1] for p in parts]
         outputs = [p.output[1] if p.output is not None else 0 for p in parts]
         if first.op == pb.ALL_REDUCE:
@@ -330,13 +464,14 @@ class ServicePath:
             _native.service_all_gather(inputs, outputs, first.count)
         else:
             _native.service_topk_stage(inputs, outputs, first.count, first.topk)
+        return b""
 
-    def _succeed(self, collective: Collective) -> None:
+    def _succeed(self, collective: Collective, done_event: bytes) -> None:
         first = collective.parts[0]
         self._on_done(OP_NAMES[first.request.op], "ok", first.in_bytes)
         for future in collective.futures.values():
             if not future.done():
-                future.set_result(pb.SubmitReply(sequence=collective.sequence))
+                future.set_result(pb.SubmitReply(sequence=collective.sequence, done_event=done_event))
         self._retire(collective)
         del self._collectives[collective.sequence]
 
@@ -391,3 +526,5 @@ class ServicePath:
         for allocation in self.allocations.values():
             allocation.free()
         self.allocations.clear()
+        if self.cuda is not None:
+            self.cuda.close()

@@ -79,4 +79,19 @@ inline void check_driver(CUresult status, const char* what, const char* file, in
 
 #define NODECOMM_CU(call) ::nodecomm::cuda::check_driver((call), #call, __FILE__, __LINE__)
 
+// Makes `device` current for a scope and restores the caller's device after it.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    NODECOMM_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != device) NODECOMM_CUDA(cudaSetDevice(device));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 }  // namespace nodecomm::cuda

@@ -21,21 +21,6 @@
 
 namespace nodecomm::cuda {
 
-// Makes `device` current for a scope and restores the caller's device after it.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    NODECOMM_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != device) NODECOMM_CUDA(cudaSetDevice(device));
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 class CudaGroup {
  public:
   // `buffers`: every rank's buffer mapped on `device`; `control`: the host mapping of the group's

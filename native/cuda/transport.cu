@@ -27,6 +27,7 @@
 #include "collectives.h"
 #include "driver.h"
 #include "layout.h"
+#include "numerics.cuh"
 #include "sync.cuh"
 #include "topk.h"
 #include "world.h"
@@ -45,14 +46,6 @@ template <int N>
 struct Peers {
   std::uint8_t* rank[N];
 };
-
-__device__ __forceinline__ float widen(float x) { return x; }
-__device__ __forceinline__ float widen(__half x) { return __half2float(x); }
-__device__ __forceinline__ float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T> __device__ __forceinline__ T narrow(float x);
-template <> __device__ __forceinline__ float narrow<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half narrow<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 narrow<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // 16 bytes of elements: what one thread loads or stores at a time where the pointers allow it.
 // Reductions still widen, add in rank order and narrow element by element, so packed and

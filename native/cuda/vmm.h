@@ -107,6 +107,15 @@ inline std::uintptr_t vmm_import(int fd, std::size_t size, int device) {
   return address;
 }
 
+// Let `device` read and write a range this process mapped for another device (peer access).
+inline void vmm_grant(std::uintptr_t address, std::size_t size, int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  NODECOMM_CU(driver().mem_set_access(CUdeviceptr(address), size, &access, 1));
+}
+
 inline void vmm_unmap(std::uintptr_t address, std::size_t size) {
   NODECOMM_CU(driver().mem_unmap(CUdeviceptr(address), size));
   NODECOMM_CU(driver().address_free(CUdeviceptr(address), size));

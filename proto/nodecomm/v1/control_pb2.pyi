@@ -290,7 +290,7 @@ class MemoryRef(_message.Message):
     def __init__(self, allocation_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("group", "group_id", "rank", "sequence", "op", "dtype", "count", "topk", "input", "output", "timeout_seconds")
+    __slots__ = ("group", "group_id", "rank", "sequence", "op", "dtype", "count", "topk", "input", "output", "timeout_seconds", "ready_event")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class SubmitRequest(_message.Message):
     INPUT_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     group: str
     group_id: int
     rank: int
@@ -313,13 +314,16 @@ class SubmitRequest(_message.Message):
     input: MemoryRef
     output: MemoryRef
     timeout_seconds: float
-    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., op: _Optional[_Union[Op, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., topk: _Optional[int] = ..., input: _Optional[_Union[MemoryRef, _Mapping]] = ..., output: _Optional[_Union[MemoryRef, _Mapping]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., op: _Optional[_Union[Op, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., topk: _Optional[int] = ..., input: _Optional[_Union[MemoryRef, _Mapping]] = ..., output: _Optional[_Union[MemoryRef, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("sequence",)
+    __slots__ = ("sequence", "done_event")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
     sequence: int
-    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+    done_event: bytes
+    def __init__(self, sequence: _Optional[int] = ..., done_event: _Optional[bytes] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("group", "group_id", "rank")
