@@ -329,7 +329,7 @@ class Communicator:
         if on_gpu:
             exchange = CudaTopkExchange(
                 layout, self.rank, slabs, self._transport, self._run, reply.blocks, self._operation_timeout, where,
-                self._count_topk_stage,
+                self._count_topk_stage, self._service_topk_stage,
             )  # fmt: skip
         else:
             exchange = TopkExchange(

@@ -95,7 +95,7 @@ class TopkExchange:
         self._check(local_idx, local_scores)
         if path is not None:
             if path != "service" or self._service_stage is None:
-                raise InvalidArgumentError(f"path {path!r}: expected None or 'service' (CPU groups)", **self._where)
+                raise InvalidArgumentError(f"path {path!r}: expected None or 'service'", **self._where)
             return self._service_stage(local_idx.contiguous(), local_scores.contiguous())
         rows, world = local_idx.shape[0], self._layout.world_size
         slot = self._stages % SLOTS
@@ -144,11 +144,13 @@ class CudaTopkExchange:
         timeout: float,
         where: dict,
         count: Callable[[int], None] = lambda nbytes: None,
+        service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
         self._rank = rank
         self._slabs = slabs
+        self._service_stage = service_stage
         self._addresses = [slab.address for slab in slabs]
         self._transport = transport
         self._run = run  # the communicator's: its lock, and a lost peer or daemon raised before launching
@@ -166,10 +168,12 @@ class CudaTopkExchange:
         (a peer lost, or past the timeout) leaves them unwritten; the next call raises why."""
         if self._closed:
             raise InvalidArgumentError("this top-k exchange is closed", **self._where)
-        if path is not None:
-            raise InvalidArgumentError(f"path {path!r}: CUDA exchanges run their one kernel path", **self._where)
         check_candidates(local_idx, local_scores, self.topk, self.max_rows, self._transport.device, self._where)
         local_idx, local_scores = local_idx.contiguous(), local_scores.contiguous()
+        if path is not None:
+            if path != "service" or self._service_stage is None:
+                raise InvalidArgumentError(f"path {path!r}: expected None or 'service'", **self._where)
+            return self._service_stage(local_idx, local_scores)
         rows, world = local_idx.shape[0], self._layout.world_size
         owned = len(owned_rows(rows, world, self._rank))
         out_idx = torch.empty((owned, world, self.topk), dtype=torch.int32, device=local_idx.device)

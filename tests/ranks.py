@@ -253,16 +253,26 @@ def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int)
         return exact
 
 
-def service_cases(rank: int, world_size: int, socket: str, counts: list[int]) -> list[str]:
-    """The service path against the reference and the shm paths, by bits: staged tensors, tensors
+def rank_device(rank: int, device: str) -> str:
+    """The rank's device: the CPU, or (device "cuda") its GPU, shared where there is only one."""
+    if device == "cpu":
+        return "cpu"
+    gpu = f"cuda:{rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(gpu)
+    return gpu
+
+
+def service_cases(rank: int, world_size: int, socket: str, counts: list[int], device: str = "cpu") -> list[str]:
+    """The service path against the reference and the peer paths, by bits: staged tensors, tensors
     in service memory (out of place and in place), all_gather and the top-k stage."""
     problems = []
-    with nodecomm.connect("service", rank, world_size, socket=socket, timeout=60) as comm:
+    device = rank_device(rank, device)
+    with nodecomm.connect("service", rank, world_size, device=device, socket=socket, timeout=60) as comm:
         buffer = comm.service_buffer(2 * max(counts) * 4 + 128)
         for index, count in enumerate(counts):
             for dtype_name, dtype in DTYPES.items():
                 seed = 100 * index + len(dtype_name)
-                x = rank_input(rank, count, dtype, seed)
+                x = rank_input(rank, count, dtype, seed).to(device)
                 expected = reference_sum(world_size, count, dtype, seed).view(BITS[dtype])
                 staged = comm.all_reduce(x, path="service")
                 shm = comm.all_reduce(x, path="oneshot")
@@ -277,20 +287,22 @@ def service_cases(rank: int, world_size: int, socket: str, counts: list[int]) ->
                     ("by reference", by_reference),
                     ("in place", shared_in),
                 ):
-                    if not torch.equal(y.view(BITS[dtype]), expected):
-                        wrong = int((y.view(BITS[dtype]) != expected).sum())
+                    got = y.cpu().view(BITS[dtype])
+                    if not torch.equal(got, expected):
+                        wrong = int((got != expected).sum())
                         problems.append(f"{dtype_name} count={count} service {name}: {wrong} elements differ")
-            payload = torch.full((count,), rank, dtype=torch.int32)
+            payload = torch.full((count,), rank, dtype=torch.int32, device=device)
             gathered = comm.all_gather(payload, path="service")
             if not torch.equal(gathered, comm.all_gather(payload)):
                 problems.append(f"all_gather count={count}: service differs from shm")
     return problems
 
 
-def service_in_order(rank: int, world_size: int, socket: str, steps: int) -> list[list[float]]:
+def service_in_order(rank: int, world_size: int, socket: str, steps: int, device: str = "cpu") -> list[list[float]]:
     """Queue `steps` in-place all-reduces interleaved with all-gathers that snapshot the value, all
     asynchronous, then wait once at the end: the snapshots show the order the daemon ran them in."""
-    with nodecomm.connect("order", rank, world_size, socket=socket, timeout=60) as comm:
+    device = rank_device(rank, device)
+    with nodecomm.connect("order", rank, world_size, device=device, socket=socket, timeout=60) as comm:
         buffer = comm.service_buffer(64 * (steps + 1))
         value = buffer.tensor(1, torch.float32)
         value.fill_(rank + 1)
@@ -306,16 +318,17 @@ def service_in_order(rank: int, world_size: int, socket: str, steps: int) -> lis
         return [s.tolist() for s in snapshots]
 
 
-def service_mismatch(rank: int, world_size: int, socket: str) -> dict:
+def service_mismatch(rank: int, world_size: int, socket: str, device: str = "cpu") -> dict:
     """Collective 0 disagrees on count; every rank gets the same error; collective 1 runs."""
     seen = {}
-    with nodecomm.connect("svc-mismatch", rank, world_size, socket=socket, timeout=60) as comm:
+    device = rank_device(rank, device)
+    with nodecomm.connect("svc-mismatch", rank, world_size, device=device, socket=socket, timeout=60) as comm:
         try:
-            comm.all_reduce(torch.ones(8 + 8 * (rank == 1)), path="service")
+            comm.all_reduce(torch.ones(8 + 8 * (rank == 1), device=device), path="service")
             seen["error"] = "no error"
         except nodecomm.NodecommError as error:
             seen["error"] = f"{type(error).__name__}: {error}"
-        seen["after"] = comm.all_reduce(torch.ones(4), path="service").tolist()
+        seen["after"] = comm.all_reduce(torch.ones(4, device=device), path="service").tolist()
     return seen
 
 
@@ -347,16 +360,19 @@ def service_over_quota(rank: int, world_size: int, socket: str, depth: int, repo
     return seen
 
 
-def service_until_peer_dies(rank: int, world_size: int, socket: str, report) -> tuple[str, str, float]:
+def service_until_peer_dies(
+    rank: int, world_size: int, socket: str, report, device: str = "cpu"
+) -> tuple[str, str, float]:
     """Rank 0 queues service all-reduces that rank 1 never submits, then waits on them; rank 1 is
     killed by the test meanwhile."""
-    with nodecomm.connect("svc-kill", rank, world_size, socket=socket, timeout=60) as comm:
-        comm.all_reduce(torch.ones(4), path="service")
+    device = rank_device(rank, device)
+    with nodecomm.connect("svc-kill", rank, world_size, device=device, socket=socket, timeout=60) as comm:
+        comm.all_reduce(torch.ones(4, device=device), path="service")
         if rank == 1:
             report.put(("ready", rank))
             time.sleep(120)
             return "not killed", "", 0.0
-        works = [comm.all_reduce(torch.ones(1024), path="service", async_op=True) for _ in range(3)]
+        works = [comm.all_reduce(torch.ones(1024, device=device), path="service", async_op=True) for _ in range(3)]
         report.put(("ready", rank))
         try:
             for work in works:
@@ -366,16 +382,19 @@ def service_until_peer_dies(rank: int, world_size: int, socket: str, report) -> 
         return "no error", "", time.time()
 
 
-def service_topk_cases(rank: int, world_size: int, socket: str, rows_list: list[int], topk: int) -> list[str]:
+def service_topk_cases(
+    rank: int, world_size: int, socket: str, rows_list: list[int], topk: int, device: str = "cpu"
+) -> list[str]:
     """The top-k stage through the daemon gives the same owner tables, bit for bit, as the slabs."""
     problems = []
-    with nodecomm.connect("svc-topk", rank, world_size, socket=socket, timeout=60) as comm:
+    device = rank_device(rank, device)
+    with nodecomm.connect("svc-topk", rank, world_size, device=device, socket=socket, timeout=60) as comm:
         exchange = comm.topk_exchange(max(rows_list), topk)
         for stage, rows in enumerate(rows_list):
             generator = torch.Generator().manual_seed(1000 * stage + rank)
             idx = torch.randint(-(2**31), 2**31 - 1, (rows, topk), dtype=torch.int32, generator=generator)
             bits = torch.randint(-(2**31), 2**31 - 1, (rows, topk), dtype=torch.int32, generator=generator)
-            scores = bits.view(torch.float32)  # NaN payloads and -0.0 included, as bits
+            idx, scores = idx.to(device), bits.view(torch.float32).to(device)  # NaN payloads, -0.0: as bits
             slab_idx, slab_scores = exchange.stage(idx, scores)
             svc_idx, svc_scores = exchange.stage(idx, scores, path="service")
             if not (

@@ -295,3 +295,28 @@ def topk_large_offsets(rank: int, world_size: int, socket: str, rows_per_owner: 
             del got_idx, got_scores, want
         torch.cuda.synchronize()
     return wrong
+
+
+def service_without_host_sync(rank: int, world_size: int, socket: str, calls: int) -> dict:
+    """Behind a ~1 s kernel on this rank's stream, queue `calls` in-place service all-reduces of a
+    value in service memory and wait() on every one: the waits return while the stream is still
+    busy (the daemon answers once it has enqueued, and the stream waits on its event), and the
+    value, read after one synchronisation, is what `calls` rounds of summing give."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    with nodecomm.connect("nosync", rank, world_size, device=device, socket=socket, timeout=60) as comm:
+        buffer = comm.service_buffer(4096)
+        value = buffer.tensor(1, torch.float32)
+        value.fill_(1.0)
+        comm.all_reduce(value, out=value, path="service")  # warm: events opened, stream made
+        torch.cuda.synchronize()
+        value.fill_(1.0)
+        torch.cuda._sleep(2_000_000_000)
+        started = time.monotonic()
+        works = [comm.all_reduce(value, out=value, path="service", async_op=True) for _ in range(calls)]
+        for work in works:
+            work.wait()
+        waited = time.monotonic() - started
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        return {"waited_s": waited, "stream_busy_after_waits": busy, "value": value.item()}

@@ -1,0 +1,72 @@
+"""The service path on CUDA groups: rank processes (sharing the GPU where there is one) submit
+collectives that the daemon runs on its own stream, ordered by events in both directions.
+The rank programs are the CPU service tests' (tests/ranks.py), run with device="cuda"."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+import cuda_ranks
+import ranks
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cuda_daemon(make_daemon):
+    return make_daemon("--allow-shared-devices", "true")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bit_identical_to_the_peer_paths(cuda_daemon, spawn_ranks, world_size):
+    counts = [1, 7, 4096, 70000]
+    results = spawn_ranks(
+        ranks.service_cases, world_size, world_size, cuda_daemon.socket, counts, "cuda", timeout=300
+    ).values()
+    assert results == {r: [] for r in range(world_size)}
+
+
+def test_queued_submits_run_in_sequence_order(cuda_daemon, spawn_ranks):
+    steps = 12
+    results = spawn_ranks(ranks.service_in_order, 3, 3, cuda_daemon.socket, steps, "cuda", timeout=120).values()
+    expected = [[6.0 * 3**k] * 3 for k in range(steps)]
+    assert results == {r: expected for r in range(3)}
+
+
+def test_no_host_synchronisation(cuda_daemon, spawn_ranks):
+    calls = 8
+    results = spawn_ranks(cuda_ranks.service_without_host_sync, 2, 2, cuda_daemon.socket, calls, timeout=120)
+    for seen in results.values().values():
+        assert seen["stream_busy_after_waits"] and seen["waited_s"] < 0.5, seen
+        assert seen["value"] == 2.0**calls, seen
+
+
+def test_disagreeing_parts_fail_every_rank(cuda_daemon, spawn_ranks):
+    results = spawn_ranks(ranks.service_mismatch, 2, 2, cuda_daemon.socket, "cuda", timeout=120).values()
+    for seen in results.values():
+        assert seen["error"].startswith("GroupMismatchError"), seen
+        assert "disagree on collective 0's count: rank 0 has 8, rank 1 has 16" in seen["error"]
+        assert seen["after"] == [2.0] * 4
+
+
+def test_a_killed_rank_fails_its_peers_pending_submits(cuda_daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, cuda_daemon.socket, report, "cuda", timeout=120)
+    assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
+    time.sleep(0.3)
+    killed_at = time.time()
+    group.kill(1)
+    results = group.results()
+    assert results[1][0] == "died"
+    status, (name, message, failed_at) = results[0]
+    assert status == "ok" and name == "PeerLostError", message
+    assert failed_at - killed_at < 10.0
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_topk_stage_through_the_daemon_matches_the_kernel(cuda_daemon, spawn_ranks, world_size):
+    results = spawn_ranks(
+        ranks.service_topk_cases, world_size, world_size, cuda_daemon.socket, [37, 5, 0, 36], 16, "cuda", timeout=200
+    ).values()
+    assert results == {r: [] for r in range(world_size)}
