@@ -128,8 +128,8 @@ class Communicator:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
 
         tensor: contiguous float32, float16 or bfloat16 tensor on this group's device, the same
-        shape on every rank. path: force one ("oneshot", "twoshot"; CPU groups also "service", which
-        the daemon runs; CUDA groups also "dma", and "nccl" when connected with an nccl_group); by
+        shape on every rank. path: force one ("oneshot", "twoshot", "service", which the daemon
+        runs; CUDA groups also "dma", and "nccl" when connected with an nccl_group); by
         default the daemon's table picks by size. Every path but nccl gives the same bits: fp32
         accumulation in rank order 0..n-1, one rounding. async_op: return a work whose wait()
         completes the call and returns `out`; only the service path runs in the background, the
@@ -202,7 +202,7 @@ class Communicator:
         async_op: bool = False,
     ) -> torch.Tensor | ServiceWork:
         """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape].
-        path="service" has the daemon run it (CPU groups); async_op as for all_reduce."""
+        path="service" has the daemon run it; async_op as for all_reduce."""
         if not isinstance(tensor, torch.Tensor) or not self._transport.on_device(tensor) or not tensor.is_contiguous():
             raise InvalidArgumentError(
                 f"tensor must be a contiguous tensor on {self.device}", group=self.group, rank=self.rank

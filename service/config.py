@@ -33,7 +33,12 @@ ENV_PREFIX = "NODECOMM_"
 # pass an NCCL group (twoshot otherwise) until calibration measures the machine.
 DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
     "cpu": {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None},
-    "cuda": {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20},
+    "cuda": {
+        "oneshot_max_bytes": 256 << 10,
+        "twoshot_max_bytes": None,
+        "dma_min_bytes": 6 << 20,
+        "service_min_bytes": None,
+    },
 }
 
 
