@@ -79,6 +79,14 @@ inline void check_driver(CUresult status, const char* what, const char* file, in
 
 #define NODECOMM_CU(call) ::nodecomm::cuda::check_driver((call), #call, __FILE__, __LINE__)
 
+// Blocks of `kernel`, launched with `threads` threads, that fit on one SM of the current device.
+template <typename Kernel>
+int blocks_per_sm(Kernel kernel, int threads) {
+  int blocks = 0;
+  NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
+  return blocks;
+}
+
 // Makes `device` current for a scope and restores the caller's device after it.
 class DeviceScope {
  public:

@@ -130,15 +130,13 @@ bool aligned(std::uintptr_t address) { return address % 16 == 0; }
 
 int topk_blocks_per_sm() {
   int per_sm = 1 << 30;
-  const auto fits = [&](auto kernel) {
-    int blocks = 0;
-    NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-    per_sm = std::min(per_sm, blocks);
-  };
   for (const int world_size : kWorldSizes) {
     for_world(world_size, [&](auto world) {
       constexpr int N = decltype(world)::value;
-      if constexpr (N <= 8) fits(topk_stage_kernel<N, true>), fits(topk_stage_kernel<N, false>);
+      if constexpr (N <= 8) {
+        per_sm = std::min({per_sm, blocks_per_sm(topk_stage_kernel<N, true>, kThreads),
+                           blocks_per_sm(topk_stage_kernel<N, false>, kThreads)});
+      }
     });
   }
   return per_sm;

@@ -405,17 +405,15 @@ int resident_blocks(int device) {
   // one with the fewest blocks per SM bounds them all; register use does not follow the element
   // size or the world size, so each instantiation is asked.
   int per_sm = topk_blocks_per_sm();
-  const auto fits = [&](auto kernel) {
-    int blocks = 0;
-    NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads, 0));
-    per_sm = std::min(per_sm, blocks);
-  };
   for (const int world_size : kWorldSizes) {
     for_world(world_size, [&](auto world) {
       constexpr int N = decltype(world)::value;
-      fits(all_reduce_kernel<float, N, true>), fits(all_reduce_kernel<float, N, false>);
-      fits(all_reduce_kernel<__half, N, true>), fits(all_reduce_kernel<__half, N, false>);
-      fits(all_reduce_kernel<__nv_bfloat16, N, true>), fits(all_reduce_kernel<__nv_bfloat16, N, false>);
+      per_sm = std::min({per_sm, blocks_per_sm(all_reduce_kernel<float, N, true>, kThreads),
+                         blocks_per_sm(all_reduce_kernel<float, N, false>, kThreads),
+                         blocks_per_sm(all_reduce_kernel<__half, N, true>, kThreads),
+                         blocks_per_sm(all_reduce_kernel<__half, N, false>, kThreads),
+                         blocks_per_sm(all_reduce_kernel<__nv_bfloat16, N, true>, kThreads),
+                         blocks_per_sm(all_reduce_kernel<__nv_bfloat16, N, false>, kThreads)});
     });
   }
   int sms = 0;
