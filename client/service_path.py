@@ -24,7 +24,13 @@ import grpc
 import torch
 
 from nodecomm import _native
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, from_rpc_error
+from nodecomm.errors import (
+    DaemonUnavailableError,
+    InternalError,
+    InvalidArgumentError,
+    NodecommError,
+    from_rpc_error,
+)
 from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -35,7 +41,6 @@ from .dtypes import DTYPE_CODES
 _STAGING_MIN_BYTES = 64 << 10
 _ALIGN = 64
 _HOST = torch.device("cpu")
-_READY_EVENTS = 16  # CUDA: "input ready" events reused round robin (the daemon opens each once)
 
 
 class _DeviceBytes:
@@ -81,6 +86,10 @@ class ServiceBuffer:
     @property
     def device(self) -> torch.device:
         return self._base.device
+
+    def bytes_at(self, offset_bytes: int, nbytes: int) -> torch.Tensor:
+        """Bytes [offset, offset + nbytes) as uint8, any offset (staging packs planes back to back)."""
+        return self._base[offset_bytes : offset_bytes + nbytes]
 
     def offset_of(self, tensor: torch.Tensor, nbytes: int) -> int | None:
         """The byte offset of `tensor`'s first `nbytes` in this buffer, or None if they are not inside."""
@@ -138,7 +147,14 @@ class ServiceWork:
                 )
             finally:
                 self._finished = True
-                self._on_done(reply)
+                try:
+                    self._on_done(reply)
+                except NodecommError as error:
+                    self._error = self._error or error
+                except Exception as error:  # e.g. torch failing to open the done event
+                    self._error = self._error or InternalError(
+                        f"finishing a service collective failed: {error}", **self._where
+                    )
         if self._error is not None:
             raise self._error
         return self._result
@@ -173,8 +189,9 @@ class ServicePath:
         self._idle_staging: list[ServiceBuffer] = []
         # CUDA: device memory mapped here, unmapped at close; events to and from the daemon.
         self._device_mappings: list[tuple[int, int]] = []
-        self._ready: list[tuple[torch.cuda.Event, bytes]] = []
-        self._ready_next = 0
+        # "Input ready" events free to record: one is reused only once the daemon has answered the
+        # submit that last recorded it (its stream then waits on that record, not a later one).
+        self._ready_free: list[tuple[torch.cuda.Event, bytes]] = []
         self._done: dict[bytes, torch.cuda.Event] = {}
 
     # -- memory --------------------------------------------------------------------------------
@@ -245,10 +262,14 @@ class ServicePath:
             self._done_event(reply.done_event).wait(torch.cuda.current_stream(self.device))
         if staged is None:
             return
+        if reply is None and self.device.type == "cuda":
+            # The daemon may still have work on it enqueued (or about to be): never reuse it.
+            staged.buffer.free()
+            return
         if reply is not None:
             for destination, offset in staged.copy_to:
                 nbytes = destination.numel() * destination.element_size()
-                source = staged.buffer.tensor(nbytes, torch.uint8, offset)
+                source = staged.buffer.bytes_at(offset, nbytes)
                 destination.view(-1).view(torch.uint8).copy_(source)
         with self._lock:
             self._idle_staging.append(staged.buffer)
@@ -303,7 +324,7 @@ class ServicePath:
             offset = 0
             for tensor in inputs:
                 size = tensor.numel() * tensor.element_size()
-                buffer.tensor(size, torch.uint8, offset).copy_(tensor.reshape(-1).view(torch.uint8))
+                buffer.bytes_at(offset, size).copy_(tensor.reshape(-1).view(torch.uint8))
                 offset += size
             source = pb.MemoryRef(allocation_id=buffer.allocation_id, offset_bytes=0)
             target = pb.MemoryRef(allocation_id=buffer.allocation_id, offset_bytes=out_offset)
@@ -312,12 +333,12 @@ class ServicePath:
                 copy_to.append((tensor, offset))
                 offset += tensor.numel() * tensor.element_size()
             staged = _Staged(buffer, copy_to)
-        ready_event = self._record_ready() if self.device.type == "cuda" else b""
+        ready = self._record_ready() if self.device.type == "cuda" else None
         with self._lock:
             sequence = self._sequence
             self._sequence += 1
         request = pb.SubmitRequest(
-            ready_event=ready_event,
+            ready_event=ready[1] if ready is not None else b"",
             **self._ids,
             sequence=sequence,
             op=op,
@@ -329,21 +350,26 @@ class ServicePath:
             timeout_seconds=self._timeout,
         )
         future = self._stub.Submit.future(request, timeout=self._timeout + 5.0, metadata=self._metadata)
+        if ready is not None:
+            future.add_done_callback(lambda _: self._release_ready(ready))
         return ServiceWork(future, lambda reply: self._finish(staged, reply), self._where, self._timeout + 10.0, result)
 
-    def _record_ready(self) -> bytes:
-        """Record the next "input ready" event on the current stream; its IPC handle."""
+    def _record_ready(self) -> tuple[torch.cuda.Event, bytes]:
+        """Record a free "input ready" event on the current stream: (event, its IPC handle)."""
         if torch.cuda.is_current_stream_capturing():
             raise InvalidArgumentError("the service path cannot be captured in a CUDA graph", **self._where)
         with self._lock:
-            if len(self._ready) < _READY_EVENTS:
-                event = torch.cuda.Event(interprocess=True)
-                event.record(torch.cuda.current_stream(self.device))  # a handle needs a recorded event
-                self._ready.append((event, event.ipc_handle()))
-            event, handle = self._ready[self._ready_next % len(self._ready)]
-            self._ready_next += 1
-        event.record(torch.cuda.current_stream(self.device))
-        return handle
+            ready = self._ready_free.pop() if self._ready_free else None
+        if ready is None:
+            event = torch.cuda.Event(interprocess=True)
+            event.record(torch.cuda.current_stream(self.device))  # created on its first record
+            ready = (event, event.ipc_handle())
+        ready[0].record(torch.cuda.current_stream(self.device))
+        return ready
+
+    def _release_ready(self, ready: tuple[torch.cuda.Event, bytes]) -> None:
+        with self._lock:
+            self._ready_free.append(ready)
 
     def _done_event(self, handle: bytes) -> torch.cuda.Event:
         with self._lock:

@@ -198,13 +198,7 @@ PYBIND11_MODULE(_native, m) {
     using Addresses = std::vector<std::uintptr_t>;
     m.def("cuda_stream_create", &executor::stream_create, py::arg("device"));
     m.def("cuda_stream_destroy", &executor::stream_destroy, py::arg("stream"));
-    m.def(
-        "cuda_stream_synchronize",
-        [](int device, std::uintptr_t stream) {
-          py::gil_scoped_release release;
-          executor::stream_synchronize(device, stream);
-        },
-        py::arg("device"), py::arg("stream"));
+    m.def("cuda_stream_idle", &executor::stream_idle, py::arg("device"), py::arg("stream"));
     m.def(
         "cuda_ipc_event_create",
         [](int device) {

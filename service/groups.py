@@ -459,7 +459,11 @@ class GroupRegistry:
         )
         depth = self.config.service_queue_depth
         # CUDA groups run the service path on rank 0's GPU, reading the others' over peer access.
-        cuda = CudaExecution(self._device_indices(group)[0], depth + 2) if first.device_kind == "cuda" else None
+        cuda = (
+            CudaExecution(self._device_indices(group)[0], depth + 2, self.config.operation_timeout_seconds)
+            if first.device_kind == "cuda"
+            else None
+        )
         group.service = ServicePath(
             group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
         )

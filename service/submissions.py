@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from nodecomm.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
     GroupMismatchError,
+    InternalError,
     InvalidArgumentError,
     NodecommError,
     NotFoundError,
@@ -46,8 +48,6 @@ _ELEMENT_BYTES = {pb.FLOAT32: 4, pb.FLOAT16: 2, pb.BFLOAT16: 2}
 OP_NAMES = {pb.ALL_REDUCE: "all_reduce", pb.ALL_GATHER: "all_gather", pb.TOPK_STAGE: "topk_stage"}
 # Failed collectives remembered for ranks that have not submitted their part yet.
 _FAILED_KEPT = 256
-# CUDA groups: distinct "input ready" events one rank may use (each is opened once and kept).
-READY_EVENTS_PER_RANK = 64
 _EVENT_HANDLE_BYTES = 64
 
 
@@ -92,8 +92,9 @@ class CudaExecution:
     call runs on the group's one worker thread, so enqueueing, unmapping and closing stay in order
     and a stream waiting on a rank never holds up the event loop."""
 
-    def __init__(self, device: int, ring: int):
+    def __init__(self, device: int, ring: int, timeout: float):
         self.device = device
+        self.timeout = timeout  # how long unmapping waits for the stream before it gives up
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="nodecomm-cuda-service")
         self._stream: int | None = None
         self._opened: dict[bytes, int] = {}
@@ -107,8 +108,17 @@ class CudaExecution:
     def run(self, sequence: int, parts: list[Part]) -> bytes:
         """Enqueue collective `sequence` after every part's ready event; the done event's handle."""
         if self._stream is None:
-            self._stream = _native.cuda_stream_create(self.device)
-            self._done = [_native.cuda_ipc_event_create(self.device) for _ in range(self._ring)]
+            stream = _native.cuda_stream_create(self.device)
+            done: list[tuple[int, bytes]] = []
+            try:
+                for _ in range(self._ring):
+                    done.append(_native.cuda_ipc_event_create(self.device))
+            except NodecommError:
+                for event, _ in done:
+                    _native.cuda_event_destroy(event)
+                _native.cuda_stream_destroy(stream)
+                raise
+            self._stream, self._done = stream, done
         for part in parts:
             handle = part.request.ready_event
             if handle not in self._opened:
@@ -139,12 +149,25 @@ class CudaExecution:
                 self.thread.submit(self._sync_and_unmap)
             # else: the queued _close unmaps it
 
-    def _sync_and_unmap(self) -> None:
+    def _idle(self) -> bool:
+        """Whether the stream has run all it was given, polled up to `timeout`: it may wait on a
+        rank whose stream never gets to its event (a rank that died)."""
+        deadline = time.monotonic() + self.timeout
         try:
-            if self._stream is not None:
-                _native.cuda_stream_synchronize(self.device, self._stream)
+            while self._stream is not None and not _native.cuda_stream_idle(self.device, self._stream):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.01)
         except NodecommError as error:
-            log.error("waiting for a CUDA service stream failed", extra={"error": str(error)})
+            log.error("querying a CUDA service stream failed", extra={"error": str(error)})
+            return False
+        return True
+
+    def _sync_and_unmap(self) -> None:
+        if not self._idle():
+            # Memory the stream may still touch stays mapped (a leak, not a fault); tried again at close.
+            log.error("a CUDA service stream stayed busy; freed memory stays mapped for now")
+            return
         with self._lock:
             self._unmap_freed()
 
@@ -165,9 +188,10 @@ class CudaExecution:
         self.thread.shutdown(wait=False)
 
     def _close(self) -> None:
+        if not self._idle():
+            log.error("a CUDA service stream stayed busy at close; its memory and events are left as they are")
+            return
         try:
-            if self._stream is not None:
-                _native.cuda_stream_synchronize(self.device, self._stream)
             for event in [*self._opened.values(), *(e for e, _ in self._done)]:
                 _native.cuda_event_destroy(event)
             if self._stream is not None:
@@ -394,11 +418,13 @@ class ServicePath:
                 "IPC handle of an event recorded on the rank's stream once its input was written",
                 **where,
             )
+        # Each is opened once and kept: a rank needs about one per queued submit.
+        limit = 2 * self.depth + 2
         seen = self._ready_events.setdefault(request.rank, set())
-        if handle not in seen and len(seen) >= READY_EVENTS_PER_RANK:
+        if handle not in seen and len(seen) >= limit:
             raise InvalidArgumentError(
-                f"rank {request.rank} has used {READY_EVENTS_PER_RANK} distinct ready events, this daemon's "
-                "limit per rank; reuse them",
+                f"rank {request.rank} has used {limit} distinct ready events, this group's limit (twice the "
+                "queue depth, and 2); reuse them once their submits are answered",
                 **where,
             )
         seen.add(handle)
@@ -452,7 +478,12 @@ class ServicePath:
         """Run it (CPU) or enqueue it (CUDA: returns the done event's handle)."""
         parts = [collective.parts[r] for r in range(self.world_size)]
         if self.cuda is not None:
-            return self.cuda.run(collective.sequence, parts)
+            try:
+                return self.cuda.run(collective.sequence, parts)
+            except NodecommError:
+                raise
+            except Exception as error:  # a crashed runner would leave the group's queue stuck
+                raise InternalError(f"enqueueing collective {collective.sequence} failed: {error!r}") from None
         first = parts[0].request
         if first.count == 0:
             return b""
@@ -523,6 +554,7 @@ class ServicePath:
 
     def close(self) -> None:
         """Free every allocation; those a running collective still reads go when it finishes."""
+        self.fail_pending(NotFoundError("the group was released", group=self.group))
         for allocation in self.allocations.values():
             allocation.free()
         self.allocations.clear()

@@ -68,9 +68,12 @@ std::uintptr_t stream_create(int device) {
 
 void stream_destroy(std::uintptr_t stream) { NODECOMM_CUDA(cudaStreamDestroy(as_stream(stream))); }
 
-void stream_synchronize(int device, std::uintptr_t stream) {
+bool stream_idle(int device, std::uintptr_t stream) {
   DeviceScope scope(device);
-  NODECOMM_CUDA(cudaStreamSynchronize(as_stream(stream)));
+  const cudaError_t status = cudaStreamQuery(as_stream(stream));
+  if (status == cudaErrorNotReady) return false;
+  NODECOMM_CUDA(status);
+  return true;
 }
 
 std::uintptr_t ipc_event_create(int device, std::string* handle) {

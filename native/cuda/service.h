@@ -17,8 +17,9 @@ namespace nodecomm::cuda::service {
 // A stream on `device` that does not synchronise with the legacy default stream.
 std::uintptr_t stream_create(int device);
 void stream_destroy(std::uintptr_t stream);
-// Block until everything enqueued on `stream` has run (before unmapping memory it uses).
-void stream_synchronize(int device, std::uintptr_t stream);
+// Whether everything enqueued on `stream` has run (cudaStreamQuery): the daemon polls it before
+// unmapping memory the stream used, since the stream may wait on a rank that never gets there.
+bool stream_idle(int device, std::uintptr_t stream);
 
 // An event other processes can wait on (interprocess, no timing): the event, and its 64-byte
 // cudaIpcEventHandle_t for them.
