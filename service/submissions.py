@@ -49,6 +49,9 @@ OP_NAMES = {pb.ALL_REDUCE: "all_reduce", pb.ALL_GATHER: "all_gather", pb.TOPK_ST
 # Failed collectives remembered for ranks that have not submitted their part yet.
 _FAILED_KEPT = 256
 _EVENT_HANDLE_BYTES = 64
+# CPU groups run collectives moving at most this much per rank on the event loop itself: two
+# thread hops cost more than the copy, and the loop is blocked for microseconds.
+_INLINE_BYTES = 64 << 10
 
 
 @dataclass
@@ -463,8 +466,12 @@ class ServicePath:
                 return
             if collective.failure is None:
                 collective.running = True
+                inline = self.cuda is None and collective.parts[0].in_bytes <= _INLINE_BYTES
                 try:
-                    done_event = await loop.run_in_executor(self._executor, self._execute, collective)
+                    if inline:
+                        done_event = self._execute(collective)
+                    else:
+                        done_event = await loop.run_in_executor(self._executor, self._execute, collective)
                 except NodecommError as error:
                     self._fail(collective, error)
                 else:
