@@ -21,21 +21,33 @@ def _failure(error: Exception, signalled) -> tuple[str, str, float]:
     return type(error).__name__, str(error), time.time() - signalled.get(timeout=60)
 
 
-def work_until_error(rank: int, world_size: int, socket: str, group: str, stage: str, report, signalled):
+def _device(rank: int, device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    gpu = f"cuda:{rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(gpu)
+    return gpu
+
+
+def work_until_error(
+    rank: int, world_size: int, socket: str, group: str, stage: str, report, signalled, device: str = "cpu"
+):
     """Report ("ready", rank) once at `stage`, then keep working there until an error; the test
-    puts the signal's time on `signalled` (once per surviving rank)."""
+    puts the signal's time on `signalled` (once per surviving rank). device "cuda": on the rank's
+    GPU, synchronising after each step so that a kernel that gave up is seen."""
+    device = _device(rank, device)
     if stage == "joining":
         report.put(("ready", rank))
         if rank == 1:
             time.sleep(2.0)  # the victim is stopped or killed before it gets to join
         try:
-            nodecomm.connect(group, rank, world_size, socket=socket, timeout=5).close()
+            nodecomm.connect(group, rank, world_size, device=device, socket=socket, timeout=5).close()
         except nodecomm.NodecommError as error:
             return _failure(error, signalled)
         return "no error", "", 0.0
-    comm = nodecomm.connect(group, rank, world_size, socket=socket, timeout=30)
+    comm = nodecomm.connect(group, rank, world_size, device=device, socket=socket, timeout=30)
     exchange = comm.topk_exchange(64, 8) if stage == "topk" else None
-    x = torch.ones(4096)
+    x = torch.ones(4096, device=device)
     comm.all_reduce(x)
     try:
         report.put(("ready", rank))
@@ -45,18 +57,21 @@ def work_until_error(rank: int, world_size: int, socket: str, group: str, stage:
             if stage in ("idle", "collective"):
                 comm.all_reduce(x)
             elif stage == "topk":
-                exchange.stage(torch.zeros(64, 8, dtype=torch.int32), torch.zeros(64, 8))
+                exchange.stage(torch.zeros(64, 8, dtype=torch.int32, device=device), torch.zeros(64, 8, device=device))
             else:
                 works = [comm.all_reduce(x, path="service", async_op=True) for _ in range(3)]
                 for work in works:
                     work.wait()
+            if device != "cpu":
+                torch.cuda.synchronize()
     except nodecomm.NodecommError as error:
         return _failure(error, signalled)
     finally:
         comm.close()
 
 
-def reform(rank: int, world_size: int, socket: str, group: str) -> float:
+def reform(rank: int, world_size: int, socket: str, group: str, device: str = "cpu") -> float:
     """Form `group` again and all-reduce once: the sum."""
-    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=30) as comm:
-        return comm.all_reduce(torch.full((16,), float(rank + 1)))[0].item()
+    device = _device(rank, device)
+    with nodecomm.connect(group, rank, world_size, device=device, socket=socket, timeout=30) as comm:
+        return comm.all_reduce(torch.full((16,), float(rank + 1), device=device))[0].item()

@@ -54,7 +54,7 @@ def test_a_rank_stopped_or_killed_at_each_stage(fault_daemon, spawn_ranks, stage
     time.sleep(0.3)  # inside the stage's work
     ranks.kill(1, sig)
     signalled.put(time.time())
-    status, value = ranks.results()[0] if sig == signal.SIGKILL else _survivor_only(ranks)
+    status, value = ranks.results()[0] if sig == signal.SIGKILL else survivor_only(ranks)
     assert status == "ok", value
     name, message, waited = value
     assert name in ("PeerLostError", "DeadlineExceededError"), (name, message)
@@ -69,7 +69,7 @@ def test_a_rank_stopped_or_killed_at_each_stage(fault_daemon, spawn_ranks, stage
     _survived(f"{sig.name} at {stage}")
 
 
-def _survivor_only(ranks):
+def survivor_only(ranks):
     """Rank 0's result: rank 1 is stopped, not gone, so the harness cannot wait for it."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
