@@ -19,7 +19,7 @@ from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .communicator import Communicator, Transport
-from .cuda_transport import CudaTransport
+from .cuda_transport import CudaTransport, unmap_device_segment
 from .descriptors import claim, identify, map_host_segment
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
@@ -187,27 +187,34 @@ def connect(
         channel.close()
         raise from_rpc_error(error, **where) from None
 
-    expected_kind = pb.HOST_MEMFD if device_index is None else pb.CUDA_VMM_FD
+    expected_kinds = (pb.HOST_MEMFD,) if device_index is None else (pb.CUDA_VMM_FD, pb.CUDA_IPC_LEGACY)
     control: SegmentMapping | None = None
     buffers: list[SegmentMapping] = []
     transport: Transport | None = None
     try:
-        if reply.memory_kind != expected_kind:
+        if reply.memory_kind not in expected_kinds:
             raise DaemonUnavailableError(
                 f"the daemon offers {pb.MemoryKind.Name(reply.memory_kind)} memory; this client maps "
-                f"{pb.MemoryKind.Name(expected_kind)}",
+                f"{' or '.join(pb.MemoryKind.Name(k) for k in expected_kinds)}",
                 **where,
             )
+        legacy = reply.memory_kind == pb.CUDA_IPC_LEGACY
         sizes = [reply.control.size_bytes, *(b.size_bytes for b in reply.buffers)]
         descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
-        fds = claim(descriptor_socket, reply.claim_token, len(sizes), timeout, where)
+        # Legacy buffers come as handles in the reply: only the control page crosses as a descriptor.
+        fds = claim(descriptor_socket, reply.claim_token, 1 if legacy else len(sizes), timeout, where)
         try:
             control = map_host_segment(fds[0], sizes[0], where)
-            for fd, size in zip(fds[1:], sizes[1:], strict=True):
-                if device_index is None:
-                    buffers.append(map_host_segment(fd, size, where))
-                else:
-                    buffers.append(SegmentMapping(_native.cuda_vmm_import(fd, size, device_index), size))
+            if legacy:
+                for segment in reply.buffers:
+                    address = _native.cuda_ipc_open(segment.ipc_handle, device_index)
+                    buffers.append(SegmentMapping(address, segment.size_bytes, legacy=True))
+            else:
+                for fd, size in zip(fds[1:], sizes[1:], strict=True):
+                    if device_index is None:
+                        buffers.append(map_host_segment(fd, size, where))
+                    else:
+                        buffers.append(SegmentMapping(_native.cuda_vmm_import(fd, size, device_index), size))
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
@@ -246,7 +253,7 @@ def connect(
                 if device_index is None:
                     host_memory.unmap_segment(mapping.address, mapping.size_bytes)
                 else:
-                    _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+                    unmap_device_segment(mapping)
         if control is not None:
             host_memory.unmap_segment(control.address, control.size_bytes)
         channel.close()

@@ -18,6 +18,14 @@ from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
 
 
+def unmap_device_segment(mapping: SegmentMapping) -> None:
+    """Release device memory mapped here: close a cudaIpcMemHandle import, unmap a VMM mapping."""
+    if mapping.legacy:
+        _native.cuda_ipc_close(mapping.address)
+    else:
+        _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+
+
 class CudaTransport:
     kind = "cuda"
 
@@ -138,7 +146,7 @@ class CudaTransport:
         """Unmap device memory mapped here (a top-k exchange's slabs) once nothing runs on it."""
         torch.cuda.synchronize(self.device)
         for mapping in mappings:
-            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+            unmap_device_segment(mapping)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -147,4 +155,4 @@ class CudaTransport:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
         self._group = None
         for mapping in self._buffers:
-            _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+            unmap_device_segment(mapping)

@@ -9,3 +9,4 @@ from dataclasses import dataclass
 class SegmentMapping:
     address: int
     size_bytes: int
+    legacy: bool = False  # a cudaIpcMemHandle import (closed, not unmapped)

@@ -12,6 +12,7 @@
 #ifdef NODECOMM_WITH_CUDA
 #include "cuda/devices.h"
 #include "cuda/group.h"
+#include "cuda/ipc_legacy.h"
 #include "cuda/layout.h"
 #include "cuda/service.h"
 #include "cuda/vmm.h"
@@ -189,6 +190,19 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("fd"), py::arg("size"), py::arg("device"), "Map another process's exported allocation here.");
   m.def("cuda_vmm_unmap", &cuda::vmm_unmap, py::arg("address"), py::arg("size"));
+  m.def(
+      "cuda_ipc_allocate",
+      [](int device, std::size_t bytes) {
+        const cuda::LegacyAllocation made = cuda::ipc_allocate(device, bytes);
+        return py::make_tuple(made.address, py::bytes(made.handle));
+      },
+      py::arg("device"), py::arg("bytes"),
+      "Zeroed device memory and its cudaIpcMemHandle bytes (the fallback to VMM descriptors).");
+  m.def("cuda_ipc_free", &cuda::ipc_free, py::arg("device"), py::arg("address"));
+  m.def(
+      "cuda_ipc_open", [](py::bytes handle, int device) { return cuda::ipc_open(std::string(handle), device); },
+      py::arg("handle"), py::arg("device"), "Map another process's cudaIpcMemHandle allocation here.");
+  m.def("cuda_ipc_close", &cuda::ipc_close, py::arg("address"));
   m.def("cuda_vmm_grant", &cuda::vmm_grant, py::arg("address"), py::arg("size"), py::arg("device"),
         "Let `device` (a peer) read and write a range mapped here for another device.");
   {

@@ -10,6 +10,7 @@ answered; a failure half-way frees what was made, so all ranks get buffers or no
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from dataclasses import dataclass, field
 from nodecomm import _native, host_memory
 from nodecomm.errors import NodecommError, ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
+
+log = logging.getLogger("nodecomm.allocator")
 
 
 @dataclass
@@ -35,7 +38,18 @@ class GroupMemory:
     buffer_fds: list[int]
     buffer_bytes: int
     device_mappings: list[DeviceMapping] = field(default_factory=list)
+    # CUDA_IPC_LEGACY: (device, address, cudaIpcMemHandle bytes) per rank, no descriptors.
+    legacy_buffers: list[tuple[int, int, bytes]] = field(default_factory=list)
     closed: bool = field(default=False)
+
+    @property
+    def buffer_count(self) -> int:
+        return len(self.buffer_fds) or len(self.legacy_buffers)
+
+    @property
+    def ipc_handles(self) -> list[bytes]:
+        """Each rank's buffer's cudaIpcMemHandle (legacy groups; empty otherwise)."""
+        return [handle for _, _, handle in self.legacy_buffers]
 
     @property
     def control_bytes(self) -> int:
@@ -43,7 +57,7 @@ class GroupMemory:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.control_bytes + self.buffer_bytes * len(self.buffer_fds)
+        return self.control_bytes + self.buffer_bytes * self.buffer_count
 
     def descriptors(self) -> list[int]:
         """What a rank claims: the control segment, then every rank's buffer in rank order."""
@@ -62,6 +76,9 @@ class GroupMemory:
             host_memory.unmap_segment(self.control_address, self.control_bytes)
             for mapping in self.device_mappings:
                 _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+            # Called once no rank is left: a legacy import does not keep the memory alive.
+            for device, address, _ in self.legacy_buffers:
+                _native.cuda_ipc_free(device, address)
         finally:
             for fd in self.descriptors():
                 os.close(fd)
@@ -87,9 +104,20 @@ def allocate_on_gpus(devices: list[int], nbytes: int, fds: list[int], mappings: 
     return size
 
 
-def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> GroupMemory:
+def allocate_group(name: str, slot_bytes: int, devices: list[int | None], cuda_memory: str = "vmm") -> GroupMemory:
     """Allocate a group whose rank r lives on `devices[r]`: None for a CPU rank (then all are
-    None), else the daemon's CUDA index of the rank's GPU."""
+    None), else the daemon's CUDA index of the rank's GPU. cuda_memory: "vmm", "legacy", or
+    "auto" (vmm, then legacy if that fails)."""
+    if devices[0] is not None and cuda_memory != "vmm":
+        if cuda_memory == "legacy":
+            return _allocate_legacy_group(name, slot_bytes, devices)
+        try:
+            return allocate_group(name, slot_bytes, devices, "vmm")
+        except ResourceExhaustedError as error:
+            log.warning(
+                "VMM buffers failed; trying cudaIpcMemHandle buffers", extra={"group": name, "error": str(error)}
+            )
+            return _allocate_legacy_group(name, slot_bytes, devices)
     made_fds: list[int] = []
     mappings: list[DeviceMapping] = []
     try:
@@ -113,6 +141,30 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None]) -> Gro
             f"allocating {len(devices)} buffers for {slot_bytes}-byte slots on {where} failed: {error}", group=name
         ) from None
     return GroupMemory(kind, control_fd, control_address, made_fds[1:], buffer_bytes, mappings)
+
+
+def _allocate_legacy_group(name: str, slot_bytes: int, devices: list[int]) -> GroupMemory:
+    """A CUDA group whose buffers cross as cudaIpcMemHandle bytes (only the control page as a descriptor)."""
+    buffer_bytes = _native.cuda_buffer_bytes(slot_bytes)
+    made: list[tuple[int, int, bytes]] = []
+    control_fd = -1
+    try:
+        for device in devices:
+            address, handle = _native.cuda_ipc_allocate(device, buffer_bytes)
+            made.append((device, address, handle))
+        control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.CONTROL_BYTES)
+        control_address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
+    except (MemoryError, OSError, NodecommError) as error:
+        for device, address, _ in made:
+            _native.cuda_ipc_free(device, address)
+        if control_fd >= 0:
+            os.close(control_fd)
+        raise ResourceExhaustedError(
+            f"allocating {len(devices)} cudaIpcMemHandle buffers for {slot_bytes}-byte slots on GPUs "
+            f"{sorted(set(devices))} failed: {error}",
+            group=name,
+        ) from None
+    return GroupMemory(pb.CUDA_IPC_LEGACY, control_fd, control_address, [], buffer_bytes, legacy_buffers=made)
 
 
 @dataclass

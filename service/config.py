@@ -110,6 +110,10 @@ class DaemonConfig:
     # Let the ranks of one CUDA group share a GPU: for development and tests on a one-GPU machine,
     # where several rank processes then stand in for several GPUs.
     allow_shared_devices: bool = False
+    # How CUDA groups' buffers cross to the ranks: "vmm" (POSIX descriptors), "legacy"
+    # (cudaIpcMemHandle bytes in the reply), or "auto": vmm, and legacy where the driver cannot
+    # export VMM allocations.
+    cuda_memory: str = "auto"
     log_level: str = "INFO"
     log_format: str = "json"
     # Boundary overrides: absent means "not overridden"; None means "switched off".
@@ -167,6 +171,8 @@ class DaemonConfig:
         unknown = set(self.overrides) - set(BOUNDARY_NAMES)
         if unknown:
             raise ValueError(f"unknown threshold overrides {sorted(unknown)}: expected {list(BOUNDARY_NAMES)}")
+        if self.cuda_memory not in ("auto", "vmm", "legacy"):
+            raise ValueError(f"cuda_memory: expected 'auto', 'vmm' or 'legacy', got {self.cuda_memory!r}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format: expected 'json' or 'text', got {self.log_format!r}")
         object.__setattr__(self, "overrides", dict(self.overrides))

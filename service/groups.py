@@ -437,7 +437,7 @@ class GroupRegistry:
                 for _, a in sorted(forming.arrivals.items())
             ]
             max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
-            memory = allocate_group(first.group, first.capacity_bytes, devices)
+            memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
         except NodecommError as error:
             self._fail_forming(forming, error)
             del self._forming[forming.name]
@@ -509,8 +509,11 @@ class GroupRegistry:
                 explore_period=self.config.explore_period if first.device_kind == "cpu" else 0,
                 rank_secret=group.members[rank].secret,
             )
+            handles = memory.ipc_handles
             for owner in range(first.world_size):
-                reply.buffers.add(owner_rank=owner, size_bytes=memory.buffer_bytes)
+                reply.buffers.add(
+                    owner_rank=owner, size_bytes=memory.buffer_bytes, ipc_handle=handles[owner] if handles else b""
+                )
             arrival.future.set_result(reply)
         for placed in group.placement():
             self.metrics.reserve(*placed)
@@ -524,6 +527,7 @@ class GroupRegistry:
                 "world_size": first.world_size,
                 "capacity_bytes": first.capacity_bytes,
                 "reserved_bytes": memory.reserved_bytes,
+                "memory_kind": pb.MemoryKind.Name(memory.memory_kind),
                 "table_epoch": group.table.epoch,
                 "thresholds": [b.describe() for b in group.table.boundaries],
             },

@@ -1,12 +1,14 @@
 // driver.h — the CUDA driver-API calls nodecomm needs, resolved at run time through
 // cudaGetDriverEntryPointByVersion so that the module links only the CUDA runtime (the toolkits
-// that build it may carry no libcuda stub, and a CPU-only host has no driver at all).
+// that build it may carry no libcuda stub, and a CPU-only host has no driver at all); and the
+// few runtime helpers every CUDA file shares (error checks, occupancy, zeroing, device scope).
 #pragma once
 
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <cstddef>
 #include <string>
 
 #include "../errors.h"
@@ -85,6 +87,18 @@ int blocks_per_sm(Kernel kernel, int threads) {
   int blocks = 0;
   NODECOMM_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0));
   return blocks;
+}
+
+// Zero `bytes` at `memory` on a stream of its own and wait for it: a device-wide synchronisation
+// would also wait for the daemon's service streams, which may wait on ranks.
+inline cudaError_t zero_on_own_stream(void* memory, std::size_t bytes) {
+  cudaStream_t stream = nullptr;
+  cudaError_t status = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+  if (status != cudaSuccess) return status;
+  status = cudaMemsetAsync(memory, 0, bytes, stream);
+  if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
+  cudaStreamDestroy(stream);
+  return status;
 }
 
 // Makes `device` current for a scope and restores the caller's device after it.

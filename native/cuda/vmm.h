@@ -84,14 +84,7 @@ inline VmmMapping vmm_allocate(int device, std::size_t bytes) {
     throw;
   }
   driver().mem_release(handle);  // the mapping and the exported descriptor keep the memory
-  // Zeroed on a stream of its own: a device-wide synchronisation would also wait for the daemon's
-  // service streams, which may wait on ranks.
-  cudaStream_t stream = nullptr;
-  NODECOMM_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const cudaError_t zeroed = cudaMemsetAsync(reinterpret_cast<void*>(mapping.address), 0, mapping.size, stream);
-  const cudaError_t synced = zeroed == cudaSuccess ? cudaStreamSynchronize(stream) : zeroed;
-  cudaStreamDestroy(stream);
-  NODECOMM_CUDA(synced);
+  NODECOMM_CUDA(zero_on_own_stream(reinterpret_cast<void*>(mapping.address), mapping.size));
   return mapping;
 }
 

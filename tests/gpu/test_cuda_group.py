@@ -37,6 +37,18 @@ def test_every_path_is_bit_exact_eager_and_in_graphs(cuda_daemon, spawn_ranks, w
     assert group.values() == {r: [] for r in range(world_size)}
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_legacy_ipc_buffers_are_bit_exact_too(make_daemon, spawn_ranks, world_size):
+    daemon = make_daemon(
+        "--allow-shared-devices", "true", "--cuda-memory", "legacy", "--operation-timeout-seconds", "60"
+    )  # fmt: skip
+    group = spawn_ranks(
+        cuda_ranks.exact_everywhere, world_size, world_size, daemon.socket, CASES[:4], world_size - 1, timeout=900
+    )
+    assert group.values() == {r: [] for r in range(world_size)}
+    assert '"memory_kind": "CUDA_IPC_LEGACY"' in daemon.log()
+
+
 def test_killed_rank_makes_the_others_raise(cuda_daemon, spawn_ranks):
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(cuda_ranks.reduce_until_error, 3, 3, cuda_daemon.socket, report, timeout=180)

@@ -110,12 +110,14 @@ class JoinRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., identity: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
-    __slots__ = ("owner_rank", "size_bytes")
+    __slots__ = ("owner_rank", "size_bytes", "ipc_handle")
     OWNER_RANK_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
     owner_rank: int
     size_bytes: int
-    def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ...) -> None: ...
+    ipc_handle: bytes
+    def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret")
