@@ -10,6 +10,7 @@ import time
 import torch
 
 import nodecomm
+from ranks import rank_device
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -21,21 +22,13 @@ def _failure(error: Exception, signalled) -> tuple[str, str, float]:
     return type(error).__name__, str(error), time.time() - signalled.get(timeout=60)
 
 
-def _device(rank: int, device: str) -> str:
-    if device == "cpu":
-        return "cpu"
-    gpu = f"cuda:{rank % torch.cuda.device_count()}"
-    torch.cuda.set_device(gpu)
-    return gpu
-
-
 def work_until_error(
     rank: int, world_size: int, socket: str, group: str, stage: str, report, signalled, device: str = "cpu"
 ):
     """Report ("ready", rank) once at `stage`, then keep working there until an error; the test
     puts the signal's time on `signalled` (once per surviving rank). device "cuda": on the rank's
     GPU, synchronising after each step so that a kernel that gave up is seen."""
-    device = _device(rank, device)
+    device = rank_device(rank, device)
     if stage == "joining":
         report.put(("ready", rank))
         if rank == 1:
@@ -72,6 +65,6 @@ def work_until_error(
 
 def reform(rank: int, world_size: int, socket: str, group: str, device: str = "cpu") -> float:
     """Form `group` again and all-reduce once: the sum."""
-    device = _device(rank, device)
+    device = rank_device(rank, device)
     with nodecomm.connect(group, rank, world_size, device=device, socket=socket, timeout=30) as comm:
         return comm.all_reduce(torch.full((16,), float(rank + 1), device=device))[0].item()

@@ -46,11 +46,20 @@ def _survived(fault: str) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGSTOP, signal.SIGKILL], ids=["SIGSTOP", "SIGKILL"])
 @pytest.mark.parametrize("stage", fault_ranks.STAGES)
 def test_a_rank_stopped_or_killed_at_each_stage(fault_daemon, spawn_ranks, stage, sig):
+    stop_or_kill_at(fault_daemon, spawn_ranks, stage, sig, "cpu")
+    _survived(f"{sig.name} at {stage}")
+
+
+def stop_or_kill_at(daemon: Daemon, spawn_ranks, stage: str, sig: signal.Signals, device: str) -> None:
+    """Rank 1 of a pair working at `stage` on `device` gets `sig`: rank 0 must get an error naming
+    it within its timeout, the daemon must stay healthy, and the group must form again."""
     context = mp.get_context("spawn")
     report, signalled = context.Queue(), context.Queue()
-    group = f"fault-{stage}-{sig.name}"
-    ranks = spawn_ranks(fault_ranks.work_until_error, 2, 2, fault_daemon.socket, group, stage, report, signalled)
-    assert {report.get(timeout=90)[1] for _ in range(2)} == {0, 1}
+    group = f"fault-{device}-{stage}-{sig.name}"
+    ranks = spawn_ranks(
+        fault_ranks.work_until_error, 2, 2, daemon.socket, group, stage, report, signalled, device, timeout=180
+    )
+    assert {report.get(timeout=120)[1] for _ in range(2)} == {0, 1}
     time.sleep(0.3)  # inside the stage's work
     ranks.kill(1, sig)
     signalled.put(time.time())
@@ -63,10 +72,9 @@ def test_a_rank_stopped_or_killed_at_each_stage(fault_daemon, spawn_ranks, stage
     assert waited < 5.0 + OPERATION_TIMEOUT + 3.0, (waited, message)
     if sig == signal.SIGSTOP:
         ranks.kill(1, signal.SIGKILL)
-    again = spawn_ranks(fault_ranks.reform, 2, 2, fault_daemon.socket, group, timeout=120).values()
+    again = spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, group, device, timeout=120).values()
     assert again == {0: 3.0, 1: 3.0}
-    assert fault_daemon.healthy()
-    _survived(f"{sig.name} at {stage}")
+    assert daemon.healthy()
 
 
 def survivor_only(ranks):
