@@ -459,25 +459,26 @@ class Communicator:
             self._transport.synchronize()
         except RuntimeError as error:  # a broken CUDA context: leave all the same
             log.warning("synchronizing before leave failed", extra={"group": self.group, "error": str(error)})
-        if self._lease.lost_reason is None and self._lease.refusal is None:
-            try:
-                self._stub.Leave(
-                    pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank),
-                    timeout=5.0,
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError as error:
-                log.info(
-                    "leave failed", extra={"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
-                )
-        self._lease.close()
-        if self._service is not None:
-            self._service.close()
-        for exchange in self._exchanges:
-            exchange.close()
+        # Then this rank's mappings, before Leave: the daemon frees legacy (cudaIpcMemHandle)
+        # buffers once every rank has left, and freeing them while a rank holds them open is
+        # undefined in CUDA. (VMM mappings would keep their memory alive either way.)
         try:
+            self._service.close()
+            for exchange in self._exchanges:
+                exchange.close()
             self._transport.close()
         finally:
+            if self._lease.lost_reason is None and self._lease.refusal is None:
+                try:
+                    self._stub.Leave(
+                        pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank),
+                        timeout=5.0,
+                        metadata=self._metadata,
+                    )
+                except grpc.RpcError as error:
+                    where = {"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
+                    log.info("leave failed", extra=where)
+            self._lease.close()
             host_memory.unmap_segment(self._control.address, self._control.size_bytes)
             self._channel.close()
 

@@ -208,7 +208,7 @@ def connect(
             if legacy:
                 for segment in reply.buffers:
                     address = _native.cuda_ipc_open(segment.ipc_handle, device_index)
-                    buffers.append(SegmentMapping(address, segment.size_bytes, legacy=True))
+                    buffers.append(SegmentMapping(address, segment.size_bytes, legacy=True, device=device_index))
             else:
                 for fd, size in zip(fds[1:], sizes[1:], strict=True):
                     if device_index is None:

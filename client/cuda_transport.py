@@ -21,7 +21,7 @@ from .mapping import SegmentMapping
 def unmap_device_segment(mapping: SegmentMapping) -> None:
     """Release device memory mapped here: close a cudaIpcMemHandle import, unmap a VMM mapping."""
     if mapping.legacy:
-        _native.cuda_ipc_close(mapping.address)
+        _native.cuda_ipc_close(mapping.address, mapping.device)
     else:
         _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
 

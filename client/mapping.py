@@ -10,3 +10,4 @@ class SegmentMapping:
     address: int
     size_bytes: int
     legacy: bool = False  # a cudaIpcMemHandle import (closed, not unmapped)
+    device: int | None = None  # where a legacy import was opened (it is closed there)

@@ -193,16 +193,27 @@ PYBIND11_MODULE(_native, m) {
   m.def(
       "cuda_ipc_allocate",
       [](int device, std::size_t bytes) {
-        const cuda::LegacyAllocation made = cuda::ipc_allocate(device, bytes);
+        cuda::LegacyAllocation made;
+        {
+          py::gil_scoped_release release;
+          made = cuda::ipc_allocate(device, bytes);
+        }
         return py::make_tuple(made.address, py::bytes(made.handle));
       },
       py::arg("device"), py::arg("bytes"),
       "Zeroed device memory and its cudaIpcMemHandle bytes (the fallback to VMM descriptors).");
-  m.def("cuda_ipc_free", &cuda::ipc_free, py::arg("device"), py::arg("address"));
+  m.def("cuda_ipc_free", &cuda::ipc_free, py::call_guard<py::gil_scoped_release>(), py::arg("device"),
+        py::arg("address"), "cudaFree: it waits for the whole device, so call it off the event loop.");
   m.def(
-      "cuda_ipc_open", [](py::bytes handle, int device) { return cuda::ipc_open(std::string(handle), device); },
+      "cuda_ipc_open",
+      [](py::bytes handle, int device) {
+        const std::string bytes(handle);
+        py::gil_scoped_release release;
+        return cuda::ipc_open(bytes, device);
+      },
       py::arg("handle"), py::arg("device"), "Map another process's cudaIpcMemHandle allocation here.");
-  m.def("cuda_ipc_close", &cuda::ipc_close, py::arg("address"));
+  m.def("cuda_ipc_close", &cuda::ipc_close, py::call_guard<py::gil_scoped_release>(), py::arg("address"),
+        py::arg("device"));
   m.def("cuda_vmm_grant", &cuda::vmm_grant, py::arg("address"), py::arg("size"), py::arg("device"),
         "Let `device` (a peer) read and write a range mapped here for another device.");
   {

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -76,9 +77,12 @@ class GroupMemory:
             host_memory.unmap_segment(self.control_address, self.control_bytes)
             for mapping in self.device_mappings:
                 _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
-            # Called once no rank is left: a legacy import does not keep the memory alive.
-            for device, address, _ in self.legacy_buffers:
-                _native.cuda_ipc_free(device, address)
+            # Called once no rank is left (a legacy import does not keep the memory alive). On a
+            # thread: cudaFree waits for the whole device, whose service streams may wait on ranks.
+            if self.legacy_buffers:
+                threading.Thread(
+                    target=free_legacy_buffers, args=(self.legacy_buffers,), name="nodecomm-ipc-free", daemon=True
+                ).start()
         finally:
             for fd in self.descriptors():
                 os.close(fd)
@@ -143,6 +147,15 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None], cuda_m
     return GroupMemory(kind, control_fd, control_address, made_fds[1:], buffer_bytes, mappings)
 
 
+def free_legacy_buffers(buffers: list[tuple[int, int, bytes]]) -> None:
+    """cudaFree each (device, address, handle), going on past a failure (logged)."""
+    for device, address, _ in buffers:
+        try:
+            _native.cuda_ipc_free(device, address)
+        except NodecommError as error:
+            log.error("freeing a cudaIpcMemHandle buffer failed", extra={"device": device, "error": str(error)})
+
+
 def _allocate_legacy_group(name: str, slot_bytes: int, devices: list[int]) -> GroupMemory:
     """A CUDA group whose buffers cross as cudaIpcMemHandle bytes (only the control page as a descriptor)."""
     buffer_bytes = _native.cuda_buffer_bytes(slot_bytes)
@@ -155,8 +168,7 @@ def _allocate_legacy_group(name: str, slot_bytes: int, devices: list[int]) -> Gr
         control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.CONTROL_BYTES)
         control_address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
     except (MemoryError, OSError, NodecommError) as error:
-        for device, address, _ in made:
-            _native.cuda_ipc_free(device, address)
+        free_legacy_buffers(made)
         if control_fd >= 0:
             os.close(control_fd)
         raise ResourceExhaustedError(

@@ -53,7 +53,8 @@ inline std::uintptr_t ipc_open(const std::string& handle, int device) {
   return reinterpret_cast<std::uintptr_t>(memory);
 }
 
-inline void ipc_close(std::uintptr_t address) {
+inline void ipc_close(std::uintptr_t address, int device) {
+  DeviceScope scope(device);
   NODECOMM_CUDA(cudaIpcCloseMemHandle(reinterpret_cast<void*>(address)));
 }
 
