@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -28,6 +29,8 @@ from pathlib import Path
 
 from nodecomm import _native
 from nodecomm.errors import InternalError
+from nodecomm.thresholds import Boundary, Source, build_table
+from nodecomm.thresholds import Path as ThresholdPath
 
 log = logging.getLogger("nodecomm.calibration")
 
@@ -64,6 +67,7 @@ def cuda_fingerprint(devices: list[dict], links: list[list[tuple]]) -> dict[str,
     }
 
 
+@functools.cache
 def native_build() -> str:
     """A digest of the native module's file: a rebuilt or upgraded transport is measured anew."""
     digest = hashlib.sha256()
@@ -116,18 +120,11 @@ def cuda_boundaries(
     fastest = {s: min(medians[p][s] for p in needed) for s in sizes}
 
     def loss(oneshot_max: int | None, twoshot_max: int | None, dma_min: int | None) -> float:
-        total = 0.0
-        for size in sizes:
-            if dma_min is not None and size >= dma_min:
-                path = "dma"
-            elif oneshot_max is not None and size <= oneshot_max:
-                path = "oneshot"
-            elif twoshot_max is not None and size <= twoshot_max:
-                path = "twoshot"
-            else:
-                path = fallback
-            total += max(0.0, medians[path][size] / fastest[size] - 1.0 - margin)
-        return total
+        """Summed relative loss of the table these boundaries build (the dispatcher's own rule)."""
+        values = {"oneshot_max_bytes": oneshot_max, "twoshot_max_bytes": twoshot_max, "dma_min_bytes": dma_min}
+        boundaries = {name: Boundary(name, value, Source.CALIBRATED) for name, value in values.items()}
+        table = build_table(boundaries, ThresholdPath(fallback), 0)
+        return sum(max(0.0, medians[table.path_for(size).value][size] / fastest[size] - 1.0 - margin) for size in sizes)
 
     index = {size: i for i, size in enumerate(sizes)}
     choices = [None, *sizes]

@@ -57,8 +57,14 @@ def test_a_submit_past_the_queue_is_resource_exhausted_for_every_rank(make_daemo
 
 
 def test_a_killed_rank_fails_its_peers_pending_submits(daemon, spawn_ranks):
+    kill_a_rank_with_submits_pending(daemon, spawn_ranks, "cpu")
+
+
+def kill_a_rank_with_submits_pending(daemon, spawn_ranks, device: str) -> None:
+    """Rank 0 waits on queued submits that rank 1, killed meanwhile, never makes: PeerLostError
+    naming rank 1 and the group within 10 s."""
     report = mp.get_context("spawn").Queue()
-    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, daemon.socket, report, timeout=120)
+    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, daemon.socket, report, device, timeout=120)
     assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
     time.sleep(0.3)
     killed_at = time.time()

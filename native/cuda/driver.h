@@ -9,6 +9,7 @@
 #include <cudaTypedefs.h>
 
 #include <cstddef>
+#include <cstring>
 #include <string>
 
 #include "../errors.h"
@@ -99,6 +100,17 @@ inline cudaError_t zero_on_own_stream(void* memory, std::size_t bytes) {
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   cudaStreamDestroy(stream);
   return status;
+}
+
+// A cudaIpc*Handle_t from the bytes another process sent (its `reserved` field, 64 bytes).
+template <typename Handle>
+Handle ipc_handle_from(const std::string& bytes, const char* what) {
+  Handle handle{};
+  NODECOMM_CHECK(bytes.size() == sizeof handle.reserved, std::string(what) + " handle is " +
+                                                              std::to_string(sizeof handle.reserved) + " bytes, got " +
+                                                              std::to_string(bytes.size()));
+  std::memcpy(handle.reserved, bytes.data(), bytes.size());
+  return handle;
 }
 
 // Makes `device` current for a scope and restores the caller's device after it.

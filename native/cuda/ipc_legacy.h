@@ -8,7 +8,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <string>
 
 #include "driver.h"
@@ -42,11 +41,7 @@ inline void ipc_free(int device, std::uintptr_t address) {
 
 // Map another process's allocation on `device`; close it with ipc_close.
 inline std::uintptr_t ipc_open(const std::string& handle, int device) {
-  cudaIpcMemHandle_t imported{};
-  NODECOMM_CHECK(handle.size() == sizeof imported.reserved,
-                 "a memory handle is " + std::to_string(sizeof imported.reserved) + " bytes, got " +
-                     std::to_string(handle.size()));
-  std::memcpy(imported.reserved, handle.data(), handle.size());
+  const auto imported = ipc_handle_from<cudaIpcMemHandle_t>(handle, "a memory");
   DeviceScope scope(device);
   void* memory = nullptr;
   NODECOMM_CUDA(cudaIpcOpenMemHandle(&memory, imported, cudaIpcMemLazyEnablePeerAccess));

@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstring>
 #include <string>
 
 #include "../errors.h"
@@ -91,11 +90,7 @@ std::uintptr_t ipc_event_create(int device, std::string* handle) {
 }
 
 std::uintptr_t ipc_event_open(int device, const std::string& handle) {
-  cudaIpcEventHandle_t imported{};
-  NODECOMM_CHECK(handle.size() == sizeof imported.reserved,
-                 "an event handle is " + std::to_string(sizeof imported.reserved) + " bytes, got " +
-                     std::to_string(handle.size()));
-  std::memcpy(imported.reserved, handle.data(), handle.size());
+  const auto imported = ipc_handle_from<cudaIpcEventHandle_t>(handle, "an event");
   DeviceScope scope(device);
   cudaEvent_t event = nullptr;
   NODECOMM_CUDA(cudaIpcOpenEventHandle(&event, imported));

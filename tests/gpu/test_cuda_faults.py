@@ -9,10 +9,10 @@ from __future__ import annotations
 import signal
 
 import pytest
-from reliability import fault_ranks
-from reliability.test_faults import DAEMON_ARGS, stop_or_kill_at
 
 from conftest import Daemon
+from reliability import fault_ranks
+from reliability.test_faults import DAEMON_ARGS, stop_or_kill_at
 
 pytestmark = pytest.mark.gpu
 

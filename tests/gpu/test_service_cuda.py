@@ -2,13 +2,11 @@
 collectives that the daemon runs on its own stream, ordered by events in both directions.
 The rank programs are the CPU service tests' (tests/ranks.py), run with device="cuda"."""
 
-import multiprocessing as mp
-import time
-
 import pytest
 
 import cuda_ranks
 import ranks
+from test_service_path import kill_a_rank_with_submits_pending
 
 pytestmark = pytest.mark.gpu
 
@@ -51,17 +49,7 @@ def test_disagreeing_parts_fail_every_rank(cuda_daemon, spawn_ranks):
 
 
 def test_a_killed_rank_fails_its_peers_pending_submits(cuda_daemon, spawn_ranks):
-    report = mp.get_context("spawn").Queue()
-    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, cuda_daemon.socket, report, "cuda", timeout=120)
-    assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
-    time.sleep(0.3)
-    killed_at = time.time()
-    group.kill(1)
-    results = group.results()
-    assert results[1][0] == "died"
-    status, (name, message, failed_at) = results[0]
-    assert status == "ok" and name == "PeerLostError", message
-    assert failed_at - killed_at < 10.0
+    kill_a_rank_with_submits_pending(cuda_daemon, spawn_ranks, "cuda")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

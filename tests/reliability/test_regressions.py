@@ -146,6 +146,13 @@ def _pair(checked: Checked, name: str) -> tuple[dict[int, dict], list[Lease]]:
     ]
 
 
+def _leave_pair(checked: Checked, ids: dict[int, dict], leases: list[Lease]) -> None:
+    for rank in (0, 1):
+        checked.stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
+    for lease in leases:
+        lease.close()
+
+
 @pytest.mark.parametrize("op, topk", [(pb.ALL_GATHER, 0), (pb.TOPK_STAGE, 1)])
 def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked, op, topk):
     # Found by test_both_ranks_of_a_pair_submit_at_once: rank 1's all_gather with its input at its
@@ -172,10 +179,7 @@ def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked,
             assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
             assert "input and output overlap; expected disjoint ranges" in error.details(), error.details()
     finally:
-        for rank in (0, 1):
-            stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
-        for lease in leases:
-            lease.close()
+        _leave_pair(checked, ids, leases)
     checked.assert_alive()
 
 
@@ -206,10 +210,7 @@ def test_a_topk_exchange_whose_caller_goes_away_fails_for_every_rank(checked):
         futures = [stub.OpenTopkExchange.future(r, timeout=10) for r in following]
         assert [len(f.result().slabs) for f in futures] == [2, 2]
     finally:
-        for rank in (0, 1):
-            stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
-        for lease in leases:
-            lease.close()
+        _leave_pair(checked, ids, leases)
     checked.assert_alive()
 
 
