@@ -382,7 +382,24 @@ def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> s
             f"{r.p99_us:>10.1f} {r.algbw_gbps:>11.3f} {r.busbw_gbps:>11.3f} {r.wrong:>6} {lat} {bw}"
         )
     lines += [f"# {note}" for note in notes]
+    lines += dispatch_regret(rows)
     return "\n".join(lines)
+
+
+def dispatch_regret(rows: list[Row]) -> list[str]:
+    """Per size, auto's p50 over the best single path's (the baseline included): what the
+    dispatch table costs against an oracle that knew this machine's winners."""
+    by_size: dict[int, dict[str, Row]] = {}
+    for r in rows:
+        by_size.setdefault(r.size_bytes, {})[r.path] = r
+    lines = []
+    for size, paths in by_size.items():
+        others = {name: r for name, r in paths.items() if name != "auto"}
+        if "auto" not in paths or not others:
+            continue
+        best = min(others.values(), key=lambda r: r.p50_us)
+        lines.append(f"#   {format_byte_size(size):>9} {paths['auto'].p50_us / best.p50_us:>6.3f}  best {best.path}")
+    return ["# dispatch regret: auto p50 / best path p50 per size", *lines] if lines else []
 
 
 def write_json(path: str, rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> None:

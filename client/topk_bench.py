@@ -1,7 +1,8 @@
 """nodecomm bench --op topk: TopkExchange.stage beside gather-then-slice through torch.distributed,
 in one run. The baseline all-gathers every rank's [rows, topk] candidates (indices and scores)
 and each owner slices out its rows, giving the same [owned_rows, world_size, topk] table: gloo on
-the CPU, NCCL on GPUs (NCCL refuses ranks that share a GPU: then the run has no baseline). Time:
+the CPU, NCCL on GPUs with one rank per GPU, and gloo through host copies where ranks share a
+GPU (NCCL refuses those). Time:
 the slowest rank's per iteration; on the CPU each iteration after a barrier, on GPUs iterations
 back to back between CUDA events."""
 
@@ -20,6 +21,10 @@ def _gather_then_slice(idx, scores, span: range, world_size: int, group=None):
     import torch
     import torch.distributed as dist
 
+    if group is None and idx.is_cuda:
+        # gloo gathers host tensors: the copies there and back are part of what this baseline costs.
+        tables = _gather_then_slice(idx.cpu(), scores.cpu(), span, world_size)
+        return tuple(t.to(idx.device) for t in tables)
     all_idx = [torch.empty_like(idx) for _ in range(world_size)]
     all_scores = [torch.empty_like(scores) for _ in range(world_size)]
     dist.all_gather(all_idx, idx, group=group)
@@ -37,8 +42,8 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
     from nodecomm.topk_layout import owned_rows
 
     on_gpu = device != "cpu"
-    baseline = "nccl" if on_gpu else "gloo"
-    group = dist.new_group(backend="nccl") if on_gpu and args["baseline"] else None
+    baseline = args["baseline"]
+    group = dist.new_group(backend="nccl") if baseline == "nccl" else None
     topk, rows_list = args["topk"], args["rows"]
     out = []
     with nodecomm.connect("topk-bench", rank, world_size, device=device, socket=args["socket"], timeout=60) as comm:
@@ -49,13 +54,12 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
             scores = torch.randn(rows, topk, generator=generator).to(device)
             span = owned_rows(rows, world_size, rank)
 
-            runs = {"stage": functools.partial(exchange.stage, idx, scores)}
-            if args["baseline"]:
-                runs[baseline] = functools.partial(_gather_then_slice, idx, scores, span, world_size, group)
+            runs = {
+                "stage": functools.partial(exchange.stage, idx, scores),
+                baseline: functools.partial(_gather_then_slice, idx, scores, span, world_size, group),
+            }
             tables = {name: run() for name, run in runs.items()}
-            same = all(
-                torch.equal(a, b) for a, b in zip(tables["stage"], tables.get(baseline, tables["stage"]), strict=True)
-            )
+            same = all(torch.equal(a, b) for a, b in zip(tables["stage"], tables[baseline], strict=True))
             for name, run in runs.items():
                 if on_gpu:
                     times = cuda_times(run, args["iterations"], comm, graph=False)
@@ -77,10 +81,10 @@ def run_topk_bench(
         import torch
 
         gpus = torch.cuda.device_count()
-    name = "nccl" if device == "cuda" else "gloo"
-    with_baseline = device == "cpu" or world_size <= gpus
-    args = {"rows": rows_list, "topk": topk, "iterations": iterations, "device": device, "baseline": with_baseline}
-    flags = ("--allow-shared-devices", "true") if device == "cuda" and not with_baseline else ()
+    shared = device == "cuda" and world_size > gpus
+    name = "nccl" if device == "cuda" and not shared else "gloo"
+    args = {"rows": rows_list, "topk": topk, "iterations": iterations, "device": device, "baseline": name}
+    flags = ("--allow-shared-devices", "true") if shared else ()
     raw = run_ranks(_rank_main, world_size, args, socket, flags)
     p50 = {(rows, kind): statistics.median(times) * 1e6 for rows, kind, times, _ in raw}
     differ = {rows for rows, _, _, bad in raw if bad}
@@ -95,12 +99,11 @@ def run_topk_bench(
         "#",
         f"# {'rows':>6} {'stage(us)':>11} {name + '(us)':>11} {'stage/' + name:>10} {'tables equal':>12}",
     ]
-    if not with_baseline:
-        lines.insert(2, f"# no {name} baseline in this run (NCCL refuses ranks that share a GPU)")
+    if shared:
+        lines.insert(2, "# ranks share a GPU, which NCCL refuses: gloo gathers host copies instead")
     for rows in rows_list:
         stage = p50[(rows, "stage")]
-        base = p50.get((rows, name))
-        equal = "no" if rows in differ else ("yes" if with_baseline else "-")
-        shown = f"{base:>11.1f} {stage / base:>10.3f}" if base else f"{'-':>11} {'-':>10}"
-        lines.append(f"  {rows:>6} {stage:>11.1f} {shown} {equal:>12}")
+        base = p50[(rows, name)]
+        equal = "no" if rows in differ else "yes"
+        lines.append(f"  {rows:>6} {stage:>11.1f} {base:>11.1f} {stage / base:>10.3f} {equal:>12}")
     return "\n".join(lines)

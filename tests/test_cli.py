@@ -72,6 +72,24 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     assert len(rows) == 3 * 5 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
     (note,) = document["notes"]
     assert note.startswith("service path control plane: an empty submit") and note in result.stdout
+    regret = result.stdout.split("# dispatch regret: auto p50 / best path p50 per size\n")[1].splitlines()
+    assert [line.split()[1] for line in regret] == ["1KiB", "2KiB", "4KiB"]
+
+
+def test_dispatch_regret_divides_auto_by_the_best_other_path():
+    from nodecomm.client.bench import Row, dispatch_regret
+
+    def row(size: int, path: str, p50: float) -> Row:
+        return Row(size, size // 4, "float32", path, p50, p50, 0.0, 0.0, 0, 10)
+
+    rows = [row(1024, "oneshot", 4.0), row(1024, "nccl", 8.0), row(1024, "auto", 5.0)]
+    rows += [row(2048, "oneshot", 9.0), row(2048, "nccl", 6.0), row(2048, "auto", 6.0), row(4096, "oneshot", 1.0)]
+    assert dispatch_regret(rows) == [
+        "# dispatch regret: auto p50 / best path p50 per size",
+        "#        1KiB  1.250  best oneshot",
+        "#        2KiB  1.000  best nccl",
+    ]
+    assert dispatch_regret([row(1024, "oneshot", 4.0)]) == []
 
 
 def test_topk_bench_compares_tables_with_the_baseline():
