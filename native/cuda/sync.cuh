@@ -63,23 +63,30 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
   __threadfence_system();
 }
 
-// Wait until *flag reaches epoch. The abort word and the clock are read every 32 spins: the abort
-// word is host memory, a PCIe round trip that would otherwise slow every wait. False (after
-// recording why, against `peer`) on an abort or once timeout_ns have passed.
+// How often a wait looks at the abort word. It is host memory: every read is a PCIe round trip,
+// and many blocks reading it at once queue behind each other, so a wait that a peer answers
+// within this time never reads it.
+constexpr std::uint64_t kAbortPollNs = 20000;
+
+// Wait until *flag reaches epoch. The clock is read every 32 spins and the abort word every
+// kAbortPollNs. False (after recording why, against `peer`) on an abort or once timeout_ns have
+// passed.
 __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
                                      int peer, std::uint64_t timeout_ns) {
-  std::uint64_t started = 0;
+  std::uint64_t started = 0, polled = 0;
   for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
     if (spins % 32 != 0) continue;
-    // A peer that arrived and then left aborts the group after its arrival: the flag decides.
-    if (load_acquire(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
-      fail(control, rank, control::kErrorAborted, peer, epoch);
-      return false;
-    }
     const std::uint64_t now = now_ns();
-    if (started == 0) {
-      started = now;
-    } else if (now - started > timeout_ns) {
+    if (started == 0) started = polled = now;
+    if (now - polled >= kAbortPollNs) {
+      polled = now;
+      // A peer that arrived and then left aborts the group after its arrival: the flag decides.
+      if (load_acquire(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
+        fail(control, rank, control::kErrorAborted, peer, epoch);
+        return false;
+      }
+    }
+    if (now - started > timeout_ns) {
       fail(control, rank, control::kErrorTimeout, peer, epoch);
       return false;
     }

@@ -99,7 +99,8 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
   std::uint8_t* mine = peers.rank[rank];
   const int block = blockIdx.x;
   __shared__ std::uint64_t epoch_shared;
-  __threadfence_system();  // this thread's writes before the signal
+  // One release per signalling thread covers the whole block's writes: bar.sync orders them
+  // before it and release is cumulative. A system fence in every thread costs more with each block.
   __syncthreads();
   if (threadIdx.x == 0) {
     std::uint64_t* barriers = word(mine, kCounterOffset + std::size_t(block) * 16 + 8);
