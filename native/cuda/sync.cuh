@@ -63,10 +63,13 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
   __threadfence_system();
 }
 
-// How often a wait looks at the abort word. It is host memory: every read is a PCIe round trip,
-// and many blocks reading it at once queue behind each other, so a wait that a peer answers
-// within this time never reads it.
-constexpr std::uint64_t kAbortPollNs = 20000;
+// How often a wait looks at the abort word. It is host memory: a read is a PCIe round trip that
+// took tens of microseconds with many blocks reading at once (2x H200). A wait that reads it
+// delays this rank's next arrival by that much, so its peers wait as long in turn: with an
+// interval shorter than a read, two ranks settled into a mode where every barrier paid one read
+// (~50 us). Far longer than a read, a late arrival is absorbed at once; aborts still stop a wait
+// within a millisecond.
+constexpr std::uint64_t kAbortPollNs = 1000000;
 
 // Wait until *flag reaches epoch. The clock is read every 32 spins and the abort word every
 // kAbortPollNs. False (after recording why, against `peer`) on an abort or once timeout_ns have
