@@ -77,9 +77,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _paths_summary(table: pb.ThresholdTable) -> str:
-    """'oneshot <=32KiB, twoshot': each range's path and its top size."""
-    rows = DispatchTable.from_proto(table).rows()
-    return ", ".join(path.value if high == "inf" else f"{path.value} <={high}" for _, high, path in rows)
+    """'oneshot <=256KiB, twoshot <6MiB, dma': each range's path and where it ends."""
+    dispatch = DispatchTable.from_proto(table)
+    ends = [f"{path.value} {_range_end(high)}" for high, path in zip(dispatch.range_max, dispatch.range_paths)]
+    return ", ".join([*ends, dispatch.range_paths[-1].value])
+
+
+def _range_end(high: int) -> str:
+    """'<=32KiB', or '<6MiB' for a range ending one byte below a round size (below dma_min_bytes)."""
+    exact, next_up = format_byte_size(high), format_byte_size(high + 1)
+    return f"<{next_up}" if exact.isdigit() and not next_up.isdigit() else f"<={exact}"
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:

@@ -131,3 +131,14 @@ def test_cuda_tables_for_new_groups(make_daemon):
     with_nccl = nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda", "--nccl")
     assert "new CUDA groups with an NCCL group" in with_nccl.stdout
     assert "-> nccl" in with_nccl.stdout and "dma_min_bytes=16MiB (override)" in with_nccl.stdout
+
+
+def test_status_spells_each_range_by_the_boundary_that_ends_it():
+    from nodecomm.client.cli import _paths_summary
+    from nodecomm.thresholds import Boundary, Path, Source, build_table
+
+    values = {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20}
+    boundaries = {name: Boundary(name, value, Source.DEFAULT) for name, value in values.items()}
+    assert _paths_summary(build_table(boundaries, Path.TWOSHOT, 0).to_proto()) == "oneshot <=256KiB, twoshot <6MiB, dma"
+    boundaries["oneshot_max_bytes"] = Boundary("oneshot_max_bytes", 1000, Source.OVERRIDE)
+    assert _paths_summary(build_table(boundaries, Path.NCCL, 0).to_proto()) == "oneshot <=1000, nccl <6MiB, dma"
