@@ -79,7 +79,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 def _paths_summary(table: pb.ThresholdTable) -> str:
     """'oneshot <=256KiB, twoshot <6MiB, dma': each range's path and where it ends."""
     dispatch = DispatchTable.from_proto(table)
-    ends = [f"{path.value} {_range_end(high)}" for high, path in zip(dispatch.range_max, dispatch.range_paths)]
+    ends = [
+        f"{path.value} {_range_end(high)}"
+        for high, path in zip(dispatch.range_max, dispatch.range_paths[:-1], strict=True)
+    ]
     return ", ".join([*ends, dispatch.range_paths[-1].value])
 
 
