@@ -3,3 +3,4 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 (time NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . ) 2>&1 | tail -5
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
 python3 -m pytest -v -p no:cacheprovider -rs --durations=0 "$@" 2>&1 | tee "${OUT:-/tmp}/pytest.log" | grep -v PASSED | tail -150
+exit "${PIPESTATUS[0]}"

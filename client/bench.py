@@ -69,9 +69,9 @@ def _free_port() -> int:
 
 def _operation(path: str, comm, dist, x, out, baseline_group):
     """One timed all-reduce of x into out. The baseline copies x into out and reduces that in
-    place, as nodecomm's NCCL route does: timed back to back in place instead, NCCL under graph
-    replay took 16-25 us where copy-then-reduce took 7-9 us (2x H200, up to 256 KiB), which
-    would flatter every path compared with it."""
+    place, as nodecomm's NCCL route does; timed back to back in place instead, NCCL under graph
+    replay was 1.6-3x slower for small messages (docs/bench-gpu.md), which flattered every path
+    compared with it."""
     if path in BASELINES.values():
 
         def run() -> None:
@@ -184,7 +184,6 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
             x = (pattern + rank).to(dtype)
             expected = (pattern * world_size + world_size * (world_size - 1) // 2).to(dtype)
             del pattern
-            out = torch.empty_like(x)
             iterations = iterations_for(nbytes)
             for path in args["paths"]:
                 if path == "service":

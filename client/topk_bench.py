@@ -16,13 +16,13 @@ import statistics
 from .bench import cuda_times, host_times, run_ranks, slowest_rank, start_rank
 
 
-def _gather_then_slice(idx, scores, span: range, world_size: int, group=None):
-    """The baseline: every rank's candidates everywhere, then this owner's rows of each."""
+def _gather_then_slice(idx, scores, span: range, world_size: int, group=None, via_host: bool = False):
+    """The baseline: every rank's candidates everywhere, then this owner's rows of each. With
+    via_host (gloo for ranks sharing a GPU) the copies to the host and back are part of its cost."""
     import torch
     import torch.distributed as dist
 
-    if group is None and idx.is_cuda:
-        # gloo gathers host tensors: the copies there and back are part of what this baseline costs.
+    if via_host:
         tables = _gather_then_slice(idx.cpu(), scores.cpu(), span, world_size)
         return tuple(t.to(idx.device) for t in tables)
     all_idx = [torch.empty_like(idx) for _ in range(world_size)]
@@ -56,7 +56,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
 
             runs = {
                 "stage": functools.partial(exchange.stage, idx, scores),
-                baseline: functools.partial(_gather_then_slice, idx, scores, span, world_size, group),
+                baseline: functools.partial(
+                    _gather_then_slice, idx, scores, span, world_size, group, via_host=on_gpu and baseline == "gloo"
+                ),
             }
             tables = {name: run() for name, run in runs.items()}
             same = all(torch.equal(a, b) for a, b in zip(tables["stage"], tables[baseline], strict=True))

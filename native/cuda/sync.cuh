@@ -63,17 +63,18 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
   __threadfence_system();
 }
 
-// How often a wait looks at the abort word. It is host memory: a read is a PCIe round trip that
-// took tens of microseconds with many blocks reading at once (2x H200). A wait that reads it
-// delays this rank's next arrival by that much, so its peers wait as long in turn: with an
-// interval shorter than a read, two ranks settled into a mode where every barrier paid one read
-// (~50 us). Far longer than a read, a late arrival is absorbed at once; aborts still stop a wait
-// within a millisecond.
+// How often a wait looks at the abort word. It is host memory, so every read crosses PCIe. With
+// a read every 32 spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us
+// slower per barrier; the likely cause is that a read delays this rank's next arrival, its peers
+// then wait long enough to read in turn, and the two ranks settle into paying a read per barrier.
+// An interval far longer than a read lets one late arrival be absorbed at the next barrier. The
+// cost: a wait notices an abort up to this late, so a stream with many collectives queued after
+// an abort drains at up to one interval per wait.
 constexpr std::uint64_t kAbortPollNs = 1000000;
 
-// Wait until *flag reaches epoch. The clock is read every 32 spins and the abort word every
-// kAbortPollNs. False (after recording why, against `peer`) on an abort or once timeout_ns have
-// passed.
+// Wait until *flag reaches epoch. The clock is read every 32 spins, the abort word every
+// kAbortPollNs and once more before a timeout is declared, so that an abort is reported as one.
+// False (after recording why, against `peer`) on an abort or once timeout_ns have passed.
 __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
                                      int peer, std::uint64_t timeout_ns) {
   std::uint64_t started = 0, polled = 0;
@@ -81,15 +82,17 @@ __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t ep
     if (spins % 32 != 0) continue;
     const std::uint64_t now = now_ns();
     if (started == 0) started = polled = now;
-    if (now - polled >= kAbortPollNs) {
+    const bool timed_out = now - started > timeout_ns;
+    if (timed_out || now - polled >= kAbortPollNs) {
       polled = now;
       // A peer that arrived and then left aborts the group after its arrival: the flag decides.
-      if (load_acquire(word(control, 0)) != 0 && load_acquire(flag) < epoch) {
+      if (load_acquire(word(control, 0)) != 0) {
+        if (load_acquire(flag) >= epoch) return true;
         fail(control, rank, control::kErrorAborted, peer, epoch);
         return false;
       }
     }
-    if (now - started > timeout_ns) {
+    if (timed_out) {
       fail(control, rank, control::kErrorTimeout, peer, epoch);
       return false;
     }
