@@ -83,10 +83,10 @@ class DaemonConfig:
     # A claim token not used within this long is dropped.
     claim_token_ttl_seconds: float = 60.0
     timing_sample_period: int = 64
-    # Live recalibration (CPU groups): move a boundary when the ranks' sampled timings show the
-    # other path faster by more than live_margin in a size bucket, once every rank has
+    # Live recalibration: move a boundary when the ranks' sampled timings show an adjacent
+    # range's path faster by more than live_margin in a size bucket, once every rank has
     # live_min_samples samples of both paths there. Ranks switch tables together every
-    # table_switch_period all-reduces.
+    # table_switch_period eager all-reduces.
     live_recalibration: bool = True
     live_margin: float = 0.05
     live_min_samples: int = 8

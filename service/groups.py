@@ -453,7 +453,7 @@ class GroupRegistry:
             devices=[a.args.device for _, a in sorted(forming.arrivals.items())],
             live=(
                 LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
-                if self.config.live_recalibration and first.device_kind == "cpu"
+                if self.config.live_recalibration
                 else None
             ),
         )
@@ -505,8 +505,8 @@ class GroupRegistry:
                 timing_sample_period=self.config.timing_sample_period,
                 operation_timeout_seconds=self.config.operation_timeout_seconds,
                 max_blocks=max_blocks,
-                table_switch_period=self.config.table_switch_period if first.device_kind == "cpu" else 0,
-                explore_period=self.config.explore_period if first.device_kind == "cpu" else 0,
+                table_switch_period=self.config.table_switch_period,
+                explore_period=self.config.explore_period,
                 rank_secret=group.members[rank].secret,
             )
             handles = memory.ipc_handles
@@ -910,7 +910,8 @@ class GroupRegistry:
 
     def _follow_evidence(self, group: Group) -> None:
         """Move the group's boundary where its timings demand, and offer every rank the new table."""
-        table = self.tables.follow_evidence(group.name, group.table, group.live)
+        fallback = Path.NCCL if group.args.nccl_fallback else Path.TWOSHOT
+        table = self.tables.follow_evidence(group.name, group.table, group.live, fallback)
         if table is not None:
             group.table = table
             group.broadcast(pb.SessionDown(thresholds=table.to_proto()))

@@ -199,23 +199,25 @@ class TableKeeper:
         """For a group whose peer memory failed its checks: every size to NCCL."""
         return build_table({}, Path.NCCL, self._next_epoch())
 
-    def follow_evidence(self, group: str, table: DispatchTable, live: LiveEstimates) -> DispatchTable | None:
-        """A CPU group's new table where its live timings move oneshot_max_bytes, else None."""
-        name = "oneshot_max_bytes"
-        if table.boundary(name).source is Source.OVERRIDE:
-            return None  # an explicit override is never second-guessed
-        move = live.proposed_move(table)
+    def follow_evidence(
+        self, group: str, table: DispatchTable, live: LiveEstimates, fallback: Path
+    ) -> DispatchTable | None:
+        """A group's new table where its live timings move a boundary, else None. Overrides are
+        never second-guessed."""
+        fixed = frozenset(b.name for b in table.boundaries if b.source is Source.OVERRIDE)
+        move = live.proposed_move(table, fallback, fixed)
         if move is None:
             return None
         boundaries = {b.name: b for b in table.boundaries}
-        boundaries[name] = Boundary(name, move.value_bytes, Source.CALIBRATED)
-        moved = build_table(boundaries, Path.TWOSHOT, self._next_epoch())
-        self.metrics.threshold_changes.labels(name).inc()
+        for name, value in move.values.items():
+            boundaries[name] = Boundary(name, value, Source.CALIBRATED)
+            self.metrics.threshold_changes.labels(name).inc()
+        moved = build_table(boundaries, fallback, self._next_epoch())
         log.info(
             "boundary moved by live timings",
             extra={
                 "group": group,
-                "boundary": boundaries[name].describe(),
+                "boundaries": [boundaries[name].describe() for name in move.values],
                 "epoch": moved.epoch,
                 "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
                 "winner": move.winner.value,

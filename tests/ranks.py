@@ -222,25 +222,27 @@ def table_with(rank: int, world_size: int, socket: str, thresholds: dict) -> lis
         return [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
 
 
-def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls: int) -> dict:
+def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls: int, device: str = "cpu") -> dict:
     """Stream synthetic timings, then all-reduce `calls` times; report at which call the table
     epoch changed (the same on every rank, or the ranks did not switch together) and the table."""
     from nodecomm.thresholds import Path
 
-    with nodecomm.connect("live", rank, world_size, socket=socket, timeout=30) as comm:
+    device = rank_device(rank, device)
+    with nodecomm.connect("live", rank, world_size, device=device, socket=socket, timeout=30) as comm:
         first_epoch = comm.thresholds().epoch
         for path, nbytes, seconds in synthetic:
             comm._lease.report(Path(path), nbytes, seconds)  # what sampled operations send
         comm._lease.flush()
         switched_at = None
-        x = torch.ones(4096)  # 16 KiB
+        x = torch.ones(4096, device=device)  # 16 KiB
         for call in range(calls):
             comm.all_reduce(x)
             if switched_at is None and comm.thresholds().epoch != first_epoch:
                 switched_at = call
             time.sleep(0.002)
         rows = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
-        return {"switched_at": switched_at, "rows": rows, "boundary": comm.thresholds().boundaries[0].describe()}
+        boundaries = [b.describe() for b in comm.thresholds().boundaries]
+        return {"switched_at": switched_at, "rows": rows, "boundary": boundaries[0], "boundaries": boundaries}
 
 
 def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int) -> bool:

@@ -1,0 +1,114 @@
+"""Which boundaries live timings move, on the tables CUDA and CPU groups hold: the path of an
+adjacent range that beats a bucket's path by the margin takes that bucket, overrides stay, and a
+move that cannot hand the winner the whole bucket is not made."""
+
+from nodecomm.service.live_thresholds import LiveEstimates
+from nodecomm.thresholds import Boundary, Path, Source, build_table
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+def table(fallback: Path, *, source: Source = Source.CALIBRATED, **values: int | None):
+    names = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes")
+    boundaries = {name: Boundary(name, values.get(name), source) for name in names}
+    return build_table(boundaries, fallback, 1)
+
+
+def evidence(*timings: tuple[str, int, float], world_size: int = 2) -> LiveEstimates:
+    live = LiveEstimates(world_size, margin=0.05, min_samples=4)
+    for path, nbytes, seconds in timings:
+        for rank in range(world_size):
+            for _ in range(4):
+                live.add(rank, Path(path), nbytes, seconds)
+    return live
+
+
+def moved(live: LiveEstimates, before, fallback: Path, fixed: frozenset[str] = frozenset()):
+    move = live.proposed_move(before, fallback, fixed)
+    if move is None:
+        return None
+    boundaries = {b.name: b for b in before.boundaries}
+    for name, value in move.values.items():
+        boundaries[name] = Boundary(name, value, Source.CALIBRATED)
+    return move, [(lo, hi, p.value) for lo, hi, p in build_table(boundaries, fallback, 2).rows()]
+
+
+CUDA_DEFAULT = dict(oneshot_max_bytes=256 * KIB, dma_min_bytes=6 * MIB)
+
+
+def test_the_lower_neighbour_takes_a_bucket_it_wins():
+    live = evidence(("nccl", 512 * KIB, 30e-6), ("oneshot", 512 * KIB, 10e-6))
+    move, rows = moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL)
+    assert move.values == {"oneshot_max_bytes": MIB} and move.winner is Path.ONESHOT
+    assert rows == [("0", "1MiB", "oneshot"), ("1048577", "6291455", "nccl"), ("6MiB", "inf", "dma")]
+
+
+def test_dma_takes_a_bucket_from_its_start():
+    live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
+    move, rows = moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL)
+    assert move.values == {"dma_min_bytes": MIB + 1}
+    assert rows == [("0", "256KiB", "oneshot"), ("262145", "1MiB", "nccl"), ("1048577", "inf", "dma")]
+
+
+def test_nccl_takes_the_top_of_twoshot_range():
+    calibrated = table(Path.NCCL, oneshot_max_bytes=512 * KIB, twoshot_max_bytes=8 * MIB)
+    live = evidence(("twoshot", 2 * MIB, 60e-6), ("nccl", 2 * MIB, 30e-6))
+    move, rows = moved(live, calibrated, Path.NCCL)
+    assert move.values == {"twoshot_max_bytes": MIB}
+    assert rows == [("0", "512KiB", "oneshot"), ("524289", "1MiB", "twoshot"), ("1048577", "inf", "nccl")]
+
+
+def test_a_path_below_dma_reaches_up_with_it():
+    before = table(Path.TWOSHOT, oneshot_max_bytes=4 * MIB, dma_min_bytes=4 * MIB + 1)
+    live = evidence(("dma", 8 * MIB, 90e-6), ("oneshot", 8 * MIB, 40e-6))
+    move, rows = moved(live, before, Path.TWOSHOT)
+    assert move.values == {"dma_min_bytes": 16 * MIB + 1, "oneshot_max_bytes": 16 * MIB}
+    assert rows == [("0", "16MiB", "oneshot"), ("16777217", "inf", "dma")]
+
+
+def test_the_fallback_below_dma_needs_no_boundary_of_its_own():
+    before = table(Path.TWOSHOT, oneshot_max_bytes=256 * KIB, dma_min_bytes=MIB + 1)
+    live = evidence(("dma", 2 * MIB, 90e-6), ("twoshot", 2 * MIB, 40e-6))
+    move, rows = moved(live, before, Path.TWOSHOT)
+    assert move.values == {"dma_min_bytes": 4 * MIB + 1}
+    assert rows == [("0", "256KiB", "oneshot"), ("262145", "4MiB", "twoshot"), ("4194305", "inf", "dma")]
+
+
+def test_the_cpu_boundary_moves_as_before():
+    live = evidence(("oneshot", 16 * KIB, 100e-6), ("twoshot", 16 * KIB, 10e-6))
+    move, rows = moved(live, table(Path.TWOSHOT, oneshot_max_bytes=32 * KIB), Path.TWOSHOT)
+    assert move.values == {"oneshot_max_bytes": 4 * KIB}
+    assert rows == [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")]
+
+
+def test_overrides_and_the_margin_hold_the_table():
+    live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
+    assert moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL, frozenset({"dma_min_bytes"})) is None
+    close = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 58e-6))
+    assert moved(close, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
+
+
+def test_evidence_from_too_few_ranks_or_a_split_bucket_moves_nothing():
+    one_rank = LiveEstimates(2, margin=0.05, min_samples=4)
+    for _ in range(4):
+        one_rank.add(0, Path.NCCL, 2 * MIB, 60e-6)
+        one_rank.add(0, Path.DMA, 2 * MIB, 10e-6)
+    assert moved(one_rank, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
+    # 4..16 MiB straddles dma_min_bytes=6MiB: neither path holds the whole bucket.
+    split = evidence(("nccl", 8 * MIB, 90e-6), ("dma", 8 * MIB, 10e-6))
+    assert moved(split, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
+
+
+def test_a_move_that_would_split_the_bucket_is_not_made():
+    # twoshot_max_bytes (512 KiB) below oneshot_max_bytes carries nothing today; lowering
+    # oneshot_max_bytes to hand 256 KiB..1 MiB to NCCL would give half of it to twoshot instead.
+    before = table(Path.NCCL, oneshot_max_bytes=MIB, twoshot_max_bytes=512 * KIB)
+    live = evidence(("oneshot", 512 * KIB, 60e-6), ("nccl", 512 * KIB, 20e-6))
+    assert moved(live, before, Path.NCCL) is None
+
+
+def test_evidence_is_dropped_once_it_moved_a_boundary():
+    live = evidence(("nccl", 512 * KIB, 30e-6), ("oneshot", 512 * KIB, 10e-6))
+    before = table(Path.NCCL, **CUDA_DEFAULT)
+    assert live.proposed_move(before, Path.NCCL) is not None
+    assert live.proposed_move(before, Path.NCCL) is None
