@@ -165,8 +165,10 @@ class Communicator:
                     group=self.group,
                     rank=self.rank,
                 )
-            if self._explore_period and self._reduces % self._explore_period == 0 and not self._transport.capturing():
-                # Every rank counts the same calls, so every rank explores the same one.
+            explore = self._explore_period and self._reduces % self._explore_period == 0
+            if explore and chosen in _LOSSLESS and not self._transport.capturing():
+                # Every rank counts the same calls, so every rank explores the same one; between
+                # lossless paths, so the result's bits are the same.
                 neighbour = self._table.neighbour_path(nbytes)
                 if neighbour in _LOSSLESS and neighbour in self._transport.paths:
                     chosen, sampled = neighbour, True

@@ -14,7 +14,7 @@ from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
-from nodecomm.thresholds import DispatchTable
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -219,6 +219,7 @@ def connect(
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
         table = reply.thresholds
+        switch_period, explore_period = reply.table_switch_period, reply.explore_period
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
         else:
@@ -228,6 +229,9 @@ def connect(
             table = _check_peers(
                 stub, transport, group, reply.group_id, timeout, where, rank_metadata(reply.rank_secret)
             )
+            if Path.ONESHOT not in transport.paths:
+                # NCCL alone: one range, nothing to explore, and no peer memory to agree on a table over.
+                switch_period = explore_period = 0
         communicator = Communicator(
             group=group,
             rank=rank,
@@ -241,8 +245,8 @@ def connect(
             table=DispatchTable.from_proto(table),
             timing_sample_period=reply.timing_sample_period,
             operation_timeout=reply.operation_timeout_seconds,
-            table_switch_period=reply.table_switch_period,
-            explore_period=reply.explore_period,
+            table_switch_period=switch_period,
+            explore_period=explore_period,
             rank_secret=reply.rank_secret,
         )
     except BaseException:

@@ -85,14 +85,15 @@ class DaemonConfig:
     timing_sample_period: int = 64
     # Live recalibration: move a boundary when the ranks' sampled timings show an adjacent
     # range's path faster by more than live_margin in a size bucket, once every rank has
-    # live_min_samples samples of both paths there. Ranks switch tables together every
-    # table_switch_period eager all-reduces.
+    # live_min_samples samples of both paths there. Ranks switch tables together on every
+    # table_switch_period-th all-reduce that is not being captured.
     live_recalibration: bool = True
     live_margin: float = 0.05
     live_min_samples: int = 8
     table_switch_period: int = 1024
-    # Exploration: every explore_period-th all-reduce within a factor of 4 of a boundary runs on
-    # the neighbouring lossless path (the same bits) and is timed; 0 switches it off.
+    # Exploration: every explore_period-th all-reduce within a factor of 4 of a boundary between
+    # two lossless paths runs on the neighbouring one (the same bits) and is timed; never into or
+    # out of NCCL, never while capturing; 0 switches it off.
     explore_period: int = 0
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.

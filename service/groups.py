@@ -247,7 +247,7 @@ class Group:
     state: str = "active"  # "active" | "aborted"
     peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
     exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
-    live: LiveEstimates | None = None  # CPU groups with live recalibration on
+    live: LiveEstimates | None = None  # groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
     service: ServicePath | None = None  # collectives the daemon runs
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
@@ -602,6 +602,7 @@ class GroupRegistry:
             )
             return
         group.table = self.tables.nccl_only()
+        group.live = None  # one range: nothing left to move
         self.metrics.fallbacks.labels("peer_memory_unusable").inc()
         check.verdict.set_result(
             pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())

@@ -61,62 +61,83 @@ class LiveEstimates:
         self, table: DispatchTable, fallback: Path, fixed: frozenset[str] = frozenset()
     ) -> BoundaryMove | None:
         """The first change, bucket by bucket from the smallest, that the evidence demands of
-        `table` (built with `fallback`) without touching the `fixed` boundaries, or None."""
+        `table` (built with `fallback`) without touching the `fixed` boundaries, or None. A move
+        drops the evidence of every bucket whose path it changed, so that nothing moves back
+        before new timings say so."""
         for bucket in sorted({b for _, b in self.samples}):
             low, high = bucket_range(bucket)
-            index = bisect.bisect_left(table.range_max, low)
-            if bisect.bisect_left(table.range_max, high) != index:
+            index = _range_of(table, low, high)
+            if index is None:
                 continue  # a bucket a boundary splits: no clean comparison
             current = table.range_paths[index]
             mine = self.estimate(current, bucket)
             if mine is None:
                 continue
+            rivals = []
             for neighbour in (index - 1, index + 1):
-                if not 0 <= neighbour < len(table.range_paths):
+                if 0 <= neighbour < len(table.range_paths):
+                    theirs = self.estimate(table.range_paths[neighbour], bucket)
+                    if theirs is not None and theirs < mine * (1.0 - self.margin):
+                        rivals.append((theirs, neighbour))
+            for theirs, neighbour in sorted(rivals):  # the faster neighbour first
+                winner = table.range_paths[neighbour]
+                moved = _moved_table(table, min(index, neighbour), winner, fallback, fixed, low, high)
+                if moved is None:
                     continue
-                other = table.range_paths[neighbour]
-                theirs = self.estimate(other, bucket)
-                if theirs is None or theirs >= mine * (1.0 - self.margin):
-                    continue
-                values = _edge_move(table, min(index, neighbour), other, fallback, low, high)
-                if values is None or fixed.intersection(values):
-                    continue
-                if _routes_bucket(table, fallback, values, low, high) != other:
-                    continue  # the boundaries cannot hand the winner this bucket alone
-                for path in (current, other):
-                    self.samples.pop((path, bucket), None)
-                return BoundaryMove(values, (low, high), other, theirs, mine)
+                values, new_table = moved
+                self._forget_changed(table, new_table)
+                return BoundaryMove(values, (low, high), winner, theirs, mine)
         return None
 
+    def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:
+        for path, bucket in list(self.samples):
+            low, high = bucket_range(bucket)
+            route = (old.path_for(low), old.path_for(high), _range_of(old, low, high) is None)
+            if route != (new.path_for(low), new.path_for(high), _range_of(new, low, high) is None):
+                del self.samples[(path, bucket)]
 
-def _edge_move(
-    table: DispatchTable, edge: int, winner: Path, fallback: Path, low: int, high: int
-) -> dict[str, int | None] | None:
-    """New boundary values that move the edge between ranges `edge` and `edge + 1` so that
-    `winner` (the path of one of them) takes the bucket [low, high]; None where no movable
-    boundary makes that edge. An upper winner's range starts at the bucket; a lower winner's
-    range ends with it."""
+
+def _range_of(table: DispatchTable, low: int, high: int) -> int | None:
+    """The index of the one range holding all of [low, high], or None if a boundary splits it."""
+    index = bisect.bisect_left(table.range_max, low)
+    return index if bisect.bisect_left(table.range_max, high) == index else None
+
+
+def _moved_table(
+    table: DispatchTable, edge: int, winner: Path, fallback: Path, fixed: frozenset[str], low: int, high: int
+) -> tuple[dict[str, int | None], DispatchTable] | None:
+    """The boundary values, and the table they build, that move the edge between ranges `edge`
+    and `edge + 1` so that `winner` (the path of one of them) takes all of [low, high]: an upper
+    winner's range starts at the bucket, a lower winner's ends with it. None where no movable
+    boundary not in `fixed` does that."""
     lower, upper = table.range_paths[edge], table.range_paths[edge + 1]
     upper_wins = winner == upper
     if upper is Path.DMA:
-        values: dict[str, int | None] = {"dma_min_bytes": low if upper_wins else high + 1}
-        if not upper_wins and lower in _MAX_BOUNDARY and lower != fallback:
-            values[_MAX_BOUNDARY[lower]] = high  # the lower path must reach the bucket's top too
-        return values
-    if lower in _MAX_BOUNDARY and upper is not Path.SERVICE:
-        return {_MAX_BOUNDARY[lower]: (low - 1 if low > 0 else None) if upper_wins else high}
-    return None
-
-
-def _routes_bucket(table: DispatchTable, fallback: Path, values: dict[str, int | None], low: int, high: int):
-    """The one path a table with `values` sends all of [low, high] to, or None if it splits it."""
-    boundaries = {b.name: b for b in table.boundaries}
-    for name, value in values.items():
-        boundaries[name] = Boundary(name, value, Source.CALIBRATED)
-    moved = build_table(boundaries, fallback, table.epoch)
-    if bisect.bisect_left(moved.range_max, low) != bisect.bisect_left(moved.range_max, high):
+        candidates = [{"dma_min_bytes": low if upper_wins else high + 1}]
+        if not upper_wins and lower in _MAX_BOUNDARY:
+            # The lower path may also have to reach the bucket's top.
+            candidates.append({**candidates[0], _MAX_BOUNDARY[lower]: high})
+    elif lower in _MAX_BOUNDARY and upper is not Path.SERVICE:
+        candidates = [{_MAX_BOUNDARY[lower]: (low - 1 if low > 0 else None) if upper_wins else high}]
+    else:
         return None
-    return moved.path_for(low)
+    current = {b.name: b for b in table.boundaries}
+    for values in candidates:
+        if fixed.intersection(values):
+            continue
+        boundaries = dict(current)
+        for name, value in values.items():
+            boundaries[name] = Boundary(name, value, Source.CALIBRATED)
+        moved = build_table(boundaries, fallback, table.epoch)
+        index = _range_of(moved, low, high)
+        if index is not None and moved.range_paths[index] == winner:
+            changed = {
+                name: value
+                for name, value in values.items()
+                if current.get(name) is None or current[name].value_bytes != value
+            }
+            return changed, moved
+    return None
 
 
 _MAX_BOUNDARY = {Path.ONESHOT: "oneshot_max_bytes", Path.TWOSHOT: "twoshot_max_bytes"}

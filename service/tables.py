@@ -3,7 +3,7 @@
     the group's own override  >  the daemon's override  >  calibrated  >  built-in default
 
 It builds each new group's table, keeps this machine's calibration (probing on request), moves a
-CPU group's boundary when its live timings demand it, and numbers every table it makes with a
+group's boundaries when its live timings demand it, and numbers every table it makes with a
 fresh epoch. The thresholds metric shows the boundaries a new group would get.
 """
 

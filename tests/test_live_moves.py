@@ -112,3 +112,53 @@ def test_evidence_is_dropped_once_it_moved_a_boundary():
     before = table(Path.NCCL, **CUDA_DEFAULT)
     assert live.proposed_move(before, Path.NCCL) is not None
     assert live.proposed_move(before, Path.NCCL) is None
+
+
+def test_only_dma_min_moves_when_the_lower_path_already_reaches_the_bucket():
+    before = table(Path.NCCL, oneshot_max_bytes=64 * MIB, dma_min_bytes=4 * MIB + 1)
+    fixed = frozenset({"oneshot_max_bytes"})  # an override: it may not move, and need not
+    live = evidence(("dma", 8 * MIB, 90e-6), ("oneshot", 8 * MIB, 40e-6))
+    move, rows = moved(live, before, Path.NCCL, fixed)
+    assert move.values == {"dma_min_bytes": 16 * MIB + 1}
+    assert rows == [("0", "16MiB", "oneshot"), ("16777217", "inf", "dma")]
+
+
+def test_the_faster_of_two_winning_neighbours_takes_the_bucket():
+    live = evidence(("nccl", 2 * MIB, 90e-6), ("oneshot", 2 * MIB, 60e-6), ("dma", 2 * MIB, 30e-6))
+    before = table(Path.NCCL, oneshot_max_bytes=MIB, dma_min_bytes=4 * MIB + 1)
+    move, _ = moved(live, before, Path.NCCL)
+    assert move.winner is Path.DMA and move.values == {"dma_min_bytes": MIB + 1}
+
+
+def test_a_bucket_from_zero_switches_the_lower_path_off():
+    live = evidence(("oneshot", 512, 50e-6), ("twoshot", 512, 10e-6))
+    move, rows = moved(live, table(Path.TWOSHOT, oneshot_max_bytes=32 * KIB), Path.TWOSHOT)
+    assert move.values == {"oneshot_max_bytes": None} and rows == [("0", "inf", "twoshot")]
+
+
+def test_a_move_forgets_what_it_changed_so_old_samples_cannot_move_it_back():
+    """oneshot wins 16..64 KiB against NCCL; 4..16 KiB, split by the old boundary (6 KiB), holds
+    older samples saying NCCL beat oneshot there. Once oneshot takes everything up to 64 KiB, those
+    samples describe a bucket whose paths changed, and must not move the boundary back down."""
+    before = table(Path.NCCL, oneshot_max_bytes=6 * KIB)
+    live = evidence(
+        ("nccl", 12 * KIB, 20e-6), ("oneshot", 5 * KIB, 40e-6), ("nccl", 32 * KIB, 60e-6), ("oneshot", 32 * KIB, 20e-6)
+    )
+    move = live.proposed_move(before, Path.NCCL)
+    assert move.values == {"oneshot_max_bytes": 64 * KIB}
+    boundaries = {b.name: b for b in before.boundaries}
+    boundaries["oneshot_max_bytes"] = Boundary("oneshot_max_bytes", 64 * KIB, Source.CALIBRATED)
+    assert live.proposed_move(build_table(boundaries, Path.NCCL, 2), Path.NCCL) is None
+
+
+def test_an_override_in_the_table_is_never_moved_by_the_keeper():
+    from nodecomm.service.config import DaemonConfig
+    from nodecomm.service.metrics import DaemonMetrics
+    from nodecomm.service.tables import TableKeeper
+
+    keeper = TableKeeper(DaemonConfig(), DaemonMetrics(), 8)
+    live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
+    pinned = table(Path.NCCL, source=Source.OVERRIDE, **CUDA_DEFAULT)
+    assert keeper.follow_evidence("g", pinned, live, Path.NCCL) is None
+    after = keeper.follow_evidence("g", table(Path.NCCL, **CUDA_DEFAULT), live, Path.NCCL)
+    assert after.boundary("dma_min_bytes").describe() == "dma_min_bytes=1048577 (calibrated)"
