@@ -13,6 +13,7 @@
 #include "errors.h"
 #include "numerics.h"
 #include "shm.h"
+#include "topk_rows.h"
 
 namespace nodecomm::service {
 
@@ -74,17 +75,14 @@ inline void all_gather(const std::vector<std::uintptr_t>& inputs, const std::vec
 
 // The top-k owner exchange: inputs[s] holds source s's [rows, topk] int32 indices followed by its
 // [rows, topk] float32 scores; outputs[o] gets owner o's table, [owned, n, topk] indices followed by
-// [owned, n, topk] scores, where owner o owns rows [o * per, min((o + 1) * per, rows)) and
-// per = ceil(rows / n). Scores move as bits.
+// [owned, n, topk] scores, owner o's rows as topk_rows.h gives them. Scores move as bits.
 inline void topk_stage(const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,
                        std::size_t rows, std::size_t topk) {
   check_ranks(inputs, outputs);
   const std::size_t n = inputs.size();
-  const std::size_t per = (rows + n - 1) / n;
   const std::size_t row_bytes = topk * 4;
   for (std::size_t owner = 0; owner < n; ++owner) {
-    const std::size_t first = std::min(rows, owner * per);
-    const std::size_t owned = std::min(rows, first + per) - first;
+    const auto [first, owned] = owned_rows(rows, n, owner);
     auto* out = reinterpret_cast<std::uint8_t*>(outputs[owner]);
     const std::size_t plane = owned * n * row_bytes;  // bytes of the owner's index plane
     for (std::size_t s = 0; s < n; ++s) {

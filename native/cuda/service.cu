@@ -9,6 +9,7 @@
 #include <string>
 
 #include "../errors.h"
+#include "../topk_rows.h"
 #include "driver.h"
 #include "layout.h"
 #include "numerics.cuh"
@@ -148,11 +149,9 @@ void topk_stage(int device, const std::vector<std::uintptr_t>& inputs, const std
   if (rows == 0 || topk == 0) return;
   DeviceScope scope(device);
   const std::size_t n = inputs.size();
-  const std::size_t per = (rows + n - 1) / n;
   const std::size_t row_bytes = topk * 4;
   for (std::size_t owner = 0; owner < n; ++owner) {
-    const std::size_t first = std::min(rows, owner * per);
-    const std::size_t owned = std::min(rows, first + per) - first;
+    const auto [first, owned] = owned_rows(rows, n, owner);
     if (owned == 0) continue;
     auto* out = reinterpret_cast<std::uint8_t*>(outputs[owner]);
     const std::size_t plane = owned * n * row_bytes;  // bytes of the owner's index plane
