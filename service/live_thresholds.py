@@ -30,7 +30,8 @@ SAMPLES_KEPT = 32
 class BoundaryMove:
     """The boundary changes the evidence demands, and the evidence."""
 
-    values: dict[str, int | None]  # boundary name -> new value (None: off)
+    values: dict[str, int | None]  # the boundaries that change -> new value (None: off)
+    table: DispatchTable  # the table they build (at the old table's epoch)
     bucket: tuple[int, int]  # inclusive byte range
     winner: Path
     winner_seconds: float
@@ -86,7 +87,7 @@ class LiveEstimates:
                     continue
                 values, new_table = moved
                 self._forget_changed(table, new_table)
-                return BoundaryMove(values, (low, high), winner, theirs, mine)
+                return BoundaryMove(values, new_table, (low, high), winner, theirs, mine)
         return None
 
     def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:

@@ -10,6 +10,7 @@ fresh epoch. The thresholds metric shows the boundaries a new group would get.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -208,16 +209,14 @@ class TableKeeper:
         move = live.proposed_move(table, fallback, fixed)
         if move is None:
             return None
-        boundaries = {b.name: b for b in table.boundaries}
-        for name, value in move.values.items():
-            boundaries[name] = Boundary(name, value, Source.CALIBRATED)
+        moved = dataclasses.replace(move.table, epoch=self._next_epoch())
+        for name in move.values:
             self.metrics.threshold_changes.labels(name).inc()
-        moved = build_table(boundaries, fallback, self._next_epoch())
         log.info(
             "boundary moved by live timings",
             extra={
                 "group": group,
-                "boundaries": [boundaries[name].describe() for name in move.values],
+                "boundaries": [moved.boundary(name).describe() for name in move.values],
                 "epoch": moved.epoch,
                 "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
                 "winner": move.winner.value,

@@ -25,12 +25,7 @@ def evidence(*timings: tuple[str, int, float], world_size: int = 2) -> LiveEstim
 
 def moved(live: LiveEstimates, before, fallback: Path, fixed: frozenset[str] = frozenset()):
     move = live.proposed_move(before, fallback, fixed)
-    if move is None:
-        return None
-    boundaries = {b.name: b for b in before.boundaries}
-    for name, value in move.values.items():
-        boundaries[name] = Boundary(name, value, Source.CALIBRATED)
-    return move, [(lo, hi, p.value) for lo, hi, p in build_table(boundaries, fallback, 2).rows()]
+    return None if move is None else (move, [(lo, hi, p.value) for lo, hi, p in move.table.rows()])
 
 
 CUDA_DEFAULT = dict(oneshot_max_bytes=256 * KIB, dma_min_bytes=6 * MIB)
@@ -146,9 +141,7 @@ def test_a_move_forgets_what_it_changed_so_old_samples_cannot_move_it_back():
     )
     move = live.proposed_move(before, Path.NCCL)
     assert move.values == {"oneshot_max_bytes": 64 * KIB}
-    boundaries = {b.name: b for b in before.boundaries}
-    boundaries["oneshot_max_bytes"] = Boundary("oneshot_max_bytes", 64 * KIB, Source.CALIBRATED)
-    assert live.proposed_move(build_table(boundaries, Path.NCCL, 2), Path.NCCL) is None
+    assert live.proposed_move(move.table, Path.NCCL) is None
 
 
 def test_an_override_in_the_table_is_never_moved_by_the_keeper():
