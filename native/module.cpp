@@ -278,7 +278,7 @@ PYBIND11_MODULE(_native, m) {
   m.def("cuda_topk_blocks", &cuda::topk_blocks, py::arg("rows_per_owner"), py::arg("world_size"), py::arg("topk"),
         py::arg("max_blocks"), "The grid every rank of a top-k exchange runs.");
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
-        "Bytes of one rank's CUDA buffer (abort word, error record, epochs, flags, two slots).");
+        "Bytes of one rank's CUDA buffer (counters, flags, two staging slots, two push slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",
                               "One rank's view of a CUDA group: every rank's buffer mapped on this "
                               "rank's device, the control segment registered with it, the dma copy stream.")

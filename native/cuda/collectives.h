@@ -38,7 +38,9 @@ struct CopyPipeline {
 // Sum `count` elements of `dtype` (1 fp32, 2 fp16, 3 bf16) across ranks into `output` (may equal
 // `input`): fp32 accumulation in rank order 0..n-1, one rounding, the same bits for every
 // algorithm.
-//   oneshot  stage into this launch's slot, one barrier, every rank sums every slot
+//   oneshot  payloads that fit the push slots (layout.h): every rank writes its input, flagged,
+//            into every peer's push slot and sums what arrives in its own; larger ones: stage
+//            into this launch's slot, one barrier, every rank sums every slot
 //   twoshot  stage, barrier, rank r reduces segment r in place, barrier, every rank gathers
 //   dma      copy engines stage the input and pull this rank's segment of every peer's slot,
 //            SM kernels only reduce and signal; fixed slots, so four barriers order the reuse

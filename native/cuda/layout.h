@@ -8,6 +8,8 @@
 //                                 once, when the group's peer memory is checked at connect
 //   slots                         two staging slots of slot_stride bytes each; the dma path stages
 //                                 in slot 0 and pulls peers' segments into slot 1
+//   push slots                    two of push_slot_bytes each, written only by the push form of
+//                                 oneshot: rank p's lines for this rank go to part p of the slot
 // The group's abort word and the ranks' error records live in its control segment (../control.h),
 // host memory mapped into the device, so the daemon and the host read and write them directly.
 #pragma once
@@ -30,6 +32,15 @@ constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;
 inline constexpr std::size_t slot_stride(std::size_t slot_bytes) {
   return (slot_bytes + kSlotSlack + 255) / 256 * 256;
 }
-inline constexpr std::size_t buffer_bytes(std::size_t slot_bytes) { return kSlotOffset + 2 * slot_stride(slot_bytes); }
+// The push slots hold every rank's payload twice over (a flag beside every 4 bytes), so they are
+// capped: small payloads, where a round trip is most of the cost, are what the push form is for.
+constexpr std::size_t kPushSlotMax = std::size_t(2) << 20;
+inline constexpr std::size_t push_slot_bytes(std::size_t slot_bytes) {
+  return slot_stride(slot_bytes) < kPushSlotMax ? slot_stride(slot_bytes) : kPushSlotMax;
+}
+inline constexpr std::size_t push_offset(std::size_t slot_bytes) { return kSlotOffset + 2 * slot_stride(slot_bytes); }
+inline constexpr std::size_t buffer_bytes(std::size_t slot_bytes) {
+  return push_offset(slot_bytes) + 2 * push_slot_bytes(slot_bytes);
+}
 
 }  // namespace nodecomm::cuda

@@ -72,22 +72,23 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
 // an abort drains at up to one interval per wait.
 constexpr std::uint64_t kAbortPollNs = 1000000;
 
-// Wait until *flag reaches epoch. The clock is read every 32 spins, the abort word every
-// kAbortPollNs and once more before a timeout is declared, so that an abort is reported as one.
-// False (after recording why, against `peer`) on an abort or once timeout_ns have passed.
-__device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
-                                     int peer, std::uint64_t timeout_ns) {
+// Wait until ready() holds. The clock is read every 32 spins, the abort word every kAbortPollNs
+// and once more before a timeout is declared, so that an abort is reported as one. False (after
+// recording why, against `peer`) on an abort or once timeout_ns have passed.
+template <typename Ready>
+__device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std::uint8_t* control, int rank, int peer,
+                                  std::uint64_t timeout_ns) {
   std::uint64_t started = 0, polled = 0;
-  for (unsigned spins = 1; load_acquire(flag) < epoch; ++spins) {
+  for (unsigned spins = 1; !ready(); ++spins) {
     if (spins % 32 != 0) continue;
     const std::uint64_t now = now_ns();
     if (started == 0) started = polled = now;
     const bool timed_out = now - started > timeout_ns;
     if (timed_out || now - polled >= kAbortPollNs) {
       polled = now;
-      // A peer that arrived and then left aborts the group after its arrival: the flag decides.
+      // A peer that arrived and then left aborts the group after its arrival: ready() decides.
       if (load_acquire(word(control, 0)) != 0) {
-        if (load_acquire(flag) >= epoch) return true;
+        if (ready()) return true;
         fail(control, rank, control::kErrorAborted, peer, epoch);
         return false;
       }
@@ -98,6 +99,12 @@ __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t ep
     }
   }
   return true;
+}
+
+// Wait until *flag reaches epoch (see wait_until).
+__device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
+                                     int peer, std::uint64_t timeout_ns) {
+  return wait_until([=] { return load_acquire(flag) >= epoch; }, epoch, control, rank, peer, timeout_ns);
 }
 
 }  // namespace nodecomm::cuda

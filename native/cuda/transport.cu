@@ -11,7 +11,14 @@
 // graph replays alternate slots without host patching; every launch advances all kMaxBlocks
 // counters, so all blocks agree on the slot. A slot is rewritten two launches later only after
 // this rank passed a barrier of the launch between, which no peer reaches before its previous
-// launch, and with it every read of that slot, has completed. The copy paths (dma, all_gather) address fixed slots,
+// launch, and with it every read of that slot, has completed.
+//
+// Oneshot payloads that fit the push slots skip the barrier and every read across the fabric:
+// each rank writes its input, 4 bytes beside a flag in every 8-byte word, into its part of every
+// peer's push slot, and each rank waits for those words in its own memory. A reader clears every
+// line it took, so a line holds either nothing or this launch's words: the launch that next writes
+// it, two launches on, starts only after every peer's launch between has started, which a peer
+// does once it has finished reading this one. The copy paths (dma, all_gather) address fixed slots,
 // since copies captured in a graph keep their addresses: a barrier before staging and one after
 // the last read fence them off from whatever runs before and after.
 #include <cuda_bf16.h>
@@ -147,28 +154,33 @@ __device__ __forceinline__ Pack<T> sum_pack(Source source) {
   return out;
 }
 
+// This launch's number, the same in every block: each block advances its own counter and block 0
+// those of the blocks this grid lacks, so every block of every launch picks the same slot whatever
+// the grids before it were (with per-block parities a block could overwrite a region that another
+// block index of the previous launch still has peers reading). Every thread calls it; it syncs.
+__device__ std::uint64_t next_launch(std::uint8_t* mine) {
+  __shared__ std::uint64_t launch;
+  if (threadIdx.x == 0) {
+    std::uint64_t* launches = word(mine, kCounterOffset + std::size_t(blockIdx.x) * 16);
+    launch = *launches + 1;
+    *launches = launch;
+  }
+  if (blockIdx.x == 0) {
+    for (unsigned b = gridDim.x + threadIdx.x; b < kMaxBlocks; b += blockDim.x) ++*word(mine, kCounterOffset + b * 16);
+  }
+  __syncthreads();
+  return launch;
+}
+
 template <typename T, int N, bool kVector>
 __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, std::uint8_t* control, int rank,
                                                               std::size_t slot_stride, const T* input, T* output,
                                                               std::size_t count, Algorithm algorithm,
                                                               std::uint64_t timeout_ns) {
-  __shared__ std::uint64_t launch_shared;
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
-  if (threadIdx.x == 0) {
-    std::uint64_t* launches = word(mine, kCounterOffset + std::size_t(blockIdx.x) * 16);
-    launch_shared = *launches + 1;
-    *launches = launch_shared;
-    failed = 0;
-  }
-  // Block 0 also advances the counters of the blocks this grid lacks, so every block of every
-  // launch picks the same slot whatever the grids before it were: with per-block parities a block
-  // could overwrite a region that another block index of the previous launch still has peers reading.
-  if (blockIdx.x == 0) {
-    for (unsigned b = gridDim.x + threadIdx.x; b < kMaxBlocks; b += blockDim.x) ++*word(mine, kCounterOffset + b * 16);
-  }
-  __syncthreads();
-  const std::size_t slot = kSlotOffset + (launch_shared & 1) * slot_stride;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (next_launch(mine) & 1) * slot_stride;
 
   // This block's share of the elements, in whole packs and 64-bit offsets; the same on every rank
   // whether or not its pointers allow packed access.
@@ -214,6 +226,109 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
     block_for<T, kVector>(
         lo, hi, [&](std::size_t i) { store_pack(output + i, load_pack(owner + i)); },
         [&](std::size_t i) { output[i] = owner[i]; });
+  }
+}
+
+// One 16-byte line of a push slot: 8 payload bytes, each 4 beside the launch's flag. 8-byte stores
+// arrive whole and 16-byte ones may not, so a reader that sees both flags has both halves.
+struct alignas(16) PushLine {
+  std::uint32_t low, low_flag, high, high_flag;
+};
+
+__device__ __forceinline__ void store_line(PushLine* to, const PushLine& line) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(line.low), "r"(line.low_flag),
+               "r"(line.high), "r"(line.high_flag)
+               : "memory");
+}
+
+__device__ __forceinline__ PushLine load_line(const PushLine* from) {
+  PushLine line;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(line.low), "=r"(line.low_flag), "=r"(line.high), "=r"(line.high_flag)
+               : "l"(from)
+               : "memory");
+  return line;
+}
+
+// Line `line` of the input: elements [line * per_line, ...) as they are, bit for bit, zero past count.
+template <typename T>
+__device__ __forceinline__ PushLine line_of(const T* input, std::size_t line, std::size_t count, std::uint32_t flag,
+                                            bool whole_words) {
+  constexpr int kPerLine = 8 / sizeof(T);
+  std::uint32_t words[2] = {0, 0};
+  if (whole_words && (line + 1) * kPerLine <= count) {
+    const uint2 both = reinterpret_cast<const uint2*>(input)[line];
+    words[0] = both.x, words[1] = both.y;
+  } else {
+    using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
+    const Bits* bits = reinterpret_cast<const Bits*>(input);
+#pragma unroll
+    for (int j = 0; j < kPerLine; ++j) {
+      const std::size_t i = line * kPerLine + j;
+      if (i < count) words[j * sizeof(T) / 4] |= std::uint32_t(bits[i]) << ((8 * sizeof(T) * j) % 32);
+    }
+  }
+  return PushLine{words[0], flag, words[1], flag};
+}
+
+// Element j of a line, widened.
+template <typename T>
+__device__ __forceinline__ float widen_element(const PushLine& line, int j) {
+  const std::uint32_t bits = (j * sizeof(T) / 4 == 0 ? line.low : line.high) >> ((8 * sizeof(T) * j) % 32);
+  if constexpr (std::is_same_v<T, float>) return __uint_as_float(bits);
+  else if constexpr (std::is_same_v<T, __half>) return widen(__ushort_as_half((unsigned short)(bits & 0xffff)));
+  else return widen(__ushort_as_bfloat16((unsigned short)(bits & 0xffff)));
+}
+
+// Oneshot by push (see the top of this file): part r of a push slot, `part` bytes, holds rank r's
+// lines. Thread t of the grid sends and then sums the lines t, t + threads, ... on every rank, so
+// block b only waits for what block b of each peer sends.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    oneshot_push_kernel(Peers<N> peers, std::uint8_t* control, int rank, std::size_t push_at, std::size_t push_stride,
+                        std::size_t part, const T* input, T* output, std::size_t count, std::uint64_t timeout_ns) {
+  constexpr int kPerLine = 8 / sizeof(T);
+  const std::uint64_t launch = next_launch(peers.rank[rank]);
+  const std::size_t slot = push_at + (launch & 1) * push_stride;
+  const std::uint32_t flag = std::uint32_t(launch) | 1;  // never 0, which a cleared line holds
+  const auto part_of = [&](int owner, int source) {
+    return reinterpret_cast<PushLine*>(peers.rank[owner] + slot + std::size_t(source) * part);
+  };
+  const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
+  const std::size_t lines = (count + kPerLine - 1) / kPerLine;
+  const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
+  for (std::size_t line = first; line < lines; line += threads) {
+    const PushLine mine = line_of(input, line, count, flag, whole_words);
+#pragma unroll
+    for (int p = 0; p < N; ++p) {
+      if (p != rank) store_line(part_of(p, rank) + line, mine);
+    }
+  }
+  for (std::size_t line = first; line < lines; line += threads) {
+    PushLine got[N];
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      if (r == rank) {
+        got[r] = line_of(input, line, count, flag, whole_words);
+        continue;
+      }
+      PushLine* at = part_of(rank, r) + line;
+      const auto arrived = [&] {
+        got[r] = load_line(at);
+        return got[r].low_flag == flag && got[r].high_flag == flag;
+      };
+      if (!wait_until(arrived, launch, control, rank, r, timeout_ns)) return;
+      store_line(at, PushLine{});
+    }
+#pragma unroll
+    for (int j = 0; j < kPerLine; ++j) {
+      const std::size_t i = line * kPerLine + j;
+      float acc = widen_element<T>(got[0], j);
+#pragma unroll
+      for (int r = 1; r < N; ++r) acc += widen_element<T>(got[r], j);
+      if (i < count) output[i] = narrow<T>(acc);
+    }
   }
 }
 
@@ -277,13 +392,33 @@ void copy(void* to, const void* from, std::size_t nbytes, cudaStream_t stream) {
 // Packed access needs 16-byte aligned caller pointers; the buffers' slots always are.
 bool aligned(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
 
+// Bytes of each rank's part of a push slot, and whether `count` elements fit one.
+std::size_t push_part_bytes(const GroupView& group) {
+  return push_slot_bytes(group.slot_bytes) / std::size_t(group.world_size) / sizeof(PushLine) * sizeof(PushLine);
+}
+
+template <typename T>
+bool fits_push(const GroupView& group, std::size_t count) {
+  const std::size_t lines = (count * sizeof(T) + 7) / 8;
+  return lines * sizeof(PushLine) <= push_part_bytes(group);
+}
+
 template <typename T, int N>
 void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, Algorithm algorithm,
                        std::uint64_t timeout, cudaStream_t stream) {
-  // The grid follows from the count alone, so every rank launches the same one.
+  auto* control = reinterpret_cast<std::uint8_t*>(group.control);
+  // Grids follow from the count alone, so every rank launches the same one.
+  if (algorithm == Algorithm::kOneshot && fits_push<T>(group, count)) {
+    const std::size_t lines = (count * sizeof(T) + 7) / 8;
+    const int blocks = int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
+    oneshot_push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(
+        peers_of<N>(group), control, group.rank, push_offset(group.slot_bytes), push_slot_bytes(group.slot_bytes),
+        push_part_bytes(group), input, output, count, timeout);
+    NODECOMM_CUDA(cudaGetLastError());
+    return;
+  }
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
-  auto* control = reinterpret_cast<std::uint8_t*>(group.control);
   const std::size_t stride = slot_stride(group.slot_bytes);
   const auto kernel = aligned(input) && aligned(output) ? all_reduce_kernel<T, N, true> : all_reduce_kernel<T, N, false>;
   kernel<<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride, input, output, count,
@@ -414,7 +549,10 @@ int resident_blocks(int device) {
                          blocks_per_sm(all_reduce_kernel<__half, N, true>, kThreads),
                          blocks_per_sm(all_reduce_kernel<__half, N, false>, kThreads),
                          blocks_per_sm(all_reduce_kernel<__nv_bfloat16, N, true>, kThreads),
-                         blocks_per_sm(all_reduce_kernel<__nv_bfloat16, N, false>, kThreads)});
+                         blocks_per_sm(all_reduce_kernel<__nv_bfloat16, N, false>, kThreads),
+                         blocks_per_sm(oneshot_push_kernel<float, N>, kThreads),
+                         blocks_per_sm(oneshot_push_kernel<__half, N>, kThreads),
+                         blocks_per_sm(oneshot_push_kernel<__nv_bfloat16, N>, kThreads)});
     });
   }
   int sms = 0;

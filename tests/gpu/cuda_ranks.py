@@ -40,9 +40,13 @@ def exact_everywhere(rank: int, world_size: int, socket: str, cases: list[tuple[
                 problems.append(f"shm {dtype_name} count={count} differs from the reference")
             x = x_host.to(device)
             results = {path: comm.all_reduce(x, path=path) for path in (*PATHS, None)}
-            inplace = x.clone()
-            comm.all_reduce(inplace, out=inplace, path="dma")
-            results["dma in place"] = inplace
+            for path in ("oneshot", "dma"):
+                inplace = x.clone()
+                comm.all_reduce(inplace, out=inplace, path=path)
+                results[f"{path} in place"] = inplace
+            # One element past an aligned start: no 8- or 16-byte loads of the caller's memory.
+            shifted = torch.cat([x.new_zeros(1), x])[1:]
+            results["oneshot unaligned"] = comm.all_reduce(shifted, path="oneshot")
             for path, y in results.items():
                 if not _same_bits(y, expected):
                     wrong = int((y.cpu().view(BITS[dtype]) != expected.view(BITS[dtype])).sum())
