@@ -200,6 +200,16 @@ def connect(
             )
         legacy = reply.memory_kind == pb.CUDA_IPC_LEGACY
         sizes = [reply.control.size_bytes, *(b.size_bytes for b in reply.buffers)]
+        # The kernels address every rank's buffer by this client's layout: a daemon of another
+        # version may lay out less, which peers' writes would overrun.
+        needed = (_native.shm_buffer_bytes if device_index is None else _native.cuda_buffer_bytes)(capacity_bytes)
+        if any(size < needed for size in sizes[1:]):
+            raise DaemonUnavailableError(
+                f"the daemon's buffers ({', '.join(str(s) for s in sizes[1:])} bytes) are smaller than the "
+                f"{needed} bytes this client lays out for {capacity_bytes}-byte slots: the daemon and the "
+                "client are different versions of nodecomm",
+                **where,
+            )
         descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
         # Legacy buffers come as handles in the reply: only the control page crosses as a descriptor.
         fds = claim(descriptor_socket, reply.claim_token, 1 if legacy else len(sizes), timeout, where)

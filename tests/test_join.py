@@ -204,3 +204,28 @@ def test_bad_group_overrides(daemon, thresholds, text):
     with pytest.raises(nodecomm.InvalidArgumentError) as raised:
         nodecomm.connect("bad-overrides", 0, 1, socket=daemon.socket, timeout=5, thresholds=thresholds)
     assert text in str(raised.value)
+
+
+def test_a_client_laying_out_more_than_the_daemon_gave_refuses_it(daemon, spawn_ranks):
+    """A client whose buffer layout outgrew the daemon's (another nodecomm version) must not map
+    buffers its peers would write past; the group is released and forms again with matching sides."""
+    group = spawn_ranks(_join_with_a_larger_layout, 2, daemon.socket, timeout=60)
+    for rank, (status, value) in group.results().items():
+        assert status == "error", (rank, value)
+        name, message, _ = value
+        assert name == "DaemonUnavailableError", message
+        assert "different versions of nodecomm" in message and "smaller than the" in message
+    deadline = time.monotonic() + 30
+    while reserved_bytes(daemon) != 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert reserved_bytes(daemon) == 0
+    again = spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "layout", {}, timeout=60)
+    assert again.values() == {0: "ok [2.0, 2.0, 2.0, 2.0]", 1: "ok [2.0, 2.0, 2.0, 2.0]"}
+
+
+def _join_with_a_larger_layout(rank, socket_path):
+    from nodecomm import _native
+
+    laid_out = _native.shm_buffer_bytes
+    _native.shm_buffer_bytes = lambda slot_bytes: laid_out(slot_bytes) + 4096
+    return ranks.join_only(rank, 2, socket_path, "layout", {})
