@@ -3,7 +3,8 @@
 //
 //   [0, 8)                         abort word: reason << 32 | detail; 0 while the group is healthy
 //   [kErrorOffset + 64 * r, +24)   rank r's error record (CUDA kernels): code, the rank waited
-//                                  for, the barrier epoch; the host reads it without a device sync
+//                                  for, the barrier epoch (the launch number for a pushed
+//                                  oneshot); the host reads it without a device sync
 #pragma once
 
 #include <cstddef>
