@@ -418,6 +418,7 @@ class GroupRegistry:
             if not arrival.future.done():
                 arrival.future.set_exception(error)
         forming.arrivals.clear()
+        self._update_gauges()
         log.warning("join failed", extra={"group": forming.name, "error": str(error)})
 
     def _withdraw(self, forming: FormingGroup, rank: int) -> None:
@@ -575,6 +576,8 @@ class GroupRegistry:
         check = group.peer_checks.setdefault(report.stage, PeerCheck())
         if check.verdict is None:
             check.verdict = asyncio.get_running_loop().create_future()
+            # A rank whose wait timed out no longer awaits it: its outcome is retrieved here instead.
+            check.verdict.add_done_callback(lambda done: done.cancelled() or done.exception())
         if report.rank in check.reports:
             raise AlreadyExistsError(f"rank {report.rank} already reported stage {report.stage}", **where)
         check.reports[report.rank] = (report.ok, report.detail[:500])
@@ -805,15 +808,21 @@ class GroupRegistry:
         else:
             allocation = allocate_rank_memory(group.name, request.rank, allocation_id, size)
         service.add_allocation(allocation)
+        try:
+            token = self.claims.issue(
+                group.name,
+                group.group_id,
+                request.rank,
+                group.members[request.rank].pid,
+                [allocation.fd],
+                self.config.claim_token_ttl_seconds,
+            )
+        except OSError as error:  # out of descriptors (EMFILE): no rank could ever free it
+            service.free(request.rank, allocation.allocation_id)
+            raise ResourceExhaustedError(
+                f"handing out the allocation's descriptor failed: {error.strerror}; nothing was allocated", **where
+            ) from None
         self.metrics.reserve(*allocation.placement, "service", allocation.size_bytes)
-        token = self.claims.issue(
-            group.name,
-            group.group_id,
-            request.rank,
-            group.members[request.rank].pid,
-            [allocation.fd],
-            self.config.claim_token_ttl_seconds,
-        )
         kind = pb.CUDA_VMM_FD if group.args.device_kind == "cuda" else pb.HOST_MEMFD
         return pb.AllocateMemoryReply(
             allocation_id=allocation.allocation_id,
@@ -952,6 +961,9 @@ class GroupRegistry:
         for forming in group.exchanges.values():
             if forming.failure is None and any(not f.done() for f in forming.futures.values()):
                 self._fail_exchange(forming, PeerLostError(f"group aborted: {message}", group=group.name))
+        for check in group.peer_checks.values():
+            if check.verdict is not None and not check.verdict.done():
+                check.verdict.set_exception(PeerLostError(f"group aborted: {message}", group=group.name))
         if group.state == "active":
             group.state = "aborted"
             if self._active.get(group.name) is group:
@@ -962,6 +974,7 @@ class GroupRegistry:
                 _native.ABORT_SHUTDOWN: "shutdown",
             }.get(reason, "other")
             self.metrics.aborts.labels(reason_name).inc()
+            self._update_gauges()
             kind = pb.DRAINING if reason == _native.ABORT_SHUTDOWN else pb.PEER_LOST
             group.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
             (log.info if quiet else log.warning)(
@@ -988,6 +1001,7 @@ class GroupRegistry:
             for op, path in group.counted:
                 self.metrics.operations.remove(group.name, op, path)
                 self.metrics.operation_bytes.remove(group.name, op, path)
+            self._update_gauges()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 
     # -- operator views and shutdown -------------------------------------------------------------

@@ -474,9 +474,12 @@ class ServicePath:
                         done_event = await loop.run_in_executor(self._executor, self._execute, collective)
                 except NodecommError as error:
                     self._fail(collective, error)
+                except Exception as error:  # a crashed runner would leave the group's queue stuck
+                    self._fail(collective, InternalError(f"collective {collective.sequence} failed: {error!r}"))
                 else:
                     self._succeed(collective, done_event)
-                collective.running = False
+                finally:
+                    collective.running = False
             self._next += 1
             if collective.failure is not None and len(collective.answered) == self.world_size:
                 self._collectives.pop(collective.sequence, None)
@@ -485,12 +488,7 @@ class ServicePath:
         """Run it (CPU) or enqueue it (CUDA: returns the done event's handle)."""
         parts = [collective.parts[r] for r in range(self.world_size)]
         if self.cuda is not None:
-            try:
-                return self.cuda.run(collective.sequence, parts)
-            except NodecommError:
-                raise
-            except Exception as error:  # a crashed runner would leave the group's queue stuck
-                raise InternalError(f"enqueueing collective {collective.sequence} failed: {error!r}") from None
+            return self.cuda.run(collective.sequence, parts)
         first = parts[0].request
         if first.count == 0:
             return b""

@@ -148,11 +148,17 @@ class TableKeeper:
             started = time.monotonic()
             try:
                 medians = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
-                calibration = calibration_from(self.fingerprints[kind], medians)
+                # The boundary search tries every assignment of boundaries: off the event loop.
+                calibration = await asyncio.to_thread(calibration_from, self.fingerprints[kind], medians)
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
-            stored = store.save(calibration)
+            try:
+                stored = str(await asyncio.to_thread(store.save, calibration))
+            except OSError as error:
+                # The measurement still takes effect; only a restarted daemon will not find it.
+                log.error("storing the calibration failed", extra={"device_kind": kind, "error": str(error)})
+                stored = f"nowhere: {error}"
         self.metrics.calibrations.labels("ok").inc()
         log.info(
             "calibrated",
@@ -161,13 +167,13 @@ class TableKeeper:
                 "boundaries": calibration.boundaries,
                 "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
                 "seconds": round(time.monotonic() - started, 1),
-                "stored_at": str(stored),
+                "stored_at": stored,
             },
         )
         self.use_calibration(calibration)
         reply = pb.CalibrateReply(
             fingerprint_key=calibration.key,
-            stored_at=str(stored),
+            stored_at=stored,
             thresholds=self._build_table(kind, "nccl" in medians, 0).to_proto(),
         )
         for path, by_size in sorted(medians.items()):

@@ -3,6 +3,7 @@ daemon, persisted and reused by a restarted daemon without probing again."""
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -127,6 +128,23 @@ def test_calibrate_persists_and_a_restarted_daemon_reuses_it(make_daemon, tmp_pa
         service,
     ]
     assert "calibration in force" in daemon.log() and '"msg": "calibrated"' not in daemon.log()
+
+
+def test_a_calibration_that_cannot_be_stored_still_takes_effect(make_daemon, tmp_path):
+    state = tmp_path / "state"
+    daemon = make_daemon("--state-dir", str(state))
+    shutil.rmtree(state, ignore_errors=True)
+    state.write_text("a file where the state directory was")
+    result = nodecomm_cli(
+        "--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json"
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    assert document["stored_at"].startswith("nowhere: ")
+    assert document["boundaries"][0]["source"] == "calibrated"
+    assert "(calibrated)" in nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    assert "storing the calibration failed" in daemon.log()
+    assert 'nodecomm_calibrations_total{result="ok"} 1.0' in daemon.metrics_text()
 
 
 def test_a_new_fingerprint_is_probed_on_start_when_configured(make_daemon, tmp_path):

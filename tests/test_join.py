@@ -29,6 +29,7 @@ def test_mismatch_fails_every_rank_before_allocation(daemon, spawn_ranks, field,
         assert name == "GroupMismatchError", message
         assert f"disagree on {field}" in message and "rank 0 has" in message and "rank 1 has" in message
     assert reserved_bytes(daemon) == 0
+    assert 'nodecomm_groups{state="joining"} 0.0' in daemon.metrics_text()
 
 
 def _mismatched_join(rank, socket_path, per_rank):
@@ -215,7 +216,8 @@ def test_a_client_laying_out_more_than_the_daemon_gave_refuses_it(daemon, spawn_
         name, message, _ = value
         assert name == "DaemonUnavailableError", message
         assert "different versions of nodecomm" in message and "smaller than the" in message
-    deadline = time.monotonic() + 30
+    # A connect that fails after Join leaves at once, well inside the 10 s session grace.
+    deadline = time.monotonic() + 5
     while reserved_bytes(daemon) != 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert reserved_bytes(daemon) == 0

@@ -13,7 +13,9 @@ import time
 import grpc
 import pytest
 
+import nodecomm
 from conftest import Daemon, join_request, stub_for
+from nodecomm.errors import ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
 from . import fault_ranks
@@ -134,6 +136,38 @@ def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
     finally:
         daemon.stop(signal.SIGKILL)
     _survived("allocation failing half-way")
+
+
+def test_a_service_allocation_short_of_descriptors_leaves_nothing(tmp_path):
+    """Whether the daemon runs out of descriptors creating the memory or handing it out, the rank
+    gets RESOURCE_EXHAUSTED and nothing stays allocated; with room again, the same call works."""
+    daemon = Daemon(tmp_path, list(DAEMON_ARGS)).start()
+    try:
+        pid = daemon.process.pid
+        with nodecomm.connect("short", 0, 1, socket=daemon.socket, timeout=20) as comm:
+            comm.service_buffer(4096).free()  # the service path is set up; what follows only allocates
+            baseline = daemon_resources(pid)
+            _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+            outcomes = []
+            for spare in range(6):
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + spare, hard))
+                try:
+                    buffer = comm.service_buffer(4096)
+                except ResourceExhaustedError as error:
+                    outcomes.append("refused")
+                    assert "failed" in str(error), error
+                    now = daemon_resources(pid)
+                    assert now["memfds"] <= baseline["memfds"], (baseline, now)
+                    assert now["memfd_mappings"] <= baseline["memfd_mappings"], (baseline, now)
+                    assert not [line for line in daemon.metrics_text().splitlines() if 'use="service"} 4096' in line]
+                else:
+                    outcomes.append("ok")
+                    buffer.free()
+                    break
+            assert outcomes[0] == "refused" and outcomes[-1] == "ok", outcomes
+    finally:
+        daemon.stop(signal.SIGKILL)
+    _survived("descriptors running out for a service allocation")
 
 
 def test_the_daemon_killed_under_active_groups(tmp_path, spawn_ranks):
