@@ -241,6 +241,12 @@ class Communicator:
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (on a CUDA group: once every rank's
         current stream has reached it)."""
+        if self._transport.capturing():
+            raise InvalidArgumentError(
+                "barrier() waits on the host, which a CUDA graph capture cannot hold; call it outside the capture",
+                group=self.group,
+                rank=self.rank,
+            )
         self._run(self._transport.barrier, self._operation_timeout)
 
     def _run(self, operation, *args, sample: tuple[Path, int] | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -166,7 +167,7 @@ def connect(
 
     socket = socket or default_socket_path()
     # Proves this process's pid, uid and groups (SO_PEERCRED) to a daemon that admits only some.
-    identity = identify(socket + ".fd", timeout, where)
+    identity = identify(socket.removeprefix("unix:") + ".fd", timeout, where)
     channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
     request = pb.JoinRequest(
@@ -270,6 +271,13 @@ def connect(
                     unmap_device_segment(mapping)
         if control is not None:
             host_memory.unmap_segment(control.address, control.size_bytes)
+        # The group formed with this rank in it: its peers hear now, not after the session grace.
+        with contextlib.suppress(grpc.RpcError):
+            stub.Leave(
+                pb.LeaveRequest(group=group, group_id=reply.group_id, rank=rank),
+                timeout=5.0,
+                metadata=rank_metadata(reply.rank_secret),
+            )
         channel.close()
         raise
     communicator._start(timeout)

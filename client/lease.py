@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 
 from nodecomm import _native
-from nodecomm.errors import NodecommError, from_rpc_error
+from nodecomm.errors import InternalError, NodecommError, from_rpc_error
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -104,6 +104,13 @@ class Lease:
                 self.refusal = from_rpc_error(error, rank=self._rank)
             elif not self._closing:
                 self.lost_reason = f"the daemon connection was lost ({error.code().name}: {error.details()})"
+        except Exception as error:  # a message this client cannot read: the session is over all the same
+            if not self._ready.is_set():
+                self.refusal = InternalError(
+                    f"the daemon's session message could not be read: {error!r}", rank=self._rank
+                )
+            elif not self._closing:
+                self.lost_reason = f"the daemon's session message could not be read: {error!r}"
         finally:
             if not self._closing and self.refusal is None:
                 _native.abort_group(self._control, _native.ABORT_DAEMON_LOST, self._rank)

@@ -262,15 +262,15 @@ class ServicePath:
             self._done_event(reply.done_event).wait(torch.cuda.current_stream(self.device))
         if staged is None:
             return
-        if reply is None and self.device.type == "cuda":
-            # The daemon may still have work on it enqueued (or about to be): never reuse it.
+        if reply is None:
+            # The daemon may still have work on it queued or running (a CPU collective past the
+            # client's deadline included): never reuse it.
             staged.buffer.free()
             return
-        if reply is not None:
-            for destination, offset in staged.copy_to:
-                nbytes = destination.numel() * destination.element_size()
-                source = staged.buffer.bytes_at(offset, nbytes)
-                destination.view(-1).view(torch.uint8).copy_(source)
+        for destination, offset in staged.copy_to:
+            nbytes = destination.numel() * destination.element_size()
+            source = staged.buffer.bytes_at(offset, nbytes)
+            destination.view(-1).view(torch.uint8).copy_(source)
         with self._lock:
             self._idle_staging.append(staged.buffer)
 

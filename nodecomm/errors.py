@@ -83,8 +83,9 @@ def shown(value: object, limit: int = 80) -> str:
     text = ascii(value)
     if len(text) <= limit:
         return text
-    size = f" ({len(value)} {'items' if isinstance(value, (list, tuple)) else 'characters'})"
-    return text[:limit] + "..." + (size if isinstance(value, (str, bytes, list, tuple)) else "")
+    if not isinstance(value, (str, bytes, list, tuple)):
+        return text[:limit] + "..."
+    return text[:limit] + f"... ({len(value)} {'items' if isinstance(value, (list, tuple)) else 'characters'})"
 
 
 def status_details(error: NodecommError) -> str:

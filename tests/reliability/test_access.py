@@ -111,6 +111,8 @@ def test_only_admitted_callers_join(open_directory):
             # The daemon's own uid is admitted; connect() identifies itself on its own.
             with nodecomm.connect("admitted", 0, 1, socket=daemon.socket, timeout=10) as comm:
                 assert comm.all_reduce(torch.ones(4)).tolist() == [1.0] * 4
+            with nodecomm.connect("admitted", 0, 1, socket=f"unix:{daemon.socket}", timeout=10) as comm:
+                assert comm.all_reduce(torch.ones(4)).tolist() == [1.0] * 4  # a gRPC target finds it too
             # An identity works once, and only for the process it was issued to.
             token = identify_as(0, 0, daemon.socket + ".fd")[1:]  # issued to a forked child
             for attempt in range(2):
