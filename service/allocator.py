@@ -88,10 +88,6 @@ class GroupMemory:
                 os.close(fd)
 
 
-def host_buffer_bytes(slot_bytes: int) -> int:
-    return _native.shm_buffer_bytes(slot_bytes)
-
-
 def allocate_on_gpus(devices: list[int], nbytes: int, fds: list[int], mappings: list[DeviceMapping]) -> int:
     """One zeroed VMM allocation per entry of `devices`, all of one size (nbytes rounded up for the
     coarsest GPU), each appended to fds and mappings as it is made so that the caller's clean-up
@@ -128,7 +124,7 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None], cuda_m
         control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.CONTROL_BYTES)
         made_fds.append(control_fd)
         if devices[0] is None:
-            kind, buffer_bytes = pb.HOST_MEMFD, host_buffer_bytes(slot_bytes)
+            kind, buffer_bytes = pb.HOST_MEMFD, _native.shm_buffer_bytes(slot_bytes)
             for rank in range(len(devices)):
                 made_fds.append(host_memory.create_segment(f"nodecomm:{name}:rank{rank}", buffer_bytes))
         else:

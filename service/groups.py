@@ -286,7 +286,6 @@ class GroupRegistry:
         config: DaemonConfig,
         metrics: DaemonMetrics,
         claims: ClaimTable,
-        descriptor_socket: str,
         gpus: list[str],
         executor: Executor,
     ):
@@ -295,7 +294,6 @@ class GroupRegistry:
         self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
         self.metrics = metrics
         self.claims = claims
-        self.descriptor_socket = descriptor_socket
         self._forming: dict[str, FormingGroup] = {}
         self._active: dict[str, Group] = {}  # by name: the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
@@ -499,7 +497,7 @@ class GroupRegistry:
             reply = pb.JoinReply(
                 group_id=group_id,
                 claim_token=token,
-                descriptor_socket=self.descriptor_socket,
+                descriptor_socket=self.config.descriptor_socket,
                 memory_kind=memory.memory_kind,
                 control=pb.Segment(owner_rank=-1, size_bytes=memory.control_bytes),
                 thresholds=group.table.to_proto(),
@@ -553,7 +551,7 @@ class GroupRegistry:
                         group=args.group,
                     )
         needed = _native.CONTROL_BYTES + args.world_size * buffer_bytes
-        reserved = sum(g.reserved_bytes for g in self._groups.values())
+        reserved = self._reserved_bytes()
         if reserved + needed > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(
                 f"the group needs {needed} bytes but the daemon already reserves {reserved} of its "
@@ -703,7 +701,7 @@ class GroupRegistry:
         else:
             slab_bytes, blocks = layout.slab_bytes, 0
         needed = slab_bytes * layout.world_size
-        reserved = sum(g.reserved_bytes for g in self._groups.values())
+        reserved = self._reserved_bytes()
         try:
             if reserved + needed > self.config.max_reserved_bytes:
                 raise ResourceExhaustedError(
@@ -791,7 +789,7 @@ class GroupRegistry:
                 "(world_size times this daemon's max_capacity_bytes)",
                 **where,
             )
-        reserved = sum(g.reserved_bytes for g in self._groups.values())
+        reserved = self._reserved_bytes()
         if reserved + size > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(
                 f"allocating {size} bytes would pass this daemon's max_reserved_bytes "
@@ -1061,6 +1059,10 @@ class GroupRegistry:
                 member.lost = member.lost or not member.left
             self._release_if_empty(group)
         self._update_gauges()
+
+    def _reserved_bytes(self) -> int:
+        """Bytes every group not yet released holds, counted against max_reserved_bytes."""
+        return sum(g.reserved_bytes for g in self._groups.values())
 
     def _update_gauges(self) -> None:
         self.metrics.groups.labels("joining").set(sum(1 for f in self._forming.values() if f.arrivals))

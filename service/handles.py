@@ -93,10 +93,6 @@ class ClaimTable:
             claim.close()
         return len(claims)
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._pending)
-
 
 @dataclass(frozen=True)
 class Identity:

@@ -340,7 +340,7 @@ async def serve(config: DaemonConfig) -> int:
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
-    registry = GroupRegistry(config, metrics, claims, config.descriptor_socket, gpus, executor)
+    registry = GroupRegistry(config, metrics, claims, gpus, executor)
     store = CalibrationStore(config.state_dir)
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     uncalibrated = registry.tables.reuse_stored(store)

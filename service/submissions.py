@@ -217,7 +217,7 @@ class ServicePath:
         dtypes: tuple[int, ...],
         depth: int,
         executor: Executor,
-        on_done: Callable[[str, str, int], None] = lambda op, result, nbytes: None,
+        on_done: Callable[[str, str, int], None],
         cuda: CudaExecution | None = None,
     ):
         self.group = group
