@@ -312,13 +312,18 @@ class Communicator:
         fds = claim(self._descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
         slabs: list[SegmentMapping] = []
         try:
+            sizes = [slab.size_bytes for slab in reply.slabs]
+            if (
+                not fits
+                or len(sizes) != self.world_size
+                or any(size < needed or (not on_gpu and size != needed) for size in sizes)
+            ):
+                raise DaemonUnavailableError(
+                    f"the daemon's slabs ({pb.MemoryKind.Name(reply.memory_kind)}, {sizes} bytes) are not "
+                    f"{self.world_size} of the {needed} bytes this client lays out for {max_rows} rows of {topk}",
+                    **where,
+                )
             for fd, slab in zip(fds, reply.slabs, strict=True):
-                if not fits or slab.size_bytes < needed or (not on_gpu and slab.size_bytes != needed):
-                    raise DaemonUnavailableError(
-                        f"the daemon's slab ({pb.MemoryKind.Name(reply.memory_kind)}, {slab.size_bytes} bytes) is "
-                        f"not the {needed} bytes this client lays out for {max_rows} rows of {topk}",
-                        **where,
-                    )
                 if on_gpu:
                     address = _native.cuda_vmm_import(fd, slab.size_bytes, self.device.index)
                     slabs.append(SegmentMapping(address, slab.size_bytes))
@@ -361,7 +366,9 @@ class Communicator:
         them, which every rank holds, so all dispatch the next call by the same table."""
         offered = max(self._lease.offered, default=self._table.epoch)
         mine = torch.tensor([max(offered, self._table.epoch)], dtype=torch.int64, device=self.device)
-        gathered = self.all_gather(mine)
+        gathered = torch.empty((self.world_size, 1), dtype=torch.int64, device=self.device)
+        # Through the transport, not all_gather(): the client's own traffic is not the engine's to count.
+        self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
         agreed = int(gathered.min())
         if agreed > self._table.epoch:
             self._table = self._lease.offered[agreed]
