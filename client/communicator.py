@@ -173,6 +173,13 @@ class Communicator:
                 if neighbour in _LOSSLESS and neighbour in self._transport.paths:
                     chosen, sampled = neighbour, True
         if chosen is Path.SERVICE:
+            if path is None and self._transport.capturing():
+                raise InvalidArgumentError(
+                    f"the dispatch table sends {nbytes} bytes to the service path (service_min_bytes), which a "
+                    "CUDA graph cannot capture; pass path= for captured calls, or turn service_min_bytes off",
+                    group=self.group,
+                    rank=self.rank,
+                )
             work = self._submitted(self._service.all_reduce, tensor, out)
             self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
             return work if async_op else work.wait()

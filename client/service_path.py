@@ -315,6 +315,8 @@ class ServicePath:
     ) -> ServiceWork:
         """Reference the tensors where they lie in service memory (one input and one output
         tensor), else stage them: inputs packed in order, then outputs."""
+        if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise InvalidArgumentError("the service path cannot be captured in a CUDA graph", **self._where)
         staged = None
         source = self._reference(inputs[0], in_bytes) if len(inputs) == 1 and in_bytes else None
         target = self._reference(outputs[0], out_bytes) if len(outputs) == 1 and out_bytes else None
@@ -356,8 +358,6 @@ class ServicePath:
 
     def _record_ready(self) -> tuple[torch.cuda.Event, bytes]:
         """Record a free "input ready" event on the current stream: (event, its IPC handle)."""
-        if torch.cuda.is_current_stream_capturing():
-            raise InvalidArgumentError("the service path cannot be captured in a CUDA graph", **self._where)
         with self._lock:
             ready = self._ready_free.pop() if self._ready_free else None
         if ready is None:
