@@ -178,14 +178,17 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
             # The service path's inputs and outputs live in memory the daemon maps: no copies.
             shared = comm.service_buffer(2 * max(args["sizes"]) + 64)
             notes.append(_empty_submit_note(comm, world_size))
-        for nbytes in args["sizes"]:
+        paths = args["paths"]
+        for index, nbytes in enumerate(args["sizes"]):
             count = nbytes // torch.tensor([], dtype=dtype).element_size()
             pattern = torch.arange(count, device=device) % 13
             x = (pattern + rank).to(dtype)
             expected = (pattern * world_size + world_size * (world_size - 1) // 2).to(dtype)
             del pattern
             iterations = iterations_for(nbytes)
-            for path in args["paths"]:
+            # Each size starts the round at another path, so that no path is always timed right
+            # after the same one (whatever the one before leaves behind: clocks, caches, copies).
+            for path in paths[index % len(paths) :] + paths[: index % len(paths)]:
                 if path == "service":
                     x_in, out = shared.tensor(count, dtype), shared.tensor(count, dtype, -(-nbytes // 64) * 64)
                     x_in.copy_(x)
@@ -350,6 +353,7 @@ def run_bench(setup: BenchSetup, socket: str | None) -> tuple[list[Row], list[st
     }
     flags = ("--allow-shared-devices", "true") if shared else ()
     raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags)
+    raw.sort(key=lambda measured: (setup.sizes.index(measured[0]), setup.paths.index(measured[2])))
     return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw], notes
 
 

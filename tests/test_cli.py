@@ -62,14 +62,20 @@ def test_threshold_override_reaches_ranks(make_daemon, spawn_ranks):
 def test_bench_smoke_prints_the_table_and_json(tmp_path):
     out = tmp_path / "bench.json"
     result = nodecomm_cli(
-        "bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out)
-    )
+        "bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out), "--progress"
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "busbw(GB/s)" in result.stdout and "gloo" in result.stdout
     document = json.loads(out.read_text())
     rows = document["rows"]
-    assert {r["path"] for r in rows} == {"oneshot", "twoshot", "service", "auto", "gloo"}
-    assert len(rows) == 3 * 5 and all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
+    paths = ["oneshot", "twoshot", "service", "auto", "gloo"]
+    assert [(r["size_bytes"], r["path"]) for r in rows] == [(s, p) for s in (1024, 2048, 4096) for p in paths]
+    assert all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
+    # Measured in a rotated order: each size starts the round one path further on.
+    measured = [json.loads(line)["progress"] for line in result.stdout.splitlines() if line.startswith('{"progress"')]
+    assert [(p["size_bytes"], p["path"]) for p in measured] == [
+        (s, paths[(i + k) % 5]) for i, s in enumerate((1024, 2048, 4096)) for k in range(5)
+    ]
     (note,) = document["notes"]
     assert note.startswith("service path control plane: an empty submit") and note in result.stdout
     regret = result.stdout.split("# dispatch regret: auto p50 / best path p50 per size\n")[1].splitlines()
