@@ -186,9 +186,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
             expected = (pattern * world_size + world_size * (world_size - 1) // 2).to(dtype)
             del pattern
             iterations = iterations_for(nbytes)
-            # Each size starts the round at another path, so that no path is always timed right
-            # after the same one (whatever the one before leaves behind: clocks, caches, copies).
-            for path in paths[index % len(paths) :] + paths[: index % len(paths)]:
+            # Sizes alternate between the reverse order and the given one, so that no path is always
+            # timed right after the same one (whatever that leaves behind: clocks, caches, copies).
+            for path in paths if index % 2 else paths[::-1]:
                 if path == "service":
                     x_in, out = shared.tensor(count, dtype), shared.tensor(count, dtype, -(-nbytes // 64) * 64)
                     x_in.copy_(x)

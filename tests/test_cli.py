@@ -71,10 +71,10 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     paths = ["oneshot", "twoshot", "service", "auto", "gloo"]
     assert [(r["size_bytes"], r["path"]) for r in rows] == [(s, p) for s in (1024, 2048, 4096) for p in paths]
     assert all(r["wrong"] == 0 and r["p50_us"] > 0 for r in rows)
-    # Measured in a rotated order: each size starts the round one path further on.
+    # Measured in the reverse order and the given one, size by size.
     measured = [json.loads(line)["progress"] for line in result.stdout.splitlines() if line.startswith('{"progress"')]
     assert [(p["size_bytes"], p["path"]) for p in measured] == [
-        (s, paths[(i + k) % 5]) for i, s in enumerate((1024, 2048, 4096)) for k in range(5)
+        (s, p) for i, s in enumerate((1024, 2048, 4096)) for p in (paths if i % 2 else paths[::-1])
     ]
     (note,) = document["notes"]
     assert note.startswith("service path control plane: an empty submit") and note in result.stdout
