@@ -101,10 +101,7 @@ def rpc(method):
                 raise request.error()
             return await method(self, request, context)
         except NodecommError as error:
-            code = status_code_for(error)
-            self.metrics.rpc_errors.labels(method.__name__, code.name).inc()
-            self.metrics.errors.labels(type(error).__name__).inc()
-            await context.abort(code, status_details(error))
+            await self.refuse(context, method.__name__, error)
         finally:
             self.metrics.rpc_seconds.labels(method.__name__).observe(time.perf_counter() - started)
 
@@ -127,6 +124,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.store = store
         self.identities = identities
         self.admission = admission
+
+    async def refuse(self, context: grpc.aio.ServicerContext, method: str, error: NodecommError) -> None:
+        """End the call with the error's status code and message, counted by method and by error."""
+        code = status_code_for(error)
+        self.metrics.rpc_errors.labels(method, code.name).inc()
+        self.metrics.errors.labels(type(error).__name__).inc()
+        await context.abort(code, status_details(error))
 
     @rpc
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
@@ -176,7 +180,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             self.registry.authenticate(group_id, rank, _rank_secret(context))
             queue = self.registry.open_session(group_id, rank)
         except NodecommError as error:
-            await context.abort(status_code_for(error), status_details(error))
+            await self.refuse(context, "Session", error)
 
         undecodable: list[UndecodableRequest] = []
 
@@ -230,9 +234,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             try:
                 reply = probe.result()
             except NodecommError as error:
-                self.metrics.rpc_errors.labels("Calibrate", status_code_for(error).name).inc()
-                self.metrics.errors.labels(type(error).__name__).inc()
-                await context.abort(status_code_for(error), status_details(error))
+                await self.refuse(context, "Calibrate", error)
             yield pb.CalibrateUpdate(done=reply)
         finally:
             probe.cancel()  # the caller went away: stop the probe
