@@ -918,8 +918,7 @@ class GroupRegistry:
 
     def _follow_evidence(self, group: Group) -> None:
         """Move the group's boundary where its timings demand, and offer every rank the new table."""
-        fallback = Path.NCCL if group.args.nccl_fallback else Path.TWOSHOT
-        table = self.tables.follow_evidence(group.name, group.table, group.live, fallback)
+        table = self.tables.follow_evidence(group.name, group.table, group.live, group.args.nccl_fallback)
         if table is not None:
             group.table = table
             group.broadcast(pb.SessionDown(thresholds=table.to_proto()))

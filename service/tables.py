@@ -37,6 +37,11 @@ from .metrics import DaemonMetrics
 log = logging.getLogger("nodecomm.tables")
 
 
+def fallback_path(nccl_fallback: bool) -> Path:
+    """The path of the sizes no other range takes: NCCL where the ranks passed a group for it."""
+    return Path.NCCL if nccl_fallback else Path.TWOSHOT
+
+
 class TableKeeper:
     def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, max_world_size: int, gpu_count: int = 0):
         self.config = config
@@ -184,8 +189,8 @@ class TableKeeper:
     def _build_table(
         self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
     ) -> DispatchTable:
-        fallback = Path.NCCL if nccl_fallback else Path.TWOSHOT
-        return build_table(self.default_boundaries(device_kind, group_overrides, nccl_fallback), fallback, epoch)
+        boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback)
+        return build_table(boundaries, fallback_path(nccl_fallback), epoch)
 
     def _next_epoch(self) -> int:
         self._epoch += 1
@@ -207,12 +212,12 @@ class TableKeeper:
         return build_table({}, Path.NCCL, self._next_epoch())
 
     def follow_evidence(
-        self, group: str, table: DispatchTable, live: LiveEstimates, fallback: Path
+        self, group: str, table: DispatchTable, live: LiveEstimates, nccl_fallback: bool
     ) -> DispatchTable | None:
         """A group's new table where its live timings move a boundary, else None. Overrides are
         never second-guessed."""
         fixed = frozenset(b.name for b in table.boundaries if b.source is Source.OVERRIDE)
-        move = live.proposed_move(table, fallback, fixed)
+        move = live.proposed_move(table, fallback_path(nccl_fallback), fixed)
         if move is None:
             return None
         moved = dataclasses.replace(move.table, epoch=self._next_epoch())
