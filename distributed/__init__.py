@@ -1,0 +1,101 @@
+"""nodecomm as a torch.distributed backend: importing this module registers "nodecomm".
+
+    import torch.distributed as dist, nodecomm.distributed
+    dist.init_process_group("nodecomm")          # under torchrun; CPU and CUDA tensors
+    dist.all_reduce(x)                           # SUM of float32/16/bf16: comm.all_reduce's bits
+    comm = nodecomm.distributed.communicator()   # the Communicator behind the default group
+
+Every process group becomes its own nodecomm groups, named from a token that the group's rank 0
+draws and shares through the group's c10d store (so two jobs on one node never collide) and the
+group's name. The daemon is the one at $NODECOMM_SOCKET or the default path, unless
+`Options(socket=...)` is passed as `pg_options`.
+"""
+
+from __future__ import annotations
+
+import collections
+import secrets
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nodecomm.errors import InvalidArgumentError
+
+from .process_group import NodecommProcessGroup
+
+__all__ = ["BACKEND_NAME", "NodecommProcessGroup", "Options", "communicator"]
+
+BACKEND_NAME = "nodecomm"
+
+
+@dataclass(frozen=True)
+class Options:
+    """What `dist.init_process_group("nodecomm", pg_options=Options(...))` and `dist.new_group(...,
+    pg_options=...)` pass on to `nodecomm.connect` for the group's nodecomm groups."""
+
+    socket: str | None = None
+    capacity_bytes: int | None = None
+    thresholds: dict[str, str | int | None] = field(default_factory=dict)
+
+    def connect_options(self) -> dict[str, object]:
+        options: dict[str, object] = {"socket": self.socket}
+        if self.capacity_bytes is not None:
+            options["capacity_bytes"] = self.capacity_bytes
+        if self.thresholds:
+            options["thresholds"] = dict(self.thresholds)
+        return options
+
+
+# How many process groups of each name this process has created: a group destroyed and created
+# again under the same name (torch reuses names after destroy_process_group) draws a new token.
+_creations: collections.Counter[str] = collections.Counter()
+
+
+def _shared_token(store: dist.Store, rank: int, generation: int, timeout: timedelta) -> str:
+    key = f"nodecomm/token/{generation}"
+    if rank == 0:
+        token = secrets.token_hex(6)
+        store.set(key, token)
+        return token
+    store.wait([key], timeout)
+    return store.get(key).decode()
+
+
+def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> NodecommProcessGroup:
+    options = pg_options if pg_options is not None else Options()
+    if not isinstance(options, Options):
+        raise InvalidArgumentError(
+            f"pg_options: expected nodecomm.distributed.Options, got {type(options).__name__}"
+        )
+    group_name = str(backend_options.group_id)
+    _creations[group_name] += 1
+    rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
+    token = _shared_token(backend_options.store, rank, _creations[group_name], timeout)
+    safe_name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group_name)[:48]
+    return NodecommProcessGroup(
+        backend_options.store,
+        rank,
+        size,
+        name=f"torch.{token}.{safe_name}",
+        timeout=timeout,
+        connect_options=options.connect_options(),
+    )
+
+
+def communicator(group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu"):
+    """The Communicator behind a "nodecomm" process group (the default group when None) for
+    `device` ("cpu", "cuda" or "cuda:N"): for the calls torch has no name for (top-k exchange,
+    service buffers, the dispatch table). Collective the first time for a device: every rank of
+    the group joins its nodecomm group then."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    if not isinstance(group, NodecommProcessGroup):
+        raise InvalidArgumentError(f"expected a process group of the {BACKEND_NAME!r} backend, got {group!r}")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return group.lane(resolved.type).communicator(resolved)
+
+
+dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,144 @@
+"""Lane: one nodecomm group behind a process group, joined on first use, its operations in call order.
+
+A process group has a lane per device type for its collectives, and one per (source, destination,
+tag) for sends and receives. Where each operation runs:
+- CUDA collectives are enqueued on the caller's current stream, on the calling thread, like
+  `comm.all_reduce` (so they can be captured in a CUDA graph);
+- CPU collectives run on the calling thread, unless asked to run asynchronously: those go to the
+  lane's worker thread, and any operation issued behind them queues there too, so order holds;
+- sends and receives always run on their lane's worker (on CUDA, on the lane's own stream, after
+  the caller's stream): a rank that sends before it receives must not wait for its peer there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Mapping
+
+import torch
+
+from nodecomm.errors import InvalidArgumentError
+
+from .work import Work
+
+Operation = Callable[["Communicator"], None]  # noqa: F821 (nodecomm.client.Communicator)
+
+
+class Lane:
+    def __init__(
+        self,
+        group: str,
+        rank: int,
+        world_size: int,
+        connect_options: Mapping[str, object],
+        *,
+        background: bool = False,
+    ):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self._connect_options = dict(connect_options)
+        self._background = background
+        self._comm = None
+        self._joining = threading.Lock()
+        self._lock = threading.Lock()  # guards the fields below
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pending = 0
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._closed = False
+
+    @property
+    def connected(self) -> bool:
+        return self._comm is not None
+
+    def communicator(self, device: torch.device):
+        """The lane's Communicator, joining its group on the first call (every rank of the lane
+        must make that call: it is the group's Join)."""
+        with self._joining:
+            if self._comm is None:
+                if self._closed:
+                    raise InvalidArgumentError(
+                        "this process group was shut down", group=self.group, rank=self.rank
+                    )
+                import nodecomm
+
+                target = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
+                self._comm = nodecomm.connect(
+                    self.group, self.rank, self.world_size, device=target, **self._connect_options
+                )
+            return self._comm
+
+    def run(
+        self, operation: Operation, result: list[torch.Tensor], device: torch.device, async_op: bool
+    ) -> Work:
+        """Run `operation(comm)`; the Work completes with `result` (the operation's outputs)."""
+        cuda = device.type == "cuda"
+        if cuda and not self._background:
+            operation(self.communicator(device))
+            stream = torch.cuda.current_stream(device)
+            event = None
+            if async_op:
+                event = torch.cuda.Event()
+                event.record(stream)
+            return Work(result, stream=stream, event=event)
+        with self._lock:
+            inline = not self._background and not async_op and self._pending == 0
+        if inline:
+            operation(self.communicator(device))
+            return Work(result)
+        if cuda:
+            work = self._submit_on_stream(operation, result, device)
+        else:
+            work = Work(result, done=self._submit(lambda: operation(self.communicator(device))))
+        if not async_op:
+            work.wait()
+        return work
+
+    def _submit(self, job: Callable[[], None]) -> concurrent.futures.Future:
+        with self._lock:
+            if self._closed:
+                raise InvalidArgumentError("this process group was shut down", group=self.group, rank=self.rank)
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"nodecomm-{self.group}")
+            self._pending += 1
+            future = self._worker.submit(job)
+        future.add_done_callback(self._finished)
+        return future
+
+    def _finished(self, _: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def _submit_on_stream(self, operation: Operation, result: list[torch.Tensor], device: torch.device) -> Work:
+        """CUDA work on the worker: on the lane's stream, after what the caller's stream holds."""
+        with self._lock:
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = torch.cuda.Stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        for tensor in result:
+            tensor.record_stream(stream)  # the caching allocator must not reuse it meanwhile
+        done = torch.cuda.Event()
+
+        def job() -> None:
+            comm = self.communicator(device)
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                operation(comm)
+                done.record(stream)
+
+        return Work(result, done=self._submit(job), stream=stream, event=done)
+
+    def close(self) -> None:
+        """Let queued operations finish (each is bounded by the operation timeout), then leave."""
+        with self._lock:
+            self._closed = True
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=True)
+        with self._joining:
+            comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()

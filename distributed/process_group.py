@@ -1,0 +1,383 @@
+"""NodecommProcessGroup: the "nodecomm" torch.distributed backend, one process group's operations.
+
+torch hands every collective of the group to the methods below (the names its Python front end
+and its C++ callers, DDP among them, use). Each maps torch's arguments onto a lane's Communicator
+through nodecomm.distributed.collectives and returns a Work.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nodecomm.errors import InvalidArgumentError, UnsupportedError
+
+from . import collectives
+from .collectives import RedOp, check_reducible, reduce_op_type
+from .lanes import Lane
+from .work import Work
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise InvalidArgumentError(f"the tensors of one call must share a device, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"nodecomm runs on cpu and cuda tensors, got one on {device}")
+    return device
+
+
+def _check_dense(tensors: list[torch.Tensor]) -> None:
+    for tensor in tensors:
+        if tensor.layout != torch.strided:
+            raise UnsupportedError(f"nodecomm reduces dense (strided) tensors, got a {tensor.layout} one")
+
+
+def _one(tensors: list, what: str):
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{what}: expected one tensor per process, got {len(tensors)}")
+    return tensors[0]
+
+
+def _copy_into(destinations: list[torch.Tensor], rows: torch.Tensor) -> None:
+    for destination, row in zip(destinations, rows, strict=True):
+        destination.copy_(row.view(destination.shape))
+
+
+class NodecommProcessGroup(dist.ProcessGroup):
+    """A torch.distributed process group served by nodecomm groups: one per device type for the
+    collectives, joined on first use, and one per (source, destination, tag) for send/recv."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        *,
+        name: str,
+        timeout: timedelta,
+        connect_options: Mapping[str, object],
+    ):
+        super().__init__(rank, size)
+        self._store = store
+        self._rank = rank
+        self._size = size
+        self.nodecomm_name = name  # the nodecomm groups' names start with it
+        self._options = {**connect_options, "timeout": timeout.total_seconds()}
+        self._collective_lanes: dict[str, Lane] = {}
+        self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
+
+    # -- identity ------------------------------------------------------------------------------
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "nodecomm"
+
+    def getRank(self) -> int:  # noqa: N802
+        return self._rank
+
+    def getSize(self) -> int:  # noqa: N802
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"NodecommProcessGroup(name={self.nodecomm_name!r}, rank={self._rank}, size={self._size})"
+
+    # -- lanes ---------------------------------------------------------------------------------
+
+    def lane(self, device_type: str) -> Lane:
+        lane = self._collective_lanes.get(device_type)
+        if lane is None:
+            lane = Lane(f"{self.nodecomm_name}/{device_type}", self._rank, self._size, self._options)
+            self._collective_lanes[device_type] = lane
+        return lane
+
+    def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> Lane:
+        key = (device_type, source, destination, tag)
+        lane = self._pair_lanes.get(key)
+        if lane is None:
+            name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
+            lane = Lane(name, 0 if self._rank == source else 1, 2, self._options, background=True)
+            self._pair_lanes[key] = lane
+        return lane
+
+    def _run(
+        self, tensors: list[torch.Tensor], operation: Callable, result: list, async_op: bool
+    ) -> Work:
+        device = _device_of(tensors)
+        return self.lane(device.type).run(operation, result, device, async_op)
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def allreduce(self, tensors: list[torch.Tensor], opts=None) -> Work:
+        op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
+        tensor = _one(tensors, "all_reduce")
+        _check_dense(tensors)
+        check_reducible(tensor.dtype, op)
+        return self._run(tensors, lambda comm: collectives.all_reduce(comm, tensor, op), tensors, _async(opts))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> Work:
+        op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
+        _check_dense(tensors)
+        for tensor in tensors:
+            check_reducible(tensor.dtype, op)
+
+        def operation(comm) -> None:
+            # One reduction per dtype, over the tensors flattened back to back.
+            for dtype in dict.fromkeys(t.dtype for t in tensors):
+                members = [t for t in tensors if t.dtype == dtype]
+                joined = torch.cat([collectives.flat(t) for t in members])
+                collectives.all_reduce(comm, joined, op)
+                _copy_into(members, joined.split([t.numel() for t in members]))
+
+        return self._run(tensors, operation, tensors, _async(opts))
+
+    def broadcast(self, tensors: list[torch.Tensor], opts=None) -> Work:
+        tensor = _one(tensors, "broadcast")
+        root = self._root(opts.rootRank)
+        return self._run(tensors, lambda comm: collectives.broadcast(comm, tensor, root), tensors, _async(opts))
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> Work:
+        tensor = _one(tensors, "reduce")
+        op = reduce_op_type(opts.reduceOp)
+        _check_dense(tensors)
+        check_reducible(tensor.dtype, op)
+        root = self._root(opts.rootRank)
+        return self._run(tensors, lambda comm: collectives.reduce(comm, tensor, op, root), tensors, _async(opts))
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
+        tensor = _one(inputs, "all_gather")
+        outputs = self._per_rank(_one(output_lists, "all_gather"), "all_gather's output list")
+
+        def operation(comm) -> None:
+            _copy_into(outputs, collectives.gather_rows(comm, tensor))
+
+        return self._run([tensor, *outputs], operation, output_lists, _async(opts))
+
+    def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
+        if output.numel() != source.numel() * self._size:
+            raise InvalidArgumentError(
+                f"all_gather_into_tensor: the output holds {output.numel()} elements; expected world_size "
+                f"({self._size}) times the input's {source.numel()}"
+            )
+
+        def operation(comm) -> None:
+            output.copy_(collectives.gather_rows(comm, source).view(output.shape))
+
+        return self._run([output, source], operation, [output], _async(opts))
+
+    _allgather_base = all_gather_single  # the name before torch 2.12
+
+    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
+        if len(output_lists) != len(inputs):
+            raise InvalidArgumentError(
+                f"all_gather_coalesced: {len(output_lists)} output lists for {len(inputs)} inputs"
+            )
+        for outputs in output_lists:
+            self._per_rank(outputs, "all_gather_coalesced's output list")
+
+        def operation(comm) -> None:
+            # Every input's bytes back to back, gathered once.
+            joined = torch.cat([collectives.flat(t).view(torch.uint8) for t in inputs])
+            rows = collectives.gather_rows(comm, joined)
+            offset = 0
+            for tensor, outputs in zip(inputs, output_lists, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                for row, output in zip(rows, outputs, strict=True):
+                    output.copy_(row[offset : offset + nbytes].view(tensor.dtype).view(output.shape))
+                offset += nbytes
+
+        everything = list(inputs) + [t for outputs in output_lists for t in outputs]
+        return self._run(everything, operation, output_lists, _async(opts))
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> Work:
+        def operation(comm) -> None:
+            for output, source in zip(outputs, inputs, strict=True):
+                output.copy_(collectives.gather_rows(comm, source).view(output.shape))
+
+        return self._run([*outputs, *inputs], operation, outputs, _async(opts))
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the name before torch 2.12
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> Work:
+        output = _one(outputs, "reduce_scatter")
+        sources = self._per_rank(_one(input_lists, "reduce_scatter"), "reduce_scatter's input list")
+        op = reduce_op_type(opts.reduceOp)
+        _check_dense([output, *sources])
+        check_reducible(output.dtype, op)
+        for source in sources:
+            if source.numel() != output.numel() or source.dtype != output.dtype:
+                raise InvalidArgumentError(
+                    f"reduce_scatter: every input must match the output ({output.numel()} {output.dtype}), got "
+                    f"{source.numel()} {source.dtype}"
+                )
+
+        def operation(comm) -> None:
+            stacked = torch.cat([collectives.flat(t) for t in sources])
+            collectives.reduce_scatter(comm, output, stacked, op)
+
+        return self._run([output, *sources], operation, outputs, _async(opts))
+
+    def reduce_scatter_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
+        op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
+        _check_dense([output, source])
+        check_reducible(output.dtype, op)
+        operation = lambda comm: collectives.reduce_scatter(comm, output, source, op)  # noqa: E731
+        return self._run([output, source], operation, [output], _async(opts))
+
+    _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> Work:
+        op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
+        _check_dense([*outputs, *inputs])
+
+        def operation(comm) -> None:
+            for output, source in zip(outputs, inputs, strict=True):
+                collectives.reduce_scatter(comm, output, source, op)
+
+        return self._run([*outputs, *inputs], operation, outputs, _async(opts))
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced  # the name before torch 2.12
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        source: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts=None,
+    ) -> Work:
+        def operation(comm) -> None:
+            collectives.all_to_all(comm, output, source, list(output_split_sizes), list(input_split_sizes))
+
+        return self._run([output, source], operation, [output], _async(opts))
+
+    alltoall_base = all_to_all_single  # the name before torch 2.12
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> Work:
+        self._per_rank(outputs, "all_to_all's output list")
+        self._per_rank(inputs, "all_to_all's input list")
+
+        def operation(comm) -> None:
+            joined = torch.cat([collectives.flat(t) for t in inputs])
+            received = torch.empty(sum(t.numel() for t in outputs), dtype=joined.dtype, device=joined.device)
+            collectives.all_to_all(
+                comm, received, joined, [t.numel() for t in outputs], [t.numel() for t in inputs]
+            )
+            _copy_into(outputs, received.split([t.numel() for t in outputs]))
+
+        return self._run([*outputs, *inputs], operation, outputs, _async(opts))
+
+    def gather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
+        tensor = _one(inputs, "gather")
+        root = self._root(opts.rootRank)
+        outputs = []
+        if self._rank == root:
+            outputs = self._per_rank(_one(output_lists, "gather"), "gather's output list")
+        elif output_lists and output_lists[0]:
+            raise InvalidArgumentError(f"gather: only the destination rank {root} passes an output list")
+
+        def operation(comm) -> None:
+            rows = collectives.gather_rows(comm, tensor)
+            if outputs:
+                _copy_into(outputs, rows)
+
+        return self._run([tensor, *outputs], operation, output_lists, _async(opts))
+
+    def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> Work:
+        output = _one(outputs, "scatter")
+        root = self._root(opts.rootRank)
+        sources = []
+        if self._rank == root:
+            sources = self._per_rank(_one(input_lists, "scatter"), "scatter's input list")
+        elif input_lists and input_lists[0]:
+            raise InvalidArgumentError(f"scatter: only the source rank {root} passes an input list")
+
+        def operation(comm) -> None:
+            count = output.numel()
+            if sources:
+                stacked = torch.cat([collectives.flat(t) for t in sources])
+            else:
+                stacked = torch.empty(count * self._size, dtype=output.dtype, device=output.device)
+            collectives.broadcast(comm, stacked, root)
+            output.copy_(stacked[self._rank * count : (self._rank + 1) * count].view(output.shape))
+
+        return self._run([output, *sources], operation, outputs, _async(opts))
+
+    def barrier(self, opts=None) -> Work:
+        """On the CPU group, or on the CUDA one when that is the only one joined (every rank has
+        joined the same lanes by now: they join at the same collectives)."""
+        cuda = self._collective_lanes.get("cuda")
+        cpu = self._collective_lanes.get("cpu")
+        if cuda is not None and cuda.connected and (cpu is None or not cpu.connected):
+            device = cuda.communicator(torch.device("cuda")).device
+            return cuda.run(lambda comm: comm.barrier(), [], device, _async(opts))
+        return self.lane("cpu").run(lambda comm: comm.barrier(), [], torch.device("cpu"), _async(opts))
+
+    # -- point to point ------------------------------------------------------------------------
+
+    def send(self, tensors: list[torch.Tensor], destination: int, tag: int) -> Work:
+        tensor = _one(tensors, "send")
+        self._peer(destination, "send to")
+        lane = self._pair_lane(tensor.device.type, self._rank, destination, tag)
+        payload = collectives.flat(tensor)
+
+        def operation(comm) -> None:
+            comm.all_gather(payload)
+
+        return lane.run(operation, tensors, _device_of(tensors), True)
+
+    def recv(self, tensors: list[torch.Tensor], source: int, tag: int) -> Work:
+        tensor = _one(tensors, "recv")
+        self._peer(source, "receive from")
+        lane = self._pair_lane(tensor.device.type, source, self._rank, tag)
+
+        def operation(comm) -> None:
+            rows = comm.all_gather(torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device))
+            tensor.copy_(rows[0].view(tensor.shape))
+
+        return lane.run(operation, tensors, _device_of(tensors), True)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        raise UnsupportedError(
+            "recv from any source: nodecomm pairs every send with a receive that names its source; pass src="
+        )
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def _root(self, root: int) -> int:
+        if not 0 <= root < self._size:
+            raise InvalidArgumentError(f"root rank {root} is outside this group's ranks 0..{self._size - 1}")
+        return root
+
+    def _peer(self, peer: int, what: str) -> None:
+        if not 0 <= peer < self._size or peer == self._rank:
+            raise InvalidArgumentError(
+                f"cannot {what} rank {peer}: expected another rank of this group's 0..{self._size - 1}"
+            )
+
+    def _per_rank(self, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+        if len(tensors) != self._size:
+            raise InvalidArgumentError(f"{what} has {len(tensors)} tensors; expected one per rank ({self._size})")
+        return tensors
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Leave every nodecomm group of this process group (what destroy_process_group calls)."""
+        lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
+        self._pair_lanes, self._collective_lanes = {}, {}
+        for lane in lanes:
+            lane.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _async(opts) -> bool:
+    return True if opts is None else bool(getattr(opts, "asyncOp", True))

@@ -1,0 +1,100 @@
+"""Work: what a nodecomm process group returns for each operation, as torch.distributed expects.
+
+An operation finishes in one of three ways, and the Work records which:
+- on the calling thread, before the Work is returned (CPU operations that were not asked to run
+  asynchronously): nothing to wait for;
+- on a lane's worker thread (asynchronous CPU operations, every send and recv): `done` is the
+  concurrent future the worker completes, with the operation's error if it failed;
+- enqueued on a CUDA stream: `event` is recorded on that stream after the operation, and wait()
+  makes the caller's current stream wait on it, without blocking the host, as NCCL's Work does.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from nodecomm.errors import DeadlineExceededError
+
+
+class Work(dist.Work):
+    def __init__(
+        self,
+        result: list[torch.Tensor],
+        *,
+        done: concurrent.futures.Future | None = None,
+        stream: torch.cuda.Stream | None = None,
+        event: torch.cuda.Event | None = None,
+    ):
+        super().__init__()
+        self._result = result
+        self._done = done
+        self._stream = stream
+        self._event = event
+        self._future: torch.futures.Future | None = None
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        """Return once the operation is complete as seen from the current stream (CUDA: the
+        current stream waits on the operation; the host does not), or raise its error."""
+        self._host_result(timeout)
+        if self._event is not None:
+            torch.cuda.current_stream(self._event.device).wait_event(self._event)
+        return True
+
+    def _host_result(self, timeout: timedelta | None) -> None:
+        if self._done is None:
+            return
+        seconds = timeout.total_seconds() if timeout else None
+        try:
+            self._done.result(timeout=seconds or None)
+        except concurrent.futures.TimeoutError:
+            raise DeadlineExceededError(f"the operation did not finish within {seconds:.3f} s") from None
+
+    def is_completed(self) -> bool:
+        if self._done is not None and not self._done.done():
+            return False
+        return self._event is None or self._event.query()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self.exception() is None
+
+    def exception(self) -> BaseException | None:
+        if self._done is None or not self._done.done():
+            return None
+        return self._done.exception()
+
+    def result(self) -> list[torch.Tensor]:
+        self._host_result(None)
+        return self._result
+
+    def synchronize(self) -> None:
+        """Block the host until the operation is complete, on the device too."""
+        self._host_result(None)
+        if self._event is not None:
+            self._event.synchronize()
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch Future completed with the operation's outputs (or its error). On CUDA it is a
+        device-aware future: waiting on it makes the current stream wait for the operation."""
+        if self._future is None:
+            devices = [self._stream.device] if self._stream is not None else []
+            self._future = torch.futures.Future(devices=devices)
+            if self._done is None:
+                self._complete(self._future, None)
+            else:
+                self._done.add_done_callback(lambda done: self._complete(self._future, done))
+        return self._future
+
+    def _complete(self, future: torch.futures.Future, done: concurrent.futures.Future | None) -> None:
+        error = done.exception() if done is not None else None
+        if error is not None:
+            future.set_exception(error)
+        elif self._stream is not None:
+            # The future records its events on the current stream: make that the operation's.
+            with torch.cuda.stream(self._stream):
+                future.set_result(self._result)
+        else:
+            future.set_result(self._result)
