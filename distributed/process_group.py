@@ -69,6 +69,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self._store = store
         self._rank = rank
         self._size = size
+        self._group_name = self._group_desc = ""
         self.nodecomm_name = name  # the nodecomm groups' names start with it
         self._options = {**connect_options, "timeout": timeout.total_seconds()}
         self._collective_lanes: dict[str, Lane] = {}
@@ -84,6 +85,20 @@ class NodecommProcessGroup(dist.ProcessGroup):
 
     def getSize(self) -> int:  # noqa: N802
         return self._size
+
+    # torch names the group after construction; the base class would look the name up in backends
+    # registered per device, which a Python process group has none of.
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, description: str) -> None:  # noqa: N802
+        self._group_desc = description
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def __repr__(self) -> str:
         return f"NodecommProcessGroup(name={self.nodecomm_name!r}, rank={self._rank}, size={self._size})"
@@ -174,23 +189,24 @@ class NodecommProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single  # the name before torch 2.12
 
     def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
-        if len(output_lists) != len(inputs):
-            raise InvalidArgumentError(
-                f"all_gather_coalesced: {len(output_lists)} output lists for {len(inputs)} inputs"
-            )
+        """output_lists[r][i] receives rank r's inputs[i]."""
+        self._per_rank(output_lists, "all_gather_coalesced's output lists")
         for outputs in output_lists:
-            self._per_rank(outputs, "all_gather_coalesced's output list")
+            if len(outputs) != len(inputs):
+                raise InvalidArgumentError(
+                    f"all_gather_coalesced: an output list holds {len(outputs)} tensors for {len(inputs)} inputs"
+                )
 
         def operation(comm) -> None:
             # Every input's bytes back to back, gathered once.
             joined = torch.cat([collectives.flat(t).view(torch.uint8) for t in inputs])
             rows = collectives.gather_rows(comm, joined)
-            offset = 0
-            for tensor, outputs in zip(inputs, output_lists, strict=True):
-                nbytes = tensor.numel() * tensor.element_size()
-                for row, output in zip(rows, outputs, strict=True):
+            for row, outputs in zip(rows, output_lists, strict=True):
+                offset = 0
+                for tensor, output in zip(inputs, outputs, strict=True):
+                    nbytes = tensor.numel() * tensor.element_size()
                     output.copy_(row[offset : offset + nbytes].view(tensor.dtype).view(output.shape))
-                offset += nbytes
+                    offset += nbytes
 
         everything = list(inputs) + [t for outputs in output_lists for t in outputs]
         return self._run(everything, operation, output_lists, _async(opts))
