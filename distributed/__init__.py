@@ -66,9 +66,7 @@ def _shared_token(store: dist.Store, rank: int, generation: int, timeout: timede
 def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> NodecommProcessGroup:
     options = pg_options if pg_options is not None else Options()
     if not isinstance(options, Options):
-        raise InvalidArgumentError(
-            f"pg_options: expected nodecomm.distributed.Options, got {type(options).__name__}"
-        )
+        raise InvalidArgumentError(f"pg_options: expected nodecomm.distributed.Options, got {type(options).__name__}")
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout

@@ -57,18 +57,20 @@ def reduce_op_type(op: object) -> RedOp:
 def check_reducible(dtype: torch.dtype, op: RedOp) -> None:
     """Raise, before anything moves, if `op` cannot reduce `dtype`."""
     name = op.name
-    if op is RedOp.PREMUL_SUM:
-        raise UnsupportedError("ReduceOp.PREMUL_SUM is NCCL's; nodecomm reduces SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR")
+    if op == RedOp.PREMUL_SUM:
+        raise UnsupportedError(
+            "ReduceOp.PREMUL_SUM is NCCL's; nodecomm reduces SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR"
+        )
     if dtype.is_complex and op not in (RedOp.SUM, RedOp.AVG, RedOp.PRODUCT):
         raise InvalidArgumentError(f"ReduceOp.{name} does not order complex numbers; expected SUM, AVG or PRODUCT")
-    if op is RedOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
+    if op == RedOp.AVG and not (dtype.is_floating_point or dtype.is_complex):
         raise InvalidArgumentError(f"ReduceOp.AVG needs a floating-point or complex tensor, got {dtype}")
     if op in (RedOp.BAND, RedOp.BOR, RedOp.BXOR) and (dtype.is_floating_point or dtype.is_complex):
         raise InvalidArgumentError(f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
 
 
 def is_lossless_sum(dtype: torch.dtype, op: RedOp) -> bool:
-    return op is RedOp.SUM and (dtype in LOSSLESS_DTYPES or dtype in _AS_REAL)
+    return op == RedOp.SUM and (dtype in LOSSLESS_DTYPES or dtype in _AS_REAL)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,7 +93,7 @@ def reduce_rows(rows: torch.Tensor, op: RedOp) -> torch.Tensor:
     total = rows[0].to(accumulator)
     for row in rows[1:]:
         total = combine(total, row.to(accumulator))
-    if op is RedOp.AVG:
+    if op == RedOp.AVG:
         total = total / rows.shape[0]
     return total.to(rows.dtype)
 

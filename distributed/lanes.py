@@ -58,9 +58,7 @@ class Lane:
         with self._joining:
             if self._comm is None:
                 if self._closed:
-                    raise InvalidArgumentError(
-                        "this process group was shut down", group=self.group, rank=self.rank
-                    )
+                    raise InvalidArgumentError("this process group was shut down", group=self.group, rank=self.rank)
                 import nodecomm
 
                 target = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
@@ -69,9 +67,7 @@ class Lane:
                 )
             return self._comm
 
-    def run(
-        self, operation: Operation, result: list[torch.Tensor], device: torch.device, async_op: bool
-    ) -> Work:
+    def run(self, operation: Operation, result: list[torch.Tensor], device: torch.device, async_op: bool) -> Work:
         """Run `operation(comm)`; the Work completes with `result` (the operation's outputs)."""
         cuda = device.type == "cuda"
         if cuda and not self._background:

@@ -121,9 +121,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
             self._pair_lanes[key] = lane
         return lane
 
-    def _run(
-        self, tensors: list[torch.Tensor], operation: Callable, result: list, async_op: bool
-    ) -> Work:
+    def _run(self, tensors: list[torch.Tensor], operation: Callable, result: list, async_op: bool) -> Work:
         device = _device_of(tensors)
         return self.lane(device.type).run(operation, result, device, async_op)
 
@@ -188,7 +186,9 @@ class NodecommProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single  # the name before torch 2.12
 
-    def allgather_coalesced(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None
+    ) -> Work:
         """output_lists[r][i] receives rank r's inputs[i]."""
         self._per_rank(output_lists, "all_gather_coalesced's output lists")
         for outputs in output_lists:
@@ -248,7 +248,9 @@ class NodecommProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single  # the name before torch 2.12
 
-    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> Work:
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None
+    ) -> Work:
         op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
         _check_dense([*outputs, *inputs])
 
@@ -282,9 +284,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
         def operation(comm) -> None:
             joined = torch.cat([collectives.flat(t) for t in inputs])
             received = torch.empty(sum(t.numel() for t in outputs), dtype=joined.dtype, device=joined.device)
-            collectives.all_to_all(
-                comm, received, joined, [t.numel() for t in outputs], [t.numel() for t in inputs]
-            )
+            collectives.all_to_all(comm, received, joined, [t.numel() for t in outputs], [t.numel() for t in inputs])
             _copy_into(outputs, received.split([t.numel() for t in outputs]))
 
         return self._run([*outputs, *inputs], operation, outputs, _async(opts))

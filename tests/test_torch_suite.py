@@ -51,7 +51,10 @@ def restricted_to_other_backends(reason: str) -> bool:
 def test_pytorch_distributed_suite_passes_what_gloo_passes(daemon, tmp_path):
     gloo = run_suite("gloo", tmp_path, daemon.socket)
     nodecomm = run_suite("nodecomm", tmp_path, daemon.socket)
-    counts = {name: collections.Counter(o for o, _ in outcomes.values()) for name, outcomes in (("gloo", gloo), ("nodecomm", nodecomm))}
+    counts = {
+        name: collections.Counter(o for o, _ in outcomes.values())
+        for name, outcomes in (("gloo", gloo), ("nodecomm", nodecomm))
+    }
     print("\nPyTorch distributed suite, world size 2, CPU (passed / failed / skipped):")
     for name, count in counts.items():
         print(f"  {name:9} {count['passed']:4} {count['failed']:4} {count['skipped']:4}")

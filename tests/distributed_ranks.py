@@ -1,0 +1,322 @@
+"""Rank programs for the torch.distributed backend: run under torchrun (python -m
+torch.distributed.run), or by the tests' spawn_ranks with torchrun's environment set."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import nodecomm
+import nodecomm.distributed
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+
+Op = dist.ReduceOp
+FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+INTEGERS = (torch.int8, torch.uint8, torch.int32, torch.int64)
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float64: torch.int64}
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Rank `rank`'s input, which every rank can compute: floats scaled per rank (the order of a sum
+    matters), small integers (products stay exact), bools of varying density."""
+    generator = torch.Generator().manual_seed(seed * 1009 + rank)
+    if dtype == torch.bool:
+        return torch.rand(count, generator=generator) < (0.3 + 0.2 * rank)
+    if dtype.is_floating_point:
+        return (torch.randn(count, generator=generator) * (1.0 + rank / 7.0) + rank * 1e-3).to(dtype)
+    low = 0 if dtype == torch.uint8 else -3
+    return torch.randint(low, 4, (count,), generator=generator, dtype=dtype)
+
+
+def reference(inputs: list[torch.Tensor], op) -> torch.Tensor:
+    """The reduction in rank order 0..n-1: 16-bit floats in float32, rounded once."""
+    dtype = inputs[0].dtype
+    if dtype == torch.bool:
+        combine = {
+            Op.SUM: torch.logical_or,
+            Op.MAX: torch.logical_or,
+            Op.PRODUCT: torch.logical_and,
+            Op.MIN: torch.logical_and,
+        }[op]
+        total = inputs[0]
+        for x in inputs[1:]:
+            total = combine(total, x)
+        return total
+    wide = torch.float32 if dtype in (torch.float16, torch.bfloat16) and op not in (Op.MIN, Op.MAX) else dtype
+    total = inputs[0].to(wide)
+    for x in inputs[1:]:
+        x = x.to(wide)
+        if op in (Op.SUM, Op.AVG):
+            total = total + x
+        elif op == Op.PRODUCT:
+            total = total * x
+        elif op == Op.MIN:
+            total = torch.minimum(total, x)
+        elif op == Op.MAX:
+            total = torch.maximum(total, x)
+        elif op == Op.BAND:
+            total = total & x
+        elif op == Op.BOR:
+            total = total | x
+        elif op == Op.BXOR:
+            total = total ^ x
+    if op == Op.AVG:
+        total = total / len(inputs)
+    return total.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in BITS:
+        return torch.equal(a.view(BITS[a.dtype]), b.view(BITS[b.dtype]))
+    return torch.equal(a, b)
+
+
+def ops_for(dtype: torch.dtype) -> list:
+    if dtype == torch.bool:
+        return [Op.SUM, Op.MAX, Op.MIN, Op.PRODUCT]
+    if dtype.is_floating_point:
+        return [Op.SUM, Op.AVG, Op.MIN, Op.MAX, Op.PRODUCT]
+    return [Op.SUM, Op.MIN, Op.MAX, Op.PRODUCT, Op.BAND, Op.BOR, Op.BXOR]
+
+
+def check_collectives(group, ranks: list[int], device: torch.device, problems: list[str], label: str) -> None:
+    """Every collective on `group` (whose members are the global `ranks`), checked exactly."""
+    me, n = dist.get_rank(group), dist.get_world_size(group)
+
+    def expect(name: str, got, want) -> None:
+        if not same_bits(got, want):
+            problems.append(f"{label} {name}: got {got.flatten()[:6].tolist()}, expected {want.flatten()[:6].tolist()}")
+
+    seed = 0
+    for dtype in (*FLOATS, *INTEGERS, torch.bool):
+        for op in ops_for(dtype):
+            for count in (1, 1001):
+                seed += 1
+                inputs = [rank_input(r, count, dtype, seed).to(device) for r in range(n)]
+                want = reference(inputs, op)
+                x = inputs[me].clone()
+                dist.all_reduce(x, op=op, group=group)
+                expect(f"all_reduce {dtype} {op} {count}", x, want)
+                y = inputs[me].clone()
+                work = dist.all_reduce(y, op=op, group=group, async_op=True)
+                value = work.get_future().wait()[0]
+                work.wait()
+                expect(f"async all_reduce {dtype} {op} {count}", y, want)
+                expect(f"async all_reduce future {dtype} {op} {count}", value, want)
+    # SUM of the lossless dtypes: the bits of comm.all_reduce itself, at sizes past one slot too.
+    comm = nodecomm.distributed.communicator(group, device)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for count in (0, 7, 300_001, (5 << 20) // 2 + 3):
+            seed += 1
+            x = rank_input(me, count, dtype, seed).to(device)
+            direct = comm.all_reduce(x)
+            through = x.clone()
+            dist.all_reduce(through, group=group)
+            expect(f"all_reduce == comm.all_reduce {dtype} {count}", through, direct)
+    # Non-contiguous tensors are reduced where they lie.
+    strided = torch.arange(12, dtype=torch.float32, device=device).view(3, 4).t() * (me + 1)
+    dist.all_reduce(strided, group=group)
+    expect(
+        "all_reduce non-contiguous",
+        strided.contiguous(),
+        torch.arange(12.0, device=device).view(3, 4).t().contiguous() * (n * (n + 1) // 2),
+    )
+
+    for root in range(n):
+        payload = rank_input(root, 33, torch.float16, 100 + root).to(device)
+        b = payload.clone() if me == root else torch.zeros(33, dtype=torch.float16, device=device)
+        dist.broadcast(b, src=ranks[root], group=group)
+        expect(f"broadcast root {root}", b, payload)
+        inputs = [rank_input(r, 17, torch.int64, 200 + root).to(device) for r in range(n)]
+        r_ = inputs[me].clone()
+        dist.reduce(r_, dst=ranks[root], op=Op.MAX, group=group)
+        expect(f"reduce root {root}", r_, reference(inputs, Op.MAX) if me == root else inputs[me])
+        s = inputs[me].to(torch.float32)
+        dist.reduce(s, dst=ranks[root], group=group)
+        if me == root:
+            expect(f"reduce SUM root {root}", s, reference([t.float() for t in inputs], Op.SUM))
+        out = [torch.empty(5, dtype=torch.int32, device=device) for _ in range(n)] if me == root else None
+        dist.gather(torch.full((5,), me, dtype=torch.int32, device=device), out, dst=ranks[root], group=group)
+        if me == root:
+            expect(
+                f"gather root {root}",
+                torch.stack(out),
+                torch.arange(n, dtype=torch.int32, device=device).repeat_interleave(5).view(n, 5),
+            )
+        pieces = [torch.full((3,), 10 * r + root, dtype=torch.float64, device=device) for r in range(n)]
+        received = torch.empty(3, dtype=torch.float64, device=device)
+        dist.scatter(received, pieces if me == root else None, src=ranks[root], group=group)
+        expect(f"scatter root {root}", received, pieces[me])
+
+    gathered = [torch.empty(2, 3, dtype=torch.bfloat16, device=device) for _ in range(n)]
+    inputs = [rank_input(r, 6, torch.bfloat16, 300).view(2, 3).to(device) for r in range(n)]
+    dist.all_gather(gathered, inputs[me], group=group)
+    expect("all_gather", torch.stack(gathered), torch.stack(inputs))
+    flat = torch.empty(n * 6, dtype=torch.bfloat16, device=device)
+    work = dist.all_gather_into_tensor(flat, inputs[me].flatten(), group=group, async_op=True)
+    work.wait()
+    expect("all_gather_into_tensor async", flat, torch.cat([t.flatten() for t in inputs]))
+    bools = [rank_input(r, 9, torch.bool, 301).to(device) for r in range(n)]
+    gathered = [torch.empty(9, dtype=torch.bool, device=device) for _ in range(n)]
+    dist.all_gather(gathered, bools[me], group=group)
+    expect("all_gather bool", torch.stack(gathered), torch.stack(bools))
+
+    for dtype in (torch.float32, torch.bfloat16, torch.int32):
+        blocks = [[rank_input(r, 4, dtype, 400 + d).to(device) for d in range(n)] for r in range(n)]
+        want = reference([torch.cat(blocks[r]) for r in range(n)], Op.SUM)[me * 4 : (me + 1) * 4]
+        output = torch.empty(4, dtype=dtype, device=device)
+        dist.reduce_scatter(output, blocks[me], group=group)
+        expect(f"reduce_scatter {dtype}", output, want)
+        output = torch.empty(4, dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(output, torch.cat(blocks[me]), group=group)
+        expect(f"reduce_scatter_tensor {dtype}", output, want)
+        if dtype.is_floating_point:
+            # Lossless SUM: the same bits as the all-reduce of the whole stack.
+            stack = torch.cat(blocks[me])
+            expect(
+                f"reduce_scatter_tensor == comm.all_reduce slice {dtype}",
+                output,
+                comm.all_reduce(stack)[me * 4 : (me + 1) * 4],
+            )
+        output = torch.empty(4, dtype=dtype, device=device)
+        dist.reduce_scatter_tensor(output, torch.cat(blocks[me]), op=Op.MAX, group=group)
+        expect(
+            f"reduce_scatter_tensor MAX {dtype}",
+            output,
+            reference([torch.cat(blocks[r]) for r in range(n)], Op.MAX)[me * 4 : (me + 1) * 4],
+        )
+
+    # all_to_all_single, equal splits then uneven: rank r sends (r + d + 1) rows of 2 to rank d.
+    source = torch.arange(n * 2, dtype=torch.float32, device=device).view(n, 2) + 100 * me
+    output = torch.empty(n, 2, device=device)
+    dist.all_to_all_single(output, source, group=group)
+    expect(
+        "all_to_all_single",
+        output,
+        torch.stack([torch.tensor([2.0 * me, 2.0 * me + 1], device=device) + 100 * r for r in range(n)]),
+    )
+    sends = [me + d + 1 for d in range(n)]
+    receives = [r + me + 1 for r in range(n)]
+    source = torch.cat(
+        [torch.full((k, 2), 1000 * me + d, dtype=torch.int64, device=device) for d, k in enumerate(sends)]
+    )
+    output = torch.empty(sum(receives), 2, dtype=torch.int64, device=device)
+    dist.all_to_all_single(output, source, receives, sends, group=group)
+    expect(
+        "all_to_all_single uneven",
+        output,
+        torch.cat(
+            [torch.full((k, 2), 1000 * r + me, dtype=torch.int64, device=device) for r, k in enumerate(receives)]
+        ),
+    )
+    outputs = [torch.empty(r + 1, device=device) for r in range(n)]
+    dist.all_to_all(outputs, [torch.full((me + 1,), 10.0 * me + d, device=device) for d in range(n)], group=group)
+    expect(
+        "all_to_all",
+        torch.cat(outputs),
+        torch.cat([torch.full((r + 1,), 10.0 * r + me, device=device) for r in range(n)]),
+    )
+
+    # Coalesced forms.
+    tensors = [rank_input(me, count, torch.bfloat16, 500 + count).to(device) for count in (5, 3)]
+    wants = [
+        reference([rank_input(r, count, torch.bfloat16, 500 + count).to(device) for r in range(n)], Op.SUM)
+        for count in (5, 3)
+    ]
+    dist.all_reduce_coalesced(tensors, group=group)
+    for i, (got, want) in enumerate(zip(tensors, wants, strict=True)):
+        expect(f"all_reduce_coalesced {i}", got, want)
+    outputs = [
+        [torch.empty(2, dtype=torch.int64, device=device), torch.empty(3, dtype=torch.int64, device=device)]
+        for _ in range(n)
+    ]
+    dist.all_gather_coalesced(
+        outputs,
+        [
+            torch.full((2,), -me, dtype=torch.int64, device=device),
+            torch.full((3,), me, dtype=torch.int64, device=device),
+        ],
+        group=group,
+    )
+    for r in range(n):
+        expect(f"all_gather_coalesced from {r}", torch.cat(outputs[r]), torch.tensor([-r] * 2 + [r] * 3, device=device))
+
+    # Point to point: a ring both ways (isend first on every rank), then batch_isend_irecv.
+    if n > 1:
+        right, left = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        outgoing = torch.full((4,), float(me), device=device)
+        incoming = torch.empty(4, device=device)
+        works = [dist.isend(outgoing, right, group=group), dist.irecv(incoming, left, group=group)]
+        for w in works:
+            w.wait()
+        expect("ring isend/irecv", incoming, torch.full((4,), float((me - 1) % n), device=device))
+        incoming = torch.empty(4, device=device)
+        ops = [dist.P2POp(dist.isend, outgoing * 2, left, group), dist.P2POp(dist.irecv, incoming, right, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        expect("batch_isend_irecv", incoming, torch.full((4,), 2.0 * ((me + 1) % n), device=device))
+        tagged = torch.empty(2, dtype=torch.int64, device=device)
+        if me == 0:
+            dist.send(torch.tensor([7, 8], device=device), ranks[1], group=group, tag=5)
+        elif me == 1:
+            dist.recv(tagged, ranks[0], group=group, tag=5)
+            expect("send/recv with a tag", tagged, torch.tensor([7, 8], device=device))
+    dist.barrier(group=group)
+    work = dist.barrier(group=group, async_op=True)
+    work.wait()
+
+
+def all_collectives(device_kind: str = "cpu") -> list[str]:
+    """torchrun entry: the default group, then sub-groups, every collective checked."""
+    dist.init_process_group("nodecomm")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = (
+        torch.device("cpu")
+        if device_kind == "cpu"
+        else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count()))
+    )
+    problems: list[str] = []
+    check_collectives(None, list(range(world)), device, problems, "world")
+    for members in ([0, 1], list(range(1, world)), list(range(world))[::-1]):
+        subgroup = dist.new_group(members, backend="nodecomm")
+        if rank in members:
+            check_collectives(subgroup, sorted(members), device, problems, f"group {members}")
+    dist.destroy_process_group()
+    return problems
+
+
+def reduce_until_error(rank: int, world_size: int, socket: str, port: int, report) -> tuple[str, str, float]:
+    """torch.distributed all-reduces in a loop until one raises: (error class, message, time)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NODECOMM_SOCKET=socket,
+    )
+    dist.init_process_group("nodecomm")
+    x = torch.ones(1 << 14)
+    dist.all_reduce(x)
+    report.put(("running", rank))
+    try:
+        while True:
+            dist.all_reduce(x)
+            x.fill_(1.0)
+    except nodecomm.NodecommError as error:
+        return type(error).__name__, str(error), time.time()
+
+
+if __name__ == "__main__":
+    found = all_collectives(sys.argv[1] if len(sys.argv) > 1 else "cpu")[:20]
+    print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found}))
+    sys.exit(1 if found else 0)

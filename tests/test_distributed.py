@@ -1,0 +1,72 @@
+"""The "nodecomm" torch.distributed backend, launched the way engines launch it: torchrun."""
+
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import distributed_ranks
+from conftest import free_port
+
+RANKS = Path(__file__).parent / "distributed_ranks.py"
+
+
+def test_import_registers_the_backend_for_cpu_and_cuda():
+    probe = (
+        "import torch.distributed as dist, nodecomm.distributed\n"
+        "print(dist.Backend('nodecomm'), dist.Backend.backend_capability['nodecomm'], "
+        "dist.Backend.default_device_backend_map['cpu'])"
+    )
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert printed.split() == ["nodecomm", "['cpu',", "'cuda']", "gloo"]
+
+
+def torchrun(ranks: int, socket: str) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RANKS),
+    ]  # fmt: skip
+    env = {**os.environ, "NODECOMM_SOCKET": socket, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def reports(job: subprocess.Popen) -> dict[int, list[str]]:
+    output, _ = job.communicate(timeout=600)
+    found = {}
+    for line in output.splitlines():
+        if line.startswith('{"rank"'):
+            report = json.loads(line)
+            found[report["rank"]] = report["problems"]
+    assert job.returncode == 0 and found, output[-6000:]
+    return found
+
+
+def test_every_collective_is_exact_under_torchrun_two_jobs_at_once(daemon):
+    """Two jobs of 2 and 4 ranks on one daemon at the same time: each names its groups from its
+    own token, so their default groups (both torch's "0") never meet. Every collective, on the
+    default group and on sub-groups, sync and async, matches a reference exactly."""
+    jobs = {2: torchrun(2, daemon.socket), 4: torchrun(4, daemon.socket)}
+    for ranks, job in jobs.items():
+        found = reports(job)
+        assert sorted(found) == list(range(ranks))
+        assert all(problems == [] for problems in found.values()), found
+
+
+def test_killed_rank_makes_the_others_raise(daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(distributed_ranks.reduce_until_error, 3, 3, daemon.socket, free_port(), report, timeout=120)
+    for _ in range(3):
+        assert report.get(timeout=60)[0] == "running"
+    time.sleep(0.3)
+    killed_at = time.time()
+    group.kill(1)
+    results = group.results()
+    assert results[1][0] == "died"
+    for rank in (0, 2):
+        status, (name, message, failed_at) = results[rank]
+        assert status == "ok"
+        assert name == "PeerLostError" and "rank 1" in message, message
+        assert failed_at - killed_at < 10.0
