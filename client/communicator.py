@@ -152,16 +152,15 @@ class Communicator:
             )
         nbytes = tensor.numel() * tensor.element_size()
         self._reduces += 1
-        if self._switch_period and self._reduces % self._switch_period == 0 and not self._transport.capturing():
-            self._agree_on_table()
         sampled = (self._reduces - 1) % self._sample_period == 0
         if path is not None:
             chosen = self._forced_path(path)
         else:
             chosen = self._table.path_for(nbytes)
             if chosen not in self._paths:
+                hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
                 raise InvalidArgumentError(
-                    f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run",
+                    f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run{hint}",
                     group=self.group,
                     rank=self.rank,
                 )
@@ -182,11 +181,33 @@ class Communicator:
                 )
             work = self._submitted(self._service.all_reduce, tensor, out)
             self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
+            self._maybe_switch_table()
             return work if async_op else work.wait()
         sample = (chosen, nbytes) if sampled else None
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
         self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
+        self._maybe_switch_table()
         return ServiceWork.completed(out) if async_op else out
+
+    def _maybe_switch_table(self) -> None:
+        """After every table_switch_period-th all-reduce: after the call, so that what accepts()
+        answered before a call is what that call dispatches by."""
+        if self._switch_period and self._reduces % self._switch_period == 0 and not self._transport.capturing():
+            self._agree_on_table()
+
+    def accepts(self, tensor: torch.Tensor) -> bool:
+        """Whether all_reduce(tensor) would run here: a contiguous tensor of this group's dtypes on
+        its device, of a size the dispatch table gives a path this rank runs. False for the sizes
+        the table gives NCCL when the caller runs NCCL itself (connect(nccl_by_caller=True)): an
+        engine's custom all-reduce slot declines those, and the engine's own NCCL takes them."""
+        if not (
+            isinstance(tensor, torch.Tensor)
+            and tensor.dtype in self._dtypes
+            and tensor.is_contiguous()
+            and self._transport.on_device(tensor)
+        ):
+            return False
+        return self._table.path_for(tensor.numel() * tensor.element_size()) in self._paths
 
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:
@@ -383,6 +404,11 @@ class Communicator:
                 if epoch <= agreed:
                     self._lease.offered.pop(epoch, None)
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
+
+    @property
+    def paths(self) -> frozenset[Path]:
+        """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
+        return frozenset(self._paths)
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""

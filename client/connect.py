@@ -130,6 +130,8 @@ def connect(
     capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
     dtypes: Iterable[str | torch.dtype] = DEFAULT_DTYPES,
     thresholds: Mapping[str, str | int | None] | None = None,
+    nccl_by_caller: bool = False,
+    table_switching: bool = True,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -140,13 +142,21 @@ def connect(
     engine's torch.distributed NCCL group over the same ranks; sizes no custom path wins go to it.
     `socket` defaults to $NODECOMM_SOCKET or the daemon's default path. thresholds: this group's
     own boundary overrides, e.g. {"dma_min_bytes": "24MiB", "oneshot_max_bytes": "off"}, which win
-    over the daemon's; every rank must pass the same.
+    over the daemon's; every rank must pass the same. nccl_by_caller: the caller runs its own
+    NCCL for the sizes the table gives NCCL (an engine's custom all-reduce slot): the table keeps
+    its NCCL ranges, `comm.accepts()` is False for them, and all_reduce refuses them; instead of
+    an nccl_group. table_switching: False keeps the table this group formed with (no host
+    all-gather every table_switch_period-th eager all-reduce to switch to a live one).
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
-    if nccl_group is not None:
+    if nccl_group is not None or nccl_by_caller:
+        name = "nccl_group" if nccl_group is not None else "nccl_by_caller"
         if device_index is None:
-            raise InvalidArgumentError("nccl_group applies to CUDA groups; a CPU group has no NCCL path", **where)
+            raise InvalidArgumentError(f"{name} applies to CUDA groups; a CPU group has no NCCL path", **where)
+        if nccl_group is not None and nccl_by_caller:
+            raise InvalidArgumentError("pass nccl_group or nccl_by_caller, not both", **where)
+    if nccl_group is not None:
         _check_nccl_group(nccl_group, rank, world_size, where)
     if not timeout > 0:
         raise InvalidArgumentError(f"timeout {timeout!r}: expected a positive number of seconds", **where)
@@ -178,7 +188,7 @@ def connect(
         geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes),
         pid=os.getpid(),
         join_timeout_seconds=timeout,
-        nccl_fallback=nccl_group is not None,
+        nccl_fallback=nccl_group is not None or nccl_by_caller,
         overrides=overrides,
         identity=identity,
     )
@@ -230,7 +240,8 @@ def connect(
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
         table = reply.thresholds
-        switch_period, explore_period = reply.table_switch_period, reply.explore_period
+        switch_period = reply.table_switch_period if table_switching else 0
+        explore_period = reply.explore_period
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
         else:

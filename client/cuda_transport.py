@@ -71,8 +71,9 @@ class CudaTransport:
         return ""
 
     def drop_peer_paths(self) -> None:
-        """After a failed check: only the engine's NCCL group carries collectives."""
-        self.paths = frozenset({Path.NCCL})
+        """After a failed check: only the engine's NCCL group carries collectives (none at all
+        when the caller runs NCCL itself)."""
+        self.paths = frozenset({Path.NCCL}) if self._nccl_group is not None else frozenset()
 
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device

@@ -1,0 +1,38 @@
+"""SGLang: the `sglang.srt.plugins` entry point that puts NodecommAllreduce in SGLang's custom
+all-reduce slot.
+
+SGLang's GroupCoordinator asks dispatch_custom_allreduce(group=, device=) in
+sglang.srt.distributed.device_communicators.custom_all_reduce for the class to build (imported
+inside its constructor), then builds it with (group=, device=); replacing that function is the
+patch point. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engine-guide.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.distributed as dist
+
+from .custom_all_reduce import NodecommAllreduce
+from .engine_switch import ENVIRONMENT_VARIABLE, requested
+
+log = logging.getLogger("nodecomm.integrations")
+
+SLOT_MODULE = "sglang.srt.distributed.device_communicators.custom_all_reduce"
+
+
+def dispatch_custom_allreduce(group: dist.ProcessGroup, device: int | str | torch.device) -> type[NodecommAllreduce]:
+    """What SGLang's own function of this name answers: the class to build for (group, device)."""
+    return NodecommAllreduce
+
+
+def register() -> None:
+    """SGLang's plugin loader calls this with no arguments."""
+    if not requested():
+        return
+    module = importlib.import_module(SLOT_MODULE)
+    if module.dispatch_custom_allreduce is not dispatch_custom_allreduce:
+        module.dispatch_custom_allreduce = dispatch_custom_allreduce
+        log.info("nodecomm takes SGLang's custom all-reduce slot", extra={"switch": ENVIRONMENT_VARIABLE})

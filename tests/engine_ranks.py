@@ -1,0 +1,114 @@
+"""Rank programs that drive NodecommAllreduce the way vLLM and SGLang do, through the engine
+stand-ins in tests/engine_standins (real plugin entry points, real daemon, real process groups)."""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from importlib.metadata import entry_points
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STANDINS = str(Path(__file__).parent / "engine_standins")
+PLUGIN_GROUPS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
+BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def rank_input(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 31 + rank)
+    return (torch.randn(count, generator=generator) * (1.0 + rank / 5.0)).to(dtype)
+
+
+def reference(world_size: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """fp32 in rank order, rounded once: what nodecomm returns."""
+    total = rank_input(0, count, dtype, seed).float()
+    for rank in range(1, world_size):
+        total += rank_input(rank, count, dtype, seed).float()
+    return total.to(dtype)
+
+
+def engine_sequence(
+    rank: int, world_size: int, socket: str, port: int, engine: str, device_kind: str, counts: list[int]
+) -> dict:
+    """Construction, a profile run, graph capture with its warm-up, replay, eager calls, teardown,
+    in the engine's order. Returns which sizes the class took and every mismatch."""
+    os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_CUSTOM_ALLREDUCE="1")
+    sys.path.insert(0, STANDINS)
+    cuda = device_kind == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    cpu_group = dist.new_group(backend="gloo")
+    device_group = dist.new_group(backend="nccl") if cuda else cpu_group
+    for plugin in entry_points(group=PLUGIN_GROUPS[engine]):  # what the engine's plugin loader does
+        plugin.load()()
+    if engine == "vllm":
+        from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+        communicator = CudaCommunicator(cpu_group, device, device_group)
+    else:
+        from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+        communicator = GroupCoordinator(cpu_group, device_group, device)
+    ca_comm = communicator.ca_comm
+    outcome: dict = {"class": type(ca_comm).__name__, "disabled": ca_comm.disabled, "taken": {}, "problems": []}
+    problems = outcome["problems"]
+    dtype = torch.bfloat16
+
+    def check(label: str, count: int, got: torch.Tensor, seed: int) -> None:
+        want = reference(world_size, count, dtype, seed).to(device)
+        taken = outcome["taken"][count]
+        if taken and not torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype])):
+            problems.append(f"{label} {count}: not the bits of the fp32 rank-order sum")
+        elif not taken and not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            problems.append(f"{label} {count}: the engine's NCCL result is wrong")
+
+    # Profile run: eager calls of every size.
+    for count in counts:
+        x = rank_input(rank, count, dtype, count).to(device)
+        outcome["taken"][count] = ca_comm.should_custom_ar(x)
+        check("profile", count, communicator.all_reduce(x), count)
+
+    # Graph capture: warm-up calls inside capture() communicate for real, then the capture.
+    stream = torch.cuda.Stream() if cuda else None
+    static = {count: rank_input(rank, count, dtype, count).to(device) for count in counts if outcome["taken"][count]}
+    graph, captured = None, {}
+    with communicator.graph_capture(stream):
+        outcome["capturing_inside"] = ca_comm._IS_CAPTURING
+        for count, x in static.items():
+            check("warm-up", count, communicator.all_reduce(x), count)
+        if cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=stream):
+                for count, x in static.items():
+                    captured[count] = communicator.all_reduce(x)
+    outcome["capturing_after"] = ca_comm._IS_CAPTURING
+
+    # Replay with new inputs in the captured tensors.
+    if graph is not None:
+        for replay in range(3):
+            for count, x in static.items():
+                x.copy_(rank_input(rank, count, dtype, 1000 * replay + count))
+            graph.replay()
+            torch.cuda.synchronize()
+            for count in static:
+                check(f"replay {replay}", count, captured[count], 1000 * replay + count)
+
+    # Eager calls after capture.
+    for count in counts:
+        check("eager", count, communicator.all_reduce(rank_input(rank, count, dtype, 7 * count).to(device)), 7 * count)
+
+    # Teardown as the engine does it; the object must leave its nodecomm group when dropped.
+    held = weakref.ref(ca_comm)
+    del ca_comm, graph, captured
+    communicator.destroy()
+    gc.collect()
+    outcome["released"] = held() is None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return outcome

@@ -1,0 +1,45 @@
+"""NodecommAllreduce driven the way vLLM and SGLang drive their custom all-reduce, on the CPU:
+their plugin entry points, construction over a gloo group, capture(), eager calls, teardown."""
+
+import subprocess
+import sys
+
+import pytest
+
+import engine_ranks
+from conftest import free_port
+
+# bfloat16 elements: small decode sizes, one past a slot, and 9 MiB (past the 8 MiB max_size).
+COUNTS = [8, 1000, 4100, (5 << 20) // 2, 9 << 19]
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engine_call_sequence(daemon, spawn_ranks, engine):
+    world_size = 2
+    results = spawn_ranks(
+        engine_ranks.engine_sequence, world_size, world_size, daemon.socket, free_port(), engine, "cpu", COUNTS,
+        timeout=240,
+    ).values()  # fmt: skip
+    for outcome in results.values():
+        assert outcome["class"] == "NodecommAllreduce" and not outcome["disabled"]
+        assert outcome["problems"] == []
+        # Everything up to max_size is taken; the 9 MiB call goes to the engine's own all-reduce.
+        assert outcome["taken"] == {count: count * 2 <= 8 << 20 for count in COUNTS}
+        assert outcome["capturing_inside"] and not outcome["capturing_after"]
+        assert outcome["released"]
+    # Both ranks left their nodecomm group when the engine dropped the object: it was released.
+    log = daemon.log()
+    assert '"msg": "group released", "group": "engine-ar.' in log and "session ended without Leave" not in log
+
+
+def test_plugins_change_nothing_unless_asked():
+    probe = (
+        "import sys, types\n"
+        "from nodecomm.integrations import vllm as plugin\n"
+        "slot = types.ModuleType(plugin.SLOT_MODULE); slot.CustomAllreduce = object\n"
+        "sys.modules[plugin.SLOT_MODULE] = slot\n"
+        "plugin.register(); print(slot.CustomAllreduce is object)\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "NODECOMM_CUSTOM_ALLREDUCE": "0"}
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
+    assert printed.stdout.strip() == "True"
