@@ -67,16 +67,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _operation(path: str, comm, dist, x, out, baseline_group):
+# Not a path: dist.all_reduce through the "nodecomm" torch.distributed backend, whose table picks.
+BACKEND_ROW = "torch"
+
+
+def _operation(path: str, comm, dist, x, out, group):
     """One timed all-reduce of x into out. The baseline copies x into out and reduces that in
     place, as nodecomm's NCCL route does; timed back to back in place instead, NCCL under graph
     replay was 1.6-3x slower for small messages (docs/bench-gpu.md), which flattered every path
-    compared with it."""
-    if path in BASELINES.values():
+    compared with it. The backend row does the same through the "nodecomm" process group."""
+    if path in BASELINES.values() or path == BACKEND_ROW:
 
         def run() -> None:
             out.copy_(x)
-            dist.all_reduce(out, group=baseline_group)
+            dist.all_reduce(out, group=group)
     else:
         chosen = None if path == "auto" else path
 
@@ -162,6 +166,12 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
     on_gpu = device != "cpu"
     dtype = getattr(torch, args["dtype"])
     baseline_group = dist.new_group(backend="nccl") if args["baseline"] == "nccl" else None
+    backend_group = None
+    if BACKEND_ROW in args["paths"]:
+        import nodecomm.distributed
+
+        options = nodecomm.distributed.Options(socket=args["socket"], capacity_bytes=args["capacity_bytes"])
+        backend_group = dist.new_group(backend="nodecomm", pg_options=options)
     rows, notes = [], []
     with nodecomm.connect(
         "bench",
@@ -195,7 +205,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                     run = _operation(path, comm, dist, x_in, out, baseline_group)
                 else:
                     out = torch.empty_like(x)
-                    run = _operation(path, comm, dist, x, out, baseline_group)
+                    run = _operation(path, comm, dist, x, out, backend_group if path == BACKEND_ROW else baseline_group)
                 for _ in range(min(5, iterations)):
                     run()
                 if on_gpu:
@@ -384,7 +394,21 @@ def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> s
         )
     lines += [f"# {note}" for note in notes]
     lines += dispatch_regret(rows)
+    lines += backend_overhead(rows)
     return "\n".join(lines)
+
+
+def backend_overhead(rows: list[Row]) -> list[str]:
+    """Per size, what dist.all_reduce through the backend costs beyond comm.all_reduce (auto):
+    torch.distributed's dispatch, the process group's Python, and the input copy both make."""
+    auto = {r.size_bytes: r for r in rows if r.path == "auto"}
+    lines = [
+        f"#   {format_byte_size(r.size_bytes):>9} {r.p50_us - auto[r.size_bytes].p50_us:>8.1f} us"
+        f"  ({r.p50_us / auto[r.size_bytes].p50_us:.2f}x)"
+        for r in rows
+        if r.path == BACKEND_ROW and r.size_bytes in auto
+    ]
+    return ["# torch.distributed backend: p50(torch) - p50(auto) per size", *lines] if lines else []
 
 
 def dispatch_regret(rows: list[Row]) -> list[str]:
@@ -395,7 +419,7 @@ def dispatch_regret(rows: list[Row]) -> list[str]:
         by_size.setdefault(r.size_bytes, {})[r.path] = r
     lines = []
     for size, paths in by_size.items():
-        others = {name: r for name, r in paths.items() if name != "auto"}
+        others = {name: r for name, r in paths.items() if name not in ("auto", BACKEND_ROW)}
         if "auto" not in paths or not others:
             continue
         best = min(others.values(), key=lambda r: r.p50_us)

@@ -56,6 +56,8 @@ def reduce_op_type(op: object) -> RedOp:
 
 def check_reducible(dtype: torch.dtype, op: RedOp) -> None:
     """Raise, before anything moves, if `op` cannot reduce `dtype`."""
+    if op == RedOp.SUM and dtype in LOSSLESS_DTYPES:
+        return  # the common case, checked cheaply
     name = op.name
     if op == RedOp.PREMUL_SUM:
         raise UnsupportedError(
@@ -100,6 +102,9 @@ def reduce_rows(rows: torch.Tensor, op: RedOp) -> torch.Tensor:
 
 def all_reduce(comm, tensor: torch.Tensor, op: RedOp) -> None:
     """Reduce `tensor` across the ranks, in place."""
+    if op == RedOp.SUM and tensor.dtype in LOSSLESS_DTYPES and tensor.is_contiguous():
+        comm.all_reduce(tensor, out=tensor)  # the common case, with nothing to reshape
+        return
     if is_lossless_sum(tensor.dtype, op):
         values = tensor if tensor.is_contiguous() else tensor.contiguous()
         parts = (torch.view_as_real(values) if values.dtype in _AS_REAL else values).view(-1)

@@ -55,6 +55,9 @@ class Lane:
     def communicator(self, device: torch.device):
         """The lane's Communicator, joining its group on the first call (every rank of the lane
         must make that call: it is the group's Join)."""
+        comm = self._comm
+        if comm is not None:
+            return comm
         with self._joining:
             if self._comm is None:
                 if self._closed:
@@ -78,9 +81,9 @@ class Lane:
                 event = torch.cuda.Event()
                 event.record(stream)
             return Work(result, stream=stream, event=event)
-        with self._lock:
-            inline = not self._background and not async_op and self._pending == 0
-        if inline:
+        # Only this thread adds pending work, so reading the count without the lock is safe: a
+        # stale non-zero only sends the operation to the worker, behind what is queued there.
+        if not self._background and not async_op and self._pending == 0:
             operation(self.communicator(device))
             return Work(result)
         if cuda:

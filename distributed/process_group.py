@@ -25,6 +25,8 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 def _device_of(tensors: list[torch.Tensor]) -> torch.device:
+    if len(tensors) == 1 and tensors[0].device.type in ("cpu", "cuda"):
+        return tensors[0].device
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise InvalidArgumentError(f"the tensors of one call must share a device, got {sorted(map(str, devices))}")
@@ -130,7 +132,8 @@ class NodecommProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> Work:
         op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
         tensor = _one(tensors, "all_reduce")
-        _check_dense(tensors)
+        if tensor.layout != torch.strided:
+            _check_dense(tensors)
         check_reducible(tensor.dtype, op)
         return self._run(tensors, lambda comm: collectives.all_reduce(comm, tensor, op), tensors, _async(opts))
 
