@@ -275,6 +275,46 @@ def check_collectives(group, ranks: list[int], device: torch.device, problems: l
     work.wait()
 
 
+def check_cuda_semantics(device: torch.device, problems: list[str]) -> None:
+    """On CUDA: async work is stream-ordered (wait() makes the current stream wait, the host goes
+    on), and dist.all_reduce is captured in a CUDA graph and replayed with comm.all_reduce's bits."""
+    me = dist.get_rank()
+    comm = nodecomm.distributed.communicator(None, device)
+    x = rank_input(me, 1 << 16, torch.bfloat16, 900).to(device)
+    expected = comm.all_reduce(x)
+    side = torch.cuda.Stream(device)
+    y = x.clone()
+    torch.cuda._sleep(200_000_000)  # ~100 ms of GPU cycles ahead of the all-reduce
+    work = dist.all_reduce(y, async_op=True)
+    if work.is_completed():
+        problems.append("async CUDA work completed before its stream reached it")
+    with torch.cuda.stream(side):
+        work.wait()  # the side stream waits; the host does not
+        waited_on_host = torch.cuda.current_stream(device).query()
+        result = y.clone()
+    if waited_on_host:
+        problems.append("work.wait() blocked the host until the stream finished")
+    torch.cuda.synchronize(device)
+    if not same_bits(result, expected) or not work.is_completed():
+        problems.append("async CUDA all_reduce read on another stream after wait() differs")
+
+    static = x.clone()
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream(device)
+    capture.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(capture), torch.cuda.graph(graph, stream=capture):
+        dist.all_reduce(static)
+        dist.all_reduce(static, op=Op.MAX)  # a composed one, captured too
+    for replay in range(3):
+        inputs = [rank_input(r, 1 << 16, torch.bfloat16, 910 + replay).to(device) for r in range(dist.get_world_size())]
+        static.copy_(inputs[me])
+        graph.replay()
+        torch.cuda.synchronize(device)
+        total = reference(inputs, Op.SUM)
+        if not same_bits(static, total):
+            problems.append(f"captured dist.all_reduce replay {replay} differs from the reference")
+
+
 def all_collectives(device_kind: str = "cpu") -> list[str]:
     """torchrun entry: the default group, then sub-groups, every collective checked."""
     dist.init_process_group("nodecomm")
@@ -285,6 +325,9 @@ def all_collectives(device_kind: str = "cpu") -> list[str]:
         else torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % max(1, torch.cuda.device_count()))
     )
     problems: list[str] = []
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        check_cuda_semantics(device, problems)
     check_collectives(None, list(range(world)), device, problems, "world")
     for members in ([0, 1], list(range(1, world)), list(range(world))[::-1]):
         subgroup = dist.new_group(members, backend="nodecomm")

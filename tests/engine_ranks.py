@@ -39,12 +39,15 @@ def engine_sequence(
     os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_CUSTOM_ALLREDUCE="1")
     sys.path.insert(0, STANDINS)
     cuda = device_kind == "cuda"
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
     cpu_group = dist.new_group(backend="gloo")
-    device_group = dist.new_group(backend="nccl") if cuda else cpu_group
+    # The engine's own NCCL takes what the class declines; NCCL refuses ranks that share a GPU,
+    # so where they do, gloo (which reduces CUDA tensors through the host) stands in for it.
+    shared_gpu = cuda and torch.cuda.device_count() < world_size
+    device_group = dist.new_group(backend="gloo" if shared_gpu or not cuda else "nccl") if cuda else cpu_group
     for plugin in entry_points(group=PLUGIN_GROUPS[engine]):  # what the engine's plugin loader does
         plugin.load()()
     if engine == "vllm":

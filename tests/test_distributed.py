@@ -24,10 +24,10 @@ def test_import_registers_the_backend_for_cpu_and_cuda():
     assert printed.split() == ["nodecomm", "['cpu',", "'cuda']", "gloo"]
 
 
-def torchrun(ranks: int, socket: str) -> subprocess.Popen:
+def torchrun(ranks: int, socket: str, device: str = "cpu") -> subprocess.Popen:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RANKS),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RANKS), device,
     ]  # fmt: skip
     env = {**os.environ, "NODECOMM_SOCKET": socket, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,15 @@
+"""The "nodecomm" backend on CUDA tensors under torchrun: every collective exact on default and
+sub-groups, async work ordered by streams, dist.all_reduce captured in a CUDA graph. Ranks share
+the GPU where there is one."""
+
+import pytest
+
+from test_distributed import reports, torchrun
+
+pytestmark = pytest.mark.gpu
+
+
+def test_every_collective_on_cuda_tensors(make_daemon):
+    daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "60")
+    found = reports(torchrun(2, daemon.socket, "cuda"))
+    assert found == {0: [], 1: []}
