@@ -122,8 +122,11 @@ class Lane:
         done = torch.cuda.Event()
 
         def job() -> None:
-            comm = self.communicator(device)
+            # Joining runs kernels too (the peer self-test): on this lane's stream as well, so that
+            # no two lanes' kernels queue behind each other on one stream in different orders on
+            # different ranks (each would wait for the other's peer).
             with torch.cuda.stream(stream):
+                comm = self.communicator(device)
                 stream.wait_event(ready)
                 operation(comm)
                 done.record(stream)
