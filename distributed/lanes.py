@@ -75,11 +75,13 @@ class Lane:
         cuda = device.type == "cuda"
         if cuda and not self._background:
             operation(self.communicator(device))
+            if not async_op:
+                # Complete as seen from the current stream, which is all a synchronous caller
+                # waits for (looking the stream up costs more than the rest of this method).
+                return Work(result)
             stream = torch.cuda.current_stream(device)
-            event = None
-            if async_op:
-                event = torch.cuda.Event()
-                event.record(stream)
+            event = torch.cuda.Event()
+            event.record(stream)
             return Work(result, stream=stream, event=event)
         # Only this thread adds pending work, so reading the count without the lock is safe: a
         # stale non-zero only sends the operation to the worker, behind what is queued there.
