@@ -67,8 +67,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# Not a path: dist.all_reduce through the "nodecomm" torch.distributed backend, whose table picks.
+# Not paths: dist.all_reduce through the "nodecomm" torch.distributed backend, and what it runs
+# underneath (the input copied into the output, then comm.all_reduce in place), both by the table.
 BACKEND_ROW = "torch"
+DIRECT_ROW = "inplace"
 
 
 def _operation(path: str, comm, dist, x, out, group):
@@ -81,6 +83,11 @@ def _operation(path: str, comm, dist, x, out, group):
         def run() -> None:
             out.copy_(x)
             dist.all_reduce(out, group=group)
+    elif path == DIRECT_ROW:
+
+        def run() -> None:
+            out.copy_(x)
+            comm.all_reduce(out, out=out)
     else:
         chosen = None if path == "auto" else path
 
@@ -399,16 +406,16 @@ def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> s
 
 
 def backend_overhead(rows: list[Row]) -> list[str]:
-    """Per size, what dist.all_reduce through the backend costs beyond comm.all_reduce (auto):
-    torch.distributed's dispatch, the process group's Python, and the input copy both make."""
-    auto = {r.size_bytes: r for r in rows if r.path == "auto"}
+    """Per size, what dist.all_reduce through the backend costs beyond the same work done directly
+    (the inplace row): torch.distributed's dispatch and the process group's own Python."""
+    direct = {r.size_bytes: r for r in rows if r.path == DIRECT_ROW}
     lines = [
-        f"#   {format_byte_size(r.size_bytes):>9} {r.p50_us - auto[r.size_bytes].p50_us:>8.1f} us"
-        f"  ({r.p50_us / auto[r.size_bytes].p50_us:.2f}x)"
+        f"#   {format_byte_size(r.size_bytes):>9} {r.p50_us - direct[r.size_bytes].p50_us:>8.1f} us"
+        f"  ({r.p50_us / direct[r.size_bytes].p50_us:.2f}x)"
         for r in rows
-        if r.path == BACKEND_ROW and r.size_bytes in auto
+        if r.path == BACKEND_ROW and r.size_bytes in direct
     ]
-    return ["# torch.distributed backend: p50(torch) - p50(auto) per size", *lines] if lines else []
+    return [f"# torch.distributed backend: p50({BACKEND_ROW}) - p50({DIRECT_ROW}) per size", *lines] if lines else []
 
 
 def dispatch_regret(rows: list[Row]) -> list[str]:
@@ -419,7 +426,7 @@ def dispatch_regret(rows: list[Row]) -> list[str]:
         by_size.setdefault(r.size_bytes, {})[r.path] = r
     lines = []
     for size, paths in by_size.items():
-        others = {name: r for name, r in paths.items() if name not in ("auto", BACKEND_ROW)}
+        others = {name: r for name, r in paths.items() if name not in ("auto", BACKEND_ROW, DIRECT_ROW)}
         if "auto" not in paths or not others:
             continue
         best = min(others.values(), key=lambda r: r.p50_us)

@@ -295,7 +295,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--paths",
         help="comma-separated: oneshot, twoshot, service, dma (GPU), auto, torch (dist.all_reduce through the "
-        "nodecomm backend), gloo / nccl (default: every path and auto)",
+        "nodecomm backend), inplace (what torch runs underneath, called directly), gloo / nccl "
+        "(default: every path and auto)",
     )
     bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")
