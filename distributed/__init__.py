@@ -13,8 +13,10 @@ group's name. The daemon is the one at $NODECOMM_SOCKET or the default path, unl
 
 from __future__ import annotations
 
+import atexit
 import collections
 import secrets
+import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -51,6 +53,14 @@ class Options:
 # How many process groups of each name this process has created: a group destroyed and created
 # again under the same name (torch reuses names after destroy_process_group) draws a new token.
 _creations: collections.Counter[str] = collections.Counter()
+# Groups still open at exit leave their nodecomm groups (peers hear a Leave, not a lost lease).
+_open_groups: weakref.WeakSet[NodecommProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _leave_at_exit() -> None:
+    for group in list(_open_groups):
+        group.shutdown()
 
 
 def _shared_token(store: dist.Store, rank: int, generation: int, timeout: timedelta) -> str:
@@ -72,7 +82,7 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
     token = _shared_token(backend_options.store, rank, _creations[group_name], timeout)
     safe_name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group_name)[:48]
-    return NodecommProcessGroup(
+    group = NodecommProcessGroup(
         backend_options.store,
         rank,
         size,
@@ -80,6 +90,8 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         timeout=timeout,
         connect_options=options.connect_options(),
     )
+    _open_groups.add(group)
+    return group
 
 
 def communicator(group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu"):

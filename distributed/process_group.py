@@ -76,6 +76,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self._options = {**connect_options, "timeout": timeout.total_seconds()}
         self._collective_lanes: dict[str, Lane] = {}
         self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
+        self._shut_down = False
 
     # -- identity ------------------------------------------------------------------------------
 
@@ -110,6 +111,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
     def lane(self, device_type: str) -> Lane:
         lane = self._collective_lanes.get(device_type)
         if lane is None:
+            self._check_open()
             lane = Lane(f"{self.nodecomm_name}/{device_type}", self._rank, self._size, self._options)
             self._collective_lanes[device_type] = lane
         return lane
@@ -118,6 +120,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
         key = (device_type, source, destination, tag)
         lane = self._pair_lanes.get(key)
         if lane is None:
+            self._check_open()
             name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
             lane = Lane(name, 0 if self._rank == source else 1, 2, self._options, background=True)
             self._pair_lanes[key] = lane
@@ -387,8 +390,15 @@ class NodecommProcessGroup(dist.ProcessGroup):
 
     # -- teardown ------------------------------------------------------------------------------
 
+    def _check_open(self) -> None:
+        if self._shut_down:
+            raise InvalidArgumentError(
+                f"process group {self.nodecomm_name!r} was shut down (destroy_process_group); create a new one"
+            )
+
     def shutdown(self) -> None:
         """Leave every nodecomm group of this process group (what destroy_process_group calls)."""
+        self._shut_down = True
         lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
         self._pair_lanes, self._collective_lanes = {}, {}
         for lane in lanes:

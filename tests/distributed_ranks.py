@@ -359,6 +359,46 @@ def reduce_until_error(rank: int, world_size: int, socket: str, port: int, repor
         return type(error).__name__, str(error), time.time()
 
 
+def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]:
+    """Calls the backend must refuse, each with the error class and message it raises."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        NODECOMM_SOCKET=socket,
+    )
+    dist.init_process_group("nodecomm")
+    seen = {}
+    calls = {
+        "premul_sum": lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0)),
+        "avg_of_ints": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=Op.AVG),
+        "band_of_floats": lambda: dist.all_reduce(torch.ones(4), op=Op.BAND),
+        "any_source": lambda: dist.recv(torch.ones(4)),
+        "sparse": lambda: dist.all_reduce(torch.ones(4).to_sparse()),
+        "uneven_all_to_all": lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)),
+        "pg_options": lambda: dist.new_group([0, 1], backend="nodecomm", pg_options={"socket": "x"}),
+    }
+    for name, call in calls.items():
+        try:
+            call()
+            seen[name] = "no error"
+        except Exception as error:
+            seen[name] = f"{type(error).__name__}: {error}"
+    x = torch.ones(4)
+    dist.all_reduce(x)  # the group still works after every refusal
+    seen["still_works"] = str(x.tolist())
+    group = dist.new_group([0, 1], backend="nodecomm")
+    dist.destroy_process_group(group)
+    try:
+        group.allreduce([x], None)
+        seen["after_destroy"] = "no error"
+    except Exception as error:
+        seen["after_destroy"] = f"{type(error).__name__}: {error}"
+    dist.destroy_process_group()
+    return seen
+
+
 if __name__ == "__main__":
     found = all_collectives(sys.argv[1] if len(sys.argv) > 1 else "cpu")[:20]
     print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found}))

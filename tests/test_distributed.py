@@ -70,3 +70,16 @@ def test_killed_rank_makes_the_others_raise(daemon, spawn_ranks):
         assert status == "ok"
         assert name == "PeerLostError" and "rank 1" in message, message
         assert failed_at - killed_at < 10.0
+
+
+def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):
+    seen = spawn_ranks(distributed_ranks.misuse, 2, 2, daemon.socket, free_port(), timeout=120).values()[0]
+    assert seen["premul_sum"].startswith("UnsupportedError") and "PREMUL_SUM" in seen["premul_sum"]
+    assert "ReduceOp.AVG needs a floating-point" in seen["avg_of_ints"] and "torch.int32" in seen["avg_of_ints"]
+    assert "ReduceOp.BAND needs an integer or bool tensor" in seen["band_of_floats"]
+    assert seen["any_source"].startswith("UnsupportedError") and "names its source" in seen["any_source"]
+    assert seen["sparse"].startswith("UnsupportedError") and "dense" in seen["sparse"]
+    assert "3 rows do not split equally over 2 ranks" in seen["uneven_all_to_all"]
+    assert "expected nodecomm.distributed.Options, got dict" in seen["pg_options"]
+    assert seen["still_works"] == "[2.0, 2.0, 2.0, 2.0]"
+    assert "was shut down" in seen["after_destroy"]
