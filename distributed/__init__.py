@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import logging
 import secrets
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from nodecomm.errors import InvalidArgumentError
 
 from .process_group import NodecommProcessGroup
+
+log = logging.getLogger("nodecomm.distributed")
 
 __all__ = ["BACKEND_NAME", "NodecommProcessGroup", "Options", "communicator"]
 
@@ -73,10 +76,26 @@ def _shared_token(store: dist.Store, rank: int, generation: int, timeout: timede
     return store.get(key).decode()
 
 
+def _created_for_cuda_only(store: dist.Store) -> bool:
+    """torch hands a backend its group's store under a "<device>/" prefix, naming the first device
+    it is created for: "cuda/" only when the backend string gave it CUDA alone ("cuda:nodecomm",
+    or "cpu:gloo,cuda:nodecomm")."""
+    store.set("nodecomm/created", "1")
+    inner = getattr(store, "underlying_store", None)
+    # PrefixStore joins its prefix and a key with "/": torch's "cuda/" prefix makes "cuda//".
+    return inner is not None and inner.check(["cuda//nodecomm/created"])
+
+
 def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> NodecommProcessGroup:
     options = pg_options if pg_options is not None else Options()
     if not isinstance(options, Options):
         raise InvalidArgumentError(f"pg_options: expected nodecomm.distributed.Options, got {type(options).__name__}")
+    if _created_for_cuda_only(backend_options.store):
+        # A Python process group replaces the whole group torch was assembling (see the engine guide).
+        log.warning(
+            "the nodecomm backend serves every device of its process group: CPU tensors of a "
+            "'cpu:gloo,cuda:nodecomm' group go to nodecomm too, not to gloo"
+        )
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout

@@ -399,7 +399,21 @@ def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]
     return seen
 
 
+def mixed_backends() -> list[str]:
+    """'cpu:gloo,cuda:nodecomm': the Python process group serves CPU tensors too, and says so."""
+    dist.init_process_group("cpu:gloo,cuda:nodecomm")
+    x = torch.ones(3)
+    dist.all_reduce(x)
+    group = dist.distributed_c10d._get_default_group()
+    problems = [] if x.tolist() == [dist.get_world_size()] * 3 else [f"sum {x.tolist()}"]
+    if not isinstance(group, nodecomm.distributed.NodecommProcessGroup):
+        problems.append(f"the default group is a {type(group).__name__}")
+    dist.destroy_process_group()
+    return problems
+
+
 if __name__ == "__main__":
-    found = all_collectives(sys.argv[1] if len(sys.argv) > 1 else "cpu")[:20]
+    mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    found = (mixed_backends() if mode == "mixed" else all_collectives(mode))[:20]
     print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found}))
     sys.exit(1 if found else 0)

@@ -33,8 +33,10 @@ def torchrun(ranks: int, socket: str, device: str = "cpu") -> subprocess.Popen:
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def reports(job: subprocess.Popen) -> dict[int, list[str]]:
+def reports(job: subprocess.Popen, printed: list[str] | None = None) -> dict[int, list[str]]:
     output, _ = job.communicate(timeout=600)
+    if printed is not None:
+        printed.append(output)
     found = {}
     for line in output.splitlines():
         if line.startswith('{"rank"'):
@@ -83,3 +85,9 @@ def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):
     assert "expected nodecomm.distributed.Options, got dict" in seen["pg_options"]
     assert seen["still_works"] == "[2.0, 2.0, 2.0, 2.0]"
     assert "was shut down" in seen["after_destroy"]
+
+
+def test_a_mixed_backend_string_is_served_whole_and_says_so(daemon):
+    printed: list[str] = []
+    assert reports(torchrun(2, daemon.socket, "mixed"), printed) == {0: [], 1: []}
+    assert printed[0].count("CPU tensors of a 'cpu:gloo,cuda:nodecomm' group go to nodecomm too") == 2
