@@ -9,16 +9,11 @@ patch point. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engine-guide.md).
 
 from __future__ import annotations
 
-import importlib
-import logging
-
 import torch
 import torch.distributed as dist
 
 from .custom_all_reduce import NodecommAllreduce
-from .engine_switch import ENVIRONMENT_VARIABLE, requested
-
-log = logging.getLogger("nodecomm.integrations")
+from .engine_switch import take_slot
 
 SLOT_MODULE = "sglang.srt.distributed.device_communicators.custom_all_reduce"
 
@@ -30,9 +25,4 @@ def dispatch_custom_allreduce(group: dist.ProcessGroup, device: int | str | torc
 
 def register() -> None:
     """SGLang's plugin loader calls this with no arguments."""
-    if not requested():
-        return
-    module = importlib.import_module(SLOT_MODULE)
-    if module.dispatch_custom_allreduce is not dispatch_custom_allreduce:
-        module.dispatch_custom_allreduce = dispatch_custom_allreduce
-        log.info("nodecomm takes SGLang's custom all-reduce slot", extra={"switch": ENVIRONMENT_VARIABLE})
+    take_slot(SLOT_MODULE, "dispatch_custom_allreduce", dispatch_custom_allreduce, "SGLang")
