@@ -26,6 +26,7 @@ from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .cuda_transport import CudaTransport
+from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import claim, map_host_segment
 from .host_transport import HostTransport
 from .lease import Lease
@@ -69,11 +70,15 @@ class Communicator:
         table_switch_period: int = 0,
         explore_period: int = 0,
         rank_secret: bytes = b"",
+        daemon: DaemonChoice | None = None,
+        daemon_lease: JobLeaseHandle | None = None,
     ):
         self.group = group
         self.rank = rank
         self.world_size = world_size
         self.group_id = group_id
+        self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
+        self._daemon_lease = daemon_lease
         self._channel = channel
         self._stub = pb_grpc.ControlStub(channel)
         self._control = control
@@ -529,6 +534,8 @@ class Communicator:
             self._lease.close()
             host_memory.unmap_segment(self._control.address, self._control.size_bytes)
             self._channel.close()
+            if self._daemon_lease is not None:
+                self._daemon_lease.release()  # the job's private daemon may leave once every rank has
 
     def __enter__(self) -> Communicator:
         return self

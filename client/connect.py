@@ -14,11 +14,12 @@ from nodecomm import _native, host_memory
 from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
-from nodecomm.socket_path import default_socket_path, grpc_target
+from nodecomm.socket_path import grpc_target
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from . import daemon_choice
 from .communicator import Communicator, Transport
 from .cuda_transport import CudaTransport, unmap_device_segment
 from .descriptors import claim, identify, map_host_segment
@@ -132,6 +133,8 @@ def connect(
     thresholds: Mapping[str, str | int | None] | None = None,
     nccl_by_caller: bool = False,
     table_switching: bool = True,
+    daemon: str | None = None,
+    job: str | None = None,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -147,6 +150,10 @@ def connect(
     its NCCL ranges, `comm.accepts()` is False for them, and all_reduce refuses them; instead of
     an nccl_group. table_switching: False keeps the table this group formed with (no host
     all-gather every table_switch_period-th eager all-reduce to switch to a live one).
+    daemon: "node" (the default, or $NODECOMM_DAEMON), "private" or "auto" (client/daemon_choice.py):
+    a private daemon is the job's own, found by `job` (default: the group name), started by the
+    first rank to claim it; `socket` is then where it listens (private) or the node daemon to try
+    first (auto). `comm.daemon` says which daemon the rank uses.
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
@@ -175,7 +182,42 @@ def connect(
             raise InvalidArgumentError(f"thresholds[{name!r}]: {error}", **where) from None
         overrides.append(pb.Boundary(name=name, value_bytes=size) if size is not None else pb.Boundary(name=name))
 
-    socket = socket or default_socket_path()
+    # node by default: an engine that builds its own groups runs where nodecommd is deployed, and an
+    # unreachable node daemon should fail its connect, not hide behind a job's own daemon.
+    mode = daemon_choice.resolve_mode(daemon, "node", where)
+    chosen, lease = daemon_choice.choose(mode, socket, job or group, timeout, where)
+    try:
+        communicator = _join(
+            group, rank, world_size, device_id, device_index, chosen, lease, timeout, nccl_group, nccl_by_caller,
+            table_switching, capacity_bytes, dtype_codes, overrides, where,
+        )  # fmt: skip
+    except BaseException:
+        if lease is not None:
+            lease.release()
+        raise
+    communicator._start(timeout)
+    return communicator
+
+
+def _join(
+    group: str,
+    rank: int,
+    world_size: int,
+    device_id: str,
+    device_index: int | None,
+    chosen: daemon_choice.DaemonChoice,
+    lease: daemon_choice.JobLeaseHandle | None,
+    timeout: float,
+    nccl_group: object | None,
+    nccl_by_caller: bool,
+    table_switching: bool,
+    capacity_bytes: int,
+    dtype_codes: list[int],
+    overrides: list[pb.Boundary],
+    where: dict,
+) -> Communicator:
+    """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
+    socket = chosen.socket
     # Proves this process's pid, uid and groups (SO_PEERCRED) to a daemon that admits only some.
     identity = identify(socket.removeprefix("unix:") + ".fd", timeout, where)
     channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
@@ -270,6 +312,8 @@ def connect(
             table_switch_period=switch_period,
             explore_period=explore_period,
             rank_secret=reply.rank_secret,
+            daemon=chosen,
+            daemon_lease=lease,
         )
     except BaseException:
         if transport is not None:
@@ -291,5 +335,4 @@ def connect(
             )
         channel.close()
         raise
-    communicator._start(timeout)
     return communicator

@@ -7,8 +7,10 @@
 
 Every process group becomes its own nodecomm groups, named from a token that the group's rank 0
 draws and shares through the group's c10d store (so two jobs on one node never collide) and the
-group's name. The daemon is the one at $NODECOMM_SOCKET or the default path, unless
-`Options(socket=...)` is passed as `pg_options`.
+group's name. The daemon is the node's ($NODECOMM_SOCKET or the default path, or
+`Options(socket=...)` passed as `pg_options`) when it answers, else one private to the job that
+its ranks start and that leaves with them (`Options(daemon=...)`, $NODECOMM_DAEMON: "auto",
+"node", "private").
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nodecomm.client import daemon_choice
 from nodecomm.errors import InvalidArgumentError
+from nodecomm.socket_path import default_socket_path, private_socket_path
 
 from .process_group import NodecommProcessGroup
 
@@ -43,9 +47,11 @@ class Options:
     socket: str | None = None
     capacity_bytes: int | None = None
     thresholds: dict[str, str | int | None] = field(default_factory=dict)
+    # "auto" (None: $NODECOMM_DAEMON, else auto), "node" or "private": see client/daemon_choice.py.
+    daemon: str | None = None
 
     def connect_options(self) -> dict[str, object]:
-        options: dict[str, object] = {"socket": self.socket}
+        options: dict[str, object] = {}
         if self.capacity_bytes is not None:
             options["capacity_bytes"] = self.capacity_bytes
         if self.thresholds:
@@ -66,14 +72,38 @@ def _leave_at_exit() -> None:
         group.shutdown()
 
 
-def _shared_token(store: dist.Store, rank: int, generation: int, timeout: timedelta) -> str:
-    key = f"nodecomm/token/{generation}"
+# The job's key for a private daemon: the first process group's token this process saw, which every
+# process of the job shares when that group is the default one (a group of some ranks only may
+# name another; its members still all use the daemon its rank 0 names).
+_job_token: str | None = None
+
+
+def _shared_daemon(
+    store: dist.Store, rank: int, generation: int, timeout: timedelta, options: Options
+) -> tuple[str, daemon_choice.DaemonChoice, daemon_choice.JobLeaseHandle | None]:
+    """The group's token and daemon, both drawn by its rank 0 and shared through the store; a
+    private daemon is started by the first rank to claim it, and this process holds a lease on it."""
+    global _job_token
+    key = f"nodecomm/group/{generation}"
     if rank == 0:
         token = secrets.token_hex(6)
-        store.set(key, token)
-        return token
-    store.wait([key], timeout)
-    return store.get(key).decode()
+        _job_token = _job_token or token
+        mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
+        node = options.socket or default_socket_path()
+        if mode == "node" or (mode == "auto" and daemon_choice.answers(node)):
+            kind, socket = "node", node
+        else:
+            kind = "private"
+            socket = options.socket if mode == "private" and options.socket else private_socket_path(_job_token)
+        store.set(key, f"{token} {kind} {socket}")
+    else:
+        store.wait([key], timeout)
+        token, kind, socket = store.get(key).decode().split(" ", 2)
+        _job_token = _job_token or token
+    if kind == "node":
+        return token, daemon_choice.DaemonChoice("node", socket), None
+    choice, lease = daemon_choice.attach_private(socket, timeout.total_seconds(), {"rank": rank})
+    return token, choice, lease
 
 
 def _created_for_cuda_only(store: dist.Store) -> bool:
@@ -99,7 +129,8 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
-    token = _shared_token(backend_options.store, rank, _creations[group_name], timeout)
+    token, daemon, lease = _shared_daemon(backend_options.store, rank, _creations[group_name], timeout, options)
+    log.info(f"process group {group_name!r} uses {daemon}", extra={"rank": rank, "socket": daemon.socket})
     safe_name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group_name)[:48]
     group = NodecommProcessGroup(
         backend_options.store,
@@ -107,7 +138,9 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         size,
         name=f"torch.{token}.{safe_name}",
         timeout=timeout,
-        connect_options=options.connect_options(),
+        connect_options={**options.connect_options(), "socket": daemon.socket, "daemon": daemon.kind},
+        daemon=daemon,
+        daemon_lease=lease,
     )
     _open_groups.add(group)
     return group

@@ -14,6 +14,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from nodecomm.client.daemon_choice import DaemonChoice, JobLeaseHandle
 from nodecomm.errors import InvalidArgumentError, UnsupportedError
 
 from . import collectives
@@ -66,6 +67,8 @@ class NodecommProcessGroup(dist.ProcessGroup):
         name: str,
         timeout: timedelta,
         connect_options: Mapping[str, object],
+        daemon: DaemonChoice | None = None,
+        daemon_lease: JobLeaseHandle | None = None,
     ):
         super().__init__(rank, size)
         self._store = store
@@ -73,6 +76,8 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self._size = size
         self._group_name = self._group_desc = ""
         self.nodecomm_name = name  # the nodecomm groups' names start with it
+        self.daemon = daemon  # the node's or the job's own, as the group's rank 0 chose
+        self._daemon_lease = daemon_lease
         self._options = {**connect_options, "timeout": timeout.total_seconds()}
         self._collective_lanes: dict[str, Lane] = {}
         self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
@@ -401,8 +406,12 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self._shut_down = True
         lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
         self._pair_lanes, self._collective_lanes = {}, {}
-        for lane in lanes:
-            lane.close()
+        try:
+            for lane in lanes:
+                lane.close()
+        finally:
+            if self._daemon_lease is not None:
+                self._daemon_lease.release()
 
     def abort(self) -> None:
         self.shutdown()

@@ -1,7 +1,8 @@
-"""Where the daemon listens by default: the one rule both the daemon and the client follow."""
+"""Where a daemon listens: the rules both the daemon and the client follow."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -22,3 +23,24 @@ def grpc_target(socket: str) -> str:
     if socket.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")):
         return socket
     return f"unix:{socket}"
+
+
+# A job's private daemon keeps everything in one directory of its own: its sockets, the lock file
+# its ranks and it decide under (client/daemon_choice.py, service/job_lease.py), and its log.
+PRIVATE_LOCK_NAME = "lock"
+PRIVATE_LOG_NAME = "daemon.log"
+
+
+def private_socket_path(job: str) -> str:
+    """Where the private daemon of the job named `job` listens, for this user on this machine:
+    $XDG_RUNTIME_DIR (else /tmp/nodecomm-<uid>) /nodecomm-jobs/<hash of job>/nodecomm.sock."""
+    digest = hashlib.sha256(job.encode()).hexdigest()[:16]
+    for runtime in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}"):
+        path = str(Path(runtime or "/nonexistent") / "nodecomm-jobs" / digest / "nodecomm.sock")
+        if runtime and len(path + ".lease") < _UNIX_PATH_MAX:
+            return path
+    return path
+
+
+# sockaddr_un's sun_path holds 108 bytes, the terminating NUL among them.
+_UNIX_PATH_MAX = 108

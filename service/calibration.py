@@ -175,10 +175,12 @@ class Calibration:
 
 
 class CalibrationStore:
-    """Calibrations on disk, one JSON file per fingerprint: <state_dir>/calibration-<key>.json."""
+    """Calibrations on disk, one JSON file per fingerprint: <state_dir>/calibration-<key>.json.
+    A store that is not writable (a job's private daemon) reads them and saves nothing."""
 
-    def __init__(self, state_dir: str):
+    def __init__(self, state_dir: str, writable: bool = True):
         self.directory = Path(state_dir)
+        self.writable = writable
 
     def path_for(self, key: str) -> Path:
         return self.directory / f"calibration-{key}.json"
@@ -194,8 +196,11 @@ class CalibrationStore:
             return None
         return calibration if calibration.key == key else None
 
-    def save(self, calibration: Calibration) -> Path:
-        """Write atomically: a crash leaves the old file or the new one, never half of one."""
+    def save(self, calibration: Calibration) -> Path | None:
+        """Write atomically: a crash leaves the old file or the new one, never half of one. None:
+        this store writes nothing."""
+        if not self.writable:
+            return None
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_for(calibration.key)
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as handle:

@@ -111,6 +111,12 @@ class DaemonConfig:
     # Let the ranks of one CUDA group share a GPU: for development and tests on a one-GPU machine,
     # where several rank processes then stand in for several GPUs.
     allow_shared_devices: bool = False
+    # A job's own daemon, started by its ranks where no node daemon answers: it exits once none of
+    # the job's processes has held its lease socket (<socket>.lease) for private_grace_seconds,
+    # removing its sockets and directory, and writes no state (calibrations in state_dir are read;
+    # a new one lasts as long as the daemon).
+    private: bool = False
+    private_grace_seconds: float = 2.0
     # How CUDA groups' buffers cross to the ranks: "vmm" (POSIX descriptors), "legacy"
     # (cudaIpcMemHandle bytes in the reply), or "auto": vmm, and legacy where the driver cannot
     # export VMM allocations.
@@ -154,6 +160,7 @@ class DaemonConfig:
             "session_grace_seconds",
             "claim_token_ttl_seconds",
             "drain_grace_seconds",
+            "private_grace_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")

@@ -39,6 +39,7 @@ from .calibration import CalibrationStore
 from .config import DaemonConfig, load_config, parse_ids
 from .groups import GroupRegistry, JoinArgs
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
+from .job_lease import JobLease
 from .logs import configure_logging
 from .metrics import DaemonMetrics
 
@@ -343,7 +344,7 @@ async def serve(config: DaemonConfig) -> int:
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
     registry = GroupRegistry(config, metrics, claims, gpus, executor)
-    store = CalibrationStore(config.state_dir)
+    store = CalibrationStore(config.state_dir, writable=not config.private)
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     uncalibrated = registry.tables.reuse_stored(store)
     if uncalibrated:
@@ -406,6 +407,9 @@ async def serve(config: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    lease = JobLease(config.socket, config.private_grace_seconds, stop.set) if config.private else None
+    if lease is not None:
+        await lease.start()
 
     async def sweep_tokens() -> None:
         while True:
@@ -424,6 +428,7 @@ async def serve(config: DaemonConfig) -> int:
             "tcp_address": config.tcp_address or None,
             "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
             "pid": os.getpid(),
+            "private": config.private,
             "gpus": gpus,
             "thresholds": {
                 kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()]
@@ -450,6 +455,8 @@ async def serve(config: DaemonConfig) -> int:
     for path in (config.socket,):
         if os.path.exists(path):
             os.unlink(path)
+    if lease is not None:
+        lease.close()
     log.info("stopped")
     return 0
 

@@ -159,7 +159,8 @@ class TableKeeper:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
             try:
-                stored = str(await asyncio.to_thread(store.save, calibration))
+                path = await asyncio.to_thread(store.save, calibration)
+                stored = str(path) if path is not None else "nowhere: a job's private daemon writes no state"
             except OSError as error:
                 # The measurement still takes effect; only a restarted daemon will not find it.
                 log.error("storing the calibration failed", extra={"device_kind": kind, "error": str(error)})

@@ -333,8 +333,24 @@ def all_collectives(device_kind: str = "cpu") -> list[str]:
         subgroup = dist.new_group(members, backend="nodecomm")
         if rank in members:
             check_collectives(subgroup, sorted(members), device, problems, f"group {members}")
+    daemon = dist.distributed_c10d._get_default_group().daemon
+    problems.append(f"daemon {daemon.kind} {daemon.socket}")  # read off by the tests, not a problem
     dist.destroy_process_group()
     return problems
+
+
+def hold_the_job(rank: int, world_size: int, port: int, environment: dict, report) -> None:
+    """Join the default group (through whatever daemon $NODECOMM_DAEMON chooses), all-reduce once,
+    report the daemon, then wait to be killed."""
+    os.environ.update(
+        environment, RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    dist.init_process_group("nodecomm")
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    daemon = dist.distributed_c10d._get_default_group().daemon
+    report.put((rank, daemon.kind, daemon.socket, x.tolist()))
+    time.sleep(600)
 
 
 def reduce_until_error(rank: int, world_size: int, socket: str, port: int, report) -> tuple[str, str, float]:
@@ -414,6 +430,8 @@ def mixed_backends() -> list[str]:
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    found = (mixed_backends() if mode == "mixed" else all_collectives(mode))[:20]
-    print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found}))
+    found = mixed_backends() if mode == "mixed" else all_collectives(mode)
+    daemon = [line for line in found if line.startswith("daemon ")]
+    found = [line for line in found if not line.startswith("daemon ")][:20]
+    print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""}))
     sys.exit(1 if found else 0)

@@ -24,16 +24,19 @@ def test_import_registers_the_backend_for_cpu_and_cuda():
     assert printed.split() == ["nodecomm", "['cpu',", "'cuda']", "gloo"]
 
 
-def torchrun(ranks: int, socket: str, device: str = "cpu") -> subprocess.Popen:
+def torchrun(ranks: int, socket: str, device: str = "cpu", environment: dict | None = None) -> subprocess.Popen:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(RANKS), device,
     ]  # fmt: skip
-    env = {**os.environ, "NODECOMM_SOCKET": socket, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NODECOMM_SOCKET": socket, "OMP_NUM_THREADS": "1", **(environment or {})}
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def reports(job: subprocess.Popen, printed: list[str] | None = None) -> dict[int, list[str]]:
+def reports(
+    job: subprocess.Popen, printed: list[str] | None = None, daemons: dict[int, str] | None = None
+) -> dict[int, list[str]]:
+    """Every rank's problems (and in `daemons`, the daemon it used: "<kind> <socket>")."""
     output, _ = job.communicate(timeout=600)
     if printed is not None:
         printed.append(output)
@@ -42,6 +45,8 @@ def reports(job: subprocess.Popen, printed: list[str] | None = None) -> dict[int
         if line.startswith('{"rank"'):
             report = json.loads(line)
             found[report["rank"]] = report["problems"]
+            if daemons is not None:
+                daemons[report["rank"]] = report["daemon"]
     assert job.returncode == 0 and found, output[-6000:]
     return found
 

@@ -1,0 +1,220 @@
+"""Which daemon a rank talks to: the node's, or one private to its job that the job's ranks start.
+
+    daemon="node"     the node daemon ($NODECOMM_SOCKET or the default path), as operators deploy it
+    daemon="private"  the job's own daemon: the first of the job's ranks on this node to claim it
+                      starts it, the others wait for it to serve; it exits once the last of them
+                      is gone (they each hold its lease socket open; see service/job_lease.py)
+    daemon="auto"     the node daemon if it answers, else the job's own
+
+A private daemon lives in a directory of its own, 0700, under the user's runtime directory:
+<runtime>/nodecomm-jobs/<hash of the job's key>/ holds its sockets (nodecomm.sock, .fd, .lease),
+the lock file its ranks and it decide under, and its log. It reads the node's calibrations (the
+node daemon's state directory, where there is one) and writes nothing; its metrics are off unless
+NODECOMM_METRICS_ADDRESS asks for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import socket as socketlib
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError
+from nodecomm.socket_path import (
+    PRIVATE_LOCK_NAME,
+    PRIVATE_LOG_NAME,
+    default_socket_path,
+    grpc_target,
+    private_socket_path,
+)
+
+log = logging.getLogger("nodecomm.client")
+
+MODES = ("auto", "node", "private")
+ENVIRONMENT_VARIABLE = "NODECOMM_DAEMON"
+NODE_STATE_DIR = "/var/lib/nodecomm"  # the node daemon's, where it runs as root
+
+
+@dataclass(frozen=True)
+class DaemonChoice:
+    """The daemon a rank uses: kind "node" or "private", its socket, and whether this process
+    started it."""
+
+    kind: str
+    socket: str
+    started_here: bool = False
+
+    def __str__(self) -> str:
+        if self.kind == "node":
+            return f"the node daemon at {self.socket}"
+        return f"a private daemon at {self.socket}" + (" (started by this process)" if self.started_here else "")
+
+
+def resolve_mode(mode: str | None, default: str, where: dict) -> str:
+    """`mode`, else $NODECOMM_DAEMON, else `default`; one of MODES."""
+    chosen = mode if mode is not None else os.environ.get(ENVIRONMENT_VARIABLE) or default
+    if chosen not in MODES:
+        source = "daemon" if mode is not None else ENVIRONMENT_VARIABLE
+        raise InvalidArgumentError(f"{source} {chosen!r}: expected one of {', '.join(MODES)}", **where)
+    return chosen
+
+
+def answers(socket: str, timeout: float = 1.0) -> bool:
+    """Whether a daemon serves on `socket` (its health service says SERVING)."""
+    if socket.startswith("unix:") or "/" in socket:
+        if not os.path.exists(socket.removeprefix("unix:")):
+            return False
+    with grpc.insecure_channel(grpc_target(socket)) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def choose(
+    mode: str, socket: str | None, job: str, timeout: float, where: dict
+) -> tuple[DaemonChoice, JobLeaseHandle | None]:
+    """The daemon to use, and for a private one the lease this process now holds on it."""
+    if mode == "node" or (mode == "auto" and answers(socket or default_socket_path())):
+        return DaemonChoice("node", socket or default_socket_path()), None
+    path = socket if mode == "private" and socket else private_socket_path(job)
+    return attach_private(path, timeout, where)
+
+
+def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoice, JobLeaseHandle]:
+    """Take a lease on the private daemon at `socket`, starting it first if none serves there."""
+    directory = os.path.dirname(socket)
+    deadline = time.monotonic() + timeout
+    lock = _lock_job_directory(directory, deadline, where)
+    try:
+        started = False
+        if not answers(socket):
+            _start_private_daemon(socket, deadline, where)
+            started = True
+        lease = JobLeaseHandle.take(socket + ".lease", where)
+    finally:
+        os.close(lock)  # and with it the lock
+    choice = DaemonChoice("private", socket, started)
+    log.info(f"using {choice}", extra={**where, "socket": socket})
+    return choice, lease
+
+
+def _lock_job_directory(directory: str, deadline: float, where: dict) -> int:
+    """The job directory's lock file, locked; made if missing. A daemon that leaves removes the
+    file while holding the lock: a lock taken on a removed file is dropped and taken again."""
+    path = os.path.join(directory, PRIVATE_LOCK_NAME)
+    os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)  # the user's jobs, closed to others
+    while True:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        try:
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            continue  # the directory went with a leaving daemon
+        while True:
+            try:
+                fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    os.close(descriptor)
+                    raise DeadlineExceededError(
+                        f"another process held {path} past the timeout (starting the job's private daemon?)",
+                        **where,
+                    ) from None
+                time.sleep(0.02)
+        try:
+            if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
+                return descriptor
+        except FileNotFoundError:
+            pass
+        os.close(descriptor)
+
+
+def _start_private_daemon(socket: str, deadline: float, where: dict) -> None:
+    directory = os.path.dirname(socket)
+    os.chmod(directory, 0o700)
+    command = [sys.executable, "-m", "nodecomm.service.server", "--private", "true", "--socket", socket]
+    if "NODECOMM_METRICS_ADDRESS" not in os.environ:
+        command += ["--metrics-address", "off"]
+    if "NODECOMM_STATE_DIR" not in os.environ and os.access(NODE_STATE_DIR, os.R_OK | os.X_OK):
+        command += ["--state-dir", NODE_STATE_DIR]
+    environment = dict(os.environ)
+    environment.pop("CUDA_VISIBLE_DEVICES", None)  # it must see every GPU of the job's ranks
+    log_path = os.path.join(directory, PRIVATE_LOG_NAME)
+    with open(log_path, "ab") as output:
+        # A session of its own: a signal to the rank's process group does not reach it; it ends
+        # when its job's leases do.
+        process = subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env=environment, start_new_session=True
+        )
+    while not answers(socket, timeout=0.5):
+        if process.poll() is not None:
+            raise DaemonUnavailableError(
+                f"the job's private daemon exited with {process.returncode} before serving: {_tail(log_path)}",
+                **where,
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            raise DaemonUnavailableError(f"the job's private daemon did not serve on {socket} in time", **where)
+        time.sleep(0.05)
+
+
+def _tail(path: str, limit: int = 1500) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - limit))
+            return handle.read().decode(errors="replace").strip()
+    except OSError:
+        return "(no log)"
+
+
+class JobLeaseHandle:
+    """This process's hold on a private daemon's lease socket. One connection per socket however
+    many holders the process has; closed when the last lets go (or when the process ends)."""
+
+    _connections: dict[str, tuple[socketlib.socket, int]] = {}
+    _guard = threading.Lock()
+
+    def __init__(self, path: str):
+        self.path = path
+        self._released = False
+
+    @classmethod
+    def take(cls, path: str, where: dict) -> JobLeaseHandle:
+        with cls._guard:
+            held = cls._connections.get(path)
+            if held is None:
+                connection = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+                try:
+                    connection.connect(path)
+                except OSError as error:
+                    connection.close()
+                    raise DaemonUnavailableError(f"could not take the lease at {path}: {error}", **where) from None
+                held = (connection, 0)
+            cls._connections[path] = (held[0], held[1] + 1)
+        return cls(path)
+
+    def release(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        with self._guard:
+            connection, holders = self._connections[self.path]
+            if holders > 1:
+                self._connections[self.path] = (connection, holders - 1)
+                return
+            del self._connections[self.path]
+        with contextlib.suppress(OSError):
+            connection.close()

@@ -1,0 +1,113 @@
+"""A job's own daemon where no node daemon answers: started by the first rank to claim it, exact
+collectives through it, one per job, gone with the job's last rank (SIGKILL included)."""
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import distributed_ranks
+import nodecomm
+from conftest import free_port
+from test_distributed import reports, torchrun
+
+
+def private_daemons(socket: str) -> list[int]:
+    """Pids of private daemons serving `socket`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--private" in command and socket.encode() in command:
+            found.append(int(entry.name))
+    return found
+
+
+def gone_within(seconds: float, socket: str) -> bool:
+    deadline = time.monotonic() + seconds
+    directory = Path(socket).parent
+    while time.monotonic() < deadline:
+        if not private_daemons(socket) and not directory.exists():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture
+def runtime_directory():
+    """A runtime directory of the test's own, short enough for socket paths (pytest's are not)."""
+    directory = tempfile.mkdtemp(prefix="nc-run-", dir="/tmp")
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+@pytest.fixture
+def no_node_daemon(runtime_directory):
+    """The environment of a machine with no node daemon: nothing at NODECOMM_SOCKET, and the
+    private daemons' directories under the test's own runtime directory."""
+    return {
+        "NODECOMM_SOCKET": os.path.join(runtime_directory, "no-daemon-here.sock"),
+        "XDG_RUNTIME_DIR": runtime_directory,
+    }
+
+
+def test_torchrun_jobs_without_a_node_daemon_get_one_private_daemon_each(no_node_daemon):
+    environment = no_node_daemon
+    jobs = {n: torchrun(n, environment["NODECOMM_SOCKET"], environment=environment) for n in (2, 4)}
+    sockets = {}
+    for ranks, job in jobs.items():
+        daemons: dict[int, str] = {}
+        found = reports(job, daemons=daemons)
+        assert found == {r: [] for r in range(ranks)}, found
+        assert len(set(daemons.values())) == 1, daemons  # every rank of the job, one daemon
+        kind, sockets[ranks] = daemons[0].split(" ", 1)
+        assert kind == "private" and sockets[ranks].startswith(environment["XDG_RUNTIME_DIR"])
+    assert sockets[2] != sockets[4]
+    for socket in sockets.values():
+        assert gone_within(10, socket), private_daemons(socket)
+
+
+def test_killing_every_rank_leaves_no_daemon_and_no_socket(no_node_daemon, spawn_ranks):
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(distributed_ranks.hold_the_job, 3, 3, free_port(), no_node_daemon, report, timeout=120)
+    seen = [report.get(timeout=60) for _ in range(3)]
+    assert {(kind, tuple(total)) for _, kind, _, total in seen} == {("private", (3.0, 3.0, 3.0, 3.0))}
+    socket = seen[0][2]
+    assert len(private_daemons(socket)) == 1 and os.path.exists(socket)
+    for rank in range(3):
+        group.kill(rank, signal.SIGKILL)
+    assert gone_within(8, socket), (private_daemons(socket), list(Path(socket).parent.glob("*")))
+
+
+def test_auto_uses_a_node_daemon_that_answers(daemon, runtime_directory):
+    environment = {"XDG_RUNTIME_DIR": runtime_directory}
+    daemons: dict[int, str] = {}
+    assert reports(torchrun(2, daemon.socket, environment=environment), daemons=daemons) == {0: [], 1: []}
+    assert set(daemons.values()) == {f"node {daemon.socket}"}
+    assert '"group": "torch.' in daemon.log()
+    assert not os.path.exists(os.path.join(runtime_directory, "nodecomm-jobs"))  # no private daemon started
+
+
+def connect_privately(rank: int, world_size: int, runtime: str) -> str:
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    import torch
+
+    with nodecomm.connect("alone", rank, world_size, daemon="private", timeout=30) as comm:
+        total = comm.all_reduce(torch.full((4,), float(rank + 1)))
+        return f"{comm.daemon.kind} {total.tolist()}"
+
+
+def test_connect_takes_a_private_daemon_when_asked_and_refuses_an_unknown_mode(runtime_directory, spawn_ranks):
+    results = spawn_ranks(connect_privately, 2, 2, runtime_directory, timeout=120).values()
+    assert set(results.values()) == {"private [3.0, 3.0, 3.0, 3.0]"}
+    with pytest.raises(nodecomm.InvalidArgumentError, match="daemon 'anywhere': expected one of auto, node, private"):
+        nodecomm.connect("g", 0, 1, daemon="anywhere")
