@@ -4,6 +4,7 @@ daemon, persisted and reused by a restarted daemon without probing again."""
 import json
 import os
 import shutil
+import socket
 import time
 
 import pytest
@@ -243,3 +244,25 @@ def test_probes_start_without_forking_a_busy_grpc_daemon():
         return codes
 
     assert uvloop.run(spawn_under_traffic(1000)) == {0: 1000}
+
+
+def test_private_reads_state_writes_none(make_daemon, tmp_path):
+    """A job's private daemon takes the node's stored calibration and stores none of its own."""
+    state = tmp_path / "state"
+    node = make_daemon("--state-dir", str(state))
+    first = nodecomm_cli("--socket", node.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json")
+    assert first.returncode == 0, first.stderr + first.stdout
+    node.stop()
+    (stored,) = state.glob("calibration-*.json")
+    before = stored.read_bytes()
+    private = make_daemon("--private", "true", "--private-grace-seconds", "60", "--state-dir", str(state))
+    with socket.socket(socket.AF_UNIX) as lease:  # a job's process holding the lease, as ranks do
+        lease.connect(private.socket + ".lease")
+        assert "(calibrated)" in nodecomm_cli("--socket", private.socket, "thresholds").stdout
+        again = nodecomm_cli(
+            "--socket", private.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "8KiB", "--json"
+        )  # fmt: skip
+        assert again.returncode == 0, again.stderr + again.stdout
+        document = json.loads(again.stdout[again.stdout.index("{") :])
+    assert document["stored_at"] == "nowhere: a job's private daemon writes no state"
+    assert [p.name for p in state.iterdir()] == [stored.name] and stored.read_bytes() == before
