@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -310,7 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        status = args.run(args)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`nodecomm status | head -1`): stop quietly, as other CLIs do. Python
+        # would report the pipe again when it flushes stdout at exit, unless stdout goes nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except grpc.RpcError as error:
         print(f"nodecomm {args.command}: {from_rpc_error(error)}", file=sys.stderr)
         return 1

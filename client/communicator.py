@@ -97,7 +97,7 @@ class Communicator:
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata)
+        self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata, group)
         # Collectives the daemon runs (path="service").
         self._service = ServicePath(
             self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata,

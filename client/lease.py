@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import grpc
 
 from nodecomm import _native
-from nodecomm.errors import InternalError, NodecommError, from_rpc_error
+from nodecomm.errors import InternalError, NodecommError, from_rpc_error, shown
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -37,7 +37,9 @@ class Lease:
         rank: int,
         control_address: int,
         metadata: tuple[tuple[str, bytes], ...] = (),
+        group: str = "",
     ):
+        self._group = group
         self._stub = stub
         self._group_id = group_id
         self._rank = rank
@@ -114,7 +116,11 @@ class Lease:
         finally:
             if not self._closing and self.refusal is None:
                 _native.abort_group(self._control, _native.ABORT_DAEMON_LOST, self._rank)
-                log.warning("session lost", extra={"rank": self._rank, "reason": self.lost_reason})
+                # The message names everything: under Python's default logging only it is printed.
+                log.warning(
+                    f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}",
+                    extra={"group": self._group, "rank": self._rank, "reason": self.lost_reason},
+                )
             self._ready.set()
 
     def report(self, path: Path, nbytes: int, seconds: float) -> None:

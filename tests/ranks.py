@@ -435,3 +435,16 @@ def hold_group_for_metrics(rank: int, world_size: int, socket: str, report, comm
         assert commands.get(timeout=240) == "stop"
         comm.barrier()
     return seen
+
+
+def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -> str:
+    """Connect, tell the test, wait until it has killed the daemon, then see the call fail."""
+    with nodecomm.connect("lost", rank, world_size, socket=socket, timeout=30) as comm:
+        report.put("connected")
+        commands.get(timeout=60)
+        time.sleep(0.5)  # the session thread notices the closed stream
+        try:
+            comm.all_reduce(torch.ones(4))
+        except nodecomm.NodecommError as error:
+            return type(error).__name__
+    return "no error"

@@ -148,3 +148,12 @@ def test_status_spells_each_range_by_the_boundary_that_ends_it():
     assert _paths_summary(build_table(boundaries, Path.TWOSHOT, 0).to_proto()) == "oneshot <=256KiB, twoshot <6MiB, dma"
     boundaries["oneshot_max_bytes"] = Boundary("oneshot_max_bytes", 1000, Source.OVERRIDE)
     assert _paths_summary(build_table(boundaries, Path.NCCL, 0).to_proto()) == "oneshot <=1000, nccl <6MiB, dma"
+
+
+def test_a_reader_that_stops_early_gets_no_traceback(daemon):
+    """`nodecomm status | head -1`: the command stops quietly, status 0, when the pipe closes (here
+    the reader is gone before the command writes)."""
+    command = f"{sys.executable} -c 'import sys; from nodecomm.client.cli import main; sys.exit(main())'"
+    pipeline = f"set -o pipefail; {command} --socket {daemon.socket} status | true"
+    finished = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 0 and finished.stderr == "", finished.stderr

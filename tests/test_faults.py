@@ -92,3 +92,15 @@ def test_list_groups_tracks_lifecycle(daemon, spawn_ranks):
         groups = pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=5).groups
     assert groups == []  # both ranks left: released
     assert "group released" in daemon.log()
+
+
+def test_a_lost_session_names_its_group_and_rank_on_stderr(daemon, spawn_ranks, capfd):
+    """Under Python's default logging only the message is printed: it names group, rank, reason."""
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), context.Queue()
+    group = spawn_ranks(ranks.lose_the_daemon, 1, 1, daemon.socket, report, commands, timeout=60)
+    assert report.get(timeout=30) == "connected"
+    daemon.stop(signal.SIGKILL)
+    commands.put("daemon killed")
+    assert group.values() == {0: "DaemonUnavailableError"}
+    assert "[group 'lost', rank 0] session lost: the daemon connection was lost" in capfd.readouterr().err
