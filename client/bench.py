@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import shutil
 import socket as socketlib
 import statistics
 import subprocess
@@ -225,6 +226,8 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)
+            if rank == 0:
+                results.put((PART, [row for row in rows if row[0] == nbytes]))  # shown as soon as measured
     dist.destroy_process_group()
     if rank == 0:
         results.put((rows, notes))
@@ -250,16 +253,27 @@ def _empty_submit_note(comm, world_size: int, iterations: int = 300) -> str:
     )
 
 
-def _wait_for_rows(results: mp.Queue, ranks: list) -> list:
-    """Rank 0's rows; fails as soon as any rank dies instead of waiting on the survivors."""
+# A message rank 0 sends before its result: (PART, payload), handed to run_ranks' on_part.
+PART = "part"
+
+
+def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
+    """Rank 0's result, its parts passed to on_part on the way; fails as soon as any rank dies
+    instead of waiting on the survivors."""
     deadline = time.monotonic() + 3600
     while time.monotonic() < deadline:
         try:
-            return results.get(timeout=0.5)
+            message = results.get(timeout=0.5)
         except queue.Empty:
             failed = {r: p.exitcode for r, p in enumerate(ranks) if p.exitcode not in (None, 0)}
             if failed:
                 raise RuntimeError(f"bench ranks failed (rank: exit code): {failed}") from None
+            continue
+        if isinstance(message, tuple) and len(message) == 2 and message[0] == PART:
+            if on_part is not None:
+                on_part(message[1])
+            continue
+        return message
     raise TimeoutError("the bench did not finish within an hour")
 
 
@@ -278,6 +292,8 @@ class PrivateDaemon:
     def __init__(self, *flags: str) -> None:
         self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
+        # State of its own: the machine's stored calibration would make "auto" the calibrated
+        # table on one machine and the built-in one on another.
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -289,6 +305,8 @@ class PrivateDaemon:
                 "off",
                 "--log-level",
                 "WARNING",
+                "--state-dir",
+                os.path.join(self.directory, "state"),
                 *flags,
             ],
         )
@@ -303,7 +321,10 @@ class PrivateDaemon:
 
     def stop(self) -> None:
         self.process.terminate()
-        self.process.wait(timeout=30)
+        try:
+            self.process.wait(timeout=30)
+        finally:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 @dataclass
@@ -331,9 +352,12 @@ class BenchSetup:
         return " ".join(parts)
 
 
-def run_ranks(target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = ()):
+def run_ranks(
+    target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = (), on_part=None
+):
     """Run target(rank, world_size, args, port, results) in `world_size` spawned processes, against
-    `socket` or a private daemon (args["socket"] is set); returns what rank 0 puts on `results`."""
+    `socket` or a private daemon (args["socket"] is set); returns what rank 0 puts on `results`
+    (its (PART, payload) messages before that go to on_part)."""
     daemon = None if socket else PrivateDaemon(*daemon_flags)
     try:
         args = {**args, "socket": socket or daemon.socket}
@@ -344,7 +368,7 @@ def run_ranks(target, world_size: int, args: dict, socket: str | None, daemon_fl
         for process in ranks:
             process.start()
         try:
-            return _wait_for_rows(results, ranks)
+            return _wait_for_rows(results, ranks, on_part)
         finally:
             for process in ranks:
                 process.join(timeout=60)
@@ -355,8 +379,9 @@ def run_ranks(target, world_size: int, args: dict, socket: str | None, daemon_fl
             daemon.stop()
 
 
-def run_bench(setup: BenchSetup, socket: str | None) -> tuple[list[Row], list[str]]:
-    """The rows, and notes on what the rows do not show (the service path's per-request cost)."""
+def run_bench(setup: BenchSetup, socket: str | None, on_rows=None) -> tuple[list[Row], list[str]]:
+    """The rows, and notes on what the rows do not show (the service path's per-request cost).
+    on_rows(rows) is called with each size's rows as soon as they are measured."""
     shared = setup.device == "cuda" and setup.world_size > setup.gpus
     args = {
         "sizes": setup.sizes,
@@ -369,14 +394,18 @@ def run_bench(setup: BenchSetup, socket: str | None) -> tuple[list[Row], list[st
         "progress": setup.progress,
     }
     flags = ("--allow-shared-devices", "true") if shared else ()
-    raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags)
-    raw.sort(key=lambda measured: (setup.sizes.index(measured[0]), setup.paths.index(measured[2])))
-    return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw], notes
+
+    def rows_of(raw: list) -> list[Row]:
+        raw = sorted(raw, key=lambda measured: (setup.sizes.index(measured[0]), setup.paths.index(measured[2])))
+        return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw]
+
+    on_part = None if on_rows is None else (lambda raw: on_rows(rows_of(raw)))
+    raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags, on_part)
+    return rows_of(raw), notes
 
 
-def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> str:
+def format_header(setup: BenchSetup) -> list[str]:
     name = setup.baseline or BASELINES[setup.device]
-    baseline = {r.size_bytes: r for r in rows if r.path == name}
     machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
     if setup.device == "cuda":
         import torch
@@ -391,6 +420,14 @@ def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> s
     ]
     if setup.baseline is None:
         lines.insert(2, f"# no {name} baseline in this run (NCCL refuses ranks that share a GPU)")
+    return lines
+
+
+def format_rows(rows: list[Row], setup: BenchSetup) -> list[str]:
+    """Table lines for rows; a row's ratios need its size's baseline row among them."""
+    name = setup.baseline or BASELINES[setup.device]
+    baseline = {r.size_bytes: r for r in rows if r.path == name}
+    lines = []
     for r in rows:
         base = baseline.get(r.size_bytes)
         lat = f"{r.p50_us / base.p50_us:9.3f}" if base and r.path != name else f"{'':9}"
@@ -399,10 +436,11 @@ def format_table(rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> s
             f"  {format_byte_size(r.size_bytes):>9} {r.count:>10} {r.dtype:>8} {r.path:>8} {r.p50_us:>10.1f} "
             f"{r.p99_us:>10.1f} {r.algbw_gbps:>11.3f} {r.busbw_gbps:>11.3f} {r.wrong:>6} {lat} {bw}"
         )
-    lines += [f"# {note}" for note in notes]
-    lines += dispatch_regret(rows)
-    lines += backend_overhead(rows)
-    return "\n".join(lines)
+    return lines
+
+
+def format_trailer(rows: list[Row], notes: list[str] = ()) -> list[str]:
+    return [*(f"# {note}" for note in notes), *dispatch_regret(rows), *backend_overhead(rows)]
 
 
 def backend_overhead(rows: list[Row]) -> list[str]:
@@ -431,7 +469,10 @@ def dispatch_regret(rows: list[Row]) -> list[str]:
             continue
         best = min(others.values(), key=lambda r: r.p50_us)
         lines.append(f"#   {format_byte_size(size):>9} {paths['auto'].p50_us / best.p50_us:>6.3f}  best {best.path}")
-    return ["# dispatch regret: auto p50 / best path p50 per size", *lines] if lines else []
+    header = (
+        "# dispatch regret: auto p50 / best single path p50 per size (below 1: auto beat every single path's median)"
+    )
+    return [header, *lines] if lines else []
 
 
 def write_json(path: str, rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> None:

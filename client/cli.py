@@ -198,7 +198,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = [int(r) for r in args.rows.split(",")]
         print(run_topk_bench(args.world_size, rows, args.topk, args.iterations, args.socket, args.device))
         return 0
-    from nodecomm.client.bench import BASELINES, BenchSetup, format_table, run_bench, sizes_between, write_json
+    from nodecomm.client.bench import (
+        BASELINES,
+        BenchSetup,
+        format_header,
+        format_rows,
+        format_trailer,
+        run_bench,
+        sizes_between,
+        write_json,
+    )
 
     gpus = 0
     if args.device == "cuda":
@@ -229,8 +238,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if setup.graph and setup.device != "cuda":
         print("nodecomm bench: --graph applies to --device cuda", file=sys.stderr)
         return 2
-    rows, notes = run_bench(setup, args.socket)
-    print(format_table(rows, setup, notes))
+    print("\n".join(format_header(setup)), flush=True)
+    rows, notes = run_bench(
+        setup, args.socket, lambda size_rows: print("\n".join(format_rows(size_rows, setup)), flush=True)
+    )
+    print("\n".join(format_trailer(rows, notes)))
     if args.json:
         write_json(args.json, rows, setup, notes)
     return 1 if any(r.wrong for r in rows) else 0
@@ -302,7 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")
     bench.add_argument("--no-baseline", action="store_true", help="skip the gloo / NCCL baseline")
-    bench.add_argument("--progress", action="store_true", help="print each row as a JSON line once measured")
+    bench.add_argument(
+        "--progress",
+        action="store_true",
+        help="also print each path's result as a JSON line the moment it is measured (table rows print per size)",
+    )
     bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
     bench.set_defaults(run=cmd_bench)
     return parser

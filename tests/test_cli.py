@@ -2,6 +2,7 @@
 
 import json
 import multiprocessing as mp
+import os
 import subprocess
 import sys
 import urllib.request
@@ -60,11 +61,35 @@ def test_threshold_override_reaches_ranks(make_daemon, spawn_ranks):
 
 
 def test_bench_smoke_prints_the_table_and_json(tmp_path):
-    out = tmp_path / "bench.json"
-    result = nodecomm_cli(
-        "bench", "--world-size", "2", "--min-bytes", "1KiB", "--max-bytes", "4KiB", "--json", str(out), "--progress"
-    )  # fmt: skip
+    """Rows print size by size as they are measured; the run's private daemon leaves no folder."""
+    out, temporary = tmp_path / "bench.json", tmp_path / "tmp"
+    temporary.mkdir()
+    command = [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())"]
+    command += [
+        "bench",
+        "--world-size",
+        "2",
+        "--min-bytes",
+        "1KiB",
+        "--max-bytes",
+        "4KiB",
+        "--json",
+        str(out),
+        "--progress",
+    ]
+    bench = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(temporary)}
+    )
+    lines, running_at_first_row = [], None
+    for line in bench.stdout:
+        lines.append(line)
+        if running_at_first_row is None and line.split()[:1] == ["1KiB"]:
+            running_at_first_row = bench.poll() is None and not any(line.startswith("# dispatch") for line in lines)
+    bench.wait(timeout=300)
+    result = subprocess.CompletedProcess(command, bench.returncode, "".join(lines), bench.stderr.read())
     assert result.returncode == 0, result.stderr
+    assert running_at_first_row, "the first rows printed only at the end"
+    assert list(temporary.iterdir()) == [], "the bench's private daemon left its folder"
     assert "busbw(GB/s)" in result.stdout and "gloo" in result.stdout
     document = json.loads(out.read_text())
     rows = document["rows"]
@@ -78,7 +103,7 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     ]
     (note,) = document["notes"]
     assert note.startswith("service path control plane: an empty submit") and note in result.stdout
-    regret = result.stdout.split("# dispatch regret: auto p50 / best path p50 per size\n")[1].splitlines()
+    regret = result.stdout.split("(below 1: auto beat every single path's median)\n")[1].splitlines()
     assert [line.split()[1] for line in regret] == ["1KiB", "2KiB", "4KiB"]
 
 
@@ -91,7 +116,7 @@ def test_dispatch_regret_divides_auto_by_the_best_other_path():
     rows = [row(1024, "oneshot", 4.0), row(1024, "nccl", 8.0), row(1024, "auto", 5.0)]
     rows += [row(2048, "oneshot", 9.0), row(2048, "nccl", 6.0), row(2048, "auto", 6.0), row(4096, "oneshot", 1.0)]
     assert dispatch_regret(rows) == [
-        "# dispatch regret: auto p50 / best path p50 per size",
+        "# dispatch regret: auto p50 / best single path p50 per size (below 1: auto beat every single path's median)",
         "#        1KiB  1.250  best oneshot",
         "#        2KiB  1.000  best nccl",
     ]
