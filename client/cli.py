@@ -13,7 +13,7 @@ import grpc
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
-from nodecomm.thresholds import DispatchTable
+from nodecomm.thresholds import DispatchTable, range_end
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -81,16 +81,10 @@ def _paths_summary(table: pb.ThresholdTable) -> str:
     """'oneshot <=256KiB, twoshot <6MiB, dma': each range's path and where it ends."""
     dispatch = DispatchTable.from_proto(table)
     ends = [
-        f"{path.value} {_range_end(high)}"
+        f"{path.value} {range_end(high)}"
         for high, path in zip(dispatch.range_max, dispatch.range_paths[:-1], strict=True)
     ]
     return ", ".join([*ends, dispatch.range_paths[-1].value])
-
-
-def _range_end(high: int) -> str:
-    """'<=32KiB', or '<6MiB' for a range ending one byte below a round size (below dma_min_bytes)."""
-    exact, next_up = format_byte_size(high), format_byte_size(high + 1)
-    return f"<{next_up}" if exact.isdigit() and not next_up.isdigit() else f"<={exact}"
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:
@@ -127,8 +121,8 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
 
 
 def _print_table(table: DispatchTable) -> None:
-    for lo, hi, path in table.rows():
-        print(f"  {lo:>10} .. {hi:<10} -> {path.value}")
+    for sizes, path in table.labels():
+        print(f"  {sizes:<24} -> {path.value}")
     for boundary in table.boundaries:
         print(f"  {boundary.describe()}")
 

@@ -60,6 +60,13 @@ class Boundary:
         return f"{self.name}={format_byte_size(self.value_bytes)} ({self.source.value})"
 
 
+def range_end(high: int) -> str:
+    """Where a range that ends at `high` (inclusive) stops, as a round size: '<=32KiB', or '<6MiB'
+    for a range ending one byte below one (the ranges below a *_min_bytes boundary)."""
+    exact, next_up = format_byte_size(high), format_byte_size(high + 1)
+    return f"<{next_up}" if exact.isdigit() and not next_up.isdigit() else f"<={exact}"
+
+
 @dataclass(frozen=True)
 class DispatchTable:
     """Ordered size ranges -> path. `range_max[i]` is inclusive; the last range is unbounded."""
@@ -91,14 +98,30 @@ class DispatchTable:
     def paths(self) -> frozenset[Path]:
         return frozenset(self.range_paths)
 
-    def rows(self) -> list[tuple[str, str, Path]]:
-        """(from, to, path) rows for display, sizes spelled as byte sizes."""
+    def rows(self) -> list[tuple[int, int | None, Path]]:
+        """(first size, last size, path) per range, in bytes, both ends inclusive; the last range's
+        end is None (unbounded)."""
         rows = []
         low = 0
         for high, path in zip((*self.range_max, None), self.range_paths, strict=True):
-            rows.append((format_byte_size(low), "inf" if high is None else format_byte_size(high), path))
+            rows.append((low, high, path))
             low = (high or 0) + 1
         return rows
+
+    def labels(self) -> list[tuple[str, Path]]:
+        """(sizes, path) per range for display, every end in one style: '<=32KiB', '>32KiB and
+        <6MiB', '>=6MiB'; 'every size' for a table of one range."""
+        ends = [range_end(high) for high in self.range_max]
+        labels = []
+        for index, path in enumerate(self.range_paths):
+            parts = []
+            if index > 0:  # where the range below stops, from this side
+                below = ends[index - 1]
+                parts.append(f">{below[2:]}" if below.startswith("<=") else f">={below[1:]}")
+            if index < len(ends):
+                parts.append(ends[index])
+            labels.append((" and ".join(parts) or "every size", path))
+        return labels
 
     def to_proto(self) -> pb.ThresholdTable:
         table = pb.ThresholdTable(epoch=self.epoch)

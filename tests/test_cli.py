@@ -57,7 +57,7 @@ def test_threshold_override_reaches_ranks(make_daemon, spawn_ranks):
     table = nodecomm_cli("--socket", daemon.socket, "thresholds")
     assert "oneshot_max_bytes=off (override)" in table.stdout
     seen = spawn_ranks(ranks.misuse, 2, 2, daemon.socket).values()[0]
-    assert seen["table"] == [("0", "inf", "twoshot")]
+    assert seen["table"] == [(0, None, "twoshot")]
 
 
 def test_bench_smoke_prints_the_table_and_json(tmp_path):
@@ -155,10 +155,12 @@ def test_cuda_tables_for_new_groups(make_daemon):
     daemon = make_daemon(env={"NODECOMM_DMA_MIN_BYTES": "16MiB"})
     plain = json.loads(nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda", "--json").stdout)
     assert [(r["to"], r["path"]) for r in plain["ranges"]] == [
-        ("256KiB", "oneshot"),
-        ("16777215", "twoshot"),
-        ("inf", "dma"),
+        (256 << 10, "oneshot"),
+        ((16 << 20) - 1, "twoshot"),
+        (None, "dma"),
     ]
+    shown = nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda").stdout
+    assert ">256KiB and <16MiB" in shown and ">=16MiB" in shown and "16777215" not in shown
     with_nccl = nodecomm_cli("--socket", daemon.socket, "thresholds", "--device", "cuda", "--nccl")
     assert "new CUDA groups with an NCCL group" in with_nccl.stdout
     assert "-> nccl" in with_nccl.stdout and "dma_min_bytes=16MiB (override)" in with_nccl.stdout

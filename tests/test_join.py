@@ -185,7 +185,7 @@ def test_peer_checks_apply_to_cuda_groups_only(daemon):
 def test_group_overrides_win_over_the_daemons(make_daemon, spawn_ranks):
     daemon = make_daemon(env={"NODECOMM_ONESHOT_MAX_BYTES": "off"})
     tables = spawn_ranks(ranks.table_with, 2, 2, daemon.socket, {"oneshot_max_bytes": " 4 kib "}).values()
-    assert tables == {r: [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")] for r in range(2)}
+    assert tables == {r: [(0, 4096, "oneshot"), (4097, None, "twoshot")] for r in range(2)}
     assert "oneshot_max_bytes=4KiB (override)" in daemon.log()  # the table in force, in the log
 
 

@@ -35,14 +35,14 @@ def test_the_lower_neighbour_takes_a_bucket_it_wins():
     live = evidence(("nccl", 512 * KIB, 30e-6), ("oneshot", 512 * KIB, 10e-6))
     move, rows = moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL)
     assert move.values == {"oneshot_max_bytes": MIB} and move.winner is Path.ONESHOT
-    assert rows == [("0", "1MiB", "oneshot"), ("1048577", "6291455", "nccl"), ("6MiB", "inf", "dma")]
+    assert rows == [(0, 1048576, "oneshot"), (1048577, 6291455, "nccl"), (6291456, None, "dma")]
 
 
 def test_dma_takes_a_bucket_from_its_start():
     live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
     move, rows = moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL)
     assert move.values == {"dma_min_bytes": MIB + 1}
-    assert rows == [("0", "256KiB", "oneshot"), ("262145", "1MiB", "nccl"), ("1048577", "inf", "dma")]
+    assert rows == [(0, 262144, "oneshot"), (262145, 1048576, "nccl"), (1048577, None, "dma")]
 
 
 def test_nccl_takes_the_top_of_twoshot_range():
@@ -50,7 +50,7 @@ def test_nccl_takes_the_top_of_twoshot_range():
     live = evidence(("twoshot", 2 * MIB, 60e-6), ("nccl", 2 * MIB, 30e-6))
     move, rows = moved(live, calibrated, Path.NCCL)
     assert move.values == {"twoshot_max_bytes": MIB}
-    assert rows == [("0", "512KiB", "oneshot"), ("524289", "1MiB", "twoshot"), ("1048577", "inf", "nccl")]
+    assert rows == [(0, 524288, "oneshot"), (524289, 1048576, "twoshot"), (1048577, None, "nccl")]
 
 
 def test_a_path_below_dma_reaches_up_with_it():
@@ -58,7 +58,7 @@ def test_a_path_below_dma_reaches_up_with_it():
     live = evidence(("dma", 8 * MIB, 90e-6), ("oneshot", 8 * MIB, 40e-6))
     move, rows = moved(live, before, Path.TWOSHOT)
     assert move.values == {"dma_min_bytes": 16 * MIB + 1, "oneshot_max_bytes": 16 * MIB}
-    assert rows == [("0", "16MiB", "oneshot"), ("16777217", "inf", "dma")]
+    assert rows == [(0, 16777216, "oneshot"), (16777217, None, "dma")]
 
 
 def test_the_fallback_below_dma_needs_no_boundary_of_its_own():
@@ -66,14 +66,14 @@ def test_the_fallback_below_dma_needs_no_boundary_of_its_own():
     live = evidence(("dma", 2 * MIB, 90e-6), ("twoshot", 2 * MIB, 40e-6))
     move, rows = moved(live, before, Path.TWOSHOT)
     assert move.values == {"dma_min_bytes": 4 * MIB + 1}
-    assert rows == [("0", "256KiB", "oneshot"), ("262145", "4MiB", "twoshot"), ("4194305", "inf", "dma")]
+    assert rows == [(0, 262144, "oneshot"), (262145, 4194304, "twoshot"), (4194305, None, "dma")]
 
 
 def test_the_cpu_boundary_moves_as_before():
     live = evidence(("oneshot", 16 * KIB, 100e-6), ("twoshot", 16 * KIB, 10e-6))
     move, rows = moved(live, table(Path.TWOSHOT, oneshot_max_bytes=32 * KIB), Path.TWOSHOT)
     assert move.values == {"oneshot_max_bytes": 4 * KIB}
-    assert rows == [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")]
+    assert rows == [(0, 4096, "oneshot"), (4097, None, "twoshot")]
 
 
 def test_overrides_and_the_margin_hold_the_table():
@@ -115,7 +115,7 @@ def test_only_dma_min_moves_when_the_lower_path_already_reaches_the_bucket():
     live = evidence(("dma", 8 * MIB, 90e-6), ("oneshot", 8 * MIB, 40e-6))
     move, rows = moved(live, before, Path.NCCL, fixed)
     assert move.values == {"dma_min_bytes": 16 * MIB + 1}
-    assert rows == [("0", "16MiB", "oneshot"), ("16777217", "inf", "dma")]
+    assert rows == [(0, 16777216, "oneshot"), (16777217, None, "dma")]
 
 
 def test_the_faster_of_two_winning_neighbours_takes_the_bucket():
@@ -128,7 +128,7 @@ def test_the_faster_of_two_winning_neighbours_takes_the_bucket():
 def test_a_bucket_from_zero_switches_the_lower_path_off():
     live = evidence(("oneshot", 512, 50e-6), ("twoshot", 512, 10e-6))
     move, rows = moved(live, table(Path.TWOSHOT, oneshot_max_bytes=32 * KIB), Path.TWOSHOT)
-    assert move.values == {"oneshot_max_bytes": None} and rows == [("0", "inf", "twoshot")]
+    assert move.values == {"oneshot_max_bytes": None} and rows == [(0, None, "twoshot")]
 
 
 def test_a_move_forgets_what_it_changed_so_old_samples_cannot_move_it_back():

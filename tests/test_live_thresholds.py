@@ -17,7 +17,7 @@ def test_a_faster_path_moves_the_boundary_for_every_rank_at_once(make_daemon, sp
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 10e-6), 200, timeout=120).values()
     assert results[0]["switched_at"] is not None and results[0]["switched_at"] % 16 == 15
     assert results[0] == results[1]
-    assert results[0]["rows"] == [("0", "4KiB", "oneshot"), ("4097", "inf", "twoshot")]
+    assert results[0]["rows"] == [(0, 4096, "oneshot"), (4097, None, "twoshot")]
     assert results[0]["boundary"] == "oneshot_max_bytes=4KiB (calibrated)"
     assert 'nodecomm_threshold_changes_total{boundary="oneshot_max_bytes"} 1.0' in daemon.metrics_text()
     assert "boundary moved by live timings" in daemon.log()
@@ -28,7 +28,7 @@ def test_timings_within_the_margin_move_nothing(make_daemon, spawn_ranks):
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 97e-6), 100, timeout=120).values()
     for result in results.values():
         assert result["switched_at"] is None
-        assert result["rows"] == [("0", "32KiB", "oneshot"), ("32769", "inf", "twoshot")]
+        assert result["rows"] == [(0, 32768, "oneshot"), (32769, None, "twoshot")]
     assert "nodecomm_threshold_changes_total{" not in daemon.metrics_text()
 
 

@@ -153,7 +153,7 @@ def test_the_daemon_refuses_ranges_it_does_not_own(daemon):
 def test_the_dispatch_table_can_send_sizes_to_the_service_path(daemon, spawn_ranks):
     results = spawn_ranks(ranks.service_by_table, 2, 2, daemon.socket, timeout=120).values()
     for seen in results.values():
-        assert seen["rows"] == [("0", "4095", "oneshot"), ("4KiB", "inf", "service")]
+        assert seen["rows"] == [(0, 4095, "oneshot"), (4096, None, "service")]
         assert seen["small"] == [3.0] and seen["large"] == [3.0]
     # Only the 16 KiB all-reduce went to the daemon.
     assert 'nodecomm_service_collectives_total{op="all_reduce",result="ok"} 1.0' in daemon.metrics_text()

@@ -41,7 +41,8 @@ def test_proto_round_trip(values):
 def test_rows_cover_every_size():
     t = table(oneshot_max_bytes=1024, twoshot_max_bytes=1 << 20, dma_min_bytes=6 << 20)
     assert [r[2] for r in t.rows()] == [Path.ONESHOT, Path.TWOSHOT, Path.NCCL, Path.DMA]
-    assert t.rows()[0][0] == "0" and t.rows()[-1][1] == "inf"
+    assert t.rows()[0][0] == 0 and t.rows()[-1][1] is None
+    assert [label for label, _ in t.labels()] == ["<=1KiB", ">1KiB and <=1MiB", ">1MiB and <6MiB", ">=6MiB"]
 
 
 def test_neighbour_path_within_a_factor_of_four_of_an_edge():

@@ -98,7 +98,7 @@ def test_nccl_fallback(cuda_daemon, spawn_ranks):
         pytest.skip("NCCL refuses two ranks on one GPU; needs 2 GPUs")
     results = spawn_ranks(cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), timeout=300).values()
     for value in results.values():
-        assert ("256KiB" in value["table"][0][1]) and any(path == "nccl" for _, _, path in value["table"])
+        assert value["table"][0][1] == 256 << 10 and any(path == "nccl" for _, _, path in value["table"])
         assert value["default"] and value["forced"]
 
 

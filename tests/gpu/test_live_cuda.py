@@ -18,6 +18,6 @@ def test_dma_reported_faster_takes_the_bucket_for_every_rank(make_daemon, spawn_
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, synthetic, 200, "cuda", timeout=180).values()
     assert results[0]["switched_at"] is not None and results[0]["switched_at"] % 16 == 15
     assert results[0] == results[1]
-    assert results[0]["rows"] == [("0", "256KiB", "oneshot"), ("262145", "inf", "dma")]
+    assert results[0]["rows"] == [(0, 262144, "oneshot"), (262145, None, "dma")]
     assert "dma_min_bytes=262145 (calibrated)" in results[0]["boundaries"]
     assert 'nodecomm_threshold_changes_total{boundary="dma_min_bytes"} 1.0' in daemon.metrics_text()
