@@ -19,7 +19,7 @@ from typing import Any
 
 import tomllib
 
-from nodecomm.byte_size import parse_byte_size
+from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.socket_path import default_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
 
@@ -222,6 +222,46 @@ def _split_address(field: str, address: str) -> tuple[str, int]:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "overrides"}
 
+# One line per setting for `nodecommd --help` (docs/operator-guide.md says more).
+HELP = {
+    "socket": "Unix socket of the gRPC control plane",
+    "descriptor_socket": "Unix socket that hands out buffer descriptors (empty: <socket>.fd)",
+    "tcp_address": "extra gRPC listener, ip:port on loopback (or with TLS); empty: none",
+    "tls_cert": "PEM certificate for tcp_address beyond loopback",
+    "tls_key": "PEM key for tls_cert",
+    "tls_client_ca": "PEM CA that TCP clients' certificates must chain to",
+    "socket_group": "group (name or gid) of the sockets and their directory; empty: the daemon's",
+    "allowed_uids": "comma-separated uids or user names that may join; empty: anyone who reaches the socket",
+    "allowed_gids": "comma-separated gids or group names that may join",
+    "metrics_address": "ip:port of Prometheus /metrics, or off",
+    "state_dir": "where calibrations are stored",
+    "calibrate_on_start": "probe at start where state_dir holds no calibration for this machine",
+    "join_timeout_seconds": "longest a Join waits for the group's other ranks",
+    "operation_timeout_seconds": "longest one collective waits for a peer",
+    "session_grace_seconds": "a rank without a Session stream this long after its group formed is lost",
+    "claim_token_ttl_seconds": "a descriptor claim token unused this long is dropped",
+    "timing_sample_period": "each rank times one all-reduce in this many",
+    "live_recalibration": "move boundaries from the ranks' sampled timings",
+    "live_margin": "how much faster a neighbouring path must be to move a boundary (fraction)",
+    "live_min_samples": "samples of both paths every rank needs in a size bucket",
+    "table_switch_period": "ranks switch to a new table together every this many all-reduces",
+    "explore_period": "every n-th all-reduce near a boundary runs on the neighbouring path; 0: off",
+    "max_capacity_bytes": "largest slot capacity a group may ask for",
+    "max_reserved_bytes": "cap on everything reserved, all groups together",
+    "max_groups": "groups formed or forming at once",
+    "max_ranks_per_group": "largest world size a Join may ask for",
+    "max_bytes_per_gpu": "buffers one GPU may hold",
+    "drain_grace_seconds": "on SIGTERM, how long running calls get before the server stops",
+    "service_queue_depth": "service-path collectives a group may queue",
+    "service_threads": "threads that run every group's service-path collectives",
+    "allow_shared_devices": "let the ranks of one CUDA group share a GPU (development)",
+    "private": "a job's own daemon, started by its ranks: exits when the job's leases end, writes no state",
+    "private_grace_seconds": "how long a private daemon outlives its job's last lease",
+    "cuda_memory": "how CUDA buffers cross to the ranks: auto, vmm or legacy",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "log_format": "json or text",
+}
+
 
 def _coerce(name: str, value: Any, where: str) -> Any:
     """Turn a file, environment or flag value into the field's type, naming where it came from."""
@@ -269,17 +309,53 @@ def _apply(values: dict[str, Any], overrides: dict[str, int | None], source: Map
             raise ValueError(f"{where}: unknown setting {key!r}; known settings: {known}")
 
 
+def _shown_default(name: str, field: dataclasses.Field) -> str:
+    if field.default_factory is not dataclasses.MISSING:
+        value = field.default_factory()
+    else:
+        value = field.default
+    if name == "state_dir":
+        return default_state_dir()  # what an empty value becomes
+    if _is_size(name, field):
+        return format_byte_size(value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "empty" if value == "" else str(value)
+
+
+def _is_size(name: str, field: dataclasses.Field) -> bool:
+    return field.type == "int" and name.endswith("_bytes")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nodecommd",
         description="The nodecomm daemon: owns a node's shared communication buffers and serves the control plane.",
+        epilog=(
+            "Every setting is also NODECOMM_<NAME> in the environment and <name> in the TOML file; flags win "
+            "over the environment, the environment over the file. SIZE: 6291456, 512KiB, 24MB, 1GiB. BOOL: "
+            "true/false, yes/no, on/off, 1/0. Thresholds: docs/operator-guide.md."
+        ),
         argument_default=argparse.SUPPRESS,
     )
-    parser.add_argument("--config", help="TOML file (also NODECOMM_CONFIG)")
+    parser.add_argument("--config", metavar="FILE", help="TOML file (also NODECOMM_CONFIG)")
     for name, field in _FIELDS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=field.type.upper().split()[0])
+        metavar = "SIZE" if _is_size(name, field) else field.type.upper()
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar=metavar,
+            help=f"{HELP[name]} (default: {_shown_default(name, field)})",
+        )
     for name in BOUNDARY_NAMES:
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar="SIZE|off")
+        path = name.split("_")[0]
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            metavar="SIZE|off",
+            help=f"override where {path} {'ends' if name.endswith('_max_bytes') else 'starts'} for every group "
+            "(default: calibrated, else built in)",
+        )
     return parser
 
 

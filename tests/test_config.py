@@ -54,3 +54,16 @@ def test_boolean_settings():
         load_config(["--allow-shared-devices", "false"], {"NODECOMM_ALLOW_SHARED_DEVICES": "1"}).allow_shared_devices
         is False
     )
+
+
+def test_help_gives_every_flag_a_line_and_its_default():
+    from nodecomm.service.config import _FIELDS, build_parser
+
+    text = " ".join(build_parser().format_help().split())  # as one line: argparse wraps at the terminal width
+    for name in _FIELDS:
+        flag = "--" + name.replace("_", "-")
+        entry = text[text.index(flag + " ", text.index("options:")) :].split(" --")[0]
+        assert "(default: " in entry, entry
+    assert "--max-reserved-bytes SIZE" in text and "(default: 16GiB)" in text
+    assert "--oneshot-max-bytes SIZE|off" in text and "--join-timeout-seconds FLOAT" in text
+    assert "--max-capacity-bytes INT" not in text
