@@ -244,11 +244,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_topo(args: argparse.Namespace) -> int:
     from nodecomm import _native
-    from nodecomm.client.topology import format_topology, node_topology
+    from nodecomm.client.topology import format_topology, node_topology, why_no_gpu
 
     devices = _native.cuda_devices() if _native.WITH_CUDA else []
     topology = node_topology(devices, _native.cuda_peer_links() if devices else [])
-    print(json.dumps(topology.to_json(), indent=2) if args.json else format_topology(topology))
+    reason = "" if devices else why_no_gpu(_native.WITH_CUDA)
+    if args.json:
+        print(json.dumps({**topology.to_json(), **({"no_gpu_reason": reason} if reason else {})}, indent=2))
+    else:
+        print(format_topology(topology, reason))
     return 0
 
 

@@ -9,6 +9,7 @@ node), SYS (different NUMA nodes).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -172,9 +173,32 @@ def node_topology(
     return Topology(gpus, relations, access, paths, warnings, iommu)
 
 
-def format_topology(topology: Topology) -> str:
+def why_no_gpu(with_cuda: bool) -> str:
+    """Which of the three reasons leaves nodecomm without GPUs: its build, the driver, the devices."""
+    if not with_cuda:
+        return "this build of nodecomm has no CUDA transport (built with NODECOMM_CPU_ONLY=1 or without a CUDA toolkit)"
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return (
+            "no NVIDIA driver: libcuda.so.1 does not load (none installed, or a container started without the "
+            "NVIDIA runtime)"
+        )
+    count = ctypes.c_int(0)
+    result = driver.cuInit(0)
+    if result == 0:
+        result = driver.cuDeviceGetCount(ctypes.byref(count))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "unset" if visible is None else repr(visible)
+    return (
+        f"the driver sees no GPU (cuInit/cuDeviceGetCount: CUresult {result}, {count.value} devices; "
+        f"CUDA_VISIBLE_DEVICES {shown}; in a container, were the GPUs passed in?)"
+    )
+
+
+def format_topology(topology: Topology, no_gpu_reason: str = "") -> str:
     if not topology.gpus:
-        return "no GPUs visible (no CUDA build of nodecomm, no driver, or no device); CPU groups only"
+        return f"no GPUs visible: {no_gpu_reason or 'none found'}; CPU groups only"
     lines = [f"{'gpu':<4} {'uuid':<41} {'pci':<13} {'numa':>4}  {'link':<26} name"]
     for g in topology.gpus:
         numa = "-" if g.numa_node is None else str(g.numa_node)

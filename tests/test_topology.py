@@ -1,9 +1,13 @@
 """nodecomm topo: pair relations, paths and warnings from a sysfs tree laid out like a real
 two-socket PCIe machine, and the command itself on this machine."""
 
+import ctypes
 import json
 import os
+import subprocess
+import sys
 
+from nodecomm import _native
 from nodecomm.client.topology import format_topology, node_topology
 from test_cli import nodecomm_cli
 
@@ -80,5 +84,27 @@ def test_the_command_on_this_machine():
     result = nodecomm_cli("topo", "--json")
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
-    assert set(document) == {"gpus", "relations", "peer_access", "paths", "iommu", "warnings"}
+    keys = {"gpus", "relations", "peer_access", "paths", "iommu", "warnings"}
+    assert set(document) == (keys if document["gpus"] else keys | {"no_gpu_reason"})
     assert len(document["relations"]) == len(document["gpus"])
+
+
+def test_no_gpu_says_which_of_the_three_causes():
+    """The build, the driver or the devices: the command names the one that holds here."""
+    shown = subprocess.run(
+        [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())", "topo"],
+        capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+    ).stdout  # fmt: skip
+    try:
+        ctypes.CDLL("libcuda.so.1")
+        driver = True
+    except OSError:
+        driver = False
+    if not _native.WITH_CUDA:
+        assert "this build of nodecomm has no CUDA transport" in shown, shown
+    elif not driver:
+        assert "no NVIDIA driver: libcuda.so.1 does not load" in shown, shown
+    else:
+        assert "the driver sees no GPU" in shown and "CUDA_VISIBLE_DEVICES ''" in shown, shown
+    assert shown.startswith("no GPUs visible: ") and shown.rstrip().endswith("CPU groups only")
+    assert format_topology(node_topology([], []), "why") == "no GPUs visible: why; CPU groups only"
