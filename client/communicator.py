@@ -379,11 +379,14 @@ class Communicator:
             )  # fmt: skip
         else:
             exchange = TopkExchange(
-                layout, self.rank, slabs, self.barrier, where, self._service_topk_stage, self._count_topk_stage
+                layout, self.rank, slabs, self._topk_barrier, where, self._service_topk_stage, self._count_topk_stage
             )
         with self._lock:
             self._exchanges.append(exchange)
         return exchange
+
+    def _topk_barrier(self, rows: int) -> None:
+        self._run(self._transport.topk_barrier, rows, self._operation_timeout)
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
         work = self._submitted(self._service.topk_stage, local_idx, local_scores)

@@ -39,6 +39,10 @@ class HostTransport:
     def barrier(self, timeout: float) -> None:
         self._group.barrier(timeout)
 
+    def topk_barrier(self, rows: int, timeout: float) -> None:
+        """A top-k stage's barrier: the ranks must stage the same number of rows."""
+        self._group.barrier(timeout, _native.COLLECTIVE_TOPK_STAGE, rows)
+
     # Timing samples: collectives here block, so a sample is complete when the call returns.
     def capturing(self) -> bool:
         return False

@@ -68,7 +68,7 @@ class TopkExchange:
         layout: TopkLayout,
         rank: int,
         slabs: list[SegmentMapping],
-        barrier: Callable[[], None],
+        barrier: Callable[[int], None],
         where: dict,
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
         count: Callable[[int], None] = lambda nbytes: None,
@@ -107,7 +107,7 @@ class TopkExchange:
                 idx_plane, score_plane = self._planes[owner][slot]
                 idx_plane[: len(span), self._rank].copy_(source_idx[span.start : span.stop])
                 score_plane[: len(span), self._rank].copy_(source_bits[span.start : span.stop])
-        self._barrier()
+        self._barrier(rows)  # GroupMismatchError where the ranks staged different row counts
         self._count(2 * local_idx.numel() * 4)
         mine = len(owned_rows(rows, world, self._rank))
         idx_plane, score_plane = self._planes[self._rank][slot]

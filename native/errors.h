@@ -8,7 +8,7 @@
 namespace nodecomm {
 
 enum class ErrorKind {
-  kInvalidArgument, kDeadlineExceeded, kPeerLost, kDaemonUnavailable, kResourceExhausted, kInternal
+  kInvalidArgument, kDeadlineExceeded, kPeerLost, kDaemonUnavailable, kResourceExhausted, kInternal, kGroupMismatch
 };
 
 struct Error : std::runtime_error {

@@ -32,6 +32,7 @@ const char* python_error_name(ErrorKind kind) {
     case ErrorKind::kDaemonUnavailable: return "DaemonUnavailableError";
     case ErrorKind::kResourceExhausted: return "ResourceExhaustedError";
     case ErrorKind::kInternal: return "InternalError";
+    case ErrorKind::kGroupMismatch: return "GroupMismatchError";
   }
   return "InternalError";
 }
@@ -74,6 +75,7 @@ PYBIND11_MODULE(_native, m) {
 
   namespace shm = nodecomm::shm;
   m.attr("SHM_MAX_RANKS") = shm::kMaxRanks;
+  m.attr("COLLECTIVE_TOPK_STAGE") = int(shm::Collective::kTopkStage);
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
 
@@ -101,11 +103,12 @@ PYBIND11_MODULE(_native, m) {
           "Rank r's `nbytes` land at output + r * nbytes on every rank.")
       .def(
           "barrier",
-          [](shm::ShmGroup& self, double timeout_s) {
+          [](shm::ShmGroup& self, double timeout_s, int collective, std::uint64_t count) {
             py::gil_scoped_release release;
-            self.barrier(timeout_s);
+            self.barrier(timeout_s, shm::Call{shm::Collective(collective), count});
           },
-          py::arg("timeout_s"))
+          py::arg("timeout_s"), py::arg("collective") = int(shm::Collective::kBarrier), py::arg("count") = 0,
+          "Every rank arrives with the same (collective, count), or all get GroupMismatchError.")
       .def_property_readonly("rank", &shm::ShmGroup::rank)
       .def_property_readonly("world_size", &shm::ShmGroup::world_size)
       .def_property_readonly("op_epoch", &shm::ShmGroup::op_epoch)

@@ -2,14 +2,22 @@
 // live in host shared memory (memfd segments the daemon hands out).
 //
 // Layout of each rank's buffer (shm_buffer_bytes):
-//   [0, kHeaderBytes)       arrival flags, one 64-byte line per peer: peer p stores its barrier
-//                           epoch into line p of every rank's buffer (no atomics across peers)
+//   [0, kHeaderBytes)       arrival lines, one of 64 bytes per peer: peer p stores its barrier
+//                           epoch into line p of every rank's buffer (no atomics across peers),
+//                           after the call it is in (Call: collective, count, dtype, algorithm)
+//                           at [8 + 16 * (epoch % 2), +16) of the line
 //   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
 // The group's abort word lives in its control segment (control.h), written by the daemon or by a
 // rank that gives up on the group.
 //
 // Ordering: a rank copies its input into its slot, then stores its epoch into every peer's flag
-// line with release semantics; a reader acquires the flag before reading the slot. Payloads move
+// line with release semantics; a reader acquires the flag before reading the slot.
+//
+// Agreement: every barrier compares the calls the ranks arrived with, before anything is written
+// to an output; ranks that disagree (count, dtype, collective, algorithm) all raise
+// GroupMismatchError at the same barrier, with every rank's value, and the group stays usable.
+// Two call slots per line: a peer can be one barrier ahead of a reader (it passed the barrier
+// once the reader arrived) but not two, so the slot of the reader's epoch is still its. Payloads move
 // in chunks and chunk k (counted across operations) uses slot k % 2. A rank reuses a slot two
 // chunks later only after passing a barrier of the chunk in between, which no peer reaches before
 // it has finished reading that slot, so no extra pre-write barrier is needed.
@@ -52,6 +60,47 @@ using namespace nodecomm::control;  // the abort word and its reasons
 
 // Algorithms; equal to nodecomm.v1.Path values.
 enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
+
+// What a rank arrives at a barrier for. Every rank of a group must arrive with the same.
+enum class Collective : std::uint64_t { kAllReduce = 1, kAllGather = 2, kBarrier = 3, kTopkStage = 4 };
+
+struct Call {
+  Collective collective;
+  std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage)
+  int dtype = 0;            // DType, all_reduce only
+  int algorithm = 0;        // Algorithm, all_reduce only
+
+  std::uint64_t packed() const {
+    return std::uint64_t(collective) << 32 | std::uint64_t(dtype & 0xFF) << 8 | std::uint64_t(algorithm & 0xFF);
+  }
+  static Call unpack(std::uint64_t count, std::uint64_t packed) {
+    return Call{Collective(packed >> 32), count, int((packed >> 8) & 0xFF), int(packed & 0xFF)};
+  }
+};
+
+inline const char* collective_name(Collective collective) {
+  switch (collective) {
+    case Collective::kAllReduce: return "all_reduce";
+    case Collective::kAllGather: return "all_gather";
+    case Collective::kBarrier: return "barrier";
+    case Collective::kTopkStage: return "top-k stage";
+  }
+  return "an unknown collective";
+}
+
+inline std::string dtype_name(int dtype) {
+  switch (DType(dtype)) {
+    case DType::kFloat32: return "float32";
+    case DType::kFloat16: return "float16";
+    case DType::kBFloat16: return "bfloat16";
+  }
+  return "dtype " + std::to_string(dtype);
+}
+
+inline std::string algorithm_name(int algorithm) {
+  return algorithm == int(Algorithm::kOneshot) ? "oneshot" : algorithm == int(Algorithm::kTwoshot) ? "twoshot"
+                                                                                                   : std::to_string(algorithm);
+}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -178,24 +227,26 @@ class ShmGroup {
   std::uint64_t barrier_epoch() const { return barrier_epoch_; }
   std::uint64_t op_epoch() const { return op_epoch_; }
 
-  // out may equal in. count elements of dtype on every rank (all ranks pass the same count).
+  // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ).
   void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
                   double timeout_s) {
     switch (dtype) {
-      case DType::kFloat32: return all_reduce_typed<float>(in, out, count, algorithm, timeout_s);
-      case DType::kFloat16: return all_reduce_typed<Float16>(in, out, count, algorithm, timeout_s);
-      case DType::kBFloat16: return all_reduce_typed<BFloat16>(in, out, count, algorithm, timeout_s);
+      case DType::kFloat32: return all_reduce_typed<float>(in, out, count, dtype, algorithm, timeout_s);
+      case DType::kFloat16: return all_reduce_typed<Float16>(in, out, count, dtype, algorithm, timeout_s);
+      case DType::kBFloat16: return all_reduce_typed<BFloat16>(in, out, count, dtype, algorithm, timeout_s);
     }
     NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(int(dtype)));
   }
 
-  // out holds world_size * nbytes: rank r's input lands at out + r * nbytes.
+  // out holds world_size * nbytes: rank r's input lands at out + r * nbytes. Even 0 bytes meet
+  // at one barrier, where the ranks' sizes are compared.
   void all_gather(std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
     const std::size_t chunk = slot_bytes_ / kLineBytes * kLineBytes;
-    for (std::size_t offset = 0; offset < nbytes; offset += chunk) {
+    const Call call{Collective::kAllGather, nbytes};
+    for (std::size_t offset = 0; offset < nbytes || offset == 0; offset += chunk) {
       const std::size_t len = std::min(chunk, nbytes - offset);
       std::uint8_t* mine = stage(reinterpret_cast<const std::uint8_t*>(in) + offset, len);
-      barrier(timeout_s);
+      barrier(timeout_s, call);
       const std::size_t slot = slot_offset();
       for (int r = 0; r < world_size_; ++r) {
         const std::uint8_t* src = r == rank_ ? mine : peer(r) + slot;
@@ -205,17 +256,24 @@ class ShmGroup {
     }
   }
 
-  // Every rank arrives, then waits for every other rank (bounded by timeout_s, honours abort).
-  void barrier(double timeout_s) { wait_all(arrive(), timeout_s); }
+  // Every rank arrives, then waits for every other rank (bounded by timeout_s, honours abort),
+  // and the ranks' calls are compared.
+  void barrier(double timeout_s, const Call& call = Call{Collective::kBarrier}) {
+    wait_all(arrive(call), timeout_s);
+  }
 
   // The two halves of a barrier, for work that overlaps the wait: arrive() publishes this rank's
-  // next epoch to every peer (release: everything written before it is visible to them);
-  // wait_all(epoch) returns once every peer has arrived there (acquire).
-  std::uint64_t arrive() {
+  // next epoch and its call to every peer (release: everything written before it is visible to
+  // them); wait_all(epoch) returns once every peer has arrived there (acquire) with the same call.
+  std::uint64_t arrive(const Call& call) {
     const std::uint64_t epoch = ++barrier_epoch_;
+    const std::uint64_t packed = call.packed();
     for (int r = 0; r < world_size_; ++r) {
-      auto* flag = reinterpret_cast<std::uint64_t*>(peer(r) + std::size_t(rank_) * kLineBytes);
-      __atomic_store_n(flag, epoch, __ATOMIC_RELEASE);
+      auto* line = reinterpret_cast<std::uint64_t*>(peer(r) + std::size_t(rank_) * kLineBytes);
+      std::uint64_t* slot = line + 1 + 2 * (epoch % 2);
+      __atomic_store_n(slot, call.count, __ATOMIC_RELAXED);
+      __atomic_store_n(slot + 1, packed, __ATOMIC_RELAXED);
+      __atomic_store_n(line, epoch, __ATOMIC_RELEASE);
     }
     return epoch;
   }
@@ -224,6 +282,7 @@ class ShmGroup {
     for (int r = 0; r < world_size_; ++r) {
       if (r != rank_) wait_flag(r, epoch, timeout_s);
     }
+    check_calls(epoch);
   }
 
  private:
@@ -240,17 +299,18 @@ class ShmGroup {
   }
 
   template <typename T>
-  void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, Algorithm algorithm,
+  void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
                         double timeout_s) {
     NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
                    "unknown algorithm code " + std::to_string(int(algorithm)) + "; expected 1 (oneshot) or 2 (twoshot)");
     const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
     const T* src = reinterpret_cast<const T*>(in);
     T* dst = reinterpret_cast<T*>(out);
+    const Call call{Collective::kAllReduce, count, int(dtype), int(algorithm)};
     if (algorithm == Algorithm::kOneshot) {
-      oneshot(src, dst, chunks, timeout_s);
+      oneshot(src, dst, chunks, call, timeout_s);
     } else {
-      twoshot(src, dst, chunks, timeout_s);
+      twoshot(src, dst, chunks, call, timeout_s);
     }
   }
 
@@ -263,12 +323,13 @@ class ShmGroup {
 
   // Per chunk: stage it whole, barrier, sum every rank's slot.
   template <typename T>
-  void oneshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
+  void oneshot(const T* src, T* dst, const Chunking& chunks, const Call& call, double timeout_s) {
     const bool stream = chunks.count * sizeof(T) >= kStreamOutputBytes;
+    if (chunks.size() == 0) return barrier(timeout_s, call);  // nothing to move, but the calls meet
     for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
       const std::size_t begin = chunks.begin(k), len = chunks.len(k);
       stage(reinterpret_cast<const std::uint8_t*>(src + begin), len * sizeof(T));
-      barrier(timeout_s);
+      barrier(timeout_s, call);
       const std::uint8_t* slots[kMaxRanks];
       for (int r = 0; r < world_size_; ++r) slots[r] = peer(r) + slot_offset();
       reduce_range<T>(slots, world_size_, dst + begin, 0, len, nullptr, stream);
@@ -283,22 +344,22 @@ class ShmGroup {
   // second barrier: its slot was last read in chunk k-1's gather (or the previous operation's),
   // which every peer finished before arriving at chunk k's first barrier.
   template <typename T>
-  void twoshot(const T* src, T* dst, const Chunking& chunks, double timeout_s) {
-    if (chunks.size() == 0) return;
+  void twoshot(const T* src, T* dst, const Chunking& chunks, const Call& call, double timeout_s) {
+    if (chunks.size() == 0) return barrier(timeout_s, call);  // nothing to move, but the calls meet
     const bool stream = chunks.count * sizeof(T) >= kStreamOutputBytes;
     stage_peer_segments(src, chunks, 0);
     for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
       const std::size_t begin = chunks.begin(k), len = chunks.len(k);
       const Segments seg{len, world_size_};
       const std::size_t slot = slot_offset();
-      barrier(timeout_s);
+      barrier(timeout_s, call);
       const std::uint8_t* sources[kMaxRanks];
       for (int r = 0; r < world_size_; ++r) {
         sources[r] = r == rank_ ? reinterpret_cast<const std::uint8_t*>(src + begin) : peer(r) + slot;
       }
       T* mine = reinterpret_cast<T*>(peer(rank_) + slot);
       reduce_range<T>(sources, world_size_, dst + begin, seg.lo(rank_), seg.hi(rank_), mine, stream);
-      const std::uint64_t reduced = arrive();
+      const std::uint64_t reduced = arrive(call);
       if (k + 1 < chunks.size()) stage_peer_segments(src, chunks, k + 1);
       wait_all(reduced, timeout_s);
       for (int r = 0; r < world_size_; ++r) {
@@ -327,6 +388,54 @@ class ShmGroup {
     for (int r = 0; r < world_size_; ++r) {
       if (r != rank_) std::memcpy(slot + seg.lo(r), from + seg.lo(r), (seg.hi(r) - seg.lo(r)) * sizeof(T));
     }
+  }
+
+  // Every rank's call at `epoch`, read from the arrival lines in this rank's buffer (each peer's
+  // was acquired with its flag); GroupMismatchError, the same on every rank, where they differ.
+  void check_calls(std::uint64_t epoch) const {
+    Call calls[kMaxRanks];
+    bool agree = true;
+    for (int r = 0; r < world_size_; ++r) {
+      const auto* slot = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes) + 1 +
+                         2 * (epoch % 2);
+      calls[r] = Call::unpack(__atomic_load_n(slot, __ATOMIC_RELAXED), __atomic_load_n(slot + 1, __ATOMIC_RELAXED));
+      agree = agree && calls[r].count == calls[0].count && calls[r].packed() == calls[0].packed();
+    }
+    if (!agree) raise_mismatch(calls);
+  }
+
+  [[noreturn]] void raise_mismatch(const Call* calls) const {
+    // The first field the ranks disagree on, in the order a reader can act on.
+    auto differ = [&](auto field) {
+      for (int r = 1; r < world_size_; ++r) {
+        if (field(calls[r]) != field(calls[0])) return true;
+      }
+      return false;
+    };
+    auto each = [&](auto shown) {
+      std::string text;
+      for (int r = 0; r < world_size_; ++r) text += (r ? ", rank " : "rank ") + std::to_string(r) + " " + shown(calls[r]);
+      return text;
+    };
+    std::string what;
+    if (differ([](const Call& c) { return int(c.collective); })) {
+      what = "the collective: " + each([](const Call& c) { return std::string("calls ") + collective_name(c.collective); });
+    } else if (differ([](const Call& c) { return c.dtype; })) {
+      what = collective_name(calls[0].collective) + std::string("'s dtype: ") +
+             each([](const Call& c) { return "has " + dtype_name(c.dtype); });
+    } else if (differ([](const Call& c) { return c.count; })) {
+      // Before the path: where the table chose the paths, different sizes chose different ones.
+      const char* unit = calls[0].collective == Collective::kAllReduce    ? "element count"
+                         : calls[0].collective == Collective::kTopkStage ? "row count"
+                                                                         : "byte count";
+      what = collective_name(calls[0].collective) + std::string("'s ") + unit + ": " +
+             each([](const Call& c) { return "has " + std::to_string(c.count); });
+    } else {
+      what = collective_name(calls[0].collective) + std::string("'s path: ") +
+             each([](const Call& c) { return "has " + algorithm_name(c.algorithm); });
+    }
+    NODECOMM_RAISE(kGroupMismatch, "rank " + std::to_string(rank_) + ": the ranks disagree on " + what +
+                                       "; nothing was written to the output");
   }
 
   // Spin briefly, then yield, then sleep: ranks may outnumber cores.

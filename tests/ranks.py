@@ -448,3 +448,43 @@ def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -
         except nodecomm.NodecommError as error:
             return type(error).__name__
     return "no error"
+
+
+def disagree(rank: int, world_size: int, socket: str) -> dict:
+    """Calls on which rank 1 disagrees with the others: each must raise GroupMismatchError on every
+    rank, leave the output as it was, and leave the group working."""
+    outcome = {}
+    with nodecomm.connect("disagree", rank, world_size, socket=socket, timeout=30) as comm:
+        odd = rank == 1
+        cases = {
+            "count": lambda out: comm.all_reduce(torch.ones(8192 if odd else 4096), out=out[: 8192 if odd else 4096]),
+            "count_large": lambda out: comm.all_reduce(torch.ones((1 << 20) if odd else 1024), out=None),
+            "count_zero": lambda out: comm.all_reduce(torch.ones(0 if odd else 16), out=out[: 0 if odd else 16]),
+            "dtype": lambda out: comm.all_reduce(torch.ones(64, dtype=torch.float16 if odd else torch.float32)),
+            "path": lambda out: comm.all_reduce(torch.ones(4096), out=out[:4096], path="twoshot" if odd else "oneshot"),
+            "collective": lambda out: (
+                comm.all_gather(torch.ones(16)) if odd else comm.all_reduce(torch.ones(16), out=out[:16])
+            ),
+            "barrier": lambda out: comm.barrier() if odd else comm.all_reduce(torch.ones(16), out=out[:16]),
+            "gather_bytes": lambda out: comm.all_gather(torch.ones(5 if odd else 4)),
+        }
+        for name, call in cases.items():
+            out = torch.full((8192,), -7.0)
+            try:
+                call(out)
+                outcome[name] = ("no error", "")
+            except nodecomm.NodecommError as error:
+                outcome[name] = (type(error).__name__, str(error))
+            outcome[name] += (bool((out == -7.0).all()),)
+            total = comm.all_reduce(torch.full((300,), float(rank + 1)))  # the group still works
+            outcome[name] += (total.tolist() == [float(world_size * (world_size + 1) // 2)] * 300,)
+        exchange = comm.topk_exchange(max_rows=16, topk=4)
+        rows = 12 if odd else 8
+        try:
+            exchange.stage(torch.zeros(rows, 4, dtype=torch.int32), torch.zeros(rows, 4))
+            outcome["topk_rows"] = ("no error", "")
+        except nodecomm.NodecommError as error:
+            outcome["topk_rows"] = (type(error).__name__, str(error))
+        idx, _ = exchange.stage(torch.full((8, 4), rank, dtype=torch.int32), torch.zeros(8, 4))
+        outcome["topk_rows"] += (True, idx[:, :, 0].tolist()[0] == list(range(world_size)))
+    return outcome

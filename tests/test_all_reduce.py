@@ -45,3 +45,31 @@ def test_misuse_raises_clear_errors(daemon, spawn_ranks):
     assert seen["still_works"] == [2.0] * 4
     assert seen["table"][0][2] == "oneshot" and seen["table"][-1][2] == "twoshot"
     assert "closed" in seen["closed"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_disagree_all_get_group_mismatch_and_the_group_goes_on(daemon, spawn_ranks, world_size):
+    """Rank 1 passes another count, dtype, path or collective: every rank raises the same
+    GroupMismatchError at the call's first barrier, naming each rank's value; no output is
+    written; the ranks' epochs stay in step, so the next call works."""
+    results = spawn_ranks(ranks.disagree, world_size, world_size, daemon.socket, timeout=180).values()
+    # (what they disagree on, rank 0's value, rank 1's value); ranks past 1 do as rank 0 does.
+    cases = {
+        "count": ("all_reduce's element count", "has 4096", "has 8192"),
+        "count_large": ("all_reduce's element count", "has 1024", "has 1048576"),
+        "count_zero": ("all_reduce's element count", "has 16", "has 0"),
+        "dtype": ("all_reduce's dtype", "has float32", "has float16"),
+        "path": ("all_reduce's path", "has oneshot", "has twoshot"),
+        "collective": ("the collective", "calls all_reduce", "calls all_gather"),
+        "barrier": ("the collective", "calls all_reduce", "calls barrier"),
+        "gather_bytes": ("all_gather's byte count", "has 16", "has 20"),
+        "topk_rows": ("top-k stage's row count", "has 8", "has 12"),
+    }
+    for rank, outcome in results.items():
+        assert set(outcome) == set(cases)
+        for case, (name, message, untouched, works_after) in outcome.items():
+            field, usual, odd = cases[case]
+            values = ", ".join(f"rank {r} {odd if r == 1 else usual}" for r in range(world_size))
+            assert name == "GroupMismatchError", (rank, case, name, message)
+            assert f"disagree on {field}: {values}; nothing was written to the output" in message, (rank, message)
+            assert untouched and works_after, (rank, case)
