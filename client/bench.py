@@ -48,6 +48,8 @@ class Row:
     busbw_gbps: float
     wrong: int
     iterations: int
+    p25_us: float  # with p75_us, the middle half of the iterations: the point's spread
+    p75_us: float
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -280,10 +282,16 @@ def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
 def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int) -> Row:
     ordered = sorted(times)
     p50 = statistics.median(ordered)
-    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
     algbw = nbytes / p50 / 1e9 if p50 > 0 else 0.0
     busbw = algbw * (2 * (world_size - 1) / world_size) if world_size > 1 else 0.0
-    return Row(nbytes, count, dtype, path, p50 * 1e6, p99 * 1e6, algbw, busbw, wrong, len(times))
+    return Row(
+        nbytes, count, dtype, path, p50 * 1e6, quantile(0.99) * 1e6, algbw, busbw, wrong, len(times),
+        quantile(0.25) * 1e6, quantile(0.75) * 1e6,
+    )  # fmt: skip
 
 
 class PrivateDaemon:

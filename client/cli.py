@@ -154,6 +154,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         print("nodecomm calibrate: the daemon ended the stream without a result", file=sys.stderr)
         return 1
     table = DispatchTable.from_proto(reply.thresholds)
+    for warning in reply.warnings:
+        print(f"nodecomm calibrate: {warning}", file=sys.stderr)
     if args.plot:
         from nodecomm.client.calibration_plot import plot_calibration
 
@@ -167,9 +169,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 {"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value} for b in table.boundaries
             ],
             "points": points,
+            "warnings": list(reply.warnings),
         }
         print(json.dumps(document, indent=2))
-        return 0
+        return 1 if reply.warnings else 0
     print(
         f"{'size':>10} "
         + " ".join(f"{name:>12}" for name in sorted({pb.Path.Name(p.path).lower() for p in reply.points}))
@@ -180,6 +183,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for size, times in sorted(by_size.items()):
         cells = " ".join(f"{times[name] * 1e6:>10.1f}us" for name in sorted(times))
         print(f"{format_byte_size(size):>10} {cells}")
+    if reply.warnings:
+        print("not calibrated; the table in force:")
+        _print_table(table)
+        return 1
     print(f"calibrated (fingerprint {reply.fingerprint_key}, stored in {reply.stored_at}):")
     _print_table(table)
     return 0

@@ -4,8 +4,8 @@
 // Layout of each rank's buffer (shm_buffer_bytes):
 //   [0, kHeaderBytes)       arrival lines, one of 64 bytes per peer: peer p stores its barrier
 //                           epoch into line p of every rank's buffer (no atomics across peers),
-//                           after the call it is in (Call: collective, count, dtype, algorithm)
-//                           at [8 + 16 * (epoch % 2), +16) of the line
+//                           after the call it is in (Call: collective, count, dtype, algorithm,
+//                           packed in one word) at [8 + 8 * (epoch % 2), +8) of the line
 //   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
 // The group's abort word lives in its control segment (control.h), written by the daemon or by a
 // rank that gives up on the group.
@@ -70,11 +70,16 @@ struct Call {
   int dtype = 0;            // DType, all_reduce only
   int algorithm = 0;        // Algorithm, all_reduce only
 
+  // One word, so that arriving costs one store more than the epoch's: the count in 40 bits (a
+  // TiB of bytes; larger counts compare modulo 2^40), 8 bits for each of the others.
+  static constexpr int kCountBits = 40;
   std::uint64_t packed() const {
-    return std::uint64_t(collective) << 32 | std::uint64_t(dtype & 0xFF) << 8 | std::uint64_t(algorithm & 0xFF);
+    return (count & ((std::uint64_t(1) << kCountBits) - 1)) | std::uint64_t(collective) << 56 |
+           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(algorithm & 0xFF) << 40;
   }
-  static Call unpack(std::uint64_t count, std::uint64_t packed) {
-    return Call{Collective(packed >> 32), count, int((packed >> 8) & 0xFF), int(packed & 0xFF)};
+  static Call unpack(std::uint64_t word) {
+    return Call{Collective(word >> 56), word & ((std::uint64_t(1) << kCountBits) - 1), int((word >> 48) & 0xFF),
+                int((word >> 40) & 0xFF)};
   }
 };
 
@@ -270,9 +275,7 @@ class ShmGroup {
     const std::uint64_t packed = call.packed();
     for (int r = 0; r < world_size_; ++r) {
       auto* line = reinterpret_cast<std::uint64_t*>(peer(r) + std::size_t(rank_) * kLineBytes);
-      std::uint64_t* slot = line + 1 + 2 * (epoch % 2);
-      __atomic_store_n(slot, call.count, __ATOMIC_RELAXED);
-      __atomic_store_n(slot + 1, packed, __ATOMIC_RELAXED);
+      __atomic_store_n(line + 1 + epoch % 2, packed, __ATOMIC_RELAXED);
       __atomic_store_n(line, epoch, __ATOMIC_RELEASE);
     }
     return epoch;
@@ -393,15 +396,17 @@ class ShmGroup {
   // Every rank's call at `epoch`, read from the arrival lines in this rank's buffer (each peer's
   // was acquired with its flag); GroupMismatchError, the same on every rank, where they differ.
   void check_calls(std::uint64_t epoch) const {
-    Call calls[kMaxRanks];
+    std::uint64_t words[kMaxRanks];
     bool agree = true;
     for (int r = 0; r < world_size_; ++r) {
-      const auto* slot = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes) + 1 +
-                         2 * (epoch % 2);
-      calls[r] = Call::unpack(__atomic_load_n(slot, __ATOMIC_RELAXED), __atomic_load_n(slot + 1, __ATOMIC_RELAXED));
-      agree = agree && calls[r].count == calls[0].count && calls[r].packed() == calls[0].packed();
+      const auto* line = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes);
+      words[r] = __atomic_load_n(line + 1 + epoch % 2, __ATOMIC_RELAXED);
+      agree = agree && words[r] == words[0];
     }
-    if (!agree) raise_mismatch(calls);
+    if (agree) return;
+    Call calls[kMaxRanks];
+    for (int r = 0; r < world_size_; ++r) calls[r] = Call::unpack(words[r]);
+    raise_mismatch(calls);
   }
 
   [[noreturn]] void raise_mismatch(const Call* calls) const {

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from nodecomm import _native
+from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import InternalError
 from nodecomm.thresholds import Boundary, Source, build_table
 from nodecomm.thresholds import Path as ThresholdPath
@@ -228,6 +229,44 @@ PROBE_FLAGS = {
 }
 
 
+# A point is noise when the middle half of its iterations spans more than its median (the
+# interquartile range over the median), or when its median is more than NOISE_JUMP times the
+# next larger size's of the same path: all-reduce latency grows with size. Both were far past
+# these on a loaded 2-core machine (4 KiB oneshot 208 us against 13 us at 8 KiB) and stayed under
+# them on a quiet one (docs/calibration-cpu.md).
+NOISE_SPREAD = 1.0
+NOISE_JUMP = 4.0
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the probe measured: the slowest rank's median seconds and the relative interquartile
+    range, per path and size."""
+
+    medians: dict[str, dict[int, float]]
+    spreads: dict[str, dict[int, float]]
+
+    def noise(self) -> list[str]:
+        """The points too noisy to place a boundary by, described with their figures."""
+        found = []
+        for path, by_size in sorted(self.medians.items()):
+            sizes = sorted(by_size)
+            for index, size in enumerate(sizes):
+                median, spread = by_size[size], self.spreads.get(path, {}).get(size, 0.0)
+                if spread > NOISE_SPREAD:
+                    found.append(
+                        f"{path} at {format_byte_size(size)}: its iterations' middle half spans {spread:.1f}x its "
+                        f"median {median * 1e6:.1f} us"
+                    )
+                elif index + 1 < len(sizes) and median > NOISE_JUMP * by_size[sizes[index + 1]]:
+                    larger = sizes[index + 1]
+                    found.append(
+                        f"{path} at {format_byte_size(size)}: {median * 1e6:.1f} us, "
+                        f"{median / by_size[larger]:.1f}x the {by_size[larger] * 1e6:.1f} us at {format_byte_size(larger)}"
+                    )
+        return found
+
+
 async def probe(
     device_kind: str,
     socket: str,
@@ -236,10 +275,10 @@ async def probe(
     max_bytes: int,
     timeout: float,
     on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
-) -> dict[str, dict[int, float]]:
-    """Run the bench's rank programs against the daemon at `socket`; slowest rank's median seconds
-    per path and size, each also passed to on_point as it is measured. Raises InternalError with
-    the probe's output when it fails."""
+) -> Measured:
+    """Run the bench's rank programs against the daemon at `socket`; the slowest rank's median
+    seconds and spread per path and size, each median also passed to on_point as it is measured.
+    Raises InternalError with the probe's output when it fails."""
     with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
         out = os.path.join(directory, "probe.json")
         args = [
@@ -285,11 +324,16 @@ async def probe(
             with open(out) as handle:
                 rows = json.load(handle)["rows"]
             medians: dict[str, dict[int, float]] = {}
+            spreads: dict[str, dict[int, float]] = {}
             for row in rows:
                 medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
-        except (OSError, ValueError, KeyError, TypeError) as error:
+                middle = row["p75_us"] - row["p25_us"]
+                spreads.setdefault(row["path"], {})[row["size_bytes"]] = (
+                    middle / row["p50_us"] if row["p50_us"] else 0.0
+                )
+        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as error:
             raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
-    return medians
+    return Measured(medians, spreads)
 
 
 def calibration_from(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:

@@ -24,6 +24,7 @@ from nodecomm.v1 import control_pb2 as pb
 from .calibration import (
     Calibration,
     CalibrationStore,
+    Measured,
     calibration_from,
     cpu_fingerprint,
     cuda_fingerprint,
@@ -152,7 +153,14 @@ class TableKeeper:
         async with self._calibrating:
             started = time.monotonic()
             try:
-                medians = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                if measured.noise():  # measured while the machine was busy: once more
+                    log.warning("calibration measured noise; probing again", extra={"noise": measured.noise()})
+                    measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                noise = measured.noise()
+                if noise:
+                    return self._refuse_noisy(kind, measured, noise)
+                medians = measured.medians
                 # The boundary search tries every assignment of boundaries: off the event loop.
                 calibration = await asyncio.to_thread(calibration_from, self.fingerprints[kind], medians)
             except NodecommError:
@@ -183,6 +191,26 @@ class TableKeeper:
             thresholds=self._build_table(kind, "nccl" in medians, 0).to_proto(),
         )
         for path, by_size in sorted(medians.items()):
+            for size, seconds in sorted(by_size.items()):
+                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
+        return reply
+
+    def _refuse_noisy(self, kind: str, measured: Measured, noise: list[str]) -> pb.CalibrateReply:
+        """Twice too noisy to place a boundary by: keep the boundaries in force, store nothing,
+        and say so with the figures."""
+        warning = (
+            f"calibration refused: {len(noise)} of the points measured twice were noise (is the machine busy?), so "
+            f"the {kind} boundaries stay as they were and nothing was stored: {'; '.join(noise[:6])}"
+            + (f"; and {len(noise) - 6} more" if len(noise) > 6 else "")
+        )
+        self.metrics.calibrations.labels("noisy").inc()
+        log.warning(warning, extra={"device_kind": kind, "noise": noise})
+        reply = pb.CalibrateReply(
+            stored_at="nowhere: the measurements were noise",
+            thresholds=self._build_table(kind, "nccl" in measured.medians, 0).to_proto(),
+            warnings=[warning],
+        )
+        for path, by_size in sorted(measured.medians.items()):
             for size, seconds in sorted(by_size.items()):
                 reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
         return reply

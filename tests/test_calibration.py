@@ -5,13 +5,15 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
 
 from conftest import stub_for
 from nodecomm.errors import InternalError
-from nodecomm.service.calibration import cuda_boundaries, small_path_max
+from nodecomm.service.calibration import Measured, cuda_boundaries, small_path_max
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
@@ -266,3 +268,42 @@ def test_private_reads_state_writes_none(make_daemon, tmp_path):
         document = json.loads(again.stdout[again.stdout.index("{") :])
     assert document["stored_at"] == "nowhere: a job's private daemon writes no state"
     assert [p.name for p in state.iterdir()] == [stored.name] and stored.read_bytes() == before
+
+
+def test_a_busy_machine_is_not_calibrated(make_daemon, tmp_path):
+    """Busy processes on every core: the probe measures noise twice, so the daemon keeps its
+    boundaries, stores nothing and says why with the figures."""
+    state = tmp_path / "state"
+    daemon = make_daemon("--state-dir", str(state))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * os.cpu_count())]
+    try:
+        result = nodecomm_cli(
+            "--socket", daemon.socket, "calibrate", "--min-bytes", "4KiB", "--max-bytes", "1MiB", "--json"
+        )  # fmt: skip
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert result.returncode == 1, result.stdout + result.stderr
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    (warning,) = document["warnings"]
+    assert warning.startswith("calibration refused: ") and "nothing was stored" in warning
+    assert " us" in warning and ("middle half spans" in warning or "x the " in warning)  # the figures
+    assert warning in result.stderr
+    assert document["stored_at"] == "nowhere: the measurements were noise"
+    assert not list(state.glob("calibration-*.json")) if state.exists() else True
+    assert document["boundaries"][0]["source"] == "default"
+    assert 'nodecomm_calibrations_total{result="noisy"} 1.0' in daemon.metrics_text()
+    assert "calibration measured noise; probing again" in daemon.log()
+
+
+def test_noise_is_a_wide_middle_half_or_a_latency_that_falls_with_size():
+    medians = {"oneshot": {4096: 10e-6, 8192: 12e-6}, "twoshot": {4096: 20e-6, 8192: 21e-6}}
+    calm = {"oneshot": {4096: 0.2, 8192: 0.3}, "twoshot": {4096: 0.1, 8192: 0.1}}
+    assert Measured(medians, calm).noise() == []
+    wide = {**calm, "oneshot": {4096: 1.5, 8192: 0.3}}
+    assert Measured(medians, wide).noise() == [
+        "oneshot at 4KiB: its iterations' middle half spans 1.5x its median 10.0 us"
+    ]
+    falling = {**medians, "oneshot": {4096: 208e-6, 8192: 13e-6}}
+    assert Measured(falling, calm).noise() == ["oneshot at 4KiB: 208.0 us, 16.0x the 13.0 us at 8KiB"]

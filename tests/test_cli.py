@@ -111,7 +111,7 @@ def test_dispatch_regret_divides_auto_by_the_best_other_path():
     from nodecomm.client.bench import Row, dispatch_regret
 
     def row(size: int, path: str, p50: float) -> Row:
-        return Row(size, size // 4, "float32", path, p50, p50, 0.0, 0.0, 0, 10)
+        return Row(size, size // 4, "float32", path, p50, p50, 0.0, 0.0, 0, 10, p50, p50)
 
     rows = [row(1024, "oneshot", 4.0), row(1024, "nccl", 8.0), row(1024, "auto", 5.0)]
     rows += [row(2048, "oneshot", 9.0), row(2048, "nccl", 6.0), row(2048, "auto", 6.0), row(4096, "oneshot", 1.0)]

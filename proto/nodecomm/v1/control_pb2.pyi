@@ -400,16 +400,18 @@ class CalibrationPoint(_message.Message):
     def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
-    __slots__ = ("fingerprint_key", "stored_at", "thresholds", "points")
+    __slots__ = ("fingerprint_key", "stored_at", "thresholds", "points", "warnings")
     FINGERPRINT_KEY_FIELD_NUMBER: _ClassVar[int]
     STORED_AT_FIELD_NUMBER: _ClassVar[int]
     THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     POINTS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
     fingerprint_key: str
     stored_at: str
     thresholds: ThresholdTable
     points: _containers.RepeatedCompositeFieldContainer[CalibrationPoint]
-    def __init__(self, fingerprint_key: _Optional[str] = ..., stored_at: _Optional[str] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., points: _Optional[_Iterable[_Union[CalibrationPoint, _Mapping]]] = ...) -> None: ...
+    warnings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fingerprint_key: _Optional[str] = ..., stored_at: _Optional[str] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., points: _Optional[_Iterable[_Union[CalibrationPoint, _Mapping]]] = ..., warnings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CalibrateUpdate(_message.Message):
     __slots__ = ("point", "done")
