@@ -50,6 +50,9 @@ class Row:
     iterations: int
     p25_us: float  # with p75_us, the middle half of the iterations: the point's spread
     p75_us: float
+    # The least CPU time any rank had while timed, per second of wall time: ranks that spin on
+    # host memory (CPU groups) use a whole core each on an idle machine, and less on a busy one.
+    cpu_share: float = 1.0
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -100,17 +103,19 @@ def _operation(path: str, comm, dist, x, out, group):
     return run
 
 
-def slowest_rank(times: list[float], flaws: int, world_size: int) -> tuple[list[float], int]:
-    """Every iteration's slowest time over the ranks, and the flaws counted over all of them
-    (through the gloo group every bench rank holds)."""
+def slowest_rank(
+    times: list[float], flaws: int, world_size: int, cpu_share: float = 1.0
+) -> tuple[list[float], int, float]:
+    """Every iteration's slowest time over the ranks, the flaws counted over all of them, and the
+    least CPU share any rank had (through the gloo group every bench rank holds)."""
     import torch
     import torch.distributed as dist
 
-    mine = torch.tensor([*times, float(flaws)], dtype=torch.float64)
+    mine = torch.tensor([*times, float(flaws), cpu_share], dtype=torch.float64)
     gathered = [torch.empty_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
     every = torch.stack(gathered)
-    return every[:, :-1].max(dim=0).values.tolist(), int(every[:, -1].sum())
+    return every[:, :-2].max(dim=0).values.tolist(), int(every[:, -2].sum()), float(every[:, -1].min())
 
 
 def host_times(run, iterations: int, comm) -> list[float]:
@@ -218,13 +223,15 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                     run = _operation(path, comm, dist, x, out, backend_group if path == BACKEND_ROW else baseline_group)
                 for _ in range(min(5, iterations)):
                     run()
+                started = time.process_time(), time.perf_counter()
                 if on_gpu:
                     times = cuda_times(run, iterations, comm, args["graph"])
                 else:
                     times = host_times(run, iterations, comm)
-                slowest, wrong = slowest_rank(times, int((out != expected).sum()), world_size)
+                share = (time.process_time() - started[0]) / max(time.perf_counter() - started[1], 1e-9)
+                slowest, wrong, share = slowest_rank(times, int((out != expected).sum()), world_size, share)
                 if rank == 0:
-                    rows.append((nbytes, count, path, slowest, wrong))
+                    rows.append((nbytes, count, path, slowest, wrong, share))
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)
@@ -246,7 +253,7 @@ def _empty_submit_note(comm, world_size: int, iterations: int = 300) -> str:
         started = time.perf_counter()
         comm._service.empty_submit().wait()
         times.append(time.perf_counter() - started)
-    slowest, _ = slowest_rank(times, 0, world_size)
+    slowest, _, _ = slowest_rank(times, 0, world_size)
     ordered = sorted(slowest)
     p99 = ordered[round(0.99 * (len(ordered) - 1))]
     return (
@@ -279,7 +286,9 @@ def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
     raise TimeoutError("the bench did not finish within an hour")
 
 
-def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int) -> Row:
+def _row(
+    nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int, cpu_share: float
+) -> Row:
     ordered = sorted(times)
     p50 = statistics.median(ordered)
 
@@ -290,7 +299,7 @@ def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wro
     busbw = algbw * (2 * (world_size - 1) / world_size) if world_size > 1 else 0.0
     return Row(
         nbytes, count, dtype, path, p50 * 1e6, quantile(0.99) * 1e6, algbw, busbw, wrong, len(times),
-        quantile(0.25) * 1e6, quantile(0.75) * 1e6,
+        quantile(0.25) * 1e6, quantile(0.75) * 1e6, cpu_share,
     )  # fmt: skip
 
 
@@ -405,7 +414,7 @@ def run_bench(setup: BenchSetup, socket: str | None, on_rows=None) -> tuple[list
 
     def rows_of(raw: list) -> list[Row]:
         raw = sorted(raw, key=lambda measured: (setup.sizes.index(measured[0]), setup.paths.index(measured[2])))
-        return [_row(n, c, setup.dtype, p, t, w, setup.world_size) for n, c, p, t, w in raw]
+        return [_row(n, c, setup.dtype, p, t, w, setup.world_size, share) for n, c, p, t, w, share in raw]
 
     on_part = None if on_rows is None else (lambda raw: on_rows(rows_of(raw)))
     raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags, on_part)

@@ -227,7 +227,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         world_size=args.world_size,
         dtype=args.dtype,
-        sizes=sizes_between(
+        sizes=sorted({parse_byte_size(size.strip()) for size in args.sizes.split(",")})
+        if args.sizes
+        else sizes_between(
             parse_byte_size(args.min_bytes), parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device])
         ),
         paths=paths,
@@ -310,6 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--min-bytes", default="1KiB")
     bench.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
+    bench.add_argument("--sizes", help="comma-separated sizes to measure instead of --min-bytes .. --max-bytes")
     bench.add_argument(
         "--paths",
         help="comma-separated: oneshot, twoshot, service, dma (GPU), auto, torch (dist.all_reduce through the "

@@ -67,7 +67,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                     times = cuda_times(run, args["iterations"], comm, graph=False)
                 else:
                     times = host_times(run, args["iterations"], comm)
-                slowest, differ = slowest_rank(times, int(not same), world_size)
+                slowest, differ, _ = slowest_rank(times, int(not same), world_size)
                 if rank == 0:
                     out.append((rows, name, slowest, differ))
     dist.destroy_process_group()

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nodecomm import _native
@@ -230,12 +230,21 @@ PROBE_FLAGS = {
 
 
 # A point is noise when the middle half of its iterations spans more than its median (the
-# interquartile range over the median), or when its median is more than NOISE_JUMP times the
-# next larger size's of the same path: all-reduce latency grows with size. Both were far past
-# these on a loaded 2-core machine (4 KiB oneshot 208 us against 13 us at 8 KiB) and stayed under
-# them on a quiet one (docs/calibration-cpu.md).
+# interquartile range over the median), or when its median and the next larger size's of the
+# same path differ by more than NOISE_JUMP times either way: doubling a size moves an
+# all-reduce's latency by at most ~2.5x on every machine measured (bench-cpu.md, bench-gpu.md).
+# Loaded 2-core machines went far past both (4 KiB twoshot 13 us against 282 us at 8 KiB; middle
+# halves of 100x the median); quiet ones stayed below 0.5 and 2.5x.
 NOISE_SPREAD = 1.0
 NOISE_JUMP = 4.0
+# CPU probes only: a point measured while its ranks, which spin on host memory and so use a
+# whole core each on an idle machine, had less than this share of one is noise: the machine is
+# busy, even where every iteration was slowed alike (loaded 2-core machine: 0.09-0.26; idle:
+# 0.71-1.0).
+NOISE_CPU_SHARE = 0.5
+# A point measured as noise is measured again this many times (a burst on a quiet machine passes);
+# noise that stays through them all refuses the calibration.
+NOISE_RETRIES = 3
 
 
 @dataclass(frozen=True)
@@ -245,25 +254,54 @@ class Measured:
 
     medians: dict[str, dict[int, float]]
     spreads: dict[str, dict[int, float]]
+    cpu_shares: dict[str, dict[int, float]] = field(default_factory=dict)  # CPU probes
+
+    def noisy_sizes(self) -> list[int]:
+        """The sizes to measure again: those of noisy points, and both sizes of a jump."""
+        return sorted({size for size, _ in self._noise()})
 
     def noise(self) -> list[str]:
         """The points too noisy to place a boundary by, described with their figures."""
+        return list(dict.fromkeys(text for _, text in self._noise()))  # a jump is found at both its sizes
+
+    def remeasured(self, again: Measured) -> Measured:
+        """These measurements with the points measured `again` in their place."""
+
+        def merged(mine: dict, theirs: dict) -> dict:
+            return {path: {**by_size, **theirs.get(path, {})} for path, by_size in mine.items()}
+
+        return Measured(
+            merged(self.medians, again.medians),
+            merged(self.spreads, again.spreads),
+            merged(self.cpu_shares, again.cpu_shares),
+        )
+
+    def _noise(self) -> list[tuple[int, str]]:
         found = []
         for path, by_size in sorted(self.medians.items()):
             sizes = sorted(by_size)
             for index, size in enumerate(sizes):
                 median, spread = by_size[size], self.spreads.get(path, {}).get(size, 0.0)
-                if spread > NOISE_SPREAD:
-                    found.append(
+                share = self.cpu_shares.get(path, {}).get(size, 1.0)
+                if share < NOISE_CPU_SHARE:
+                    found.append((size, (
+                        f"{path} at {format_byte_size(size)}: the probe's ranks had {share:.0%} of a core each "
+                        f"(median {median * 1e6:.1f} us)"
+                    )))  # fmt: skip
+                elif spread > NOISE_SPREAD:
+                    found.append((size, (
                         f"{path} at {format_byte_size(size)}: its iterations' middle half spans {spread:.1f}x its "
                         f"median {median * 1e6:.1f} us"
-                    )
-                elif index + 1 < len(sizes) and median > NOISE_JUMP * by_size[sizes[index + 1]]:
+                    )))  # fmt: skip
+                elif index + 1 < len(sizes):
                     larger = sizes[index + 1]
-                    found.append(
-                        f"{path} at {format_byte_size(size)}: {median * 1e6:.1f} us, "
-                        f"{median / by_size[larger]:.1f}x the {by_size[larger] * 1e6:.1f} us at {format_byte_size(larger)}"
-                    )
+                    ratio = median / by_size[larger] if by_size[larger] else float("inf")
+                    if not 1 / NOISE_JUMP <= ratio <= NOISE_JUMP:
+                        text = (
+                            f"{path} at {format_byte_size(size)}: {median * 1e6:.1f} us, {ratio:.2g}x the "
+                            f"{by_size[larger] * 1e6:.1f} us at {format_byte_size(larger)}"
+                        )
+                        found += [(size, text), (larger, text)]
         return found
 
 
@@ -275,17 +313,20 @@ async def probe(
     max_bytes: int,
     timeout: float,
     on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
+    sizes: list[int] | None = None,
 ) -> Measured:
     """Run the bench's rank programs against the daemon at `socket`; the slowest rank's median
-    seconds and spread per path and size, each median also passed to on_point as it is measured.
-    Raises InternalError with the probe's output when it fails."""
+    seconds and spread per path and size (min_bytes .. max_bytes in powers of two, or `sizes`),
+    each median also passed to on_point as it is measured. Raises InternalError with the probe's
+    output when it fails."""
     with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
         out = os.path.join(directory, "probe.json")
         args = [
             # -X faulthandler: a probe that crashes prints every thread's stack into the error.
             sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
             *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
-            "--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes), "--json", out,
+            *(["--sizes", ",".join(map(str, sizes))] if sizes else ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]),
+            "--json", out,
         ]  # fmt: skip
         process = start_probe(args)
         loop = asyncio.get_running_loop()
@@ -325,7 +366,10 @@ async def probe(
                 rows = json.load(handle)["rows"]
             medians: dict[str, dict[int, float]] = {}
             spreads: dict[str, dict[int, float]] = {}
+            shares: dict[str, dict[int, float]] = {}
             for row in rows:
+                if device_kind == "cpu":
+                    shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
                 medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
                 middle = row["p75_us"] - row["p25_us"]
                 spreads.setdefault(row["path"], {})[row["size_bytes"]] = (
@@ -333,7 +377,7 @@ async def probe(
                 )
         except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as error:
             raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
-    return Measured(medians, spreads)
+    return Measured(medians, spreads, shares)
 
 
 def calibration_from(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:

@@ -125,7 +125,7 @@ class DaemonMetrics:
         for result in ("ok", "failed"):
             self.peer_checks.labels(result)
             self.calibrations.labels(result)
-        self.calibrations.labels("noisy")  # measured twice as noise: nothing stored or used
+        self.calibrations.labels("noisy")  # noise through every measurement again: nothing stored or used
         self.fallbacks.labels("peer_memory_unusable")
 
     def reserve(self, kind: str, device: str, use: str, nbytes: int) -> None:

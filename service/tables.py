@@ -22,6 +22,7 @@ from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_tab
 from nodecomm.v1 import control_pb2 as pb
 
 from .calibration import (
+    NOISE_RETRIES,
     Calibration,
     CalibrationStore,
     Measured,
@@ -153,10 +154,7 @@ class TableKeeper:
         async with self._calibrating:
             started = time.monotonic()
             try:
-                measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
-                if measured.noise():  # measured while the machine was busy: once more
-                    log.warning("calibration measured noise; probing again", extra={"noise": measured.noise()})
-                    measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+                measured = await self._measure(kind, socket, world_size, min_bytes, max_bytes, on_point)
                 noise = measured.noise()
                 if noise:
                     return self._refuse_noisy(kind, measured, noise)
@@ -195,11 +193,37 @@ class TableKeeper:
                 reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
         return reply
 
+    async def _measure(
+        self, kind: str, socket: str, world_size: int, min_bytes: int, max_bytes: int, on_point
+    ) -> Measured:
+        """The probe's measurements, noise measured again: a busy machine (noise at more than a
+        quarter of the sizes) is probed whole once more, and left noisy if it stays busy; a few
+        noisy sizes (a burst on a quiet machine) are measured again, up to NOISE_RETRIES times."""
+        measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+        sizes = len(next(iter(measured.medians.values()), {}))
+
+        def busy(found: Measured) -> bool:
+            return len(found.noisy_sizes()) > max(1, sizes // 4)
+
+        if busy(measured):
+            log.warning("calibration measured noise at most sizes; probing again", extra={"noise": measured.noise()})
+            measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+            if busy(measured):
+                return measured
+        for _ in range(NOISE_RETRIES):
+            if not measured.noise():
+                break
+            log.warning("calibration measured noise; measuring those sizes again", extra={"noise": measured.noise()})
+            again = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point, measured.noisy_sizes())
+            measured = measured.remeasured(again)
+        return measured
+
     def _refuse_noisy(self, kind: str, measured: Measured, noise: list[str]) -> pb.CalibrateReply:
         """Twice too noisy to place a boundary by: keep the boundaries in force, store nothing,
         and say so with the figures."""
         warning = (
-            f"calibration refused: {len(noise)} of the points measured twice were noise (is the machine busy?), so "
+            f"calibration refused: {len(noise)} points were still noise after measuring again (is the machine "
+            "busy?), so "
             f"the {kind} boundaries stay as they were and nothing was stored: {'; '.join(noise[:6])}"
             + (f"; and {len(noise) - 6} more" if len(noise) > 6 else "")
         )

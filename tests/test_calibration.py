@@ -271,14 +271,18 @@ def test_private_reads_state_writes_none(make_daemon, tmp_path):
 
 
 def test_a_busy_machine_is_not_calibrated(make_daemon, tmp_path):
-    """Busy processes on every core: the probe measures noise twice, so the daemon keeps its
-    boundaries, stores nothing and says why with the figures."""
+    """Busy processes on every core, each busy and idle for 1-10 ms in turn: noise at most sizes,
+    twice, so the daemon keeps its boundaries, stores nothing and says why with the figures."""
     state = tmp_path / "state"
     daemon = make_daemon("--state-dir", str(state))
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * os.cpu_count())]
+    bursts = (
+        "import random, time\nwhile True:\n    t = time.monotonic()\n"
+        "    while time.monotonic() - t < random.uniform(0.001, 0.01): pass\n    time.sleep(random.uniform(0.001, 0.01))"
+    )
+    spinners = [subprocess.Popen([sys.executable, "-c", bursts]) for _ in range(6 * os.cpu_count())]
     try:
         result = nodecomm_cli(
-            "--socket", daemon.socket, "calibrate", "--min-bytes", "4KiB", "--max-bytes", "1MiB", "--json"
+            "--socket", daemon.socket, "calibrate", "--min-bytes", "4KiB", "--max-bytes", "4MiB", "--json"
         )  # fmt: skip
     finally:
         for spinner in spinners:
@@ -288,13 +292,13 @@ def test_a_busy_machine_is_not_calibrated(make_daemon, tmp_path):
     document = json.loads(result.stdout[result.stdout.index("{") :])
     (warning,) = document["warnings"]
     assert warning.startswith("calibration refused: ") and "nothing was stored" in warning
-    assert " us" in warning and ("middle half spans" in warning or "x the " in warning)  # the figures
+    assert " us" in warning and any(figure in warning for figure in ("middle half spans", "x the ", "of a core each"))
     assert warning in result.stderr
     assert document["stored_at"] == "nowhere: the measurements were noise"
     assert not list(state.glob("calibration-*.json")) if state.exists() else True
     assert document["boundaries"][0]["source"] == "default"
     assert 'nodecomm_calibrations_total{result="noisy"} 1.0' in daemon.metrics_text()
-    assert "calibration measured noise; probing again" in daemon.log()
+    assert "calibration measured noise at most sizes; probing again" in daemon.log()
 
 
 def test_noise_is_a_wide_middle_half_or_a_latency_that_falls_with_size():
@@ -306,4 +310,15 @@ def test_noise_is_a_wide_middle_half_or_a_latency_that_falls_with_size():
         "oneshot at 4KiB: its iterations' middle half spans 1.5x its median 10.0 us"
     ]
     falling = {**medians, "oneshot": {4096: 208e-6, 8192: 13e-6}}
-    assert Measured(falling, calm).noise() == ["oneshot at 4KiB: 208.0 us, 16.0x the 13.0 us at 8KiB"]
+    assert Measured(falling, calm).noise() == ["oneshot at 4KiB: 208.0 us, 16x the 13.0 us at 8KiB"]
+    rising = {**medians, "twoshot": {4096: 13e-6, 8192: 282e-6}}
+    assert Measured(rising, calm).noise() == ["twoshot at 4KiB: 13.0 us, 0.046x the 282.0 us at 8KiB"]
+
+
+def test_a_point_measured_without_a_whole_core_is_noise():
+    medians = {"oneshot": {4096: 10e-6, 8192: 12e-6}}
+    calm = {"oneshot": {4096: 0.2, 8192: 0.3}}
+    shares = {"oneshot": {4096: 0.22, 8192: 0.95}}
+    assert Measured(medians, calm, shares).noise() == [
+        "oneshot at 4KiB: the probe's ranks had 22% of a core each (median 10.0 us)"
+    ]
