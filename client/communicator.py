@@ -205,12 +205,7 @@ class Communicator:
         its device, of a size the dispatch table gives a path this rank runs. False for the sizes
         the table gives NCCL when the caller runs NCCL itself (connect(nccl_by_caller=True)): an
         engine's custom all-reduce slot declines those, and the engine's own NCCL takes them."""
-        if not (
-            isinstance(tensor, torch.Tensor)
-            and tensor.dtype in self._dtypes
-            and tensor.is_contiguous()
-            and self._transport.on_device(tensor)
-        ):
+        if not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
             return False
         return self._table.path_for(tensor.numel() * tensor.element_size()) in self._paths
 
@@ -458,13 +453,12 @@ class Communicator:
         located = type(error)(error.detail, group=self.group, rank=self.rank)
         return located
 
+    def _reducible(self, tensor: torch.Tensor) -> bool:
+        """A tensor all_reduce takes: one of the group's dtypes, contiguous, on its device."""
+        return tensor.dtype in self._dtypes and tensor.is_contiguous() and self._transport.on_device(tensor)
+
     def _check_tensor(self, tensor: torch.Tensor, name: str) -> None:
-        if (
-            type(tensor) is torch.Tensor
-            and tensor.dtype in self._dtypes
-            and tensor.is_contiguous()
-            and self._transport.on_device(tensor)
-        ):
+        if type(tensor) is torch.Tensor and self._reducible(tensor):
             return  # the common case, checked cheaply
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(

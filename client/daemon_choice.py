@@ -82,13 +82,21 @@ def answers(socket: str, timeout: float = 1.0) -> bool:
     return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def decide(mode: str, socket: str | None, job: str) -> tuple[str, str]:
+    """The kind ("node" or "private") and socket of the daemon `mode` picks, attaching to none."""
+    node = socket or default_socket_path()
+    if mode == "node" or (mode == "auto" and answers(node)):
+        return "node", node
+    return "private", socket if mode == "private" and socket else private_socket_path(job)
+
+
 def choose(
     mode: str, socket: str | None, job: str, timeout: float, where: dict
 ) -> tuple[DaemonChoice, JobLeaseHandle | None]:
     """The daemon to use, and for a private one the lease this process now holds on it."""
-    if mode == "node" or (mode == "auto" and answers(socket or default_socket_path())):
-        return DaemonChoice("node", socket or default_socket_path()), None
-    path = socket if mode == "private" and socket else private_socket_path(job)
+    kind, path = decide(mode, socket, job)
+    if kind == "node":
+        return DaemonChoice("node", path), None
     return attach_private(path, timeout, where)
 
 

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from nodecomm.client import daemon_choice
 from nodecomm.errors import InvalidArgumentError
-from nodecomm.socket_path import default_socket_path, private_socket_path
 
 from .process_group import NodecommProcessGroup
 
@@ -89,12 +88,7 @@ def _shared_daemon(
         token = secrets.token_hex(6)
         _job_token = _job_token or token
         mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
-        node = options.socket or default_socket_path()
-        if mode == "node" or (mode == "auto" and daemon_choice.answers(node)):
-            kind, socket = "node", node
-        else:
-            kind = "private"
-            socket = options.socket if mode == "private" and options.socket else private_socket_path(_job_token)
+        kind, socket = daemon_choice.decide(mode, options.socket, _job_token)
         store.set(key, f"{token} {kind} {socket}")
     else:
         store.wait([key], timeout)

@@ -35,11 +35,10 @@ def private_socket_path(job: str) -> str:
     """Where the private daemon of the job named `job` listens, for this user on this machine:
     $XDG_RUNTIME_DIR (else /tmp/nodecomm-<uid>) /nodecomm-jobs/<hash of job>/nodecomm.sock."""
     digest = hashlib.sha256(job.encode()).hexdigest()[:16]
-    for runtime in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}"):
-        path = str(Path(runtime or "/nonexistent") / "nodecomm-jobs" / digest / "nodecomm.sock")
-        if runtime and len(path + ".lease") < _UNIX_PATH_MAX:
-            return path
-    return path
+    runtimes = [r for r in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}") if r]
+    paths = [str(Path(r) / "nodecomm-jobs" / digest / "nodecomm.sock") for r in runtimes]
+    # A runtime directory too deep for a Unix socket's path gives way to the short one.
+    return next((p for p in paths if len(p + ".lease") < _UNIX_PATH_MAX), paths[-1])
 
 
 # sockaddr_un's sun_path holds 108 bytes, the terminating NUL among them.

@@ -188,10 +188,7 @@ class TableKeeper:
             stored_at=stored,
             thresholds=self._build_table(kind, "nccl" in medians, 0).to_proto(),
         )
-        for path, by_size in sorted(medians.items()):
-            for size, seconds in sorted(by_size.items()):
-                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
-        return reply
+        return _with_points(reply, medians)
 
     async def _measure(
         self, kind: str, socket: str, world_size: int, min_bytes: int, max_bytes: int, on_point
@@ -219,8 +216,8 @@ class TableKeeper:
         return measured
 
     def _refuse_noisy(self, kind: str, measured: Measured, noise: list[str]) -> pb.CalibrateReply:
-        """Twice too noisy to place a boundary by: keep the boundaries in force, store nothing,
-        and say so with the figures."""
+        """Still too noisy to place a boundary by after measuring again: keep the boundaries in
+        force, store nothing, and say so with the figures."""
         warning = (
             f"calibration refused: {len(noise)} points were still noise after measuring again (is the machine "
             "busy?), so "
@@ -234,10 +231,7 @@ class TableKeeper:
             thresholds=self._build_table(kind, "nccl" in measured.medians, 0).to_proto(),
             warnings=[warning],
         )
-        for path, by_size in sorted(measured.medians.items()):
-            for size, seconds in sorted(by_size.items()):
-                reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
-        return reply
+        return _with_points(reply, measured.medians)
 
     def _build_table(
         self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
@@ -289,3 +283,11 @@ class TableKeeper:
             },
         )
         return moved
+
+
+def _with_points(reply: pb.CalibrateReply, medians: dict[str, dict[int, float]]) -> pb.CalibrateReply:
+    """`reply` with every measured point, by path then size."""
+    for path, by_size in sorted(medians.items()):
+        for size, seconds in sorted(by_size.items()):
+            reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
+    return reply
