@@ -25,7 +25,7 @@ from nodecomm.topk_layout import LAYOUT_VERSION, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .cuda_transport import CudaTransport
+from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import claim, map_host_segment
 from .host_transport import HostTransport
@@ -439,6 +439,8 @@ class Communicator:
             return PeerLostError(f"group aborted: {text}", group=self.group, rank=self.rank)
         if reason == _native.ABORT_PEER_LEFT:
             return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
+        if reason == _native.ABORT_MISMATCH:
+            return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
         if reason == _native.ABORT_STALLED:
             code, peer, _ = _native.error_record(self._control.address, detail)
             waited = f" for rank {peer}" if code == _native.ERROR_TIMEOUT else " for a peer"

@@ -8,14 +8,37 @@ collective can be captured in a CUDA graph; a captured graph keeps the path it w
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from nodecomm import _native
-from nodecomm.errors import PeerLostError
+from nodecomm.errors import GroupMismatchError, PeerLostError
 from nodecomm.thresholds import Path
 
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
+
+_RECORDS_WAIT_SECONDS = 0.5
+
+
+def mismatch_error(control_address: int, world_size: int, **where) -> GroupMismatchError:
+    """What a group aborted on a mismatch raises: the ranks' records name the field and values.
+    Ranks record their calls as their kernels notice the abort (within a poll interval, 1 ms, of
+    running), so a record still missing is waited for, briefly."""
+    deadline = time.monotonic() + _RECORDS_WAIT_SECONDS
+    while True:
+        disagreement, complete = _native.recorded_disagreement(control_address, world_size)
+        if complete or time.monotonic() > deadline:
+            break
+        time.sleep(0.002)
+    # The kernels' counters and pushed lines are out of step between the ranks by then, and only
+    # ranks whose streams are all idle could set them back together: a new group is that.
+    return GroupMismatchError(
+        f"{disagreement}; nothing was written to the output; a CUDA group stops at a mismatch: close this "
+        "communicator and connect again",
+        **where,
+    )
 
 
 def unmap_device_segment(mapping: SegmentMapping) -> None:
@@ -91,16 +114,19 @@ class CudaTransport:
         per_piece = self._slot_bytes // element
         count, code, algorithm, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), self._stream()
         source, target = tensor.data_ptr(), out.data_ptr()
-        for start in range(0, count, per_piece):
+        # Every piece carries the whole count, which the ranks compare; even none meets the peers.
+        for start in range(0, max(count, 1), per_piece):
             n = min(per_piece, count - start)
             offset = start * element
-            self._group.all_reduce(source + offset, target + offset, n, code, algorithm, timeout, stream)
+            self._group.all_reduce(source + offset, target + offset, n, count, code, algorithm, timeout, stream)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         source, target, stream = tensor.data_ptr(), out.data_ptr(), self._stream()
-        for offset in range(0, nbytes, self._slot_bytes):
-            piece = min(self._slot_bytes, nbytes - offset)
+        share = self._slot_bytes // self.world_size  # every rank's piece together fit one slot
+        per_piece = share // 256 * 256 or share
+        for offset in range(0, max(nbytes, 1), per_piece):
+            piece = min(per_piece, nbytes - offset)
             self._group.all_gather(source + offset, target + offset, piece, nbytes, timeout, stream)
 
     def barrier(self, timeout: float) -> None:
@@ -109,6 +135,8 @@ class CudaTransport:
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
         # A kernel that gave up says so only in this rank's error record.
         code, peer, _ = _native.error_record(self._control.address, self.rank)
+        if code == _native.ERROR_MISMATCH:
+            raise mismatch_error(self._control.address, self.world_size)
         if code == _native.ERROR_TIMEOUT:
             raise PeerLostError(f"the barrier timed out waiting for rank {peer}")
         if code == _native.ERROR_ABORTED:

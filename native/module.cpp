@@ -61,6 +61,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("ABORT_PEER_LEFT") = std::uint64_t(control::kPeerLeft);
   m.attr("ERROR_TIMEOUT") = control::kErrorTimeout;
   m.attr("ERROR_ABORTED") = control::kErrorAborted;
+  m.attr("ERROR_MISMATCH") = control::kErrorMismatch;
+  m.attr("ABORT_MISMATCH") = std::uint64_t(control::kMismatch);
   m.def("abort_group", &control::abort_group, py::arg("control"), py::arg("reason"), py::arg("detail"),
         "Set the group's abort word at `control` unless it is already set (the first reason wins).");
   m.def("abort_state", &control::abort_state, py::arg("control"), "(reason, detail) of the abort word.");
@@ -72,10 +74,13 @@ PYBIND11_MODULE(_native, m) {
       },
       py::arg("control"), py::arg("rank"),
       "(code, rank waited for, barrier epoch) a CUDA kernel of `rank` recorded; code 0: none.");
+  m.def("recorded_disagreement", &control::recorded_disagreement, py::arg("control"), py::arg("world_size"),
+        "(message, complete): what the ranks' error records of a group aborted on a mismatch say (the "
+        "field the ranks disagree on and each rank's value), and whether every rank's call is on record.");
 
   namespace shm = nodecomm::shm;
   m.attr("SHM_MAX_RANKS") = shm::kMaxRanks;
-  m.attr("COLLECTIVE_TOPK_STAGE") = int(shm::Collective::kTopkStage);
+  m.attr("COLLECTIVE_TOPK_STAGE") = int(nodecomm::Collective::kTopkStage);
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
 
@@ -105,9 +110,9 @@ PYBIND11_MODULE(_native, m) {
           "barrier",
           [](shm::ShmGroup& self, double timeout_s, int collective, std::uint64_t count) {
             py::gil_scoped_release release;
-            self.barrier(timeout_s, shm::Call{shm::Collective(collective), count});
+            self.barrier(timeout_s, nodecomm::Call{nodecomm::Collective(collective), count});
           },
-          py::arg("timeout_s"), py::arg("collective") = int(shm::Collective::kBarrier), py::arg("count") = 0,
+          py::arg("timeout_s"), py::arg("collective") = int(nodecomm::Collective::kBarrier), py::arg("count") = 0,
           "Every rank arrives with the same (collective, count), or all get GroupMismatchError.")
       .def_property_readonly("rank", &shm::ShmGroup::rank)
       .def_property_readonly("world_size", &shm::ShmGroup::world_size)
@@ -289,8 +294,10 @@ PYBIND11_MODULE(_native, m) {
            py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"),
            py::arg("device"), py::arg("max_blocks"))
       .def("all_reduce", &cuda::CudaGroup::all_reduce, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
-           py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"), py::arg("timeout_s"),
-           py::arg("stream"), "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce on `stream`.")
+           py::arg("output"), py::arg("count"), py::arg("call_count"), py::arg("dtype"), py::arg("algorithm"),
+           py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`, a piece of a "
+           "call of `call_count` elements (what the ranks compare).")
       .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
            py::arg("output"), py::arg("nbytes"), py::arg("output_stride"), py::arg("timeout_s"), py::arg("stream"),
            "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")

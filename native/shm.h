@@ -34,6 +34,7 @@
 #include <string>
 #include <vector>
 
+#include "agreement.h"
 #include "control.h"
 #include "errors.h"
 #include "numerics.h"
@@ -60,52 +61,6 @@ using namespace nodecomm::control;  // the abort word and its reasons
 
 // Algorithms; equal to nodecomm.v1.Path values.
 enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
-
-// What a rank arrives at a barrier for. Every rank of a group must arrive with the same.
-enum class Collective : std::uint64_t { kAllReduce = 1, kAllGather = 2, kBarrier = 3, kTopkStage = 4 };
-
-struct Call {
-  Collective collective;
-  std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage)
-  int dtype = 0;            // DType, all_reduce only
-  int algorithm = 0;        // Algorithm, all_reduce only
-
-  // One word, so that arriving costs one store more than the epoch's: the count in 40 bits (a
-  // TiB of bytes; larger counts compare modulo 2^40), 8 bits for each of the others.
-  static constexpr int kCountBits = 40;
-  std::uint64_t packed() const {
-    return (count & ((std::uint64_t(1) << kCountBits) - 1)) | std::uint64_t(collective) << 56 |
-           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(algorithm & 0xFF) << 40;
-  }
-  static Call unpack(std::uint64_t word) {
-    return Call{Collective(word >> 56), word & ((std::uint64_t(1) << kCountBits) - 1), int((word >> 48) & 0xFF),
-                int((word >> 40) & 0xFF)};
-  }
-};
-
-inline const char* collective_name(Collective collective) {
-  switch (collective) {
-    case Collective::kAllReduce: return "all_reduce";
-    case Collective::kAllGather: return "all_gather";
-    case Collective::kBarrier: return "barrier";
-    case Collective::kTopkStage: return "top-k stage";
-  }
-  return "an unknown collective";
-}
-
-inline std::string dtype_name(int dtype) {
-  switch (DType(dtype)) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat16: return "float16";
-    case DType::kBFloat16: return "bfloat16";
-  }
-  return "dtype " + std::to_string(dtype);
-}
-
-inline std::string algorithm_name(int algorithm) {
-  return algorithm == int(Algorithm::kOneshot) ? "oneshot" : algorithm == int(Algorithm::kTwoshot) ? "twoshot"
-                                                                                                   : std::to_string(algorithm);
-}
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -410,36 +365,10 @@ class ShmGroup {
   }
 
   [[noreturn]] void raise_mismatch(const Call* calls) const {
-    // The first field the ranks disagree on, in the order a reader can act on.
-    auto differ = [&](auto field) {
-      for (int r = 1; r < world_size_; ++r) {
-        if (field(calls[r]) != field(calls[0])) return true;
-      }
-      return false;
-    };
-    auto each = [&](auto shown) {
-      std::string text;
-      for (int r = 0; r < world_size_; ++r) text += (r ? ", rank " : "rank ") + std::to_string(r) + " " + shown(calls[r]);
-      return text;
-    };
-    std::string what;
-    if (differ([](const Call& c) { return int(c.collective); })) {
-      what = "the collective: " + each([](const Call& c) { return std::string("calls ") + collective_name(c.collective); });
-    } else if (differ([](const Call& c) { return c.dtype; })) {
-      what = collective_name(calls[0].collective) + std::string("'s dtype: ") +
-             each([](const Call& c) { return "has " + dtype_name(c.dtype); });
-    } else if (differ([](const Call& c) { return c.count; })) {
-      // Before the path: where the table chose the paths, different sizes chose different ones.
-      const char* unit = calls[0].collective == Collective::kAllReduce    ? "element count"
-                         : calls[0].collective == Collective::kTopkStage ? "row count"
-                                                                         : "byte count";
-      what = collective_name(calls[0].collective) + std::string("'s ") + unit + ": " +
-             each([](const Call& c) { return "has " + std::to_string(c.count); });
-    } else {
-      what = collective_name(calls[0].collective) + std::string("'s path: ") +
-             each([](const Call& c) { return "has " + algorithm_name(c.algorithm); });
-    }
-    NODECOMM_RAISE(kGroupMismatch, "rank " + std::to_string(rank_) + ": the ranks disagree on " + what +
+    bool known[kMaxRanks];
+    std::fill(known, known + kMaxRanks, true);
+    NODECOMM_RAISE(kGroupMismatch, "rank " + std::to_string(rank_) + ": " +
+                                       describe_disagreement(calls, known, world_size_) +
                                        "; nothing was written to the output");
   }
 

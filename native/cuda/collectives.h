@@ -2,7 +2,9 @@
 //
 // Every call enqueues on the caller's stream and returns; nothing synchronises the host, nothing
 // is patched on the host between launches, so every call can be captured in a CUDA graph and
-// replayed. All ranks must make the same calls with the same sizes in the same order.
+// replayed. All ranks must make the same calls with the same sizes in the same order; where they
+// do not, the first barrier or pushed line of the call finds it, the rank records both calls in
+// its error record and aborts the group (control.h), and nothing is written to the output.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -42,14 +44,19 @@ struct CopyPipeline {
 //            into every peer's push slot and sums what arrives in its own; larger ones: stage
 //            into this launch's slot, one barrier, every rank sums every slot
 //   twoshot  stage, barrier, rank r reduces segment r in place, barrier, every rank gathers
-//   dma      copy engines stage the input and pull this rank's segment of every peer's slot,
-//            SM kernels only reduce and signal; fixed slots, so four barriers order the reuse
-// count * element size must fit in one slot.
-void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
-                Algorithm algorithm, double timeout_s, cudaStream_t stream, const CopyPipeline& pipeline);
+//   dma      copy engines stage the input, pull this rank's segment of every peer's slot and
+//            gather the peers' sums into slot 1; SM kernels reduce, signal and copy the sums out;
+//            fixed slots, so four barriers order the reuse
+// count * element size must fit in one slot; call_count is the element count of the whole call
+// this piece belongs to, which the ranks compare (so a call in pieces disagrees at its first).
+// A count of 0 still meets the peers at one barrier.
+void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+                std::size_t call_count, int dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
+                const CopyPipeline& pipeline);
 
-// Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines; nbytes must
-// fit in one slot; the stride lets callers gather a large payload in slot-sized pieces).
+// Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines into this
+// rank's slot 1, a kernel from there; world_size * nbytes must fit in one slot; the stride lets
+// callers gather a large payload in pieces, and is the whole call's bytes, which the ranks compare).
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream);
 

@@ -4,10 +4,18 @@
 //                                 all of them) and barriers passed (advanced by that block)
 //   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
 //                                 its epoch into flags[b][p] of every rank's buffer
+//   calls                         kMaxBlocks x kMaxRanks x 2 call words (../agreement.h): before
+//                                 that epoch e, block b of rank p stores the call it is in into
+//                                 calls[b][p][e % 2] (a peer is at most one barrier ahead of a
+//                                 reader, so the slot of the reader's epoch is still the peer's)
+//   gave up                       one word, set once a barrier of this rank failed (a timeout, an
+//                                 abort, a mismatch): the copy paths, whose copies run whatever
+//                                 came before them on the stream, write outputs only while it is 0
 //   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
 //                                 once, when the group's peer memory is checked at connect
-//   slots                         two staging slots of slot_stride bytes each; the dma path stages
-//                                 in slot 0 and pulls peers' segments into slot 1
+//   slots                         two staging slots of slot_stride bytes each; the copy paths stage
+//                                 in slot 0 and pull peers' data into slot 1, from where a kernel
+//                                 copies it to the output unless this rank gave up
 //   push slots                    two of push_slot_bytes each, written only by the push form of
 //                                 oneshot: rank p's lines for this rank go to part p of the slot
 // The group's abort word and the ranks' error records live in its control segment (../control.h),
@@ -23,7 +31,9 @@ constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
-constexpr std::size_t kProbeOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kCallOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kGaveUpOffset = kCallOffset + std::size_t(kMaxBlocks) * kMaxRanks * 16;
+constexpr std::size_t kProbeOffset = kGaveUpOffset + 256;
 constexpr std::size_t kSlotOffset = kProbeOffset + 256;
 // dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.
 constexpr std::size_t kSegmentAlign = 256;

@@ -1,6 +1,7 @@
 // sync.cuh — what every CUDA kernel of nodecomm synchronises with: release/acquire stores and
 // loads at system scope (peers' memory may sit across PCIe), the global timer, the group's abort
-// word and error records (../control.h), and one bounded wait that honours both.
+// word and error records (../control.h), and one bounded wait that honours both and notices a
+// peer that arrived with another call (../agreement.h).
 #pragma once
 
 #include <cstddef>
@@ -63,6 +64,35 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
   __threadfence_system();
 }
 
+// Record that `peer` arrived with another call than this rank's `call` (`theirs`: its call, or
+// control::kCallUnknown where it is not known), then abort the group, so that every rank's waits
+// end and its next call raises GroupMismatchError with every rank's record. It replaces a record
+// of an abort, which the mismatch (this rank's or a peer's) caused.
+__device__ inline void disagree(std::uint8_t* control, int rank, int peer, std::uint64_t epoch, std::uint64_t call,
+                                std::uint64_t theirs) {
+  std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
+  const std::uint64_t code = load_volatile(record);
+  if (code == control::kErrorNone || code == control::kErrorAborted) {
+    store_volatile(record + 1, std::uint64_t(peer));
+    store_volatile(record + 2, epoch);
+    store_volatile(record + 3, call);
+    store_volatile(record + 4, theirs);
+    __threadfence_system();
+    store_volatile(record, control::kErrorMismatch);
+  }
+  __threadfence_system();
+  if (load_volatile(word(control, 0)) == 0) {
+    store_volatile(word(control, 0), (std::uint64_t(control::kMismatch) << 32) | std::uint64_t(rank));
+  }
+  __threadfence_system();
+}
+
+// A wait's look for a peer that runs another kernel for this launch than this rank does (its
+// arrivals never come): 0 while there is no sign of it, else the peer's call or kCallUnknown.
+struct NoEvidence {
+  __device__ std::uint64_t operator()() const { return 0; }
+};
+
 // How often a wait looks at the abort word. It is host memory, so every read crosses PCIe. With
 // a read every 32 spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us
 // slower per barrier; the likely cause is that a read delays this rank's next arrival, its peers
@@ -72,12 +102,15 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
 // an abort drains at up to one interval per wait.
 constexpr std::uint64_t kAbortPollNs = 1000000;
 
-// Wait until ready() holds. The clock is read every 32 spins, the abort word every kAbortPollNs
-// and once more before a timeout is declared, so that an abort is reported as one. False (after
-// recording why, against `peer`) on an abort or once timeout_ns have passed.
-template <typename Ready>
+// Wait until ready() holds. The clock is read every 32 spins; the abort word and `elsewhere`
+// (the peer runs another kernel: see NoEvidence) every kAbortPollNs, and once more before a
+// timeout is declared, so that an abort or a mismatch is reported as one. False (after recording
+// why, against `peer`) on an abort, a mismatch (this rank's call is `call`), or once timeout_ns
+// have passed.
+template <typename Ready, typename Elsewhere = NoEvidence>
 __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std::uint8_t* control, int rank, int peer,
-                                  std::uint64_t timeout_ns) {
+                                           std::uint64_t timeout_ns, std::uint64_t call = 0,
+                                           Elsewhere elsewhere = {}) {
   std::uint64_t started = 0, polled = 0;
   for (unsigned spins = 1; !ready(); ++spins) {
     if (spins % 32 != 0) continue;
@@ -86,10 +119,21 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
     const bool timed_out = now - started > timeout_ns;
     if (timed_out || now - polled >= kAbortPollNs) {
       polled = now;
+      // Evidence is looked for a poll interval after the wait began: a peer that finished this
+      // launch has long made its arrivals visible by then, so the evidence is of another kernel.
+      if (const std::uint64_t theirs = elsewhere(); theirs != 0 && !ready()) {
+        disagree(control, rank, peer, epoch, call, theirs);
+        return false;
+      }
       // A peer that arrived and then left aborts the group after its arrival: ready() decides.
-      if (load_acquire(word(control, 0)) != 0) {
+      if (const std::uint64_t abort = load_acquire(word(control, 0)); abort != 0) {
         if (ready()) return true;
-        fail(control, rank, control::kErrorAborted, peer, epoch);
+        // Stopped by a peer's mismatch: this rank's call goes on record too, for the message.
+        if (abort >> 32 == control::kMismatch && call != 0) {
+          disagree(control, rank, peer, epoch, call, control::kCallUnknown);
+        } else {
+          fail(control, rank, control::kErrorAborted, peer, epoch);
+        }
         return false;
       }
     }
@@ -102,9 +146,12 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
 }
 
 // Wait until *flag reaches epoch (see wait_until).
+template <typename Elsewhere = NoEvidence>
 __device__ inline bool wait_at_least(const std::uint64_t* flag, std::uint64_t epoch, std::uint8_t* control, int rank,
-                                     int peer, std::uint64_t timeout_ns) {
-  return wait_until([=] { return load_acquire(flag) >= epoch; }, epoch, control, rank, peer, timeout_ns);
+                                     int peer, std::uint64_t timeout_ns, std::uint64_t call = 0,
+                                     Elsewhere elsewhere = {}) {
+  return wait_until([=] { return load_acquire(flag) >= epoch; }, epoch, control, rank, peer, timeout_ns, call,
+                    elsewhere);
 }
 
 }  // namespace nodecomm::cuda

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <string>
 
+#include "../agreement.h"
 #include "../errors.h"
 #include "driver.h"
 #include "layout.h"
@@ -53,7 +54,7 @@ template <int N, bool kVector>
 __global__ void __launch_bounds__(kThreads)
     topk_stage_kernel(Slabs<N> slabs, std::uint8_t* control, int rank, std::size_t rows, std::size_t rows_per_owner,
                       std::size_t topk, const std::int32_t* idx, const std::int32_t* scores, std::int32_t* out_idx,
-                      std::int32_t* out_scores, std::uint64_t timeout_ns) {
+                      std::int32_t* out_scores, std::uint64_t call, std::uint64_t timeout_ns) {
   __shared__ std::uint64_t stage_shared;
   __shared__ int failed;
   std::uint8_t* mine = slabs.rank[rank];
@@ -95,13 +96,19 @@ __global__ void __launch_bounds__(kThreads)
     copy_rows<kVector>(planes + plane + at, N * topk, scores + (first + lo) * topk, topk, hi - lo, topk);
   }
 
-  // (3) Written: tell every owner, then wait until every source has written into this slab.
+  // (3) Written: tell every owner, with this stage's call, then wait until every source has
+  // written into this slab, and compare its call.
   __threadfence_system();
   __syncthreads();
+  const auto call_of = [block, stage](int r) { return kTopkCallOffset + ((block * kMaxRanks + r) * 2 + (stage & 1)) * 8; };
   if (threadIdx.x < N) {
-    store_release(word(slabs.rank[threadIdx.x], flag(kTopkArriveOffset, rank)), stage);
-    if (!wait_at_least(word(mine, flag(kTopkArriveOffset, threadIdx.x)), stage, control, rank, threadIdx.x,
-                       timeout_ns)) {
+    const int source = threadIdx.x;
+    store_volatile(word(slabs.rank[source], call_of(rank)), call);
+    store_release(word(slabs.rank[source], flag(kTopkArriveOffset, rank)), stage);
+    if (!wait_at_least(word(mine, flag(kTopkArriveOffset, source)), stage, control, rank, source, timeout_ns, call)) {
+      failed = 1;
+    } else if (const std::uint64_t theirs = load_volatile(word(mine, call_of(source))); theirs != call) {
+      disagree(control, rank, source, stage, call, theirs);
       failed = 1;
     }
   }
@@ -161,8 +168,7 @@ void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores,
   NODECOMM_CHECK(rows <= view.rows_per_owner * std::size_t(view.world_size),
                  std::to_string(rows) + " rows exceed the exchange's " +
                      std::to_string(view.rows_per_owner * std::size_t(view.world_size)));
-  // Every rank passes the same rows, so with none every rank skips the launch alike.
-  if (rows == 0) return;
+  // Even a stage of no rows is launched: the ranks' row counts meet in it.
   const bool vector = view.topk % 4 == 0 && aligned(idx) && aligned(scores) && aligned(out_idx) && aligned(out_scores);
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(view.world_size, [&](auto world) {
@@ -174,7 +180,8 @@ void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores,
       kernel<<<view.blocks, kThreads, 0, stream>>>(
           slabs, reinterpret_cast<std::uint8_t*>(view.control), view.rank, rows, view.rows_per_owner, view.topk,
           reinterpret_cast<const std::int32_t*>(idx), reinterpret_cast<const std::int32_t*>(scores),
-          reinterpret_cast<std::int32_t*>(out_idx), reinterpret_cast<std::int32_t*>(out_scores), timeout);
+          reinterpret_cast<std::int32_t*>(out_idx), reinterpret_cast<std::int32_t*>(out_scores),
+          Call{Collective::kTopkStage, rows}.packed(), timeout);
       NODECOMM_CUDA(cudaGetLastError());
     }
   });

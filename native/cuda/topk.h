@@ -9,6 +9,9 @@
 //   retire    kMaxBlocks x kMaxRanks: owner o stores stage n into retire[b][o] of every source's
 //             slab once its block b copied those rows out; a source writes stage n + 2 (the same
 //             slot) into o's block-b rows only after retire[b][o] reached n
+//   calls     kMaxBlocks x kMaxRanks x 2: before arrive, source s stores its stage's call (its row
+//             count, ../agreement.h) into calls[b][s][n % 2]; the owner compares them with its own
+//             before it copies anything out (the slot n % 2 is rewritten only at stage n + 2)
 //   slots     two, each an index plane then a score plane of [rows_per_owner, world_size, topk]
 //             4-byte elements: the layout of nodecomm.topk_layout, behind this header
 // Block b of every rank handles the same owned rows, [b * share, (b + 1) * share) with
@@ -28,7 +31,8 @@ namespace nodecomm::cuda {
 constexpr std::size_t kTopkStagesOffset = 0;
 constexpr std::size_t kTopkArriveOffset = kTopkStagesOffset + kMaxBlocks * 8;
 constexpr std::size_t kTopkRetireOffset = kTopkArriveOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kTopkHeaderBytes = (kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8 + 255) / 256 * 256;
+constexpr std::size_t kTopkCallOffset = kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kTopkHeaderBytes = (kTopkCallOffset + std::size_t(kMaxBlocks) * kMaxRanks * 16 + 255) / 256 * 256;
 
 inline std::size_t topk_plane_bytes(std::size_t rows_per_owner, int world_size, std::size_t topk) {
   return rows_per_owner * std::size_t(world_size) * topk * 4;
@@ -57,7 +61,8 @@ struct TopkView {
 };
 
 // Enqueue one stage on `stream`: idx and scores are this rank's [rows, topk] int32 / float32
-// candidates (rows <= world_size * rows_per_owner, the same on every rank); out_idx and
+// candidates (rows <= world_size * rows_per_owner, the same on every rank: where they differ,
+// every rank records the mismatch, aborts the group and writes no output); out_idx and
 // out_scores receive this rank's owner table, [owned, world_size, topk] each, scores as bits.
 void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores, std::size_t rows,
                 std::uintptr_t out_idx, std::uintptr_t out_scores, double timeout_s, cudaStream_t stream);

@@ -20,7 +20,19 @@
 // it, two launches on, starts only after every peer's launch between has started, which a peer
 // does once it has finished reading this one. The copy paths (dma, all_gather) address fixed slots,
 // since copies captured in a graph keep their addresses: a barrier before staging and one after
-// the last read fence them off from whatever runs before and after.
+// the last read fence them off from whatever runs before and after. Copies run whatever a kernel
+// before them found, so the copy paths copy peers' data into this rank's slot 1 and a kernel
+// moves it to the output only if no barrier of this rank gave up (layout.h).
+//
+// Agreement (../agreement.h): every barrier carries the call the rank is in, in a call slot beside
+// its flag (layout.h), and every pushed line a digest of the call and the launch in its flags, so
+// ranks compare calls with what they exchange anyway. Ranks in different kernels for one launch
+// (one pushes, another meets at barriers) never see each other's arrivals; their waits look, once
+// a poll interval, for the other kind's: a pushed line where a barrier was expected, a barrier
+// where lines were. A rank that finds a mismatch records both calls and aborts the group before
+// anything is written to an output (a kernel cannot raise; the host's next call does).
+// Launches are counted by every collective (the first barrier of a copy path counts it), so the
+// ranks' launch numbers, and with them the slots, stay equal as long as their calls do.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -29,6 +41,7 @@
 #include <string>
 #include <type_traits>
 
+#include "../agreement.h"
 #include "../control.h"
 #include "../errors.h"
 #include "collectives.h"
@@ -98,11 +111,79 @@ __host__ __device__ __forceinline__ std::size_t round_to_packs(std::size_t n) {
   return (n + Pack<T>::kSize - 1) / Pack<T>::kSize * Pack<T>::kSize;
 }
 
-// Block-pair barrier among block b of every rank. Returns false (after recording why) on a
-// timeout or an abort; every thread of the block gets the same answer.
+// One 16-byte line of a push slot: 8 payload bytes, each 4 beside the launch's flag. 8-byte stores
+// arrive whole and 16-byte ones may not, so a reader that sees both flags has both halves.
+struct alignas(16) PushLine {
+  std::uint32_t low, low_flag, high, high_flag;
+};
+
+__device__ __forceinline__ void store_line(PushLine* to, const PushLine& line) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(line.low), "r"(line.low_flag),
+               "r"(line.high), "r"(line.high_flag)
+               : "memory");
+}
+
+__device__ __forceinline__ PushLine load_line(const PushLine* from) {
+  PushLine line;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(line.low), "=r"(line.low_flag), "=r"(line.high), "=r"(line.high_flag)
+               : "l"(from)
+               : "memory");
+  return line;
+}
+
+// Where the push form of oneshot puts its lines: `stride` bytes per slot from `at`, two slots by
+// launch parity, `part` bytes of each for every source rank.
+struct PushSlots {
+  std::size_t at, stride, part;
+};
+
+__device__ __forceinline__ PushLine* pushed_lines(std::uint8_t* buffer, const PushSlots& push, std::uint64_t launch,
+                                                  int source) {
+  return reinterpret_cast<PushLine*>(buffer + push.at + (launch & 1) * push.stride + std::size_t(source) * push.part);
+}
+
+// The flag of every line a launch pushes: never 0, which a cleared line holds, and different for
+// another call (a 31-bit digest, so two calls go unnoticed with odds of 2^-31 per launch).
+__device__ __forceinline__ std::uint32_t push_flag(std::uint64_t launch, std::uint64_t call) {
+  std::uint64_t x = call ^ (launch * 0x9E3779B97F4A7C15ull);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return std::uint32_t(x ^ (x >> 31)) | 1;
+}
+
+__device__ __forceinline__ std::size_t flag_offset(int block, int rank) {
+  return kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8;
+}
+
+__device__ __forceinline__ std::size_t call_offset(int block, int rank, std::uint64_t epoch) {
+  return kCallOffset + ((std::size_t(block) * kMaxRanks + rank) * 2 + (epoch & 1)) * 8;
+}
+
+// A barrier kernel's evidence that `peer` pushes in this launch instead: its first line is there.
+// (Lines are cleared as they are read, so one at this launch's parity is this launch's.)
+struct PeerPushes {
+  std::uint8_t* mine;
+  PushSlots push;
+  std::uint64_t launch;
+  int peer;
+  __device__ std::uint64_t operator()() const {
+    const PushLine line = load_line(pushed_lines(mine, push, launch, peer));
+    return (line.low_flag | line.high_flag) != 0 ? control::kCallUnknown : 0;
+  }
+};
+
+// Whether a barrier of this rank failed (layout.h): the copy paths then write no output.
+__device__ __forceinline__ bool gave_up(const std::uint8_t* mine) {
+  return load_volatile(reinterpret_cast<const std::uint64_t*>(mine + kGaveUpOffset)) != 0;
+}
+
+// Block-pair barrier among block b of every rank, for the call `call` of launch `launch`. Returns
+// false (after recording why) on a timeout, an abort or a peer that arrived with another call;
+// every thread of the block gets the same answer.
 template <int N>
 __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control, int rank, std::uint64_t timeout_ns,
-                                   int* failed) {
+                                   int* failed, std::uint64_t call, std::uint64_t launch, const PushSlots& push) {
   std::uint8_t* mine = peers.rank[rank];
   const int block = blockIdx.x;
   __shared__ std::uint64_t epoch_shared;
@@ -118,9 +199,16 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
   const std::uint64_t epoch = epoch_shared;
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
-    store_release(word(peers.rank[peer], kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8), epoch);
-    const std::uint64_t* flag = word(mine, kFlagOffset + (std::size_t(block) * kMaxRanks + peer) * 8);
-    if (!wait_at_least(flag, epoch, control, rank, peer, timeout_ns)) *failed = 1;
+    store_volatile(word(peers.rank[peer], call_offset(block, rank, epoch)), call);
+    store_release(word(peers.rank[peer], flag_offset(block, rank)), epoch);
+    const std::uint64_t* flag = word(mine, flag_offset(block, peer));
+    if (!wait_at_least(flag, epoch, control, rank, peer, timeout_ns, call, PeerPushes{mine, push, launch, peer})) {
+      *failed = 1;
+    } else if (const std::uint64_t theirs = load_volatile(word(mine, call_offset(block, peer, epoch))); theirs != call) {
+      disagree(control, rank, peer, epoch, call, theirs);
+      *failed = 1;
+    }
+    if (*failed) store_volatile(word(mine, kGaveUpOffset), 1);
   }
   __syncthreads();
   return *failed == 0;
@@ -173,14 +261,15 @@ __device__ std::uint64_t next_launch(std::uint8_t* mine) {
 }
 
 template <typename T, int N, bool kVector>
-__global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, std::uint8_t* control, int rank,
-                                                              std::size_t slot_stride, const T* input, T* output,
-                                                              std::size_t count, Algorithm algorithm,
-                                                              std::uint64_t timeout_ns) {
+__global__ void __launch_bounds__(kThreads)
+    all_reduce_kernel(Peers<N> peers, std::uint8_t* control, int rank, std::size_t slot_stride, PushSlots push,
+                      const T* input, T* output, std::size_t count, Algorithm algorithm, std::uint64_t call,
+                      std::uint64_t timeout_ns) {
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
   if (threadIdx.x == 0) failed = 0;
-  const std::size_t slot = kSlotOffset + (next_launch(mine) & 1) * slot_stride;
+  const std::uint64_t launch = next_launch(mine);
+  const std::size_t slot = kSlotOffset + (launch & 1) * slot_stride;
 
   // This block's share of the elements, in whole packs and 64-bit offsets; the same on every rank
   // whether or not its pointers allow packed access.
@@ -191,7 +280,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
   block_for<T, kVector>(
       begin, end, [&](std::size_t i) { store_pack(staged + i, load_pack(input + i)); },
       [&](std::size_t i) { staged[i] = input[i]; });
-  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
+  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, launch, push)) return;
 
   // Element i of every rank's slot.
   const auto slots_at = [&peers, slot](std::size_t i) {
@@ -218,7 +307,7 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
         staged[i] = value;
         output[i] = value;
       });
-  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed)) return;
+  if (!block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, launch, push)) return;
   for (int r = 0; r < N; ++r) {
     if (r == rank) continue;
     const std::size_t lo = min(end, begin + std::size_t(r) * segment), hi = min(end, lo + segment);
@@ -227,27 +316,6 @@ __global__ void __launch_bounds__(kThreads) all_reduce_kernel(Peers<N> peers, st
         lo, hi, [&](std::size_t i) { store_pack(output + i, load_pack(owner + i)); },
         [&](std::size_t i) { output[i] = owner[i]; });
   }
-}
-
-// One 16-byte line of a push slot: 8 payload bytes, each 4 beside the launch's flag. 8-byte stores
-// arrive whole and 16-byte ones may not, so a reader that sees both flags has both halves.
-struct alignas(16) PushLine {
-  std::uint32_t low, low_flag, high, high_flag;
-};
-
-__device__ __forceinline__ void store_line(PushLine* to, const PushLine& line) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(line.low), "r"(line.low_flag),
-               "r"(line.high), "r"(line.high_flag)
-               : "memory");
-}
-
-__device__ __forceinline__ PushLine load_line(const PushLine* from) {
-  PushLine line;
-  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(line.low), "=r"(line.low_flag), "=r"(line.high), "=r"(line.high_flag)
-               : "l"(from)
-               : "memory");
-  return line;
 }
 
 // Line `line` of the input: elements [line * per_line, ...) as they are, bit for bit, zero past count.
@@ -280,20 +348,36 @@ __device__ __forceinline__ float widen_element(const PushLine& line, int j) {
   else return widen(__ushort_as_bfloat16((unsigned short)(bits & 0xffff)));
 }
 
-// Oneshot by push (see the top of this file): part r of a push slot, `part` bytes, holds rank r's
-// lines. Thread t of the grid sends and then sums the lines t, t + threads, ... on every rank, so
-// block b only waits for what block b of each peer sends.
+// A pushing rank's evidence that `peer` is in another call: a line of it with another flag, or
+// an arrival at block 0's next barrier (with the call it carries), which this launch has none of.
+struct PeerElsewhere {
+  std::uint8_t* mine;
+  const PushLine* at;
+  std::uint32_t flag;
+  int peer;
+  __device__ std::uint64_t operator()() const {
+    const PushLine line = load_line(at);
+    if ((line.low_flag != 0 && line.low_flag != flag) || (line.high_flag != 0 && line.high_flag != flag)) {
+      return control::kCallUnknown;
+    }
+    const std::uint64_t passed = load_volatile(word(mine, kCounterOffset + 8));  // block 0's barriers
+    if (load_acquire(word(mine, flag_offset(0, peer))) <= passed) return 0;
+    return load_volatile(word(mine, call_offset(0, peer, passed + 1)));
+  }
+};
+
+// Oneshot by push (see the top of this file): part r of a push slot holds rank r's lines. Thread
+// t of the grid sends and then sums the lines t, t + threads, ... on every rank, so block b only
+// waits for what block b of each peer sends.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    oneshot_push_kernel(Peers<N> peers, std::uint8_t* control, int rank, std::size_t push_at, std::size_t push_stride,
-                        std::size_t part, const T* input, T* output, std::size_t count, std::uint64_t timeout_ns) {
+    oneshot_push_kernel(Peers<N> peers, std::uint8_t* control, int rank, PushSlots push, const T* input, T* output,
+                        std::size_t count, std::uint64_t call, std::uint64_t timeout_ns) {
   constexpr int kPerLine = 8 / sizeof(T);
-  const std::uint64_t launch = next_launch(peers.rank[rank]);
-  const std::size_t slot = push_at + (launch & 1) * push_stride;
-  const std::uint32_t flag = std::uint32_t(launch) | 1;  // never 0, which a cleared line holds
-  const auto part_of = [&](int owner, int source) {
-    return reinterpret_cast<PushLine*>(peers.rank[owner] + slot + std::size_t(source) * part);
-  };
+  std::uint8_t* mine = peers.rank[rank];
+  const std::uint64_t launch = next_launch(mine);
+  const std::uint32_t flag = push_flag(launch, call);
+  const auto part_of = [&](int owner, int source) { return pushed_lines(peers.rank[owner], push, launch, source); };
   const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
   const std::size_t lines = (count + kPerLine - 1) / kPerLine;
   const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -318,7 +402,7 @@ __global__ void __launch_bounds__(kThreads)
         got[r] = load_line(at);
         return got[r].low_flag == flag && got[r].high_flag == flag;
       };
-      if (!wait_until(arrived, launch, control, rank, r, timeout_ns)) return;
+      if (!wait_until(arrived, launch, control, rank, r, timeout_ns, call, PeerElsewhere{mine, at, flag, r})) return;
       store_line(at, PushLine{});
     }
 #pragma unroll
@@ -332,13 +416,17 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block-pair barrier on block 0's counters: the signal between the copy paths' steps.
+// One block-pair barrier on block 0's counters: the signal between the copy paths' steps. The
+// first signal of a call counts its launch; the others are of the launch counted last.
 template <int N>
-__global__ void signal_kernel(Peers<N> peers, std::uint8_t* control, int rank, std::uint64_t timeout_ns) {
+__global__ void signal_kernel(Peers<N> peers, std::uint8_t* control, int rank, PushSlots push, std::uint64_t call,
+                              bool first, std::uint64_t timeout_ns) {
   __shared__ int failed;
+  std::uint8_t* mine = peers.rank[rank];
   if (threadIdx.x == 0) failed = 0;
+  const std::uint64_t launch = first ? next_launch(mine) : load_volatile(word(mine, kCounterOffset));
   __syncthreads();
-  block_pair_barrier(peers, control, rank, timeout_ns, &failed);
+  block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, launch, push);
 }
 
 // dma: elements [lo, lo + n) of this rank's segment [own_begin, ...): this rank's values are in
@@ -349,6 +437,7 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, in
                                                               std::size_t own_begin, std::size_t lo, std::size_t n,
                                                               std::size_t segment, T* output) {
   std::uint8_t* mine = peers.rank[rank];
+  if (gave_up(mine)) return;
   T* staged = reinterpret_cast<T*>(mine + kSlotOffset);
   const T* pulled = reinterpret_cast<const T*>(mine + kSlotOffset + slot_stride);
   // Element i as rank r holds it: this rank's in its slot 0, a peer's where it was pulled to.
@@ -371,6 +460,46 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, in
       });
 }
 
+// What a copy path's last kernel moves from this rank's slot 1 to the output: piece p's bytes.
+struct Pieces {
+  const std::uint8_t* from[kMaxRanks];
+  std::uint8_t* to[kMaxRanks];
+  std::size_t bytes[kMaxRanks];
+  int count;
+};
+
+// A copy path's last step: block 0 meets the peers at the barrier after their last reads of this
+// rank's slots, and every block copies the pieces out, unless this rank gave up (then the output
+// keeps what it held).
+template <int N>
+__global__ void __launch_bounds__(kThreads) copy_out_kernel(Peers<N> peers, std::uint8_t* control, int rank,
+                                                            PushSlots push, std::uint64_t call, Pieces pieces,
+                                                            std::uint64_t timeout_ns) {
+  __shared__ int failed;
+  std::uint8_t* mine = peers.rank[rank];
+  if (blockIdx.x == 0) {
+    if (threadIdx.x == 0) failed = 0;
+    block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, load_volatile(word(mine, kCounterOffset)),
+                       push);
+  }
+  if (gave_up(mine)) return;
+  const std::size_t thread = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
+  for (int p = 0; p < pieces.count; ++p) {
+    const std::uint8_t* from = pieces.from[p];
+    std::uint8_t* to = pieces.to[p];
+    const std::size_t n = pieces.bytes[p];
+    std::size_t tail = 0;
+    if (reinterpret_cast<std::uintptr_t>(from) % 16 == 0 && reinterpret_cast<std::uintptr_t>(to) % 16 == 0) {
+      tail = n / 16 * 16;
+      for (std::size_t i = thread * 16; i < tail; i += threads * 16) {
+        *reinterpret_cast<uint4*>(to + i) = *reinterpret_cast<const uint4*>(from + i);
+      }
+    }
+    for (std::size_t i = tail + thread; i < n; i += threads) to[i] = from[i];
+  }
+}
+
 template <int N>
 Peers<N> peers_of(const GroupView& group) {
   Peers<N> peers;
@@ -378,10 +507,33 @@ Peers<N> peers_of(const GroupView& group) {
   return peers;
 }
 
+// Bytes of each rank's part of a push slot.
+std::size_t push_part_bytes(const GroupView& group) {
+  return push_slot_bytes(group.slot_bytes) / std::size_t(group.world_size) / sizeof(PushLine) * sizeof(PushLine);
+}
+
+PushSlots push_slots(const GroupView& group) {
+  return PushSlots{push_offset(group.slot_bytes), push_slot_bytes(group.slot_bytes), push_part_bytes(group)};
+}
+
+// One barrier of `call`; `first`: the call's first (it counts the launch).
 template <int N>
-void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t timeout, cudaStream_t stream) {
+void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t call, bool first, std::uint64_t timeout,
+            cudaStream_t stream) {
   signal_kernel<N><<<1, kSignalThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
-                                                     group.rank, timeout);
+                                                     group.rank, push_slots(group), call, first, timeout);
+  NODECOMM_CUDA(cudaGetLastError());
+}
+
+// The last barrier of `call`, and the pieces copied out unless this rank gave up.
+template <int N>
+void copy_out(const GroupView& group, const Peers<N>& peers, std::uint64_t call, const Pieces& pieces,
+              std::uint64_t timeout, cudaStream_t stream) {
+  std::size_t total = 0;
+  for (int p = 0; p < pieces.count; ++p) total += pieces.bytes[p];
+  const int blocks = int(std::clamp<std::size_t>((total + kThreads * 64 - 1) / (kThreads * 64), 1, kReduceMaxBlocks));
+  copy_out_kernel<N><<<blocks, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
+                                                      group.rank, push_slots(group), call, pieces, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
@@ -391,11 +543,6 @@ void copy(void* to, const void* from, std::size_t nbytes, cudaStream_t stream) {
 
 // Packed access needs 16-byte aligned caller pointers; the buffers' slots always are.
 bool aligned(const void* pointer) { return reinterpret_cast<std::uintptr_t>(pointer) % 16 == 0; }
-
-// Bytes of each rank's part of a push slot.
-std::size_t push_part_bytes(const GroupView& group) {
-  return push_slot_bytes(group.slot_bytes) / std::size_t(group.world_size) / sizeof(PushLine) * sizeof(PushLine);
-}
 
 // Oneshot pushes while its lines fit a part and every thread of the grid carries at most one:
 // past that the doubled traffic costs more than the round trip it saves (2x H200, world 2,
@@ -408,15 +555,14 @@ bool fits_push(const GroupView& group, std::size_t count) {
 
 template <typename T, int N>
 void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, Algorithm algorithm,
-                       std::uint64_t timeout, cudaStream_t stream) {
+                       std::uint64_t call, std::uint64_t timeout, cudaStream_t stream) {
   auto* control = reinterpret_cast<std::uint8_t*>(group.control);
-  // Grids follow from the count alone, so every rank launches the same one.
+  // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
   if (algorithm == Algorithm::kOneshot && fits_push<T>(group, count)) {
     const std::size_t lines = (count * sizeof(T) + 7) / 8;
     const int blocks = int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
-    oneshot_push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(
-        peers_of<N>(group), control, group.rank, push_offset(group.slot_bytes), push_slot_bytes(group.slot_bytes),
-        push_part_bytes(group), input, output, count, timeout);
+    oneshot_push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank,
+                                                               push_slots(group), input, output, count, call, timeout);
     NODECOMM_CUDA(cudaGetLastError());
     return;
   }
@@ -424,14 +570,14 @@ void kernel_all_reduce(const GroupView& group, const T* input, T* output, std::s
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
   const std::size_t stride = slot_stride(group.slot_bytes);
   const auto kernel = aligned(input) && aligned(output) ? all_reduce_kernel<T, N, true> : all_reduce_kernel<T, N, false>;
-  kernel<<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride, input, output, count,
-                                          algorithm, timeout);
+  kernel<<<blocks, kThreads, 0, stream>>>(peers_of<N>(group), control, group.rank, stride, push_slots(group), input,
+                                          output, count, algorithm, call, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
 template <typename T, int N>
-void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, std::uint64_t timeout,
-                    cudaStream_t stream, const CopyPipeline& pipeline) {
+void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size_t count, std::uint64_t call,
+                    std::uint64_t timeout, cudaStream_t stream, const CopyPipeline& pipeline) {
   const Peers<N> peers = peers_of<N>(group);
   const int rank = group.rank;
   const std::size_t stride = slot_stride(group.slot_bytes);
@@ -443,9 +589,10 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
   T* staged = reinterpret_cast<T*>(peers.rank[rank] + kSlotOffset);
   T* pulled = reinterpret_cast<T*>(peers.rank[rank] + kSlotOffset + stride);
 
-  signal<N>(group, peers, timeout, stream);  // peers are done with whatever read our slots before
+  // The first signal also compares the ranks' calls, before anything is copied.
+  signal<N>(group, peers, call, true, timeout, stream);  // peers are done with whatever read our slots before
   copy(staged, input, count * sizeof(T), stream);
-  signal<N>(group, peers, timeout, stream);  // every rank has staged
+  signal<N>(group, peers, call, false, timeout, stream);  // every rank has staged
   const std::size_t own_begin = begin_of(rank), own_end = end_of(rank);
   if (own_end > own_begin) {
     NODECOMM_CUDA(cudaEventRecord(pipeline.fork, stream));
@@ -467,22 +614,29 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
       NODECOMM_CUDA(cudaGetLastError());
     }
   }
-  signal<N>(group, peers, timeout, stream);  // every segment is reduced
+  signal<N>(group, peers, call, false, timeout, stream);  // every segment is reduced
+  // Peers' segments come to slot 1, where the pulled ones were, and go out from there.
+  Pieces pieces{};
   for (int p = 0; p < N; ++p) {
     if (p == rank) continue;
     const std::size_t lo = begin_of(p), hi = end_of(p);
-    copy(output + lo, reinterpret_cast<const T*>(peers.rank[p] + kSlotOffset) + lo, (hi - lo) * sizeof(T), stream);
+    T* gathered = pulled + std::size_t(p < rank ? p : p - 1) * segment;
+    copy(gathered, reinterpret_cast<const T*>(peers.rank[p] + kSlotOffset) + lo, (hi - lo) * sizeof(T), stream);
+    pieces.from[pieces.count] = reinterpret_cast<const std::uint8_t*>(gathered);
+    pieces.to[pieces.count] = reinterpret_cast<std::uint8_t*>(output + lo);
+    pieces.bytes[pieces.count++] = (hi - lo) * sizeof(T);
   }
-  signal<N>(group, peers, timeout, stream);  // nobody reads our slots any more
+  copy_out<N>(group, peers, call, pieces, timeout, stream);  // nobody reads our slots any more
 }
 
 template <typename T, int N>
 void all_reduce_typed(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                      Algorithm algorithm, std::uint64_t timeout, cudaStream_t stream, const CopyPipeline& pipeline) {
+                      Algorithm algorithm, std::uint64_t call, std::uint64_t timeout, cudaStream_t stream,
+                      const CopyPipeline& pipeline) {
   const auto* in = reinterpret_cast<const T*>(input);
   auto* out = reinterpret_cast<T*>(output);
-  if (algorithm == Algorithm::kDma) return dma_all_reduce<T, N>(group, in, out, count, timeout, stream, pipeline);
-  kernel_all_reduce<T, N>(group, in, out, count, algorithm, timeout, stream);
+  if (algorithm == Algorithm::kDma) return dma_all_reduce<T, N>(group, in, out, count, call, timeout, stream, pipeline);
+  kernel_all_reduce<T, N>(group, in, out, count, algorithm, call, timeout, stream);
 }
 
 void check_group(const GroupView& group) {
@@ -492,8 +646,9 @@ void check_group(const GroupView& group) {
 
 }  // namespace
 
-void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
-                Algorithm algorithm, double timeout_s, cudaStream_t stream, const CopyPipeline& pipeline) {
+void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+                std::size_t call_count, int dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
+                const CopyPipeline& pipeline) {
   check_group(group);
   NODECOMM_CHECK(group.max_blocks >= 1 && group.max_blocks <= kMaxBlocks,
                  "max_blocks " + std::to_string(group.max_blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
@@ -504,15 +659,19 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   NODECOMM_CHECK(count * element <= group.slot_bytes, "payload of " + std::to_string(count * element) +
                                                           " bytes exceeds the slot of " +
                                                           std::to_string(group.slot_bytes));
-  if (count == 0) return;
+  NODECOMM_CHECK(count <= call_count, "a piece of " + std::to_string(count) + " elements of a call of " +
+                                          std::to_string(call_count));
+  const std::uint64_t call = Call{Collective::kAllReduce, call_count, dtype, int(algorithm)}.packed();
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
+    if (count == 0) return signal<N>(group, peers_of<N>(group), call, true, timeout, stream);  // the calls still meet
     switch (dtype) {
-      case 1: return all_reduce_typed<float, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
-      case 2: return all_reduce_typed<__half, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
+      case 1: return all_reduce_typed<float, N>(group, input, output, count, algorithm, call, timeout, stream, pipeline);
+      case 2: return all_reduce_typed<__half, N>(group, input, output, count, algorithm, call, timeout, stream, pipeline);
       default:
-        return all_reduce_typed<__nv_bfloat16, N>(group, input, output, count, algorithm, timeout, stream, pipeline);
+        return all_reduce_typed<__nv_bfloat16, N>(group, input, output, count, algorithm, call, timeout, stream,
+                                                  pipeline);
     }
   });
 }
@@ -520,22 +679,31 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream) {
   check_group(group);
-  NODECOMM_CHECK(nbytes <= group.slot_bytes,
-                 "payload of " + std::to_string(nbytes) + " bytes exceeds the slot of " +
-                     std::to_string(group.slot_bytes));
-  if (nbytes == 0) return;
+  NODECOMM_CHECK(nbytes * std::size_t(group.world_size) <= group.slot_bytes,
+                 "payload of " + std::to_string(nbytes) + " bytes from each of " + std::to_string(group.world_size) +
+                     " ranks exceeds the slot of " + std::to_string(group.slot_bytes));
+  NODECOMM_CHECK(nbytes <= output_stride, "a piece of " + std::to_string(nbytes) + " bytes past the output stride of " +
+                                              std::to_string(output_stride));
+  // The ranks compare the whole call's bytes, which the stride is.
+  const std::uint64_t call = Call{Collective::kAllGather, output_stride}.packed();
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
     const Peers<N> peers = peers_of<N>(group);
-    signal<N>(group, peers, timeout, stream);
+    signal<N>(group, peers, call, true, timeout, stream);
+    if (nbytes == 0) return;  // the calls met
+    std::uint8_t* gathered = peers.rank[group.rank] + kSlotOffset + slot_stride(group.slot_bytes);
     copy(peers.rank[group.rank] + kSlotOffset, reinterpret_cast<const void*>(input), nbytes, stream);
-    signal<N>(group, peers, timeout, stream);
+    signal<N>(group, peers, call, false, timeout, stream);
+    Pieces pieces{};
     for (int p = 0; p < N; ++p) {
-      copy(reinterpret_cast<std::uint8_t*>(output) + std::size_t(p) * output_stride, peers.rank[p] + kSlotOffset,
-           nbytes, stream);
+      copy(gathered + std::size_t(p) * nbytes, peers.rank[p] + kSlotOffset, nbytes, stream);
+      pieces.from[p] = gathered + std::size_t(p) * nbytes;
+      pieces.to[p] = reinterpret_cast<std::uint8_t*>(output) + std::size_t(p) * output_stride;
+      pieces.bytes[p] = nbytes;
     }
-    signal<N>(group, peers, timeout, stream);
+    pieces.count = N;
+    copy_out<N>(group, peers, call, pieces, timeout, stream);
   });
 }
 
@@ -568,7 +736,7 @@ void barrier(const GroupView& group, double timeout_s, cudaStream_t stream) {
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
-    signal<N>(group, peers_of<N>(group), timeout, stream);
+    signal<N>(group, peers_of<N>(group), Call{Collective::kBarrier}.packed(), true, timeout, stream);
   });
 }
 

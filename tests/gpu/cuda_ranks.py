@@ -324,3 +324,74 @@ def service_without_host_sync(rank: int, world_size: int, socket: str, calls: in
         busy = not torch.cuda.current_stream().query()
         torch.cuda.synchronize()
         return {"waited_s": waited, "stream_busy_after_waits": busy, "value": value.item()}
+
+
+def _disagreeing_call(comm, case: str, odd: bool, device: str):
+    """(call, the sentinel-filled output it may write) of `case` for rank 1 (odd) or the others."""
+
+    def reduce(count: int, path: str | None, dtype: torch.dtype = torch.float32):
+        out = torch.full((count,), -7.0, dtype=dtype, device=device)
+        return (lambda: comm.all_reduce(torch.ones(count, dtype=dtype, device=device), out=out, path=path)), out
+
+    def gather(nbytes: int):
+        out = torch.full((comm.world_size, nbytes), 7, dtype=torch.uint8, device=device)
+        return (lambda: comm.all_gather(torch.ones(nbytes, dtype=torch.uint8, device=device), out=out)), out
+
+    def stage(rows: int):
+        exchange = comm.topk_exchange(max_rows=16, topk=4)
+        idx, scores = torch.zeros(rows, 4, dtype=torch.int32, device=device), torch.zeros(rows, 4, device=device)
+        return (lambda: exchange.stage(idx, scores)), None  # its tables are new tensors
+
+    pulled, large = 300_000, (1 << 20)
+    pieces = 5 * (1 << 20)  # 20 MiB of float32: three slot-sized pieces of the default 8 MiB
+    usual, unusual = {
+        "count_pushed": (lambda: reduce(4096, "oneshot"), lambda: reduce(4100, "oneshot")),
+        "count_pulled": (lambda: reduce(pulled, "oneshot"), lambda: reduce(pulled + 1, "oneshot")),
+        "count_twoshot": (lambda: reduce(pulled, "twoshot"), lambda: reduce(pulled + 1, "twoshot")),
+        "count_dma": (lambda: reduce(large, "dma"), lambda: reduce(large + 1, "dma")),
+        "count_pieces": (lambda: reduce(pieces, "twoshot"), lambda: reduce(pieces + (1 << 20), "twoshot")),
+        "count_zero": (lambda: reduce(16, "oneshot"), lambda: reduce(0, "oneshot")),
+        "dtype": (lambda: reduce(64, "oneshot"), lambda: reduce(64, "oneshot", torch.float16)),
+        "dtype_same_bytes": (
+            lambda: reduce(64, "oneshot", torch.bfloat16),
+            lambda: reduce(64, "oneshot", torch.float16),
+        ),
+        "path_pushed_twoshot": (lambda: reduce(4096, "oneshot"), lambda: reduce(4096, "twoshot")),
+        "path_pushed_dma": (lambda: reduce(4096, "oneshot"), lambda: reduce(4096, "dma")),
+        "path_pulled_twoshot": (lambda: reduce(pulled, "oneshot"), lambda: reduce(pulled, "twoshot")),
+        "path_twoshot_dma": (lambda: reduce(pulled, "twoshot"), lambda: reduce(pulled, "dma")),
+        "collective": (lambda: reduce(16, "oneshot"), lambda: gather(64)),
+        "barrier": (lambda: reduce(16, "oneshot"), lambda: (comm.barrier, None)),
+        "gather_bytes": (lambda: gather(16), lambda: gather(20)),
+        "topk_rows": (lambda: stage(8), lambda: stage(12)),
+    }[case]
+    return (unusual if odd else usual)()
+
+
+def disagree(rank: int, world_size: int, socket: str, cases: list[str]) -> dict:
+    """Rank 1 disagrees with the others on one call per case, each in a group of its own: every
+    rank's next call raises GroupMismatchError (the group is aborted), no output is written, and
+    the communicator still closes. Returns case -> (class, message, untouched, raised again)."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    outcome = {}
+    for case in cases:
+        with nodecomm.connect(f"disagree-{case}", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+            call, out = _disagreeing_call(comm, case, rank == 1, device)
+            error = None
+            try:
+                call()
+                torch.cuda.synchronize()
+                comm.all_reduce(torch.ones(16, device=device))  # the next call raises
+            except nodecomm.NodecommError as raised:
+                error = raised
+            torch.cuda.synchronize()
+            untouched = out is None or bool((out == (7 if out.dtype == torch.uint8 else -7.0)).all())
+            try:
+                comm.all_reduce(torch.ones(16, device=device))
+                again = False
+            except nodecomm.GroupMismatchError:
+                again = True
+            name, message = (type(error).__name__, str(error)) if error else ("no error", "")
+            outcome[case] = (name, message, untouched, again)
+    return outcome

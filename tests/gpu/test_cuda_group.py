@@ -142,3 +142,42 @@ def test_failed_peer_check_leaves_only_nccl(cuda_daemon, nccl):
                 assert raised.value.code() == grpc.StatusCode.UNIMPLEMENTED
                 assert "rank 1: simulated: no write" in raised.value.details()
                 assert "no NCCL group" in raised.value.details()
+
+
+# (what they disagree on, rank 0's value, rank 1's value); ranks past 1 do as rank 0 does.
+DISAGREEMENTS = {
+    "count_pushed": ("all_reduce's element count", "has 4096", "has 4100"),
+    "count_pulled": ("all_reduce's element count", "has 300000", "has 300001"),
+    "count_twoshot": ("all_reduce's element count", "has 300000", "has 300001"),
+    "count_dma": ("all_reduce's element count", "has 1048576", "has 1048577"),
+    "count_pieces": ("all_reduce's element count", "has 5242880", "has 6291456"),
+    "count_zero": ("all_reduce's element count", "has 16", "has 0"),
+    "dtype": ("all_reduce's dtype", "has float32", "has float16"),
+    "dtype_same_bytes": ("all_reduce's dtype", "has bfloat16", "has float16"),
+    "path_pushed_twoshot": ("all_reduce's path", "has oneshot", "has twoshot"),
+    "path_pushed_dma": ("all_reduce's path", "has oneshot", "has dma"),
+    "path_pulled_twoshot": ("all_reduce's path", "has oneshot", "has twoshot"),
+    "path_twoshot_dma": ("all_reduce's path", "has twoshot", "has dma"),
+    "collective": ("the collective", "calls all_reduce", "calls all_gather"),
+    "barrier": ("the collective", "calls all_reduce", "calls barrier"),
+    "gather_bytes": ("all_gather's byte count", "has 16", "has 20"),
+    "topk_rows": ("top-k stage's row count", "has 8", "has 12"),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ranks_that_disagree_all_get_group_mismatch_and_nothing_is_written(cuda_daemon, spawn_ranks, world_size):
+    """Rank 1 passes another count, dtype, path or collective, on every kernel path and across
+    kinds of kernel (pushed lines against barriers): every rank's next call raises the same
+    GroupMismatchError, naming each rank's value, no output is written, and the group stays
+    aborted (a CUDA group cannot be brought back into step from the device)."""
+    cases = list(DISAGREEMENTS)
+    results = spawn_ranks(cuda_ranks.disagree, world_size, world_size, cuda_daemon.socket, cases, timeout=600)
+    for rank, outcome in results.values().items():
+        assert list(outcome) == cases
+        for case, (name, message, untouched, again) in outcome.items():
+            field, usual, odd = DISAGREEMENTS[case]
+            values = ", ".join(f"rank {r} {odd if r == 1 else usual}" for r in range(world_size))
+            assert name == "GroupMismatchError", (rank, case, name, message)
+            assert f"disagree on {field}: {values}; nothing was written to the output" in message, (rank, case, message)
+            assert untouched and again, (rank, case, untouched, again)
