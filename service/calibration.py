@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import jsonschema
+
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import InternalError
@@ -150,6 +152,45 @@ def cuda_boundaries(
     return {"oneshot_max_bytes": oneshot_max, "twoshot_max_bytes": twoshot_max, "dma_min_bytes": dma_min}
 
 
+_BOUNDARY = {"type": ["integer", "null"], "minimum": 0, "maximum": 1 << 62}
+_BOUNDARIES = {
+    "type": "object",
+    "properties": {name: _BOUNDARY for name in ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes")},
+    "additionalProperties": False,
+}
+# What a stored calibration must hold before the daemon applies it (a file that parses but holds
+# other types, ranges or shapes is ignored, naming the file and the field).
+CALIBRATION_SCHEMA = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "type": "object",
+    "required": ["key", "fingerprint", "boundaries", "medians", "measured_at"],
+    "properties": {
+        "key": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+        "fingerprint": {
+            "type": "object",
+            "required": ["device_kind"],
+            "properties": {"device_kind": {"enum": ["cpu", "cuda"]}},
+        },
+        "boundaries": _BOUNDARIES,
+        "nccl_boundaries": {"anyOf": [{"type": "null"}, _BOUNDARIES]},
+        "medians": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {"type": "number", "minimum": 0},
+            },
+        },
+        "measured_at": {"type": "number"},
+    },
+}
+_VALIDATOR = jsonschema.Draft202012Validator(CALIBRATION_SCHEMA)
+
+
+class InvalidCalibrationError(ValueError):
+    """A stored calibration that is not what the daemon writes: the message names the field."""
+
+
 @dataclass(frozen=True)
 class Calibration:
     key: str
@@ -166,13 +207,25 @@ class Calibration:
 
     @classmethod
     def from_json(cls, text: str) -> Calibration:
-        raw = json.loads(text)
+        """Parse and validate (CALIBRATION_SCHEMA); InvalidCalibrationError names what is wrong."""
+        try:
+            raw = json.loads(text)
+        except ValueError as error:
+            raise InvalidCalibrationError(f"not JSON: {error}") from None
+        problem = jsonschema.exceptions.best_match(_VALIDATOR.iter_errors(raw))
+        if problem is not None:
+            where = "".join(f"[{part!r}]" if isinstance(part, int) else f".{part}" for part in problem.absolute_path)
+            raise InvalidCalibrationError(f"{where.lstrip('.') or 'the file'}: {problem.message}")
         medians = {
             path: {int(size): seconds for size, seconds in by_size.items()} for path, by_size in raw["medians"].items()
         }
+        def whole(boundaries: dict | None) -> dict[str, int | None] | None:  # 5.0 is an integer to JSON Schema
+            return None if boundaries is None else {k: None if v is None else int(v) for k, v in boundaries.items()}
+
         return cls(
-            raw["key"], raw["fingerprint"], raw["boundaries"], medians, raw["measured_at"], raw.get("nccl_boundaries")
-        )
+            raw["key"], raw["fingerprint"], whole(raw["boundaries"]), medians, raw["measured_at"],
+            whole(raw.get("nccl_boundaries")),
+        )  # fmt: skip
 
 
 class CalibrationStore:
@@ -186,16 +239,30 @@ class CalibrationStore:
     def path_for(self, key: str) -> Path:
         return self.directory / f"calibration-{key}.json"
 
-    def load(self, key: str) -> Calibration | None:
+    def load(self, fingerprint: dict[str, object]) -> Calibration | None:
+        """The calibration stored for this fingerprint; None (logged, naming the file and what is
+        wrong with it) where the file is unreadable, invalid, or another machine's."""
+        key = fingerprint_key(fingerprint)
         path = self.path_for(key)
         try:
             calibration = Calibration.from_json(path.read_text())
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, KeyError, TypeError) as error:
-            log.warning("ignoring an unreadable calibration", extra={"path": str(path), "error": str(error)})
-            return None
-        return calibration if calibration.key == key else None
+        except (OSError, ValueError) as error:
+            problem = str(error)
+        else:
+            differs = sorted(
+                name for name in fingerprint.keys() | calibration.fingerprint.keys()
+                if fingerprint.get(name) != calibration.fingerprint.get(name)
+            )  # fmt: skip
+            if calibration.key == key and not differs:
+                return calibration
+            problem = f"its fingerprint is not this machine's (it differs in {', '.join(differs) or 'key'})"
+        log.warning(
+            f"ignoring the calibration in {path}: {problem}; the built-in boundaries stay in force",
+            extra={"path": str(path), "error": problem},
+        )
+        return None
 
     def save(self, calibration: Calibration) -> Path | None:
         """Write atomically: a crash leaves the old file or the new one, never half of one. None:

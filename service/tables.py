@@ -29,7 +29,6 @@ from .calibration import (
     calibration_from,
     cpu_fingerprint,
     cuda_fingerprint,
-    fingerprint_key,
     probe,
 )
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
@@ -111,7 +110,7 @@ class TableKeeper:
         probing; returns the device kinds that have none."""
         missing = []
         for kind, fingerprint in self.fingerprints.items():
-            stored = store.load(fingerprint_key(fingerprint))
+            stored = store.load(fingerprint)
             if stored is None:
                 missing.append(kind)
             else:

@@ -488,3 +488,20 @@ def disagree(rank: int, world_size: int, socket: str) -> dict:
         idx, _ = exchange.stage(torch.full((8, 4), rank, dtype=torch.int32), torch.zeros(8, 4))
         outcome["topk_rows"] += (True, idx[:, :, 0].tolist()[0] == list(range(world_size)))
     return outcome
+
+
+def legitimate_traffic(rank: int, world_size: int, socket: str, group: str, calls: int = 100) -> tuple[float, float]:
+    """What an ordinary group does while an attack runs: connect, then `calls` 1 KiB all-reduces,
+    each checked. Returns (seconds to connect, p50 seconds per all-reduce)."""
+    started = time.perf_counter()
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=60) as comm:
+        connected = time.perf_counter() - started
+        x = torch.full((256,), float(rank + 1))
+        expected = [float(world_size * (world_size + 1) // 2)] * 256
+        times = []
+        for _ in range(calls):
+            begin = time.perf_counter()
+            out = comm.all_reduce(x)
+            times.append(time.perf_counter() - begin)
+            assert out.tolist() == expected
+    return connected, sorted(times)[len(times) // 2]
