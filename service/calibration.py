@@ -219,6 +219,7 @@ class Calibration:
         medians = {
             path: {int(size): seconds for size, seconds in by_size.items()} for path, by_size in raw["medians"].items()
         }
+
         def whole(boundaries: dict | None) -> dict[str, int | None] | None:  # 5.0 is an integer to JSON Schema
             return None if boundaries is None else {k: None if v is None else int(v) for k, v in boundaries.items()}
 
