@@ -493,6 +493,7 @@ def dispatch_regret(rows: list[Row]) -> list[str]:
 
 
 def write_json(path: str, rows: list[Row], setup: BenchSetup, notes: list[str] = ()) -> None:
+    """The table as JSON in `path`; "-": one line on stdout (what the daemon's probe reads)."""
     document = {
         **asdict(setup),
         "host": platform.node(),
@@ -500,5 +501,8 @@ def write_json(path: str, rows: list[Row], setup: BenchSetup, notes: list[str] =
         "rows": [asdict(r) for r in rows],
         "notes": list(notes),
     }
+    if path == "-":
+        print(json.dumps(document), flush=True)
+        return
     with open(path, "w") as handle:
         json.dump(document, handle, indent=2)

@@ -17,6 +17,8 @@ from nodecomm.thresholds import DispatchTable, range_end
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .descriptors import identify
+
 
 def _stub(socket: str | None) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
     channel = grpc.insecure_channel(grpc_target(socket or default_socket_path()))
@@ -128,11 +130,15 @@ def _print_table(table: DispatchTable) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    socket = args.socket or default_socket_path()
     request = pb.CalibrateRequest(
         device_kind=args.device,
         world_size=args.world_size,
         min_bytes=parse_byte_size(args.min_bytes),
         max_bytes=parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device]),
+        # Only operators may calibrate: this proves who runs the command.
+        identity=identify(socket.removeprefix("unix:") + ".fd", 10.0, {}),
+        pid=os.getpid(),
     )
     ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
     print(
@@ -327,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also print each path's result as a JSON line the moment it is measured (table rows print per size)",
     )
-    bench.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    bench.add_argument("--json", metavar="FILE", help="also write the table as JSON (-: one line on stdout)")
     bench.set_defaults(run=cmd_bench)
     return parser
 

@@ -34,7 +34,8 @@ def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> 
 def identify(path: str, timeout: float, where: dict) -> bytes:
     """An identity token for this process from the descriptor socket at `path` (b"" when there is
     no descriptor socket there); raises PermissionDeniedError with the daemon's reason when it does
-    not admit this process's uid and groups."""
+    not admit this process's uid and groups, DaemonUnavailableError when the socket is there but
+    this process may not open it (its mode or group)."""
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
@@ -43,8 +44,10 @@ def identify(path: str, timeout: float, where: dict) -> bytes:
             answer = b""
             while chunk := sock.recv(4096):
                 answer += chunk
-    except OSError:
+    except (FileNotFoundError, ConnectionRefusedError):
         return b""  # then the Join goes without one, and the daemon says if it needs one
+    except OSError as error:
+        raise DaemonUnavailableError(f"descriptor socket {path}: {error}", **where) from None
     if answer[:1] == b"\x00" and len(answer) == 17:
         return answer[1:]
     raise PermissionDeniedError(f"the daemon refused this process: {answer[1:].decode(errors='replace')}", **where)

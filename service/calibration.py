@@ -387,64 +387,69 @@ async def probe(
     seconds and spread per path and size (min_bytes .. max_bytes in powers of two, or `sizes`),
     each median also passed to on_point as it is measured. Raises InternalError with the probe's
     output when it fails."""
-    with tempfile.TemporaryDirectory(prefix="nodecomm-probe-") as directory:
-        out = os.path.join(directory, "probe.json")
-        args = [
-            # -X faulthandler: a probe that crashes prints every thread's stack into the error.
-            sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
-            *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
-            *(["--sizes", ",".join(map(str, sizes))] if sizes else ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]),
-            "--json", out,
-        ]  # fmt: skip
-        process = start_probe(args)
-        loop = asyncio.get_running_loop()
-        output: list[str] = []
+    # The table comes back as the last line of the probe's output: no file or folder of its own
+    # is left behind by a probe (or a daemon) that is killed.
+    args = [
+        # -X faulthandler: a probe that crashes prints every thread's stack into the error.
+        sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
+        *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
+        *(["--sizes", ",".join(map(str, sizes))] if sizes else ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]),
+        "--json", "-",
+    ]  # fmt: skip
+    process = start_probe(args)
+    loop = asyncio.get_running_loop()
+    output: list[str] = []
+    tables: list[dict] = []
 
-        def follow() -> None:
-            """On a worker thread: the probe's lines until its output ends, then its exit."""
-            with process.stdout:
-                for raw in process.stdout:
-                    line = raw.decode(errors="replace")
-                    try:
-                        point = json.loads(line)["progress"] if line.startswith('{"progress"') else None
-                        measured = (point["path"], point["size_bytes"], point["p50_us"] / 1e6) if point else None
-                    except (ValueError, KeyError, TypeError):
-                        measured = None  # not a progress line after all: kept as output
-                    if measured is None:
-                        output.append(line)
-                    else:
-                        loop.call_soon_threadsafe(on_point, *measured)
-            process.wait()
+    def follow() -> None:
+        """On a worker thread: the probe's lines until its output ends, then its exit."""
+        with process.stdout:
+            for raw in process.stdout:
+                line = raw.decode(errors="replace")
+                try:
+                    parsed = json.loads(line) if line.startswith("{") else None
+                except ValueError:
+                    parsed = None  # not JSON after all: kept as output
+                if isinstance(parsed, dict) and isinstance(parsed.get("rows"), list):
+                    tables.append(parsed)
+                    continue
+                try:
+                    point = parsed["progress"] if isinstance(parsed, dict) else None
+                    measured = (point["path"], point["size_bytes"], point["p50_us"] / 1e6) if point else None
+                except (KeyError, TypeError):
+                    measured = None
+                if measured is None:
+                    output.append(line)
+                else:
+                    loop.call_soon_threadsafe(on_point, *measured)
+        process.wait()
 
-        reading = asyncio.ensure_future(asyncio.to_thread(follow))
-        try:
-            await asyncio.wait_for(asyncio.shield(reading), timeout)
-        except (asyncio.TimeoutError, asyncio.CancelledError) as stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            await asyncio.shield(reading)  # the output ends with the probe's processes
-            if isinstance(stopped, asyncio.CancelledError):
-                raise
-            raise InternalError(f"the calibration probe did not finish within {timeout:.0f} s") from None
-        if process.returncode != 0 or not os.path.exists(out):
-            tail = "".join(output)[-2000:]
-            raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
-        try:
-            with open(out) as handle:
-                rows = json.load(handle)["rows"]
-            medians: dict[str, dict[int, float]] = {}
-            spreads: dict[str, dict[int, float]] = {}
-            shares: dict[str, dict[int, float]] = {}
-            for row in rows:
-                if device_kind == "cpu":
-                    shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
-                medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
-                middle = row["p75_us"] - row["p25_us"]
-                spreads.setdefault(row["path"], {})[row["size_bytes"]] = (
-                    middle / row["p50_us"] if row["p50_us"] else 0.0
-                )
-        except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError) as error:
-            raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
+    reading = asyncio.ensure_future(asyncio.to_thread(follow))
+    try:
+        await asyncio.wait_for(asyncio.shield(reading), timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError) as stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await asyncio.shield(reading)  # the output ends with the probe's processes
+        if isinstance(stopped, asyncio.CancelledError):
+            raise
+        raise InternalError(f"the calibration probe did not finish within {timeout:.0f} s") from None
+    if process.returncode != 0 or not tables:
+        tail = "".join(output)[-2000:]
+        raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
+    try:
+        rows = tables[-1]["rows"]
+        medians: dict[str, dict[int, float]] = {}
+        spreads: dict[str, dict[int, float]] = {}
+        shares: dict[str, dict[int, float]] = {}
+        for row in rows:
+            if device_kind == "cpu":
+                shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
+            medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
+            middle = row["p75_us"] - row["p25_us"]
+            spreads.setdefault(row["path"], {})[row["size_bytes"]] = middle / row["p50_us"] if row["p50_us"] else 0.0
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as error:
+        raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
     return Measured(medians, spreads, shares)
 
 

@@ -69,6 +69,9 @@ class DaemonConfig:
     socket_group: str = ""
     allowed_uids: str = ""
     allowed_gids: str = ""
+    # Who may change what every group on the node gets (Calibrate): these uids (ids or names),
+    # proven by an identity from the descriptor socket; empty: root and the daemon's own uid.
+    operator_uids: str = ""
     # "host:port" for Prometheus /metrics, or "off".
     metrics_address: str = "127.0.0.1:9464"
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
@@ -145,7 +148,7 @@ class DaemonConfig:
                     f"tcp_address {self.tcp_address!r}: expected a loopback address (127.0.0.0/8 or ::1), or "
                     "tls_cert and tls_key for any other; the control plane is not exposed in the clear"
                 )
-        for name in ("allowed_uids", "allowed_gids"):
+        for name in ("allowed_uids", "allowed_gids", "operator_uids"):
             parse_ids(name, getattr(self, name))
         if self.socket_group:
             parse_ids("socket_group", self.socket_group)
@@ -191,7 +194,7 @@ class DaemonConfig:
 
 
 def parse_ids(field: str, text: str) -> frozenset[int]:
-    """Comma-separated numeric ids or names: uids for allowed_uids, gids otherwise."""
+    """Comma-separated numeric ids or names: uids for allowed_uids and operator_uids, gids otherwise."""
     ids = set()
     for item in (part.strip() for part in text.split(",")):
         if not item:
@@ -200,9 +203,9 @@ def parse_ids(field: str, text: str) -> frozenset[int]:
             ids.add(int(item))
             continue
         try:
-            ids.add(pwd.getpwnam(item).pw_uid if field == "allowed_uids" else grp.getgrnam(item).gr_gid)
+            ids.add(pwd.getpwnam(item).pw_uid if field.endswith("_uids") else grp.getgrnam(item).gr_gid)
         except KeyError:
-            kind = "user" if field == "allowed_uids" else "group"
+            kind = "user" if field.endswith("_uids") else "group"
             raise ValueError(f"{field}: no {kind} named {item!r}; expected ids or names, comma-separated") from None
     return frozenset(ids)
 
@@ -233,6 +236,7 @@ HELP = {
     "socket_group": "group (name or gid) of the sockets and their directory; empty: the daemon's",
     "allowed_uids": "comma-separated uids or user names that may join; empty: anyone who reaches the socket",
     "allowed_gids": "comma-separated gids or group names that may join",
+    "operator_uids": "comma-separated uids or user names that may calibrate; empty: root and the daemon's uid",
     "metrics_address": "ip:port of Prometheus /metrics, or off",
     "state_dir": "where calibrations are stored",
     "calibrate_on_start": "probe at start where state_dir holds no calibration for this machine",

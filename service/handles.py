@@ -128,17 +128,25 @@ class IdentityTable:
 @dataclass(frozen=True)
 class Admission:
     """Who may use the daemon: anyone who can reach its sockets when both lists are empty;
-    otherwise the daemon's own uid, the listed uids, and members of the listed groups."""
+    otherwise the daemon's own uid, the listed uids, and members of the listed groups. Operators
+    (root and the daemon's own uid unless listed) may also change node-wide state, and are always
+    admitted."""
 
     uids: frozenset[int] = frozenset()
     gids: frozenset[int] = frozenset()
+    operators: frozenset[int] = frozenset()
 
     @property
     def required(self) -> bool:
         return bool(self.uids or self.gids)
 
     def admits(self, uid: int, gids: frozenset[int]) -> bool:
-        return not self.required or uid == os.geteuid() or uid in self.uids or bool(gids & self.gids)
+        return (
+            not self.required or uid == os.geteuid() or uid in self.uids or bool(gids & self.gids) or self.operates(uid)
+        )
+
+    def operates(self, uid: int) -> bool:
+        return uid in (self.operators or {0, os.geteuid()})
 
 
 def process_groups(pid: int, gid: int) -> frozenset[int]:

@@ -145,6 +145,28 @@ class ControlServicer(pb_grpc.ControlServicer):
         self._check_identity(request)
         return await self.registry.join(JoinArgs.from_request(request), timeout)
 
+    def _check_operator(self, request: pb.CalibrateRequest) -> None:
+        """Calibrate changes the boundaries of every new group on the node: operator uids only,
+        proven as a Join's identity is."""
+        who = sorted(self.admission.operators) or "root and the daemon's own uid"
+        if not request.identity:
+            raise PermissionDeniedError(
+                f"calibrating changes every new group's boundaries, which only operator uids ({who}) may; the "
+                "request must carry the identity the descriptor socket issues (nodecomm calibrate sends it)"
+            )
+        identity = self.identities.take(request.identity)
+        if identity is None:
+            raise PermissionDeniedError("unknown, already used or expired identity token")
+        if not is_declared_process(identity.pid, request.pid):
+            raise PermissionDeniedError(
+                f"the identity was issued to pid {identity.pid}, but this request declares pid {request.pid}"
+            )
+        if not self.admission.operates(identity.uid):
+            raise PermissionDeniedError(
+                f"uid {identity.uid} may not calibrate: calibrating changes every new group's boundaries, which "
+                f"only operator uids ({who}) may (the daemon's operator_uids)"
+            )
+
     def _check_identity(self, request: pb.JoinRequest) -> None:
         """A Join's identity, where the daemon admits only some callers (or one is presented
         anyway): issued on the descriptor socket to the very process that declares its pid."""
@@ -221,6 +243,10 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        try:
+            self._check_operator(request)
+        except NodecommError as error:
+            await self.refuse(context, "Calibrate", error)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
         def on_point(path: str, size: int, seconds: float) -> None:
@@ -357,7 +383,9 @@ async def serve(config: DaemonConfig) -> int:
     _prepare_socket_path(config.descriptor_socket, config.socket_group)
     identities = IdentityTable()
     admission = Admission(
-        parse_ids("allowed_uids", config.allowed_uids), parse_ids("allowed_gids", config.allowed_gids)
+        parse_ids("allowed_uids", config.allowed_uids),
+        parse_ids("allowed_gids", config.allowed_gids),
+        parse_ids("operator_uids", config.operator_uids),
     )
     descriptors = DescriptorServer(
         config.descriptor_socket,

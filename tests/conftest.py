@@ -251,6 +251,13 @@ def spawn_ranks():
 # -- raw control-plane helpers -------------------------------------------------------------------
 
 
+def operator_identity(socket: str) -> dict:
+    """The identity and pid fields of a Calibrate request from this (operator) process."""
+    from nodecomm.client.descriptors import identify
+
+    return {"identity": identify(socket + ".fd", 10.0, {}), "pid": os.getpid()}
+
+
 class _CallDetails(
     collections.namedtuple(
         "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")

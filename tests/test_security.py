@@ -4,8 +4,20 @@ all-reduces (its connect time and p50 printed beside the same without the attack
 model and these figures are in docs/security.md."""
 
 import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 import ranks
+from conftest import Daemon
+from nodecomm.client.descriptors import identify
+from nodecomm.errors import NodecommError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
 from test_cli import nodecomm_cli
 
@@ -79,3 +91,87 @@ def test_a_calibration_file_with_bad_values_is_ignored_naming_file_and_field(mak
         assert f"ignoring the calibration in {path}: {logged}" in daemon.log(), (case, daemon.log()[-2000:])
         report(f"calibration with {case}", baseline, legitimate_group(spawn_ranks, daemon.socket, "after"))
         daemon.stop()
+
+
+def test_only_operator_uids_calibrate(make_daemon, spawn_ranks, tmp_path):
+    """7: a uid that may join but is not an operator cannot rewrite the node's calibration; the
+    stored calibration and the boundaries in force stay as they were."""
+    baseline_daemon = make_daemon("--state-dir", str(tmp_path / "baseline"))
+    baseline = legitimate_group(spawn_ranks, baseline_daemon.socket, "before")
+    state = tmp_path / "state"
+    daemon = make_daemon("--state-dir", str(state), "--operator-uids", "54321")  # not this test's uid
+    before = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    refused = nodecomm_cli("--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "4KiB")
+    assert refused.returncode != 0
+    assert f"uid {os.getuid()} may not calibrate" in refused.stderr and "operator uids ([54321])" in refused.stderr
+    attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+    assert nodecomm_cli("--socket", daemon.socket, "thresholds").stdout == before
+    assert not list(state.glob("calibration-*.json"))
+    assert 'nodecomm_rpc_errors_total{code="PERMISSION_DENIED",method="Calibrate"} 1.0' in daemon.metrics_text()
+    report("calibrate from a uid that is not an operator", baseline, attacked)
+
+
+NOBODY = 65534  # uid nobody, gid nogroup on Debian
+
+
+def identify_as_nobody(path: str) -> str:
+    """What nodecomm.connect's first step (IDENTIFY on the descriptor socket) raises in a process
+    of uid nobody: forked, so that it needs no file of this test's but the socket."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # only sockets and os calls here: no gRPC, no interpreter teardown
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            try:
+                identify(path, 5.0, {})
+                answer = "no error"
+            except NodecommError as error:
+                answer = f"{type(error).__name__} {error}"
+            os.write(write_end, answer.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read().decode()
+    os.waitpid(child, 0)
+    return answer
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changes uids: needs root (CI runs as root)")
+def test_an_unreachable_descriptor_socket_is_named_as_the_cause():
+    """8: with the descriptor socket at 0600, a caller that reaches the control socket is told
+    that the descriptor socket refused it, not that its Join lacked an identity."""
+    open_directory = Path(tempfile.mkdtemp(prefix="nodecomm-security-"))
+    open_directory.chmod(0o755)
+    daemon = Daemon(open_directory, ["--socket-group", "nogroup", "--allowed-gids", "nogroup"], {})
+    try:
+        daemon.start()
+        assert identify_as_nobody(daemon.socket + ".fd") == "no error"  # admitted while it may open it
+        os.chmod(daemon.socket + ".fd", 0o600)
+        answer = identify_as_nobody(daemon.socket + ".fd")
+        assert answer == f"DaemonUnavailableError descriptor socket {daemon.socket}.fd: [Errno 13] Permission denied"
+    finally:
+        daemon.stop(signal.SIGKILL)
+        shutil.rmtree(open_directory, ignore_errors=True)
+
+
+def test_a_killed_calibration_leaves_no_folder(make_daemon, tmp_path):
+    """8: the probe's table comes back on its output; killing the daemon mid-probe leaves nothing
+    in the temporary directory."""
+    before = set(Path(tempfile.gettempdir()).glob("nodecomm-probe-*"))
+    daemon = make_daemon("--state-dir", str(tmp_path / "state"))
+    calibrate = subprocess.Popen(
+        [sys.executable, "-m", "nodecomm.client.cli", "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        while "oneshot" not in calibrate.stdout.readline():  # a point: the probe runs
+            assert calibrate.poll() is None
+        daemon.stop(signal.SIGKILL)
+    finally:
+        calibrate.kill()
+        calibrate.wait()
+    assert set(Path(tempfile.gettempdir()).glob("nodecomm-probe-*")) == before
