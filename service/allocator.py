@@ -23,6 +23,9 @@ from nodecomm.v1 import control_pb2 as pb
 log = logging.getLogger("nodecomm.allocator")
 
 
+ACCOUNTING_PAGE = 4096
+
+
 @dataclass
 class DeviceMapping:
     """The daemon's own mapping of a CUDA allocation, kept until the group is released."""
@@ -189,7 +192,7 @@ class TopkSlabs:
 
     @property
     def reserved_bytes(self) -> int:
-        return self.slab_bytes * len(self.fds)
+        return accounted_bytes(self.slab_bytes) * len(self.fds)
 
     def close(self) -> None:
         if not self.closed:
@@ -291,6 +294,12 @@ def allocate_rank_device_memory(
             f"allocating {size_bytes} bytes on GPU {uuid} for rank {rank} failed: {error}", group=name
         ) from None
     return RankAllocation(allocation_id, rank, fds[0], mappings[0].address, size, placement=("cuda", uuid))
+
+
+def accounted_bytes(size_bytes: int) -> int:
+    """What a piece of memory counts against max_reserved_bytes: at least a page, in whole pages,
+    since each costs a descriptor and a mapping however few bytes it holds."""
+    return -(-max(size_bytes, 1) // ACCOUNTING_PAGE) * ACCOUNTING_PAGE
 
 
 def allocate_rank_memory(name: str, rank: int, allocation_id: int, size_bytes: int) -> RankAllocation:

@@ -106,6 +106,10 @@ class DaemonConfig:
     max_groups: int = 256
     max_ranks_per_group: int = 16
     max_bytes_per_gpu: int = 16 << 30
+    # What one rank may hold open at once: service-path allocations, and top-k exchanges per group
+    # (each holds a descriptor and a mapping in the daemon, whatever its size).
+    max_allocations_per_rank: int = 64
+    max_topk_exchanges_per_group: int = 32
     drain_grace_seconds: float = 5.0
     # The service path: collectives a group may have queued past the next one to run (a submit
     # beyond gets RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
@@ -152,7 +156,7 @@ class DaemonConfig:
             parse_ids(name, getattr(self, name))
         if self.socket_group:
             parse_ids("socket_group", self.socket_group)
-        for name in ("max_groups", "max_ranks_per_group"):
+        for name in ("max_groups", "max_ranks_per_group", "max_allocations_per_rank", "max_topk_exchanges_per_group"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.metrics_address != "off":
@@ -253,6 +257,8 @@ HELP = {
     "max_capacity_bytes": "largest slot capacity a group may ask for",
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",
+    "max_allocations_per_rank": "service-path allocations one rank may hold open",
+    "max_topk_exchanges_per_group": "top-k exchanges one group may hold open",
     "max_ranks_per_group": "largest world size a Join may ask for",
     "max_bytes_per_gpu": "buffers one GPU may hold",
     "drain_grace_seconds": "on SIGTERM, how long running calls get before the server stops",

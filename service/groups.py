@@ -45,6 +45,7 @@ from nodecomm.v1 import control_pb2 as pb
 from .allocator import (
     GroupMemory,
     TopkSlabs,
+    accounted_bytes,
     allocate_cuda_topk_slabs,
     allocate_group,
     allocate_rank_device_memory,
@@ -632,6 +633,12 @@ class GroupRegistry:
             raise InvalidArgumentError(
                 f"max_rows {request.max_rows} and topk {request.topk}: expected both at least 1", **where
             )
+        if len(group.topk_slabs) >= self.config.max_topk_exchanges_per_group:
+            raise ResourceExhaustedError(
+                f"the group holds {len(group.topk_slabs)} top-k exchanges, this daemon's "
+                "max_topk_exchanges_per_group; they are released with the group",
+                **where,
+            )
         forming = group.exchanges.setdefault(request.sequence, FormingExchange())
         if forming.failure is not None:
             raise forming.failure
@@ -789,11 +796,17 @@ class GroupRegistry:
                 "(world_size times this daemon's max_capacity_bytes)",
                 **where,
             )
-        reserved = self._reserved_bytes()
-        if reserved + size > self.config.max_reserved_bytes:
+        held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
+        if held >= self.config.max_allocations_per_rank:
             raise ResourceExhaustedError(
-                f"allocating {size} bytes would pass this daemon's max_reserved_bytes "
-                f"{self.config.max_reserved_bytes} ({reserved} reserved); free some first",
+                f"rank {request.rank} holds {held} allocations, this daemon's max_allocations_per_rank; free one first",
+                **where,
+            )
+        reserved, counted = self._reserved_bytes(), accounted_bytes(size)
+        if reserved + counted > self.config.max_reserved_bytes:
+            raise ResourceExhaustedError(
+                f"allocating {size} bytes (counted as {counted}, whole pages) would pass this daemon's "
+                f"max_reserved_bytes {self.config.max_reserved_bytes} ({reserved} reserved); free some first",
                 **where,
             )
         allocation_id = next(self._allocation_ids)

@@ -40,7 +40,7 @@ from nodecomm.errors import (
 from nodecomm.topk_layout import WORLD_SIZES, owned_rows
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import RankAllocation
+from .allocator import RankAllocation, accounted_bytes
 
 log = logging.getLogger("nodecomm.submissions")
 
@@ -240,7 +240,7 @@ class ServicePath:
 
     @property
     def reserved_bytes(self) -> int:
-        return sum(a.size_bytes for a in self.allocations.values())
+        return sum(accounted_bytes(a.size_bytes) for a in self.allocations.values())
 
     def add_allocation(self, allocation: RankAllocation) -> None:
         if self.cuda is not None:

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 
+import nodecomm
 import ranks
 from conftest import Daemon
 from nodecomm.client.descriptors import identify
-from nodecomm.errors import NodecommError
+from nodecomm.errors import NodecommError, ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
 from test_cli import nodecomm_cli
 
@@ -175,3 +176,33 @@ def test_a_killed_calibration_leaves_no_folder(make_daemon, tmp_path):
         calibrate.kill()
         calibrate.wait()
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-probe-*")) == before
+
+
+def _open_descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_tiny_allocations_and_exchanges_cannot_exhaust_the_daemons_descriptors(daemon, spawn_ranks):
+    """2: a world-1 group that allocates a byte at a time, or opens one-row exchanges, is refused
+    at its per-rank (per-group) count, each allocation counted as a page; the daemon's descriptors
+    stay few and an ordinary group beside it runs."""
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    descriptors = _open_descriptors(daemon.process.pid)
+    with nodecomm.connect("hoarder", 0, 1, socket=daemon.socket, timeout=30) as hoarder:
+        held = []
+        with pytest.raises(ResourceExhaustedError) as refused:
+            for _ in range(12000):
+                held.append(hoarder.service_buffer(1))
+        assert len(held) == 64 and "holds 64 allocations, this daemon's max_allocations_per_rank" in str(refused.value)
+        exchanges = []
+        with pytest.raises(ResourceExhaustedError) as refused:
+            for _ in range(1000):
+                exchanges.append(hoarder.topk_exchange(max_rows=1, topk=1))
+        assert len(exchanges) == 32 and "max_topk_exchanges_per_group" in str(refused.value)
+        status = json.loads(nodecomm_cli("--socket", daemon.socket, "status", "--json").stdout)
+        (group,) = [g for g in status["groups"] if g["name"] == "hoarder"]
+        assert group["service_bytes"] == 64 * 4096  # a byte counts as a page
+        # Each allocation and slab holds a descriptor; past those, the daemon's count barely moved.
+        assert _open_descriptors(daemon.process.pid) - descriptors < 64 + 32 + 32
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+    report("a rank hoarding allocations and exchanges", baseline, attacked)
