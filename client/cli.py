@@ -28,10 +28,14 @@ def _stub(socket: str | None) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    channel, stub = _stub(args.socket)
+    socket = args.socket or default_socket_path()
+    # An operator's identity shows forming groups' world sizes and joined ranks, hidden from others.
+    identity = identify(socket.removeprefix("unix:") + ".fd", args.timeout, {})
+    channel, stub = _stub(socket)
     with channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
-        groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
+        request = pb.ListGroupsRequest(identity=identity, pid=os.getpid())
+        groups = stub.ListGroups(request, timeout=args.timeout).groups
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
     # Non-zero unless serving, so that probes and scripts can use the exit status alone.
     code = 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1

@@ -135,6 +135,7 @@ def connect(
     table_switching: bool = True,
     daemon: str | None = None,
     job: str | None = None,
+    group_key: str | bytes | None = None,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -153,7 +154,10 @@ def connect(
     daemon: "node" (the default, or $NODECOMM_DAEMON), "private" or "auto" (client/daemon_choice.py):
     a private daemon is the job's own, found by `job` (default: the group name), started by the
     first rank to claim it; `socket` is then where it listens (private) or the node daemon to try
-    first (auto). `comm.daemon` says which daemon the rank uses.
+    first (auto). `comm.daemon` says which daemon the rank uses. group_key (default
+    $NODECOMM_GROUP_KEY): admission to the forming group, the same on every rank: the first Join
+    fixes it and the daemon refuses a later Join without it, so another process cannot take a
+    rank's place (nodecomm.distributed and the engine integrations make one on their own).
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
@@ -184,12 +188,17 @@ def connect(
 
     # node by default: an engine that builds its own groups runs where nodecommd is deployed, and an
     # unreachable node daemon should fail its connect, not hide behind a job's own daemon.
+    if group_key is None:
+        group_key = os.environ.get("NODECOMM_GROUP_KEY", "")
+    if not isinstance(group_key, (str, bytes)):
+        raise InvalidArgumentError(f"group_key: expected str or bytes, got {type(group_key).__name__}", **where)
+    key = group_key.encode() if isinstance(group_key, str) else group_key
     mode = daemon_choice.resolve_mode(daemon, "node", where)
     chosen, lease = daemon_choice.choose(mode, socket, job or group, timeout, where)
     try:
         communicator = _join(
             group, rank, world_size, device_id, device_index, chosen, lease, timeout, nccl_group, nccl_by_caller,
-            table_switching, capacity_bytes, dtype_codes, overrides, where,
+            table_switching, capacity_bytes, dtype_codes, overrides, key, where,
         )  # fmt: skip
     except BaseException:
         if lease is not None:
@@ -214,6 +223,7 @@ def _join(
     capacity_bytes: int,
     dtype_codes: list[int],
     overrides: list[pb.Boundary],
+    group_key: bytes,
     where: dict,
 ) -> Communicator:
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
@@ -233,6 +243,7 @@ def _join(
         nccl_fallback=nccl_group is not None or nccl_by_caller,
         overrides=overrides,
         identity=identity,
+        group_key=group_key,
     )
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)

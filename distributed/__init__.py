@@ -79,25 +79,26 @@ _job_token: str | None = None
 
 def _shared_daemon(
     store: dist.Store, rank: int, generation: int, timeout: timedelta, options: Options
-) -> tuple[str, daemon_choice.DaemonChoice, daemon_choice.JobLeaseHandle | None]:
-    """The group's token and daemon, both drawn by its rank 0 and shared through the store; a
-    private daemon is started by the first rank to claim it, and this process holds a lease on it."""
+) -> tuple[str, str, daemon_choice.DaemonChoice, daemon_choice.JobLeaseHandle | None]:
+    """The group's token, group key and daemon, drawn by its rank 0 and shared through the store
+    (the key admits the job's ranks, and no other process, to the nodecomm groups); a private
+    daemon is started by the first rank to claim it, and this process holds a lease on it."""
     global _job_token
-    key = f"nodecomm/group/{generation}"
+    entry = f"nodecomm/group/{generation}"
     if rank == 0:
-        token = secrets.token_hex(6)
+        token, group_key = secrets.token_hex(6), secrets.token_hex(16)
         _job_token = _job_token or token
         mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
         kind, socket = daemon_choice.decide(mode, options.socket, _job_token)
-        store.set(key, f"{token} {kind} {socket}")
+        store.set(entry, f"{token} {group_key} {kind} {socket}")
     else:
-        store.wait([key], timeout)
-        token, kind, socket = store.get(key).decode().split(" ", 2)
+        store.wait([entry], timeout)
+        token, group_key, kind, socket = store.get(entry).decode().split(" ", 3)
         _job_token = _job_token or token
     if kind == "node":
-        return token, daemon_choice.DaemonChoice("node", socket), None
+        return token, group_key, daemon_choice.DaemonChoice("node", socket), None
     choice, lease = daemon_choice.attach_private(socket, timeout.total_seconds(), {"rank": rank})
-    return token, choice, lease
+    return token, group_key, choice, lease
 
 
 def _created_for_cuda_only(store: dist.Store) -> bool:
@@ -123,7 +124,9 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
-    token, daemon, lease = _shared_daemon(backend_options.store, rank, _creations[group_name], timeout, options)
+    token, group_key, daemon, lease = _shared_daemon(
+        backend_options.store, rank, _creations[group_name], timeout, options
+    )
     log.info(f"process group {group_name!r} uses {daemon}", extra={"rank": rank, "socket": daemon.socket})
     safe_name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group_name)[:48]
     group = NodecommProcessGroup(
@@ -132,7 +135,12 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         size,
         name=f"torch.{token}.{safe_name}",
         timeout=timeout,
-        connect_options={**options.connect_options(), "socket": daemon.socket, "daemon": daemon.kind},
+        connect_options={
+            **options.connect_options(),
+            "socket": daemon.socket,
+            "daemon": daemon.kind,
+            "group_key": group_key,
+        },
         daemon=daemon,
         daemon_lease=lease,
     )

@@ -74,14 +74,16 @@ class NodecommAllreduce:
         if self.world_size == 1:
             self.disabled_reason = "a group of one rank has nothing to reduce"
             return
-        # Every rank learns rank 0's token over the engine's CPU group: a fresh name per engine.
-        token = [secrets.token_hex(6) if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=dist.get_global_rank(group, 0), group=group)
+        # Every rank learns rank 0's token (a fresh name per engine) and group key (which admits
+        # this engine's ranks, and no other process, to the group) over the engine's CPU group.
+        shared = [(secrets.token_hex(6), secrets.token_hex(16)) if self.rank == 0 else None]
+        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
+        token, group_key = shared[0]
         import nodecomm
 
         try:
             self.comm = nodecomm.connect(
-                f"engine-ar.{token[0]}",
+                f"engine-ar.{token}",
                 self.rank,
                 self.world_size,
                 device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index}",
@@ -90,6 +92,7 @@ class NodecommAllreduce:
                 nccl_by_caller=self.device.type == "cuda",
                 thresholds=thresholds,
                 table_switching=table_switching,
+                group_key=group_key,
             )
         except NodecommError as error:
             self.disabled_reason = str(error)

@@ -72,6 +72,12 @@ class DaemonConfig:
     # Who may change what every group on the node gets (Calibrate): these uids (ids or names),
     # proven by an identity from the descriptor socket; empty: root and the daemon's own uid.
     operator_uids: str = ""
+    # A group forms among joins of one uid, the first joiner's, unless this allows several. With
+    # require_group_key, every Join must carry a group key (the first fixes it, later ones must
+    # match); off by default: ranks of other uids are refused anyway, and a key is what keeps a
+    # process of the same uid out, which the engines' integrations add on their own.
+    allow_mixed_uids: bool = False
+    require_group_key: bool = False
     # "host:port" for Prometheus /metrics, or "off".
     metrics_address: str = "127.0.0.1:9464"
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
@@ -109,6 +115,11 @@ class DaemonConfig:
     # What one rank may hold open at once: service-path allocations, and top-k exchanges per group
     # (each holds a descriptor and a mapping in the daemon, whatever its size).
     max_allocations_per_rank: int = 64
+    # Groups one caller (uid; callers without an identity share one count) may have forming at once.
+    max_forming_groups_per_caller: int = 32
+    # Timings one rank's session may report per second (a burst of as many); past it they are
+    # dropped, so that one rank's stream costs the daemon a bounded share of its time.
+    timing_rate_per_rank: int = 1000
     max_topk_exchanges_per_group: int = 32
     drain_grace_seconds: float = 5.0
     # The service path: collectives a group may have queued past the next one to run (a submit
@@ -156,7 +167,14 @@ class DaemonConfig:
             parse_ids(name, getattr(self, name))
         if self.socket_group:
             parse_ids("socket_group", self.socket_group)
-        for name in ("max_groups", "max_ranks_per_group", "max_allocations_per_rank", "max_topk_exchanges_per_group"):
+        for name in (
+            "max_groups",
+            "max_ranks_per_group",
+            "max_allocations_per_rank",
+            "max_topk_exchanges_per_group",
+            "max_forming_groups_per_caller",
+            "timing_rate_per_rank",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.metrics_address != "off":
@@ -258,6 +276,10 @@ HELP = {
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",
     "max_allocations_per_rank": "service-path allocations one rank may hold open",
+    "max_forming_groups_per_caller": "groups one uid may have forming at once",
+    "timing_rate_per_rank": "timings per second one rank may report; more are dropped",
+    "allow_mixed_uids": "let ranks of several uids form one group",
+    "require_group_key": "refuse joins that carry no group key",
     "max_topk_exchanges_per_group": "top-k exchanges one group may hold open",
     "max_ranks_per_group": "largest world size a Join may ask for",
     "max_bytes_per_gpu": "buffers one GPU may hold",

@@ -10,6 +10,7 @@ when every rank is gone. Everything here runs on the daemon's event loop.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import itertools
 import logging
@@ -18,6 +19,7 @@ import re
 import secrets
 import time
 from collections import Counter
+from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -58,6 +60,9 @@ from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
 from .submissions import CudaExecution, ServicePath
 from .tables import TableKeeper
+
+# A bound far past the 32 timings a client batches: anything longer is not a client of ours.
+MAX_TIMINGS_PER_BATCH = 256
 
 log = logging.getLogger("nodecomm.groups")
 
@@ -189,9 +194,13 @@ class Arrival:
 
 @dataclass
 class FormingGroup:
-    """Ranks that have arrived for a name that is not formed yet."""
+    """Ranks that have arrived for a name that is not formed yet: admitted only with the first
+    joiner's uid (unless mixed uids are allowed) and group key (its digest, compared in constant
+    time)."""
 
     name: str
+    creator: int | None = None  # the first joiner's uid; None: it presented no identity
+    key_digest: bytes = b""
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     # Set once the ranks disagreed: every rank of this attempt gets the same error.
     failure: NodecommError | None = None
@@ -206,6 +215,9 @@ class Member:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False
+    # The rank's budget of timings (a token bucket: timing_rate_per_rank a second, as many at once).
+    timing_budget: float = -1.0
+    timing_budget_at: float = 0.0
     left: bool = False
     lost: bool = False
 
@@ -315,16 +327,19 @@ class GroupRegistry:
 
     # -- join ----------------------------------------------------------------------------------
 
-    async def join(self, args: JoinArgs, timeout: float) -> pb.JoinReply:
+    async def join(
+        self, args: JoinArgs, timeout: float, caller: int | None = None, group_key: bytes = b""
+    ) -> pb.JoinReply:
+        """Join `args.group` as the caller of uid `caller` (None: not identified) with `group_key`."""
         try:
-            reply = await self._join(args, timeout)
+            reply = await self._join(args, timeout, caller, group_key)
         except NodecommError as error:
             self.metrics.joins.labels(type(error).__name__).inc()
             raise
         self.metrics.joins.labels("ok").inc()
         return reply
 
-    async def _join(self, args: JoinArgs, timeout: float) -> pb.JoinReply:
+    async def _join(self, args: JoinArgs, timeout: float, caller: int | None, group_key: bytes) -> pb.JoinReply:
         if self._draining:
             raise DaemonUnavailableError(
                 "the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank
@@ -346,15 +361,12 @@ class GroupRegistry:
             else:
                 forming.failed_ranks.add(args.rank)
                 raise forming.failure
+        key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         if forming is None:
-            groups = len(self._groups) + sum(1 for f in self._forming.values() if f.arrivals)
-            if groups >= self.config.max_groups:
-                raise ResourceExhaustedError(
-                    f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released",
-                    group=args.group,
-                    rank=args.rank,
-                )
-            forming = self._forming[args.group] = FormingGroup(args.group)
+            self._check_new_forming(args, caller, group_key)
+            forming = self._forming[args.group] = FormingGroup(args.group, caller, key_digest)
+        elif forming.arrivals:
+            self._check_admission(forming, args, caller, key_digest)
         if args.rank in forming.arrivals:
             other = forming.arrivals[args.rank].args
             raise AlreadyExistsError(
@@ -388,6 +400,47 @@ class GroupRegistry:
         except asyncio.CancelledError:
             self._withdraw(forming, args.rank)
             raise
+
+    def _check_new_forming(self, args: JoinArgs, caller: int | None, group_key: bytes) -> None:
+        where = dict(group=args.group, rank=args.rank)
+        if self.config.require_group_key and not group_key:
+            raise PermissionDeniedError(
+                "this daemon admits to forming groups only joins that carry a group key (require_group_key): "
+                "pass connect(group_key=...) or set NODECOMM_GROUP_KEY, the same on every rank",
+                **where,
+            )
+        groups = len(self._groups) + sum(1 for f in self._forming.values() if f.arrivals)
+        if groups >= self.config.max_groups:
+            raise ResourceExhaustedError(
+                f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released", **where
+            )
+        mine = sum(1 for f in self._forming.values() if f.arrivals and f.creator == caller)
+        if mine >= self.config.max_forming_groups_per_caller:
+            who = f"uid {caller}" if caller is not None else "callers without an identity"
+            raise ResourceExhaustedError(
+                f"{who} already started {mine} groups that are still forming, this daemon's "
+                "max_forming_groups_per_caller; one more can start once one forms or times out",
+                **where,
+            )
+
+    def _check_admission(self, forming: FormingGroup, args: JoinArgs, caller: int | None, key_digest: bytes) -> None:
+        """A later Join to a forming group: refused, before it can change anything there, unless it
+        carries the group's key and (unless allowed otherwise) comes from the first joiner's uid."""
+        where = dict(group=args.group, rank=args.rank)
+        if not hmac.compare_digest(forming.key_digest, key_digest):
+            raise PermissionDeniedError(
+                "this Join's group key is not the one the group's first Join carried (or one of them carried "
+                "none); every rank must pass the same connect(group_key=...) or NODECOMM_GROUP_KEY",
+                **where,
+            )
+        if caller != forming.creator and not self.config.allow_mixed_uids:
+            who = f"uid {caller}" if caller is not None else "a caller without an identity"
+            first = f"uid {forming.creator}" if forming.creator is not None else "a caller without an identity"
+            raise PermissionDeniedError(
+                f"this group is forming among the ranks of {first}; a Join from {who} is refused (the daemon's "
+                "allow_mixed_uids lets ranks of several uids form one group)",
+                **where,
+            )
 
     def _disagreement(self, forming: FormingGroup, args: JoinArgs) -> GroupMismatchError | None:
         for name in JoinArgs.AGREED:
@@ -916,8 +969,26 @@ class GroupRegistry:
             self.metrics.operations.labels(group.name, *labels).inc(count.operations)
             self.metrics.operation_bytes.labels(group.name, *labels).inc(count.bytes)
 
-    def record_timings(self, group_id: int, rank: int, timings: list[pb.Timing]) -> None:
+    def record_timings(self, group_id: int, rank: int, timings: Sequence[pb.Timing]) -> None:
+        """Use a rank's timings, within bounds: a batch far past what the client sends (32) is
+        dropped whole, and past the rank's rate the rest are, so one rank's stream cannot take
+        the daemon's time from everyone else's calls."""
         group = self._groups.get(group_id)
+        if len(timings) > MAX_TIMINGS_PER_BATCH:
+            self.metrics.timings_dropped.labels("batch").inc(len(timings))
+            return
+        member = group.members.get(rank) if group is not None else None
+        if member is not None:
+            rate, now = self.config.timing_rate_per_rank, time.monotonic()
+            if member.timing_budget < 0:
+                member.timing_budget = rate
+            member.timing_budget = min(rate, member.timing_budget + (now - member.timing_budget_at) * rate)
+            member.timing_budget_at = now
+            allowed = min(len(timings), int(member.timing_budget))
+            member.timing_budget -= allowed
+            if allowed < len(timings):
+                self.metrics.timings_dropped.labels("rate").inc(len(timings) - allowed)
+                timings = timings[:allowed]
         for timing in timings:
             if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values() or not timing.path:
                 continue
@@ -1016,10 +1087,12 @@ class GroupRegistry:
 
     # -- operator views and shutdown -------------------------------------------------------------
 
-    def list_groups(self) -> list[pb.GroupInfo]:
+    def list_groups(self, forming_details: bool = False) -> list[pb.GroupInfo]:
+        """Every group; forming ones with their world size and joined ranks only if
+        `forming_details` (an operator asks): to anyone else those say which rank to pose as."""
         infos = []
         for forming in self._forming.values():
-            if forming.arrivals:
+            if forming.arrivals and forming_details:
                 any_args = next(iter(forming.arrivals.values())).args
                 infos.append(
                     pb.GroupInfo(
@@ -1030,6 +1103,8 @@ class GroupRegistry:
                         device_kind=any_args.device_kind,
                     )
                 )
+            elif forming.arrivals:
+                infos.append(pb.GroupInfo(name=forming.name, state="joining"))
         for group in self._groups.values():
             infos.append(
                 pb.GroupInfo(

@@ -118,6 +118,15 @@ class DaemonMetrics:
         self.rpc_errors = Counter(
             "nodecomm_rpc_errors_total", "RPCs answered with an error.", ["method", "code"], registry=r
         )
+        self.timings_dropped = Counter(
+            "nodecomm_timings_dropped_total",
+            "Timings from ranks' sessions the daemon did not use: in a batch past its size bound, or past the "
+            "rank's rate (timing_rate_per_rank).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("batch", "rate"):
+            self.timings_dropped.labels(reason)
         for state in ("joining", "active", "aborted"):
             self.groups.labels(state)
         self.reserved.labels("host")

@@ -142,8 +142,19 @@ class ControlServicer(pb_grpc.ControlServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        self._check_identity(request)
-        return await self.registry.join(JoinArgs.from_request(request), timeout)
+        caller = self._check_identity(request)
+        return await self.registry.join(JoinArgs.from_request(request), timeout, caller, request.group_key)
+
+    def _identified_uid(self, token: bytes, pid: int, **where) -> int:
+        """The uid an identity from the descriptor socket proves, for the process that declares `pid`."""
+        identity = self.identities.take(token)
+        if identity is None:
+            raise PermissionDeniedError("unknown, already used or expired identity token", **where)
+        if not is_declared_process(identity.pid, pid):
+            raise PermissionDeniedError(
+                f"the identity was issued to pid {identity.pid}, but this request declares pid {pid}", **where
+            )
+        return identity.uid
 
     def _check_operator(self, request: pb.CalibrateRequest) -> None:
         """Calibrate changes the boundaries of every new group on the node: operator uids only,
@@ -154,22 +165,17 @@ class ControlServicer(pb_grpc.ControlServicer):
                 f"calibrating changes every new group's boundaries, which only operator uids ({who}) may; the "
                 "request must carry the identity the descriptor socket issues (nodecomm calibrate sends it)"
             )
-        identity = self.identities.take(request.identity)
-        if identity is None:
-            raise PermissionDeniedError("unknown, already used or expired identity token")
-        if not is_declared_process(identity.pid, request.pid):
+        uid = self._identified_uid(request.identity, request.pid)
+        if not self.admission.operates(uid):
             raise PermissionDeniedError(
-                f"the identity was issued to pid {identity.pid}, but this request declares pid {request.pid}"
-            )
-        if not self.admission.operates(identity.uid):
-            raise PermissionDeniedError(
-                f"uid {identity.uid} may not calibrate: calibrating changes every new group's boundaries, which "
+                f"uid {uid} may not calibrate: calibrating changes every new group's boundaries, which "
                 f"only operator uids ({who}) may (the daemon's operator_uids)"
             )
 
-    def _check_identity(self, request: pb.JoinRequest) -> None:
+    def _check_identity(self, request: pb.JoinRequest) -> int | None:
         """A Join's identity, where the daemon admits only some callers (or one is presented
-        anyway): issued on the descriptor socket to the very process that declares its pid."""
+        anyway): issued on the descriptor socket to the very process that declares its pid.
+        Returns the caller's uid, None where it presented none."""
         where = dict(group=request.group or None, rank=request.rank)
         if not request.identity:
             if self.admission.required:
@@ -178,14 +184,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                     "descriptor socket issues (send IDENTIFY there first; nodecomm.connect does)",
                     **where,
                 )
-            return
-        identity = self.identities.take(request.identity)
-        if identity is None:
-            raise PermissionDeniedError("unknown, already used or expired identity token", **where)
-        if not is_declared_process(identity.pid, request.pid):
-            raise PermissionDeniedError(
-                f"the identity was issued to pid {identity.pid}, but this Join declares pid {request.pid}", **where
-            )
+            return None
+        return self._identified_uid(request.identity, request.pid, **where)
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
         try:
@@ -213,7 +213,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     undecodable.append(message)  # the stream ends: the rank is lost
                     return
                 if message.WhichOneof("kind") == "timings":
-                    self.registry.record_timings(group_id, rank, list(message.timings.timings))
+                    self.registry.record_timings(group_id, rank, message.timings.timings)
                     self.registry.record_counts(group_id, list(message.timings.counts))
 
         upstream = asyncio.ensure_future(pump_up())
@@ -294,7 +294,10 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
-        return pb.ListGroupsReply(groups=self.registry.list_groups())
+        operator = bool(request.identity) and self.admission.operates(
+            self._identified_uid(request.identity, request.pid)
+        )
+        return pb.ListGroupsReply(groups=self.registry.list_groups(forming_details=operator))
 
 
 async def _calibrate_on_start(

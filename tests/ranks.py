@@ -490,11 +490,17 @@ def disagree(rank: int, world_size: int, socket: str) -> dict:
     return outcome
 
 
-def legitimate_traffic(rank: int, world_size: int, socket: str, group: str, calls: int = 100) -> tuple[float, float]:
-    """What an ordinary group does while an attack runs: connect, then `calls` 1 KiB all-reduces,
-    each checked. Returns (seconds to connect, p50 seconds per all-reduce)."""
+def legitimate_traffic(
+    rank: int, world_size: int, socket: str, group: str, calls: int = 100, group_key: str | None = None,
+    late_rank_waits: float = 0.0,
+) -> tuple[float, float]:  # fmt: skip
+    """What an ordinary group does while an attack runs: connect (the last rank `late_rank_waits`
+    seconds late, leaving the group forming), then `calls` 1 KiB all-reduces, each checked.
+    Returns (seconds to connect, p50 seconds per all-reduce)."""
+    if rank == world_size - 1:
+        time.sleep(late_rank_waits)
     started = time.perf_counter()
-    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=60) as comm:
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=60, group_key=group_key) as comm:
         connected = time.perf_counter() - started
         x = torch.full((256,), float(rank + 1))
         expected = [float(world_size * (world_size + 1) // 2)] * 256

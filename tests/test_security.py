@@ -10,16 +10,19 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 
 import nodecomm
 import ranks
-from conftest import Daemon
+from conftest import Daemon, join_request, operator_identity, stub_for
 from nodecomm.client.descriptors import identify
 from nodecomm.errors import NodecommError, ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
+from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
 
@@ -206,3 +209,101 @@ def test_tiny_allocations_and_exchanges_cannot_exhaust_the_daemons_descriptors(d
         assert _open_descriptors(daemon.process.pid) - descriptors < 64 + 32 + 32
         attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
     report("a rank hoarding allocations and exchanges", baseline, attacked)
+
+
+def _wait_forming(stub, name: str) -> None:
+    deadline = time.monotonic() + 30
+    while not any(g.name == name for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups):
+        assert time.monotonic() < deadline, f"group {name} never started forming"
+        time.sleep(0.05)
+
+
+def test_a_forming_group_cannot_be_taken_over(daemon, spawn_ranks):
+    """1: while rank 1 of a keyed group is late, another process sees no world size or joined
+    ranks, and its Joins as rank 1 (without the key, with a wrong key, with another capacity) are
+    refused before they change anything: the real ranks form the group and reduce correctly. A
+    group without a key is still closed to other uids (here: a caller with no identity)."""
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    channel, stub = stub_for(daemon)
+    with channel:
+        victims = spawn_ranks(ranks.legitimate_traffic, 2, 2, daemon.socket, "victim", 100, "the-key", 3.0)
+        _wait_forming(stub, "victim")
+        (shown,) = [g for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups if g.name == "victim"]
+        assert shown.state == "joining" and shown.world_size == 0 and not shown.joined_ranks
+        (operator_view,) = [
+            g for g in stub.ListGroups(pb.ListGroupsRequest(**operator_identity(daemon.socket)), timeout=5).groups
+            if g.name == "victim"
+        ]  # fmt: skip
+        assert operator_view.world_size == 2 and list(operator_view.joined_ranks) == [0]
+        attempts = {
+            "no key": join_request("victim", rank=1),
+            "a wrong key": join_request("victim", rank=1),
+            "another capacity and no key": join_request("victim", rank=1, capacity=4096),
+        }
+        attempts["a wrong key"].group_key = b"guess"
+        for what, request in attempts.items():
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Join(request, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, what
+            assert "group key is not the one the group's first Join carried" in refused.value.details(), what
+        attacked = victims.values()
+        # Without a key, a Join from another uid (or with no identity) is refused all the same.
+        unkeyed = spawn_ranks(ranks.legitimate_traffic, 2, 2, daemon.socket, "unkeyed", 100, None, 3.0)
+        _wait_forming(stub, "unkeyed")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Join(join_request("unkeyed", rank=1), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "a Join from a caller without an identity is refused" in refused.value.details()
+        assert len(unkeyed.values()) == 2
+    late = (attacked[1][0], max(r[1] for r in attacked.values()))  # the late rank's connect: from its own start
+    report("joins posing as a forming group's late rank", baseline, late)
+
+
+def test_one_caller_cannot_fill_the_daemon_with_forming_groups(daemon, spawn_ranks):
+    """6: 300 half-joins from one caller: past max_forming_groups_per_caller (32) they are refused,
+    and another caller's group still forms."""
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    channel, stub = stub_for(daemon)
+    with channel:
+        pending = [stub.Join.future(join_request(f"half-{i}", rank=0, timeout=30), timeout=40) for i in range(32)]
+        _wait_forming(stub, "half-31")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Join(join_request("half-32", rank=0, timeout=30), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "callers without an identity already started 32 groups that are still forming" in refused.value.details()
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")  # identified: its own count
+        for future in pending:
+            future.cancel()
+    report("32 half-joined groups from one caller", baseline, attacked)
+
+
+def _dropped(daemon, reason: str) -> float:
+    text = daemon.metrics_text()
+    return float(text.split(f'nodecomm_timings_dropped_total{{reason="{reason}"}} ')[1].split()[0])
+
+
+def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks):
+    """3: a rank's session (a client changed to flood) sends batches of 200,000 timings, under the
+    4 MB message cap, and a stream of small ones far past its rate: the big batches are dropped
+    whole, the small ones past the rate, and the daemon answers everyone else quickly meanwhile."""
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    timing = pb.Timing(path=pb.ONESHOT, bytes=1024, seconds=1e-5)
+    huge = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 200_000))
+    small = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 32))
+    channel, stub = stub_for(daemon)
+    with channel, nodecomm.connect("flooder", 0, 1, socket=daemon.socket, timeout=30) as flooder:
+        for _ in range(5):
+            flooder._lease._outbox.put(huge)  # what a modified client could send
+        for _ in range(2000):
+            flooder._lease._outbox.put(small)
+        started = time.perf_counter()
+        for _ in range(20):
+            stub.GetThresholds(pb.GetThresholdsRequest(group="flooder"), timeout=10)
+        per_call = (time.perf_counter() - started) / 20
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+        deadline = time.monotonic() + 60
+        while _dropped(daemon, "batch") < 1e6 or _dropped(daemon, "rate") < 32 * 2000 - 10_000:
+            assert time.monotonic() < deadline, (_dropped(daemon, "batch"), _dropped(daemon, "rate"))
+            time.sleep(0.2)
+    print(f"GetThresholds during the flood: {per_call * 1e3:.1f} ms per call")
+    report("a session flooding timings", baseline, attacked)

@@ -86,7 +86,7 @@ class Geometry(_message.Message):
     def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides", "identity")
+    __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides", "identity", "group_key")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class JoinRequest(_message.Message):
     NCCL_FALLBACK_FIELD_NUMBER: _ClassVar[int]
     OVERRIDES_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     group: str
     rank: int
     world_size: int
@@ -107,7 +108,8 @@ class JoinRequest(_message.Message):
     nccl_fallback: bool
     overrides: _containers.RepeatedCompositeFieldContainer[Boundary]
     identity: bytes
-    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., identity: _Optional[bytes] = ...) -> None: ...
+    group_key: bytes
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., pid: _Optional[int] = ..., join_timeout_seconds: _Optional[float] = ..., nccl_fallback: _Optional[bool] = ..., overrides: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., identity: _Optional[bytes] = ..., group_key: _Optional[bytes] = ...) -> None: ...
 
 class Segment(_message.Message):
     __slots__ = ("owner_rank", "size_bytes", "ipc_handle")
@@ -462,8 +464,12 @@ class GetThresholdsRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., device_kind: _Optional[str] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
 
 class ListGroupsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("identity", "pid")
+    IDENTITY_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    identity: bytes
+    pid: int
+    def __init__(self, identity: _Optional[bytes] = ..., pid: _Optional[int] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes")
