@@ -10,8 +10,10 @@ answered; a failure half-way frees what was made, so all ranks get buffers or no
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +26,30 @@ log = logging.getLogger("nodecomm.allocator")
 
 
 ACCOUNTING_PAGE = 4096
+# Descriptors kept for what must never fail for lack of one: the daemon's own sockets, a
+# client's connection, the group releases that free the rest.
+DESCRIPTOR_RESERVE = 256
+
+
+def raise_descriptor_limit() -> int:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit; returns the limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def check_descriptors(needed: int, what: str, **where) -> None:
+    """ResourceExhaustedError unless `needed` more descriptors leave DESCRIPTOR_RESERVE free."""
+    limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    open_now = len(os.listdir("/proc/self/fd"))
+    if open_now + needed > limit - DESCRIPTOR_RESERVE:
+        raise ResourceExhaustedError(
+            f"{what} needs {needed} descriptors, and the daemon holds {open_now} of its {limit} "
+            f"(it keeps {DESCRIPTOR_RESERVE} for its own work); nothing was allocated",
+            **where,
+        )
 
 
 @dataclass

@@ -53,6 +53,7 @@ from .allocator import (
     allocate_rank_device_memory,
     allocate_rank_memory,
     allocate_topk_slabs,
+    check_descriptors,
 )
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
@@ -587,7 +588,8 @@ class GroupRegistry:
         )
 
     def _check_quota(self, args: JoinArgs, devices: list[str]) -> None:
-        """Before anything is allocated: the daemon's byte budget, and each GPU's."""
+        """Before anything is allocated: the daemon's descriptors and byte budget, and each GPU's."""
+        check_descriptors(args.world_size + 1, "the group", group=args.group)
         if args.device_kind == "cpu":
             buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
         else:
@@ -763,6 +765,7 @@ class GroupRegistry:
         needed = slab_bytes * layout.world_size
         reserved = self._reserved_bytes()
         try:
+            check_descriptors(layout.world_size, "the exchange", group=group.name)
             if reserved + needed > self.config.max_reserved_bytes:
                 raise ResourceExhaustedError(
                     f"the exchange needs {needed} bytes but the daemon already reserves {reserved} of its "
@@ -849,6 +852,7 @@ class GroupRegistry:
                 "(world_size times this daemon's max_capacity_bytes)",
                 **where,
             )
+        check_descriptors(1, "the allocation", **where)
         held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
         if held >= self.config.max_allocations_per_rank:
             raise ResourceExhaustedError(

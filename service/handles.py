@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import selectors
 import socket
 import struct
 import threading
@@ -29,6 +30,8 @@ from nodecomm.credentials import IDENTIFY
 
 TOKEN_BYTES = 16
 _CLAIM_IO_TIMEOUT = 2.0
+# Connections waiting for their 16 bytes at once; past it the oldest is closed.
+_MAX_PENDING = 1024
 log = logging.getLogger("nodecomm.handles")
 
 
@@ -210,6 +213,7 @@ class DescriptorServer:
         self._sock.listen(socket.SOMAXCONN)
         self._thread = threading.Thread(target=self._serve, name="nodecomm-descriptors", daemon=True)
         self._stopping = False
+        self._last_warning = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -228,32 +232,90 @@ class DescriptorServer:
             pass
 
     def _serve(self) -> None:
-        while not self._stopping:
+        """One thread for every connection: a selector collects each one's 16 bytes (a connection
+        that sends none within _CLAIM_IO_TIMEOUT is closed, and past _MAX_PENDING the oldest one
+        waiting is), then the answer goes out at once; silent connections cost a descriptor each
+        for two seconds, never a thread."""
+        selector = selectors.DefaultSelector()
+        self._sock.setblocking(False)
+        selector.register(self._sock, selectors.EVENT_READ)
+        pending: dict[socket.socket, tuple[float, bytearray]] = {}  # in arrival order
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                wait = min((deadline for deadline, _ in pending.values()), default=now + 1.0) - now
+                try:
+                    events = selector.select(max(wait, 0.0))
+                except OSError:
+                    return  # the socket was closed under the selector: stopping
+                for key, _ in events:
+                    if key.fileobj is self._sock:
+                        self._accept(selector, pending)
+                    else:
+                        self._receive(selector, pending, key.fileobj)
+                now = time.monotonic()
+                for conn in [c for c, (deadline, _) in pending.items() if deadline <= now]:
+                    self._drop(selector, pending, conn, "too_slow", "sent no claim token within the deadline")
+        finally:
+            for conn in list(pending):
+                selector.unregister(conn)
+                conn.close()
+            selector.close()
+
+    def _accept(self, selector: selectors.BaseSelector, pending: dict) -> None:
+        while True:
             try:
                 conn, _ = self._sock.accept()
+            except BlockingIOError:
+                return
             except OSError as error:
-                if self._stopping:
-                    return
-                log.warning("descriptor socket accept failed", extra={"error": str(error)})
-                time.sleep(0.05)  # EMFILE and friends: let descriptors drain, then serve on
-                continue
-            threading.Thread(target=self._handle, args=(conn,), name="nodecomm-claim", daemon=True).start()
+                if not self._stopping:
+                    self._log_limited("descriptor socket accept failed", str(error))
+                return  # EMFILE and friends: the expiring connections free descriptors
+            if len(pending) >= _MAX_PENDING:
+                oldest = next(iter(pending))
+                self._drop(selector, pending, oldest, "too_slow", "evicted: too many connections waiting")
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ)
+            pending[conn] = (time.monotonic() + _CLAIM_IO_TIMEOUT, bytearray())
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _receive(self, selector: selectors.BaseSelector, pending: dict, conn: socket.socket) -> None:
+        _, token = pending[conn]
+        try:
+            chunk = conn.recv(TOKEN_BYTES - len(token))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        token += chunk
+        if chunk and len(token) < TOKEN_BYTES:
+            return
+        selector.unregister(conn)
+        del pending[conn]
         with conn:
+            conn.setblocking(True)
+            conn.settimeout(_CLAIM_IO_TIMEOUT)
             try:
-                self._exchange(conn)
+                self._exchange(conn, bytes(token))
             except OSError as error:
                 self._on_claim("io_error", str(error))
 
-    def _exchange(self, conn: socket.socket) -> None:
-        conn.settimeout(_CLAIM_IO_TIMEOUT)
-        token = b""
-        while len(token) < TOKEN_BYTES:
-            chunk = conn.recv(TOKEN_BYTES - len(token))
-            if not chunk:
-                break
-            token += chunk
+    def _drop(
+        self, selector: selectors.BaseSelector, pending: dict, conn: socket.socket, result: str, why: str
+    ) -> None:
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+        self._on_claim(result, why)
+
+    def _log_limited(self, message: str, error: str) -> None:
+        """A warning at most once a second: a flood must not become a flood of log lines."""
+        now = time.monotonic()
+        if now - self._last_warning >= 1.0:
+            self._last_warning = now
+            log.warning(message, extra={"error": error})
+
+    def _exchange(self, conn: socket.socket, token: bytes) -> None:
         if len(token) != TOKEN_BYTES:
             return self._refuse(conn, "malformed", f"expected a {TOKEN_BYTES}-byte claim token, got {len(token)} bytes")
         if token == IDENTIFY:

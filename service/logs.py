@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import threading
 import time
 
 _STANDARD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
@@ -37,3 +38,25 @@ def configure_logging(level: str, fmt: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+class RateLimitedLog:
+    """Lines of one kind at most once per `interval` seconds each; the lines held back in between
+    are counted in the next one (`suppressed`), so a flood of refused connections stays a trickle."""
+
+    def __init__(self, logger: logging.Logger, interval: float = 1.0):
+        self._logger = logger
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, kind: str, message: str, **extra: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self._interval) < self._interval:
+                self._held[kind] = self._held.get(kind, 0) + 1
+                return
+            self._last[kind] = now
+            suppressed = self._held.pop(kind, 0)
+        self._logger.log(level, message, extra={**extra, "suppressed": suppressed} if suppressed else extra)

@@ -35,12 +35,13 @@ from nodecomm.errors import (
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .allocator import raise_descriptor_limit
 from .calibration import CalibrationStore
 from .config import DaemonConfig, load_config, parse_ids
 from .groups import GroupRegistry, JoinArgs
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .job_lease import JobLease
-from .logs import configure_logging
+from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 
 log = logging.getLogger("nodecomm.server")
@@ -368,6 +369,8 @@ def _prepare_socket_path(path: str, group: str = "") -> None:
 
 
 async def serve(config: DaemonConfig) -> int:
+    # Every group, allocation and connection costs descriptors: take all the system allows.
+    raise_descriptor_limit()
     metrics = DaemonMetrics()
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
@@ -390,13 +393,20 @@ async def serve(config: DaemonConfig) -> int:
         parse_ids("allowed_gids", config.allowed_gids),
         parse_ids("operator_uids", config.operator_uids),
     )
+    claim_log = RateLimitedLog(log)  # each outcome at most once a second: floods stay a trickle
     descriptors = DescriptorServer(
         config.descriptor_socket,
         claims,
         on_claim=lambda result, detail: (
             metrics.claims.labels(result).inc(),
-            log.info("descriptor claim", extra={"result": result, "detail": detail}),
-        ),
+            claim_log.log(
+                logging.INFO if result in ("ok", "identified") else logging.WARNING,
+                result,
+                "descriptor claim",
+                result=result,
+                detail=detail,
+            ),
+        ),  # fmt: skip
         identities=identities,
         admission=admission,
         identity_ttl=config.claim_token_ttl_seconds,
@@ -410,6 +420,9 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.max_receive_message_length", 4 << 20),
+            # A connection that has not finished its HTTP/2 handshake in 3 s is closed: silent
+            # connections cannot pile up to the descriptor limit.
+            ("grpc.server_handshake_timeout_ms", 3000),
         ]
     )
     add_control_servicer(ControlServicer(registry, metrics, config, store, identities, admission), server)

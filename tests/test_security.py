@@ -5,8 +5,10 @@ model and these figures are in docs/security.md."""
 
 import json
 import os
+import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -307,3 +309,39 @@ def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks
             time.sleep(0.2)
     print(f"GetThresholds during the flood: {per_call * 1e3:.1f} ms per call")
     report("a session flooding timings", baseline, attacked)
+
+
+def _threads(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_silent_connections_neither_exhaust_descriptors_nor_threads(daemon, spawn_ranks):
+    """5: thousands of connections to both sockets that never send a byte: the descriptor socket
+    serves them from one thread and closes each after 2 s, gRPC closes those that do not finish
+    their handshake in 3 s; an ordinary group connects and runs meanwhile, and the daemon's
+    descriptors and threads come back to where they were."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 16384)), hard))
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    pid = daemon.process.pid
+    descriptors, threads = _open_descriptors(pid), _threads(pid)
+    silent = []
+    try:
+        for path in (daemon.socket, daemon.socket + ".fd"):
+            for _ in range(2000):
+                connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                connection.connect(path)
+                silent.append(connection)
+        most_threads = _threads(pid)
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+        deadline = time.monotonic() + 30
+        while _open_descriptors(pid) > descriptors + 16:
+            assert time.monotonic() < deadline, f"{_open_descriptors(pid)} descriptors, {descriptors} before"
+            time.sleep(0.2)
+    finally:
+        for connection in silent:
+            connection.close()
+    assert most_threads <= threads + 8, (threads, most_threads)
+    print(f"daemon threads {threads} before, {most_threads} with 4000 silent connections")
+    report("4000 silent connections", baseline, attacked)
