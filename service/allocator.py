@@ -26,8 +26,8 @@ log = logging.getLogger("nodecomm.allocator")
 
 
 ACCOUNTING_PAGE = 4096
-# Descriptors kept for what must never fail for lack of one: the daemon's own sockets, a
-# client's connection, the group releases that free the rest.
+# Descriptors kept for what must never fail for lack of one (the daemon's own sockets, a client's
+# connection, the group releases that free the rest): this many, or a 64th of a lower limit.
 DESCRIPTOR_RESERVE = 256
 
 
@@ -41,13 +41,22 @@ def raise_descriptor_limit() -> int:
 
 
 def check_descriptors(needed: int, what: str, **where) -> None:
-    """ResourceExhaustedError unless `needed` more descriptors leave DESCRIPTOR_RESERVE free."""
+    """ResourceExhaustedError unless `needed` more descriptors leave the reserve free."""
     limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    open_now = len(os.listdir("/proc/self/fd"))
-    if open_now + needed > limit - DESCRIPTOR_RESERVE:
+    reserve = min(DESCRIPTOR_RESERVE, limit // 64)
+    try:
+        numbers = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError as error:  # EMFILE: not even one to look with
         raise ResourceExhaustedError(
-            f"{what} needs {needed} descriptors, and the daemon holds {open_now} of its {limit} "
-            f"(it keeps {DESCRIPTOR_RESERVE} for its own work); nothing was allocated",
+            f"{what} failed: the daemon is out of descriptors ({error.strerror}); nothing was allocated", **where
+        ) from None
+    # The limit bounds descriptor numbers, not their count: the free ones are the numbers below it
+    # that nothing holds (the listing's own is free again by now).
+    free = limit - sum(1 for number in numbers if number < limit) + 1
+    if needed > free - reserve:
+        raise ResourceExhaustedError(
+            f"{what} failed: it needs {needed} descriptors, and the daemon has {free} of its {limit} free (it "
+            f"keeps {reserve} for its own work); nothing was allocated",
             **where,
         )
 

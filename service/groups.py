@@ -589,7 +589,9 @@ class GroupRegistry:
 
     def _check_quota(self, args: JoinArgs, devices: list[str]) -> None:
         """Before anything is allocated: the daemon's descriptors and byte budget, and each GPU's."""
-        check_descriptors(args.world_size + 1, "the group", group=args.group)
+        # The segments, each rank's claim of all of them, and one claiming connection.
+        segments = args.world_size + 1
+        check_descriptors(segments * (args.world_size + 1) + 1, "the group", group=args.group)
         if args.device_kind == "cpu":
             buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
         else:
@@ -765,7 +767,7 @@ class GroupRegistry:
         needed = slab_bytes * layout.world_size
         reserved = self._reserved_bytes()
         try:
-            check_descriptors(layout.world_size, "the exchange", group=group.name)
+            check_descriptors(3 * layout.world_size, "the exchange", group=group.name)
             if reserved + needed > self.config.max_reserved_bytes:
                 raise ResourceExhaustedError(
                     f"the exchange needs {needed} bytes but the daemon already reserves {reserved} of its "
@@ -852,7 +854,7 @@ class GroupRegistry:
                 "(world_size times this daemon's max_capacity_bytes)",
                 **where,
             )
-        check_descriptors(1, "the allocation", **where)
+        check_descriptors(3, "the allocation", **where)  # the memory, the claim's copy, the claim's connection
         held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
         if held >= self.config.max_allocations_per_rank:
             raise ResourceExhaustedError(
