@@ -44,6 +44,8 @@ from .job_lease import JobLease
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 
+MAX_MESSAGE_BYTES = 1 << 20
+
 log = logging.getLogger("nodecomm.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
 
@@ -419,7 +421,9 @@ async def serve(config: DaemonConfig) -> int:
             ("grpc.keepalive_timeout_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.max_receive_message_length", 4 << 20),
+            # Every control message is small (the largest a client sends is a batch of 32 timings):
+            # a bigger one ends its call before the daemon spends time parsing it.
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             # A connection that has not finished its HTTP/2 handshake in 3 s is closed: silent
             # connections cannot pile up to the descriptor limit.
             ("grpc.server_handshake_timeout_ms", 3000),

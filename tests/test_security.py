@@ -284,31 +284,48 @@ def _dropped(daemon, reason: str) -> float:
     return float(text.split(f'nodecomm_timings_dropped_total{{reason="{reason}"}} ')[1].split()[0])
 
 
+def _get_thresholds_seconds(stub, calls: int = 20) -> float:
+    started = time.perf_counter()
+    for _ in range(calls):
+        stub.GetThresholds(pb.GetThresholdsRequest(group="flood-many"), timeout=10)
+    return (time.perf_counter() - started) / calls
+
+
 def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks):
-    """3: a rank's session (a client changed to flood) sends batches of 200,000 timings, under the
-    4 MB message cap, and a stream of small ones far past its rate: the big batches are dropped
-    whole, the small ones past the rate, and the daemon answers everyone else quickly meanwhile."""
+    """3: sessions of clients changed to flood: one sends batches of 200,000 timings (3.6 MB), past
+    the daemon's 1 MiB message bound, and loses its own session; another sends batches of 1,000
+    (dropped whole) and a stream of batches of 32 far past its rate (dropped past it). The daemon
+    answers everyone else as quickly meanwhile."""
     baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
     timing = pb.Timing(path=pb.ONESHOT, bytes=1024, seconds=1e-5)
     huge = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 200_000))
+    large = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 1000))
     small = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 32))
     channel, stub = stub_for(daemon)
-    with channel, nodecomm.connect("flooder", 0, 1, socket=daemon.socket, timeout=30) as flooder:
+    with (
+        channel,
+        nodecomm.connect("flood-huge", 0, 1, socket=daemon.socket, timeout=30) as huge_flooder,
+        nodecomm.connect("flood-many", 0, 1, socket=daemon.socket, timeout=30) as flooder,
+    ):
+        quiet = _get_thresholds_seconds(stub)
         for _ in range(5):
-            flooder._lease._outbox.put(huge)  # what a modified client could send
+            huge_flooder._lease._outbox.put(huge)  # what a modified client could send
+        for _ in range(100):
+            flooder._lease._outbox.put(large)
         for _ in range(2000):
             flooder._lease._outbox.put(small)
-        started = time.perf_counter()
-        for _ in range(20):
-            stub.GetThresholds(pb.GetThresholdsRequest(group="flooder"), timeout=10)
-        per_call = (time.perf_counter() - started) / 20
+        flooded = _get_thresholds_seconds(stub)
         attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
         deadline = time.monotonic() + 60
-        while _dropped(daemon, "batch") < 1e6 or _dropped(daemon, "rate") < 32 * 2000 - 10_000:
+        while _dropped(daemon, "batch") < 100_000 or _dropped(daemon, "rate") < 32 * 2000 - 10_000:
             assert time.monotonic() < deadline, (_dropped(daemon, "batch"), _dropped(daemon, "rate"))
             time.sleep(0.2)
-    print(f"GetThresholds during the flood: {per_call * 1e3:.1f} ms per call")
-    report("a session flooding timings", baseline, attacked)
+        while huge_flooder._lease.lost_reason is None:
+            assert time.monotonic() < deadline, "the 3.6 MB batches did not end their session"
+            time.sleep(0.2)
+        assert not flooder._lease.lost_reason
+    print(f"GetThresholds: {quiet * 1e3:.2f} ms per call quiet, {flooded * 1e3:.2f} ms during the flood")
+    report("sessions flooding timings", baseline, attacked)
 
 
 def _threads(pid: int) -> int:
