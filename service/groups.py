@@ -1093,12 +1093,15 @@ class GroupRegistry:
 
     # -- operator views and shutdown -------------------------------------------------------------
 
-    def list_groups(self, forming_details: bool = False) -> list[pb.GroupInfo]:
+    def list_groups(self, forming_details: bool = False, group_key: bytes = b"") -> list[pb.GroupInfo]:
         """Every group; forming ones with their world size and joined ranks only if
-        `forming_details` (an operator asks): to anyone else those say which rank to pose as."""
+        `forming_details` (an operator asks) or `group_key` is theirs (a member asks): to anyone
+        else those say which rank to pose as."""
+        key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         infos = []
         for forming in self._forming.values():
-            if forming.arrivals and forming_details:
+            member = bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest)
+            if forming.arrivals and (forming_details or member):
                 any_args = next(iter(forming.arrivals.values())).args
                 infos.append(
                     pb.GroupInfo(

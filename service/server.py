@@ -300,7 +300,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         operator = bool(request.identity) and self.admission.operates(
             self._identified_uid(request.identity, request.pid)
         )
-        return pb.ListGroupsReply(groups=self.registry.list_groups(forming_details=operator))
+        groups = self.registry.list_groups(forming_details=operator, group_key=request.group_key)
+        return pb.ListGroupsReply(groups=groups)
 
 
 async def _calibrate_on_start(

@@ -237,6 +237,11 @@ def test_a_forming_group_cannot_be_taken_over(daemon, spawn_ranks):
             if g.name == "victim"
         ]  # fmt: skip
         assert operator_view.world_size == 2 and list(operator_view.joined_ranks) == [0]
+        for key, shown_whole in ((b"the-key", True), (b"guess", False)):  # a member proves it with the key
+            (member_view,) = [
+                g for g in stub.ListGroups(pb.ListGroupsRequest(group_key=key), timeout=5).groups if g.name == "victim"
+            ]  # fmt: skip
+            assert (member_view.world_size == 2) == shown_whole, key
         attempts = {
             "no key": join_request("victim", rank=1),
             "a wrong key": join_request("victim", rank=1),

@@ -464,12 +464,14 @@ class GetThresholdsRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., device_kind: _Optional[str] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
 
 class ListGroupsRequest(_message.Message):
-    __slots__ = ("identity", "pid")
+    __slots__ = ("identity", "pid", "group_key")
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     identity: bytes
     pid: int
-    def __init__(self, identity: _Optional[bytes] = ..., pid: _Optional[int] = ...) -> None: ...
+    group_key: bytes
+    def __init__(self, identity: _Optional[bytes] = ..., pid: _Optional[int] = ..., group_key: _Optional[bytes] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
     __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes")
