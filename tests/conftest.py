@@ -248,6 +248,27 @@ def spawn_ranks():
             group.close()
 
 
+def in_child_as(uid: int, gid: int, work: Callable[[], bytes]) -> bytes:
+    """What `work` returns in a forked child running as uid/gid (no supplementary groups). Keep
+    `work` to sockets and os calls: no gRPC, and the child ends without interpreter teardown."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            os.write(write_end, work())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        answer = pipe.read()
+    os.waitpid(child, 0)
+    return answer
+
+
 # -- raw control-plane helpers -------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ import pytest
 
 import nodecomm
 import ranks
-from conftest import Daemon, join_request, operator_identity, stub_for
+from conftest import Daemon, in_child_as, join_request, operator_identity, stub_for
 from nodecomm.client.descriptors import identify
 from nodecomm.errors import NodecommError, ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
@@ -123,27 +123,15 @@ NOBODY = 65534  # uid nobody, gid nogroup on Debian
 def identify_as_nobody(path: str) -> str:
     """What nodecomm.connect's first step (IDENTIFY on the descriptor socket) raises in a process
     of uid nobody: forked, so that it needs no file of this test's but the socket."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # only sockets and os calls here: no gRPC, no interpreter teardown
+
+    def attempt() -> bytes:
         try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
-            try:
-                identify(path, 5.0, {})
-                answer = "no error"
-            except NodecommError as error:
-                answer = f"{type(error).__name__} {error}"
-            os.write(write_end, answer.encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        answer = pipe.read().decode()
-    os.waitpid(child, 0)
-    return answer
+            identify(path, 5.0, {})
+            return b"no error"
+        except NodecommError as error:
+            return f"{type(error).__name__} {error}".encode()
+
+    return in_child_as(NOBODY, NOBODY, attempt).decode()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes uids: needs root (CI runs as root)")

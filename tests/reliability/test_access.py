@@ -20,7 +20,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nodecomm
-from conftest import Daemon, free_port, join_request, stub_for
+from conftest import Daemon, free_port, in_child_as, join_request, stub_for
 
 from .harness import FIGURES
 
@@ -53,14 +53,9 @@ class SocketDaemon(Daemon):
 
 def identify_as(uid: int, gid: int, path: str) -> bytes:
     """What the descriptor socket answers IDENTIFY from a process running as uid/gid."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # only sockets and os calls here: no gRPC, no interpreter teardown
+
+    def exchange() -> bytes:
         try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(5)
                 sock.connect(path)
@@ -68,16 +63,11 @@ def identify_as(uid: int, gid: int, path: str) -> bytes:
                 answer = b""
                 while chunk := sock.recv(4096):
                     answer += chunk
-            os.write(write_end, answer or b"\x02")
+            return answer or b"\x02"
         except OSError as error:
-            os.write(write_end, b"\x03" + str(error).encode())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        answer = pipe.read()
-    os.waitpid(child, 0)
-    return answer
+            return b"\x03" + str(error).encode()
+
+    return in_child_as(uid, gid, exchange)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes uids and socket groups: needs root (CI runs as root)")
