@@ -2,11 +2,11 @@
 // out) that every rank maps, and that CUDA ranks also map into their device's address space.
 //
 //   [0, 8)                         abort word: reason << 32 | detail; 0 while the group is healthy
-//   [kErrorOffset + 64 * r, +40)   rank r's error record (CUDA kernels): code, the rank waited
+//   [kErrorOffset + 64 * r, +32)   rank r's error record (CUDA kernels): code, the rank waited
 //                                  for (or disagreed with), the barrier epoch (the launch number
-//                                  for a pushed oneshot), and on a mismatch this rank's call and
-//                                  the peer's (agreement.h; kCallUnknown where only a digest of it
-//                                  arrived); the host reads it without a device sync
+//                                  for a pushed oneshot), and on a mismatch this rank's call
+//                                  (agreement.h; peers' calls arrive as digests only, so each rank
+//                                  records its own); the host reads it without a device sync
 #pragma once
 
 #include <cstddef>
@@ -34,7 +34,6 @@ constexpr std::uint64_t kErrorNone = 0;
 constexpr std::uint64_t kErrorTimeout = 1;
 constexpr std::uint64_t kErrorAborted = 2;
 constexpr std::uint64_t kErrorMismatch = 3;
-constexpr std::uint64_t kCallUnknown = ~std::uint64_t(0);
 
 inline constexpr std::uint64_t abort_word(std::uint64_t reason, std::uint64_t detail) {
   return (reason << 32) | (detail & 0xFFFFFFFFu);
@@ -54,7 +53,7 @@ inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t contro
 }
 
 struct ErrorRecord {
-  std::uint64_t code, peer, epoch, call, peer_call;
+  std::uint64_t code, peer, epoch, call;
 };
 
 inline ErrorRecord error_record(std::uintptr_t control, int rank) {
@@ -65,31 +64,21 @@ inline ErrorRecord error_record(std::uintptr_t control, int rank) {
   out.peer = __atomic_load_n(record + 1, __ATOMIC_ACQUIRE);
   out.epoch = __atomic_load_n(record + 2, __ATOMIC_ACQUIRE);
   out.call = __atomic_load_n(record + 3, __ATOMIC_ACQUIRE);
-  out.peer_call = __atomic_load_n(record + 4, __ATOMIC_ACQUIRE);
   return out;
 }
 
-// What the ranks' records of a group aborted with kMismatch say: each recording rank's own call,
-// and the peer's it saw where it arrived whole (describe_disagreement in agreement.h); and
-// whether every rank's call is known (ranks record theirs as their kernels notice the abort).
+// What the ranks' records of a group aborted with kMismatch say: each recording rank's own call
+// (describe_disagreement in agreement.h); and whether every rank's call is known (ranks record
+// theirs as their kernels notice the abort).
 inline std::pair<std::string, bool> recorded_disagreement(std::uintptr_t control, int world_size) {
   Call calls[kMaxRecords];
   bool known[kMaxRecords] = {};
   world_size = world_size < kMaxRecords ? world_size : kMaxRecords;
-  ErrorRecord records[kMaxRecords];
   for (int r = 0; r < world_size; ++r) {
-    records[r] = error_record(control, r);
-    if (records[r].code != kErrorMismatch) continue;
-    calls[r] = Call::unpack(records[r].call);
+    const ErrorRecord record = error_record(control, r);
+    if (record.code != kErrorMismatch) continue;
+    calls[r] = Call::unpack(record.call);
     known[r] = true;
-  }
-  for (int r = 0; r < world_size; ++r) {
-    const ErrorRecord& record = records[r];
-    if (record.code != kErrorMismatch || record.peer_call == kCallUnknown) continue;
-    if (record.peer < std::uint64_t(world_size) && !known[record.peer]) {
-      calls[record.peer] = Call::unpack(record.peer_call);
-      known[record.peer] = true;
-    }
   }
   bool complete = true;
   for (int r = 0; r < world_size; ++r) complete = complete && known[r];

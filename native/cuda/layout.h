@@ -2,12 +2,9 @@
 //
 //   [0, kMaxBlocks*16)            per block index: launches (picks the slot; every launch advances
 //                                 all of them) and barriers passed (advanced by that block)
-//   flags                         kMaxBlocks x kMaxRanks barrier epochs: block b of rank p stores
-//                                 its epoch into flags[b][p] of every rank's buffer
-//   calls                         kMaxBlocks x kMaxRanks x 2 call words (../agreement.h): before
-//                                 that epoch e, block b of rank p stores the call it is in into
-//                                 calls[b][p][e % 2] (a peer is at most one barrier ahead of a
-//                                 reader, so the slot of the reader's epoch is still the peer's)
+//   flags                         kMaxBlocks x kMaxRanks arrival words: block b of rank p stores
+//                                 its barrier's epoch and a digest of its call (sync.cuh) into
+//                                 flags[b][p] of every rank's buffer
 //   gave up                       one word, set once a barrier of this rank failed (a timeout, an
 //                                 abort, a mismatch): the copy paths, whose copies run whatever
 //                                 came before them on the stream, write outputs only while it is 0
@@ -31,8 +28,7 @@ constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
-constexpr std::size_t kCallOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kGaveUpOffset = kCallOffset + std::size_t(kMaxBlocks) * kMaxRanks * 16;
+constexpr std::size_t kGaveUpOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
 constexpr std::size_t kProbeOffset = kGaveUpOffset + 256;
 constexpr std::size_t kSlotOffset = kProbeOffset + 256;
 // dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.

@@ -64,19 +64,17 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
   __threadfence_system();
 }
 
-// Record that `peer` arrived with another call than this rank's `call` (`theirs`: its call, or
-// control::kCallUnknown where it is not known), then abort the group, so that every rank's waits
-// end and its next call raises GroupMismatchError with every rank's record. It replaces a record
-// of an abort, which the mismatch (this rank's or a peer's) caused.
-__device__ inline void disagree(std::uint8_t* control, int rank, int peer, std::uint64_t epoch, std::uint64_t call,
-                                std::uint64_t theirs) {
+// Record this rank's `call`, which `peer` did not arrive with (or which a peer's mismatch stopped),
+// then abort the group, so that every rank's waits end and its next call raises
+// GroupMismatchError with every rank's record. It replaces a record of an abort, which the
+// mismatch (this rank's or a peer's) caused.
+__device__ inline void disagree(std::uint8_t* control, int rank, int peer, std::uint64_t epoch, std::uint64_t call) {
   std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
   const std::uint64_t code = load_volatile(record);
   if (code == control::kErrorNone || code == control::kErrorAborted) {
     store_volatile(record + 1, std::uint64_t(peer));
     store_volatile(record + 2, epoch);
     store_volatile(record + 3, call);
-    store_volatile(record + 4, theirs);
     __threadfence_system();
     store_volatile(record, control::kErrorMismatch);
   }
@@ -88,9 +86,9 @@ __device__ inline void disagree(std::uint8_t* control, int rank, int peer, std::
 }
 
 // A wait's look for a peer that runs another kernel for this launch than this rank does (its
-// arrivals never come): 0 while there is no sign of it, else the peer's call or kCallUnknown.
+// arrivals never come): true once there is a sign of it.
 struct NoEvidence {
-  __device__ std::uint64_t operator()() const { return 0; }
+  __device__ bool operator()() const { return false; }
 };
 
 // How often a wait looks at the abort word. It is host memory, so every read crosses PCIe. With
@@ -121,8 +119,8 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
       polled = now;
       // Evidence is looked for a poll interval after the wait began: a peer that finished this
       // launch has long made its arrivals visible by then, so the evidence is of another kernel.
-      if (const std::uint64_t theirs = elsewhere(); theirs != 0 && !ready()) {
-        disagree(control, rank, peer, epoch, call, theirs);
+      if (elsewhere() && !ready()) {
+        disagree(control, rank, peer, epoch, call);
         return false;
       }
       // A peer that arrived and then left aborts the group after its arrival: ready() decides.
@@ -130,7 +128,7 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
         if (ready()) return true;
         // Stopped by a peer's mismatch: this rank's call goes on record too, for the message.
         if (abort >> 32 == control::kMismatch && call != 0) {
-          disagree(control, rank, peer, epoch, call, control::kCallUnknown);
+          disagree(control, rank, peer, epoch, call);
         } else {
           fail(control, rank, control::kErrorAborted, peer, epoch);
         }
@@ -141,6 +139,45 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
       fail(control, rank, control::kErrorTimeout, peer, epoch);
       return false;
     }
+  }
+  return true;
+}
+
+// An arrival word, what a barrier stores into its peers' flags: the low 32 bits of the arrival's
+// epoch (compared modulo 2^32: peers are never more than a barrier apart), above a 32-bit digest
+// of the call it arrived with, so that one store carries both.
+__device__ __forceinline__ std::uint32_t call_digest(std::uint64_t call) {
+  std::uint64_t x = call;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return std::uint32_t(x ^ (x >> 31));
+}
+
+__device__ __forceinline__ std::uint64_t arrival(std::uint64_t epoch, std::uint64_t call) {
+  return (epoch << 32) | call_digest(call);
+}
+
+// How many epochs past `epoch` the arrival word `word` is (negative: not there yet).
+__device__ __forceinline__ std::int32_t epochs_past(std::uint64_t word, std::uint64_t epoch) {
+  return std::int32_t(std::uint32_t(word >> 32) - std::uint32_t(epoch));
+}
+
+// Wait until *flag holds the peer's arrival at `epoch` (or later), then compare its call's digest
+// with this rank's: a peer already past `epoch` compared ours there and agreed. False (after
+// recording why) on a timeout, an abort, or another call.
+template <typename Elsewhere = NoEvidence>
+__device__ inline bool wait_arrival(const std::uint64_t* flag, std::uint64_t epoch, std::uint64_t call,
+                                    std::uint8_t* control, int rank, int peer, std::uint64_t timeout_ns,
+                                    Elsewhere elsewhere = {}) {
+  std::uint64_t seen = 0;
+  const auto arrived = [&] {
+    seen = load_acquire(flag);
+    return epochs_past(seen, epoch) >= 0;
+  };
+  if (!wait_until(arrived, epoch, control, rank, peer, timeout_ns, call, elsewhere)) return false;
+  if (epochs_past(seen, epoch) == 0 && std::uint32_t(seen) != call_digest(call)) {
+    disagree(control, rank, peer, epoch, call);
+    return false;
   }
   return true;
 }

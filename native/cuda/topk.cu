@@ -97,18 +97,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   // (3) Written: tell every owner, with this stage's call, then wait until every source has
-  // written into this slab, and compare its call.
+  // written into this slab with the same call.
   __threadfence_system();
   __syncthreads();
-  const auto call_of = [block, stage](int r) { return kTopkCallOffset + ((block * kMaxRanks + r) * 2 + (stage & 1)) * 8; };
   if (threadIdx.x < N) {
     const int source = threadIdx.x;
-    store_volatile(word(slabs.rank[source], call_of(rank)), call);
-    store_release(word(slabs.rank[source], flag(kTopkArriveOffset, rank)), stage);
-    if (!wait_at_least(word(mine, flag(kTopkArriveOffset, source)), stage, control, rank, source, timeout_ns, call)) {
-      failed = 1;
-    } else if (const std::uint64_t theirs = load_volatile(word(mine, call_of(source))); theirs != call) {
-      disagree(control, rank, source, stage, call, theirs);
+    store_release(word(slabs.rank[source], flag(kTopkArriveOffset, rank)), arrival(stage, call));
+    if (!wait_arrival(word(mine, flag(kTopkArriveOffset, source)), stage, call, control, rank, source, timeout_ns)) {
       failed = 1;
     }
   }

@@ -4,14 +4,13 @@
 //
 // Each rank's slab lives on its GPU and every rank maps it:
 //   stages    kMaxBlocks counters: block b of this rank's stages so far (picks the slot)
-//   arrive    kMaxBlocks x kMaxRanks: source s stores stage n into arrive[b][s] of the owner's
-//             slab once its block b wrote its rows of stage n there
+//   arrive    kMaxBlocks x kMaxRanks: source s stores its arrival at stage n (sync.cuh: the
+//             stage and a digest of its call, its row count) into arrive[b][s] of the owner's
+//             slab once its block b wrote its rows of stage n there; the owner compares the
+//             digest with its own before it copies anything out
 //   retire    kMaxBlocks x kMaxRanks: owner o stores stage n into retire[b][o] of every source's
 //             slab once its block b copied those rows out; a source writes stage n + 2 (the same
 //             slot) into o's block-b rows only after retire[b][o] reached n
-//   calls     kMaxBlocks x kMaxRanks x 2: before arrive, source s stores its stage's call (its row
-//             count, ../agreement.h) into calls[b][s][n % 2]; the owner compares them with its own
-//             before it copies anything out (the slot n % 2 is rewritten only at stage n + 2)
 //   slots     two, each an index plane then a score plane of [rows_per_owner, world_size, topk]
 //             4-byte elements: the layout of nodecomm.topk_layout, behind this header
 // Block b of every rank handles the same owned rows, [b * share, (b + 1) * share) with
@@ -31,8 +30,7 @@ namespace nodecomm::cuda {
 constexpr std::size_t kTopkStagesOffset = 0;
 constexpr std::size_t kTopkArriveOffset = kTopkStagesOffset + kMaxBlocks * 8;
 constexpr std::size_t kTopkRetireOffset = kTopkArriveOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kTopkCallOffset = kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kTopkHeaderBytes = (kTopkCallOffset + std::size_t(kMaxBlocks) * kMaxRanks * 16 + 255) / 256 * 256;
+constexpr std::size_t kTopkHeaderBytes = (kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8 + 255) / 256 * 256;
 
 inline std::size_t topk_plane_bytes(std::size_t rows_per_owner, int world_size, std::size_t topk) {
   return rows_per_owner * std::size_t(world_size) * topk * 4;

@@ -24,9 +24,9 @@
 // before them found, so the copy paths copy peers' data into this rank's slot 1 and a kernel
 // moves it to the output only if no barrier of this rank gave up (layout.h).
 //
-// Agreement (../agreement.h): every barrier carries the call the rank is in, in a call slot beside
-// its flag (layout.h), and every pushed line a digest of the call and the launch in its flags, so
-// ranks compare calls with what they exchange anyway. Ranks in different kernels for one launch
+// Agreement (../agreement.h): every barrier's arrival word carries a digest of the call the rank
+// is in beside its epoch (sync.cuh), and every pushed line a digest of the call and the launch in
+// its flags, so ranks compare calls with what they exchange anyway, at no store more. Ranks in different kernels for one launch
 // (one pushes, another meets at barriers) never see each other's arrivals; their waits look, once
 // a poll interval, for the other kind's: a pushed line where a barrier was expected, a barrier
 // where lines were. A rank that finds a mismatch records both calls and aborts the group before
@@ -146,18 +146,11 @@ __device__ __forceinline__ PushLine* pushed_lines(std::uint8_t* buffer, const Pu
 // The flag of every line a launch pushes: never 0, which a cleared line holds, and different for
 // another call (a 31-bit digest, so two calls go unnoticed with odds of 2^-31 per launch).
 __device__ __forceinline__ std::uint32_t push_flag(std::uint64_t launch, std::uint64_t call) {
-  std::uint64_t x = call ^ (launch * 0x9E3779B97F4A7C15ull);
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return std::uint32_t(x ^ (x >> 31)) | 1;
+  return call_digest(call ^ (launch * 0x9E3779B97F4A7C15ull)) | 1;
 }
 
 __device__ __forceinline__ std::size_t flag_offset(int block, int rank) {
   return kFlagOffset + (std::size_t(block) * kMaxRanks + rank) * 8;
-}
-
-__device__ __forceinline__ std::size_t call_offset(int block, int rank, std::uint64_t epoch) {
-  return kCallOffset + ((std::size_t(block) * kMaxRanks + rank) * 2 + (epoch & 1)) * 8;
 }
 
 // A barrier kernel's evidence that `peer` pushes in this launch instead: its first line is there.
@@ -167,9 +160,9 @@ struct PeerPushes {
   PushSlots push;
   std::uint64_t launch;
   int peer;
-  __device__ std::uint64_t operator()() const {
+  __device__ bool operator()() const {
     const PushLine line = load_line(pushed_lines(mine, push, launch, peer));
-    return (line.low_flag | line.high_flag) != 0 ? control::kCallUnknown : 0;
+    return (line.low_flag | line.high_flag) != 0;
   }
 };
 
@@ -199,16 +192,12 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
   const std::uint64_t epoch = epoch_shared;
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
-    store_volatile(word(peers.rank[peer], call_offset(block, rank, epoch)), call);
-    store_release(word(peers.rank[peer], flag_offset(block, rank)), epoch);
+    store_release(word(peers.rank[peer], flag_offset(block, rank)), arrival(epoch, call));
     const std::uint64_t* flag = word(mine, flag_offset(block, peer));
-    if (!wait_at_least(flag, epoch, control, rank, peer, timeout_ns, call, PeerPushes{mine, push, launch, peer})) {
+    if (!wait_arrival(flag, epoch, call, control, rank, peer, timeout_ns, PeerPushes{mine, push, launch, peer})) {
       *failed = 1;
-    } else if (const std::uint64_t theirs = load_volatile(word(mine, call_offset(block, peer, epoch))); theirs != call) {
-      disagree(control, rank, peer, epoch, call, theirs);
-      *failed = 1;
+      store_volatile(word(mine, kGaveUpOffset), 1);
     }
-    if (*failed) store_volatile(word(mine, kGaveUpOffset), 1);
   }
   __syncthreads();
   return *failed == 0;
@@ -349,20 +338,17 @@ __device__ __forceinline__ float widen_element(const PushLine& line, int j) {
 }
 
 // A pushing rank's evidence that `peer` is in another call: a line of it with another flag, or
-// an arrival at block 0's next barrier (with the call it carries), which this launch has none of.
+// an arrival at block 0's next barrier, which this launch has none of.
 struct PeerElsewhere {
   std::uint8_t* mine;
   const PushLine* at;
   std::uint32_t flag;
   int peer;
-  __device__ std::uint64_t operator()() const {
+  __device__ bool operator()() const {
     const PushLine line = load_line(at);
-    if ((line.low_flag != 0 && line.low_flag != flag) || (line.high_flag != 0 && line.high_flag != flag)) {
-      return control::kCallUnknown;
-    }
+    if ((line.low_flag != 0 && line.low_flag != flag) || (line.high_flag != 0 && line.high_flag != flag)) return true;
     const std::uint64_t passed = load_volatile(word(mine, kCounterOffset + 8));  // block 0's barriers
-    if (load_acquire(word(mine, flag_offset(0, peer))) <= passed) return 0;
-    return load_volatile(word(mine, call_offset(0, peer, passed + 1)));
+    return epochs_past(load_acquire(word(mine, flag_offset(0, peer))), passed) > 0;
   }
 };
 
