@@ -63,7 +63,9 @@ __global__ void __launch_bounds__(kThreads)
     std::uint64_t* stages = word(mine, kTopkStagesOffset + block * 8);
     stage_shared = *stages + 1;
     *stages = stage_shared;
-    failed = 0;
+    // A rank that gave up arrives nowhere any more: an owner still waiting at the stage it left
+    // must not take a later stage's arrival for one that agreed with it.
+    failed = load_volatile(word(mine, kTopkGaveUpOffset)) != 0;
   }
   __syncthreads();
   const std::uint64_t stage = stage_shared;
@@ -75,10 +77,11 @@ __global__ void __launch_bounds__(kThreads)
   const auto flag = [block](std::size_t offset, int r) { return offset + (block * kMaxRanks + r) * 8; };
 
   // (1) The slot's block-b rows of every owner: free once each owner retired them two stages ago.
-  if (stage > 2 && threadIdx.x < N) {
+  if (stage > 2 && threadIdx.x < N && !failed) {
     if (!wait_at_least(word(mine, flag(kTopkRetireOffset, threadIdx.x)), stage - 2, control, rank, threadIdx.x,
                        timeout_ns)) {
       failed = 1;
+      store_volatile(word(mine, kTopkGaveUpOffset), 1);
     }
   }
   __syncthreads();
@@ -105,6 +108,7 @@ __global__ void __launch_bounds__(kThreads)
     store_release(word(slabs.rank[source], flag(kTopkArriveOffset, rank)), arrival(stage, call));
     if (!wait_arrival(word(mine, flag(kTopkArriveOffset, source)), stage, call, control, rank, source, timeout_ns)) {
       failed = 1;
+      store_volatile(word(mine, kTopkGaveUpOffset), 1);
     }
   }
   __syncthreads();

@@ -30,7 +30,9 @@ namespace nodecomm::cuda {
 constexpr std::size_t kTopkStagesOffset = 0;
 constexpr std::size_t kTopkArriveOffset = kTopkStagesOffset + kMaxBlocks * 8;
 constexpr std::size_t kTopkRetireOffset = kTopkArriveOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kTopkHeaderBytes = (kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8 + 255) / 256 * 256;
+// One word, set once a wait of this rank's stages failed: its later stages arrive nowhere.
+constexpr std::size_t kTopkGaveUpOffset = kTopkRetireOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kTopkHeaderBytes = (kTopkGaveUpOffset + 8 + 255) / 256 * 256;
 
 inline std::size_t topk_plane_bytes(std::size_t rows_per_owner, int world_size, std::size_t topk) {
   return rows_per_owner * std::size_t(world_size) * topk * 4;

@@ -187,8 +187,12 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
     std::uint64_t* barriers = word(mine, kCounterOffset + std::size_t(block) * 16 + 8);
     epoch_shared = *barriers + 1;
     *barriers = epoch_shared;
+    // A rank that gave up arrives nowhere any more: a peer still waiting at the barrier it left
+    // must not take a later launch's arrival for one that agreed with it.
+    if (gave_up(mine)) *failed = 1;
   }
   __syncthreads();
+  if (*failed) return false;
   const std::uint64_t epoch = epoch_shared;
   if (threadIdx.x < N) {
     const int peer = threadIdx.x;
@@ -362,6 +366,7 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int kPerLine = 8 / sizeof(T);
   std::uint8_t* mine = peers.rank[rank];
   const std::uint64_t launch = next_launch(mine);
+  if (gave_up(mine)) return;  // as at a barrier: nothing of this launch reaches the peers
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) { return pushed_lines(peers.rank[owner], push, launch, source); };
   const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
