@@ -459,35 +459,54 @@ struct Pieces {
   int count;
 };
 
-// A copy path's last step: block 0 meets the peers at the barrier after their last reads of this
-// rank's slots, and every block copies the pieces out, unless this rank gave up (then the output
-// keeps what it held).
+// Bytes one thread of copy_out moves per step: four 16-byte loads in flight before their stores.
+constexpr std::size_t kCopyLanes = 4;
+constexpr std::size_t kCopyStepBytes = 16 * kCopyLanes;
+
+// Copies [from, from + n) to `to`, `thread` of `threads` taking every threads-th 16-byte lane.
+__device__ __forceinline__ void copy_bytes(const std::uint8_t* from, std::uint8_t* to, std::size_t n,
+                                           std::size_t thread, std::size_t threads) {
+  std::size_t tail = 0;
+  if (reinterpret_cast<std::uintptr_t>(from) % 16 == 0 && reinterpret_cast<std::uintptr_t>(to) % 16 == 0) {
+    const auto* from_lanes = reinterpret_cast<const uint4*>(from);
+    auto* to_lanes = reinterpret_cast<uint4*>(to);
+    const std::size_t lanes = n / 16;
+    for (std::size_t i = thread; i < lanes; i += threads * kCopyLanes) {
+      uint4 value[kCopyLanes];
+#pragma unroll
+      for (std::size_t k = 0; k < kCopyLanes; ++k) {
+        if (i + k * threads < lanes) value[k] = from_lanes[i + k * threads];
+      }
+#pragma unroll
+      for (std::size_t k = 0; k < kCopyLanes; ++k) {
+        if (i + k * threads < lanes) to_lanes[i + k * threads] = value[k];
+      }
+    }
+    tail = lanes * 16;
+  }
+  for (std::size_t i = tail + thread; i < n; i += threads) to[i] = from[i];
+}
+
+// A copy path's last step: every block copies its share of the pieces out unless a barrier of
+// this rank gave up (then the output keeps what it held), and block 0 then meets the peers at the
+// barrier after their last reads of this rank's slots. The copy reads only this rank's slot 1,
+// which no peer touches, so it need not wait for that barrier; every mismatch shows at a call's
+// first barrier, long before.
 template <int N>
 __global__ void __launch_bounds__(kThreads) copy_out_kernel(Peers<N> peers, std::uint8_t* control, int rank,
                                                             PushSlots push, std::uint64_t call, Pieces pieces,
                                                             std::uint64_t timeout_ns) {
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
+  if (!gave_up(mine)) {
+    const std::size_t thread = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
+    for (int p = 0; p < pieces.count; ++p) copy_bytes(pieces.from[p], pieces.to[p], pieces.bytes[p], thread, threads);
+  }
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) failed = 0;
     block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, load_volatile(word(mine, kCounterOffset)),
                        push);
-  }
-  if (gave_up(mine)) return;
-  const std::size_t thread = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
-  for (int p = 0; p < pieces.count; ++p) {
-    const std::uint8_t* from = pieces.from[p];
-    std::uint8_t* to = pieces.to[p];
-    const std::size_t n = pieces.bytes[p];
-    std::size_t tail = 0;
-    if (reinterpret_cast<std::uintptr_t>(from) % 16 == 0 && reinterpret_cast<std::uintptr_t>(to) % 16 == 0) {
-      tail = n / 16 * 16;
-      for (std::size_t i = thread * 16; i < tail; i += threads * 16) {
-        *reinterpret_cast<uint4*>(to + i) = *reinterpret_cast<const uint4*>(from + i);
-      }
-    }
-    for (std::size_t i = tail + thread; i < n; i += threads) to[i] = from[i];
   }
 }
 
@@ -522,7 +541,8 @@ void copy_out(const GroupView& group, const Peers<N>& peers, std::uint64_t call,
               std::uint64_t timeout, cudaStream_t stream) {
   std::size_t total = 0;
   for (int p = 0; p < pieces.count; ++p) total += pieces.bytes[p];
-  const int blocks = int(std::clamp<std::size_t>((total + kThreads * 64 - 1) / (kThreads * 64), 1, kReduceMaxBlocks));
+  const std::size_t steps = (total + kCopyStepBytes - 1) / kCopyStepBytes;
+  const int blocks = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, kReduceMaxBlocks));
   copy_out_kernel<N><<<blocks, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
                                                       group.rank, push_slots(group), call, pieces, timeout);
   NODECOMM_CUDA(cudaGetLastError());
