@@ -281,7 +281,7 @@ class Communicator:
         """Run a transport operation under the lock that close() takes, errors located here; with
         `sample` (path, bytes), timed and reported to the daemon."""
         with self._lock:
-            self._check_usable()
+            self._check_usable(call_follows=True)
             # Nothing is timed or queried while a CUDA graph is being captured.
             capturing = self._transport.capturing()
             timed = sample is not None and not capturing
@@ -419,7 +419,10 @@ class Communicator:
 
     # -- checks ----------------------------------------------------------------------------------
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, call_follows: bool = False) -> None:
+        """Raise why this communicator cannot be used. With `call_follows`, a CUDA group that a
+        mismatch stopped is left to the transport, which records the call this rank was about to
+        make before it raises (the call its peers disagreed on, where its kernels never ran it)."""
         if self._closed:
             raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
         if self._lease.lost_reason is not None:
@@ -429,6 +432,8 @@ class Communicator:
                 rank=self.rank,
             )
         reason, detail = _native.abort_state(self._control.address)
+        if reason == _native.ABORT_MISMATCH and call_follows and self._transport.kind == "cuda":
+            return
         if reason:
             raise self._aborted(reason, detail)
 

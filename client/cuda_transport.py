@@ -8,6 +8,7 @@ collective can be captured in a CUDA graph; a captured graph keeps the path it w
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -101,6 +102,15 @@ class CudaTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
+    @contextlib.contextmanager
+    def _enqueueing(self):
+        """The native group raises a bare GroupMismatchError on a group that a mismatch stopped,
+        once this rank's call is on record: the message comes from every rank's record."""
+        try:
+            yield
+        except GroupMismatchError:
+            raise mismatch_error(self._control.address, self.world_size) from None
+
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
@@ -115,23 +125,26 @@ class CudaTransport:
         count, code, algorithm, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), self._stream()
         source, target = tensor.data_ptr(), out.data_ptr()
         # Every piece carries the whole count, which the ranks compare; even none meets the peers.
-        for start in range(0, max(count, 1), per_piece):
-            n = min(per_piece, count - start)
-            offset = start * element
-            self._group.all_reduce(source + offset, target + offset, n, count, code, algorithm, timeout, stream)
+        with self._enqueueing():
+            for start in range(0, max(count, 1), per_piece):
+                n = min(per_piece, count - start)
+                offset = start * element
+                self._group.all_reduce(source + offset, target + offset, n, count, code, algorithm, timeout, stream)
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         source, target, stream = tensor.data_ptr(), out.data_ptr(), self._stream()
         share = self._slot_bytes // self.world_size  # every rank's piece together fit one slot
         per_piece = share // 256 * 256 or share
-        for offset in range(0, max(nbytes, 1), per_piece):
-            piece = min(per_piece, nbytes - offset)
-            self._group.all_gather(source + offset, target + offset, piece, nbytes, timeout, stream)
+        with self._enqueueing():
+            for offset in range(0, max(nbytes, 1), per_piece):
+                piece = min(per_piece, nbytes - offset)
+                self._group.all_gather(source + offset, target + offset, piece, nbytes, timeout, stream)
 
     def barrier(self, timeout: float) -> None:
         stream = torch.cuda.current_stream(self.device)
-        self._group.barrier(timeout, stream.cuda_stream)
+        with self._enqueueing():
+            self._group.barrier(timeout, stream.cuda_stream)
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
         # A kernel that gave up says so only in this rank's error record.
         code, peer, _ = _native.error_record(self._control.address, self.rank)
@@ -166,10 +179,11 @@ class CudaTransport:
         out_scores: torch.Tensor,
         timeout: float,
     ) -> None:
-        self._group.topk_stage(
-            slabs, rows_per_owner, topk, blocks, idx.data_ptr(), scores.data_ptr(), idx.shape[0], out_idx.data_ptr(),
-            out_scores.data_ptr(), timeout, torch.cuda.current_stream(self.device).cuda_stream,
-        )  # fmt: skip
+        with self._enqueueing():
+            self._group.topk_stage(
+                slabs, rows_per_owner, topk, blocks, idx.data_ptr(), scores.data_ptr(), idx.shape[0],
+                out_idx.data_ptr(), out_scores.data_ptr(), timeout, torch.cuda.current_stream(self.device).cuda_stream,
+            )  # fmt: skip
 
     def unmap(self, mappings: list[SegmentMapping]) -> None:
         """Unmap device memory mapped here (a top-k exchange's slabs) once nothing runs on it."""

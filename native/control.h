@@ -67,6 +67,19 @@ inline ErrorRecord error_record(std::uintptr_t control, int rank) {
   return out;
 }
 
+// The host's record of `call`, which `rank` did not enqueue because a mismatch had stopped the
+// group: a rank whose kernels never reached the call its peers disagreed on records the call it
+// was about to make, which is that one. A kernel's record, written first, stays.
+inline void record_refused_call(std::uintptr_t control, int rank, std::uint64_t call) {
+  auto* record = reinterpret_cast<std::uint64_t*>(control + kErrorOffset + kErrorStride * rank);
+  const std::uint64_t code = __atomic_load_n(record, __ATOMIC_ACQUIRE);
+  if (code != kErrorNone && code != kErrorAborted) return;
+  __atomic_store_n(record + 1, std::uint64_t(rank), __ATOMIC_RELAXED);
+  __atomic_store_n(record + 2, std::uint64_t(0), __ATOMIC_RELAXED);
+  __atomic_store_n(record + 3, call, __ATOMIC_RELAXED);
+  __atomic_store_n(record, kErrorMismatch, __ATOMIC_RELEASE);  // the code last, as a kernel writes it
+}
+
 // What the ranks' records of a group aborted with kMismatch say: each recording rank's own call
 // (describe_disagreement in agreement.h); and whether every rank's call is known (ranks record
 // theirs as their kernels notice the abort).

@@ -59,6 +59,7 @@ class CudaGroup {
 
   void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, std::size_t call_count, int dtype,
                   int algorithm, double timeout_s, std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kAllReduce, call_count, dtype, algorithm});
     DeviceScope scope(device_);
     cuda::all_reduce(view_, input, output, count, call_count, dtype, Algorithm(algorithm), timeout_s,
                      reinterpret_cast<cudaStream_t>(stream), pipeline_);
@@ -66,11 +67,13 @@ class CudaGroup {
 
   void all_gather(std::uintptr_t input, std::uintptr_t output, std::size_t nbytes, std::size_t output_stride,
                   double timeout_s, std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kAllGather, output_stride});
     DeviceScope scope(device_);
     cuda::all_gather(view_, input, output, nbytes, output_stride, timeout_s, reinterpret_cast<cudaStream_t>(stream));
   }
 
   void barrier(double timeout_s, std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kBarrier});
     DeviceScope scope(device_);
     cuda::barrier(view_, timeout_s, reinterpret_cast<cudaStream_t>(stream));
   }
@@ -81,6 +84,7 @@ class CudaGroup {
                   std::uintptr_t idx, std::uintptr_t scores, std::size_t rows, std::uintptr_t out_idx,
                   std::uintptr_t out_scores, double timeout_s, std::uintptr_t stream) {
     NODECOMM_CHECK(int(slabs.size()) == view_.world_size, "expected one slab per rank");
+    refuse_if_stopped(Call{Collective::kTopkStage, rows});
     DeviceScope scope(device_);
     const TopkView view{slabs.data(), view_.world_size, view_.rank, rows_per_owner, topk, view_.control, blocks};
     cuda::topk_stage(view, idx, scores, rows, out_idx, out_scores, timeout_s, reinterpret_cast<cudaStream_t>(stream));
@@ -129,6 +133,22 @@ class CudaGroup {
   int device() const { return device_; }
 
  private:
+  // A group a mismatch stopped (control.h) runs nothing more: this raises GroupMismatchError,
+  // whose message the caller builds from the ranks' records, once this rank's record is there.
+  // Kernels already queued record their call as they notice the abort, within a poll interval
+  // each, so they get a moment first; a rank that never launched the call its peers disagreed on
+  // records `call`, the one it was about to make, which is that call.
+  void refuse_if_stopped(const Call& call) {
+    if (control::abort_state(control_host_).first != control::kMismatch) return;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(20);
+    while (control::error_record(control_host_, view_.rank).code != control::kErrorMismatch &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    control::record_refused_call(control_host_, view_.rank, call.packed());
+    NODECOMM_RAISE(kGroupMismatch, "the group stopped at a mismatch");
+  }
+
   static std::uint64_t probe_tag(std::uint64_t nonce, int writer, int owner) {
     return (nonce * 0x9E3779B97F4A7C15ull) ^ (std::uint64_t(writer + 1) << 40) ^ (std::uint64_t(owner + 1) << 20) ^ 1;
   }
