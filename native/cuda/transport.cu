@@ -56,7 +56,7 @@ namespace nodecomm::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kSignalThreads = 32;  // one warp: at most kMaxRanks peers to signal and wait for
+constexpr int kSignalThreads = kMaxBlocks;  // a thread per block's launch counter, which the first signal advances
 constexpr int kReduceMaxBlocks = 132;
 // The dma path pulls its segment from the peers in chunks of this many bytes per peer: the
 // reduction of one chunk overlaps the copies of the next.
@@ -184,12 +184,14 @@ __device__ bool block_pair_barrier(const Peers<N>& peers, std::uint8_t* control,
   // before it and release is cumulative. A system fence in every thread costs more with each block.
   __syncthreads();
   if (threadIdx.x == 0) {
+    // A rank that gave up arrives nowhere any more: a peer still waiting at the barrier it left
+    // must not take a later launch's arrival for one that agreed with it. Loaded before the
+    // counter, so that the two loads overlap.
+    const bool stopped = gave_up(mine);
     std::uint64_t* barriers = word(mine, kCounterOffset + std::size_t(block) * 16 + 8);
     epoch_shared = *barriers + 1;
     *barriers = epoch_shared;
-    // A rank that gave up arrives nowhere any more: a peer still waiting at the barrier it left
-    // must not take a later launch's arrival for one that agreed with it.
-    if (gave_up(mine)) *failed = 1;
+    if (stopped) *failed = 1;
   }
   __syncthreads();
   if (*failed) return false;
@@ -365,8 +367,9 @@ __global__ void __launch_bounds__(kThreads)
                         std::size_t count, std::uint64_t call, std::uint64_t timeout_ns) {
   constexpr int kPerLine = 8 / sizeof(T);
   std::uint8_t* mine = peers.rank[rank];
+  const bool stopped = gave_up(mine);  // loaded while the launch is counted
   const std::uint64_t launch = next_launch(mine);
-  if (gave_up(mine)) return;  // as at a barrier: nothing of this launch reaches the peers
+  if (stopped) return;  // as at a barrier: nothing of this launch reaches the peers
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) { return pushed_lines(peers.rank[owner], push, launch, source); };
   const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
@@ -542,7 +545,8 @@ void copy_out(const GroupView& group, const Peers<N>& peers, std::uint64_t call,
   std::size_t total = 0;
   for (int p = 0; p < pieces.count; ++p) total += pieces.bytes[p];
   const std::size_t steps = (total + kCopyStepBytes - 1) / kCopyStepBytes;
-  const int blocks = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, kReduceMaxBlocks));
+    // Only block 0 waits, so the grid need not be resident: four blocks per SM keep more loads in flight.
+  const int blocks = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, 4 * kReduceMaxBlocks));
   copy_out_kernel<N><<<blocks, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
                                                       group.rank, push_slots(group), call, pieces, timeout);
   NODECOMM_CUDA(cudaGetLastError());
