@@ -545,7 +545,7 @@ void copy_out(const GroupView& group, const Peers<N>& peers, std::uint64_t call,
   std::size_t total = 0;
   for (int p = 0; p < pieces.count; ++p) total += pieces.bytes[p];
   const std::size_t steps = (total + kCopyStepBytes - 1) / kCopyStepBytes;
-    // Only block 0 waits, so the grid need not be resident: four blocks per SM keep more loads in flight.
+  // Only block 0 waits, so the grid need not be resident: four blocks per SM keep more loads in flight.
   const int blocks = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, 4 * kReduceMaxBlocks));
   copy_out_kernel<N><<<blocks, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
                                                       group.rank, push_slots(group), call, pieces, timeout);
