@@ -431,7 +431,8 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, in
                                                               std::size_t own_begin, std::size_t lo, std::size_t n,
                                                               std::size_t segment, T* output) {
   std::uint8_t* mine = peers.rank[rank];
-  if (gave_up(mine)) return;
+  // Checked at the stores, so that the word's load overlaps the sums' loads.
+  const bool stopped = gave_up(mine);
   T* staged = reinterpret_cast<T*>(mine + kSlotOffset);
   const T* pulled = reinterpret_cast<const T*>(mine + kSlotOffset + slot_stride);
   // Element i as rank r holds it: this rank's in its slot 0, a peer's where it was pulled to.
@@ -444,11 +445,13 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Peers<N> peers, in
       lo, lo + n, std::size_t(blockIdx.x) * blockDim.x + threadIdx.x, std::size_t(gridDim.x) * blockDim.x,
       [&](std::size_t i) {
         const Pack<T> sum = sum_pack<T, N>(sources_at(i));
+        if (stopped) return;
         store_pack(staged + i, sum);
         store_pack(output + i, sum);
       },
       [&](std::size_t i) {
         const T sum = sum_element<T, N>(sources_at(i));
+        if (stopped) return;
         staged[i] = sum;
         output[i] = sum;
       });
@@ -490,27 +493,27 @@ __device__ __forceinline__ void copy_bytes(const std::uint8_t* from, std::uint8_
   for (std::size_t i = tail + thread; i < n; i += threads) to[i] = from[i];
 }
 
-// A copy path's last step: every block copies its share of the pieces out unless a barrier of
-// this rank gave up (then the output keeps what it held), and block 0 then meets the peers at the
-// barrier after their last reads of this rank's slots. The copy reads only this rank's slot 1,
-// which no peer touches, so it need not wait for that barrier; every mismatch shows at a call's
-// first barrier, long before.
+// A copy path's last step. Block 0 meets the peers at the barrier after their last reads of this
+// rank's slots, as a signal would, while the other blocks copy the pieces out unless a barrier of
+// this rank gave up (then the output keeps what it held). The copy reads only this rank's slot 1,
+// which no peer touches, so neither waits for the other; every mismatch shows at a call's first
+// barrier, long before.
 template <int N>
 __global__ void __launch_bounds__(kThreads) copy_out_kernel(Peers<N> peers, std::uint8_t* control, int rank,
                                                             PushSlots push, std::uint64_t call, Pieces pieces,
                                                             std::uint64_t timeout_ns) {
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
-  if (!gave_up(mine)) {
-    const std::size_t thread = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-    const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
-    for (int p = 0; p < pieces.count; ++p) copy_bytes(pieces.from[p], pieces.to[p], pieces.bytes[p], thread, threads);
-  }
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) failed = 0;
     block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, load_volatile(word(mine, kCounterOffset)),
                        push);
+    return;
   }
+  if (gave_up(mine)) return;
+  const std::size_t thread = std::size_t(blockIdx.x - 1) * blockDim.x + threadIdx.x;
+  const std::size_t threads = std::size_t(gridDim.x - 1) * blockDim.x;
+  for (int p = 0; p < pieces.count; ++p) copy_bytes(pieces.from[p], pieces.to[p], pieces.bytes[p], thread, threads);
 }
 
 template <int N>
@@ -546,8 +549,8 @@ void copy_out(const GroupView& group, const Peers<N>& peers, std::uint64_t call,
   for (int p = 0; p < pieces.count; ++p) total += pieces.bytes[p];
   const std::size_t steps = (total + kCopyStepBytes - 1) / kCopyStepBytes;
   // Only block 0 waits, so the grid need not be resident: four blocks per SM keep more loads in flight.
-  const int blocks = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, 4 * kReduceMaxBlocks));
-  copy_out_kernel<N><<<blocks, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
+  const int copiers = int(std::clamp<std::size_t>((steps + kThreads - 1) / kThreads, 1, 4 * kReduceMaxBlocks));
+  copy_out_kernel<N><<<1 + copiers, kThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
                                                       group.rank, push_slots(group), call, pieces, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
