@@ -27,6 +27,9 @@ log = logging.getLogger("nodecomm.client")
 
 _BATCH = 32
 _FLUSH_SECONDS = 1.0
+# Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
+# bounded pace, and a rank that samples faster loses samples rather than memory.
+_MAX_QUEUED_BATCHES = 256
 
 
 class Lease:
@@ -50,6 +53,7 @@ class Lease:
         self._counts: dict[tuple[int, Path], list[int]] = {}  # (op, path) -> [operations, bytes]
         self._batch_lock = threading.Lock()  # the caller's thread adds, the stream's thread may flush
         self._last_flush = time.monotonic()
+        self._dropping = False  # batches are being dropped (warned once per episode)
         self._ready = threading.Event()
         self._closing = False
         self.lost_reason: str | None = None  # why the daemon is unusable, once it is
@@ -158,8 +162,19 @@ class Lease:
     def flush(self) -> None:
         """Send the timings and counts not sent yet."""
         batch = self._take_batch()
-        if batch is not None:
-            self._outbox.put(batch)
+        if batch is None:
+            return
+        if self._outbox.qsize() >= _MAX_QUEUED_BATCHES:
+            if not self._dropping:
+                log.warning(
+                    f"[group {shown(self._group)}, rank {self._rank}] timings are sampled faster than the daemon "
+                    "reads them: dropping batches while it catches up (raise the daemon's timing_sample_period)",
+                    extra={"group": self._group, "rank": self._rank},
+                )
+            self._dropping = True
+            return
+        self._dropping = False
+        self._outbox.put(batch)
 
     def close(self, timeout: float = 5.0) -> None:
         if self._closing:

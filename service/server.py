@@ -61,6 +61,32 @@ class UndecodableRequest:
         return InvalidArgumentError(self.message)
 
 
+class MessagePace:
+    """A token bucket over a stream's messages: `per_second` on average, a second's worth at once.
+    A Session stream read no faster than this keeps what its sender sends beyond it in HTTP/2
+    flow control, at the sender, instead of in this daemon's event loop."""
+
+    def __init__(self, per_second: float):
+        self._rate = per_second
+        self._tokens = per_second
+        self._at = time.monotonic()
+
+    async def take(self) -> None:
+        now = time.monotonic()
+        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            await asyncio.sleep((1 - self._tokens) / self._rate)
+            self._tokens, self._at = 1.0, time.monotonic()
+        self._tokens -= 1
+
+
+def session_messages_per_second(timing_rate_per_rank: int) -> float:
+    """How fast a Session stream is read: twice what a client at the timing rate sends (a batch
+    per 32 timings, and one a second besides)."""
+    return 2 * (timing_rate_per_rank / 32 + 1)
+
+
 def _lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | UndecodableRequest]:
     def parse(raw: bytes) -> Message | UndecodableRequest:
         try:
@@ -210,8 +236,11 @@ class ControlServicer(pb_grpc.ControlServicer):
 
         undecodable: list[UndecodableRequest] = []
 
+        pace = MessagePace(session_messages_per_second(self.config.timing_rate_per_rank))
+
         async def pump_up() -> None:
             async for message in request_iterator:
+                await pace.take()
                 if isinstance(message, UndecodableRequest):
                     undecodable.append(message)  # the stream ends: the rank is lost
                     return
