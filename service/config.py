@@ -115,6 +115,9 @@ class DaemonConfig:
     # What one rank may hold open at once: service-path allocations, and top-k exchanges per group
     # (each holds a descriptor and a mapping in the daemon, whatever its size).
     max_allocations_per_rank: int = 64
+    # The same, over every group one caller (the first joiner's uid) formed: its service-path
+    # allocations and top-k exchanges together, so that many small groups cannot add up past it.
+    max_allocations_per_caller: int = 1024
     # Groups one caller (uid; callers without an identity share one count) may have forming at once.
     max_forming_groups_per_caller: int = 32
     # Timings one rank's session may report per second (a burst of as many); past it they are
@@ -171,6 +174,7 @@ class DaemonConfig:
             "max_groups",
             "max_ranks_per_group",
             "max_allocations_per_rank",
+            "max_allocations_per_caller",
             "max_topk_exchanges_per_group",
             "max_forming_groups_per_caller",
             "timing_rate_per_rank",
@@ -276,6 +280,7 @@ HELP = {
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",
     "max_allocations_per_rank": "service-path allocations one rank may hold open",
+    "max_allocations_per_caller": "service-path allocations and top-k exchanges one uid's groups may hold open",
     "max_forming_groups_per_caller": "groups one uid may have forming at once",
     "timing_rate_per_rank": "timings per second one rank may report; more are dropped",
     "allow_mixed_uids": "let ranks of several uids form one group",

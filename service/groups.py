@@ -266,6 +266,7 @@ class Group:
     service: ServicePath | None = None  # collectives the daemon runs
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
+    creator: int | None = None  # the first joiner's uid; None: it presented no identity
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's
@@ -505,6 +506,7 @@ class GroupRegistry:
             table=self.tables.for_new_group(first.device_kind, first.nccl_fallback, dict(first.overrides)),
             members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
             devices=[a.args.device for _, a in sorted(forming.arrivals.items())],
+            creator=forming.creator,
             live=(
                 LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
                 if self.config.live_recalibration
@@ -696,6 +698,8 @@ class GroupRegistry:
                 "max_topk_exchanges_per_group; they are released with the group",
                 **where,
             )
+        if request.sequence not in group.exchanges:  # the exchange's first call: later ones join it
+            self._check_caller_allocations(group, where)
         forming = group.exchanges.setdefault(request.sequence, FormingExchange())
         if forming.failure is not None:
             raise forming.failure
@@ -842,6 +846,25 @@ class GroupRegistry:
             raise NotFoundError(f"rank {rank} is no longer a member of this group", **where)
         return group, group.service
 
+    def _check_caller_allocations(self, group: Group, where: dict) -> None:
+        """Refuse one more allocation or exchange where the groups of `group`'s creator hold
+        max_allocations_per_caller of them: per-rank and per-group counts bound one group, this
+        bounds many small ones."""
+        held = 0
+        for other in self._groups.values():
+            if other.creator != group.creator:
+                continue
+            held += len(other.topk_slabs)
+            if other.service is not None:
+                held += sum(1 for a in other.service.allocations.values() if not a.freed)
+        if held >= self.config.max_allocations_per_caller:
+            who = f"uid {group.creator}" if group.creator is not None else "callers without an identity"
+            raise ResourceExhaustedError(
+                f"the groups of {who} hold {held} allocations and top-k exchanges, this daemon's "
+                "max_allocations_per_caller; free one or close a group first",
+                **where,
+            )
+
     def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
         where = dict(group=group.name, rank=request.rank)
@@ -861,6 +884,7 @@ class GroupRegistry:
                 f"rank {request.rank} holds {held} allocations, this daemon's max_allocations_per_rank; free one first",
                 **where,
             )
+        self._check_caller_allocations(group, where)
         reserved, counted = self._reserved_bytes(), accounted_bytes(size)
         if reserved + counted > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(

@@ -203,6 +203,32 @@ def test_tiny_allocations_and_exchanges_cannot_exhaust_the_daemons_descriptors(d
     report("a rank hoarding allocations and exchanges", baseline, attacked)
 
 
+def test_many_small_groups_of_one_caller_cannot_add_up_past_its_allocation_count(make_daemon, spawn_ranks):
+    """2, over groups: one uid's world-1 groups each stay within their per-rank and per-group
+    counts, but together they are refused at max_allocations_per_caller (here 80), allocations and
+    exchanges alike; freeing one lets one more through, and an ordinary group beside them runs."""
+    daemon = make_daemon("--max-allocations-per-caller", "80")
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    with (
+        nodecomm.connect("hoard-a", 0, 1, socket=daemon.socket, timeout=30) as first,
+        nodecomm.connect("hoard-b", 0, 1, socket=daemon.socket, timeout=30) as second,
+    ):
+        held = [first.service_buffer(1) for _ in range(64)]
+        held += [second.service_buffer(1) for _ in range(15)]
+        exchange = second.topk_exchange(max_rows=1, topk=1)
+        for attempt in (lambda: second.service_buffer(1), lambda: second.topk_exchange(max_rows=1, topk=1)):
+            with pytest.raises(ResourceExhaustedError) as refused:
+                attempt()
+            assert "hold 80 allocations and top-k exchanges, this daemon's max_allocations_per_caller" in str(
+                refused.value
+            )
+        held.pop(0).free()
+        held.append(second.service_buffer(1))
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+        exchange.close()
+    report("one caller's groups hoarding allocations", baseline, attacked)
+
+
 def _wait_forming(stub, name: str) -> None:
     deadline = time.monotonic() + 30
     while not any(g.name == name for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups):
