@@ -137,28 +137,34 @@ def identify_as_nobody(path: str) -> str:
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes uids: needs root (CI runs as root)")
-def test_an_unreachable_descriptor_socket_is_named_as_the_cause():
+def test_an_unreachable_descriptor_socket_is_named_as_the_cause(spawn_ranks):
     """8: with the descriptor socket at 0600, a caller that reaches the control socket is told
-    that the descriptor socket refused it, not that its Join lacked an identity."""
+    that the descriptor socket refused it, not that its Join lacked an identity; its owner's
+    groups still run."""
     open_directory = Path(tempfile.mkdtemp(prefix="nodecomm-security-"))
     open_directory.chmod(0o755)
     daemon = Daemon(open_directory, ["--socket-group", "nogroup", "--allowed-gids", "nogroup"], {})
     try:
         daemon.start()
+        baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
         assert identify_as_nobody(daemon.socket + ".fd") == "no error"  # admitted while it may open it
         os.chmod(daemon.socket + ".fd", 0o600)
         answer = identify_as_nobody(daemon.socket + ".fd")
         assert answer == f"DaemonUnavailableError descriptor socket {daemon.socket}.fd: [Errno 13] Permission denied"
+        report(
+            "a caller the descriptor socket refuses", baseline, legitimate_group(spawn_ranks, daemon.socket, "after")
+        )
     finally:
         daemon.stop(signal.SIGKILL)
         shutil.rmtree(open_directory, ignore_errors=True)
 
 
-def test_a_killed_calibration_leaves_no_folder(make_daemon, tmp_path):
+def test_a_killed_calibration_leaves_no_folder(make_daemon, spawn_ranks, tmp_path):
     """8: the probe's table comes back on its output; killing the daemon mid-probe leaves nothing
-    in the temporary directory."""
+    in the temporary directory. An ordinary group runs beside the probe."""
     before = set(Path(tempfile.gettempdir()).glob("nodecomm-probe-*"))
     daemon = make_daemon("--state-dir", str(tmp_path / "state"))
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
     calibrate = subprocess.Popen(
         [sys.executable, "-m", "nodecomm.client.cli", "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"],
         stdout=subprocess.PIPE, text=True,
@@ -166,11 +172,14 @@ def test_a_killed_calibration_leaves_no_folder(make_daemon, tmp_path):
     try:
         while "oneshot" not in calibrate.stdout.readline():  # a point: the probe runs
             assert calibrate.poll() is None
+        attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
+        assert calibrate.poll() is None, "the probe ended before the daemon was killed"
         daemon.stop(signal.SIGKILL)
     finally:
         calibrate.kill()
         calibrate.wait()
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-probe-*")) == before
+    report("a calibration killed mid-probe", baseline, attacked)
 
 
 def _open_descriptors(pid: int) -> int:
