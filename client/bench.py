@@ -21,16 +21,14 @@ import queue
 import shutil
 import socket as socketlib
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import grpc
-
 from nodecomm.byte_size import format_byte_size
-from nodecomm.socket_path import grpc_target
+from nodecomm.errors import DaemonUnavailableError
+
+from .daemon_process import start_daemon
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 GRAPH_REPLAYS = 5
@@ -311,30 +309,14 @@ class PrivateDaemon:
         self.socket = os.path.join(self.directory, "nodecomm.sock")
         # State of its own: the machine's stored calibration would make "auto" the calibrated
         # table on one machine and the built-in one on another.
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "nodecomm.service.server",
-                "--socket",
-                self.socket,
-                "--metrics-address",
-                "off",
-                "--log-level",
-                "WARNING",
-                "--state-dir",
-                os.path.join(self.directory, "state"),
-                *flags,
-            ],
-        )
-        channel = grpc.insecure_channel(grpc_target(self.socket))
+        state = os.path.join(self.directory, "state")
         try:
-            grpc.channel_ready_future(channel).result(timeout=30)
-        except grpc.FutureTimeoutError:
-            self.process.kill()
-            raise RuntimeError(f"the private daemon did not start serving on {self.socket} within 30 s") from None
-        finally:
-            channel.close()
+            self.process = start_daemon(
+                self.socket, "--metrics-address", "off", "--log-level", "WARNING", "--state-dir", state, *flags
+            )
+        except DaemonUnavailableError:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise
 
     def stop(self) -> None:
         self.process.terminate()

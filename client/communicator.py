@@ -31,7 +31,7 @@ from .descriptors import claim, map_host_segment
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
-from .service_path import ServiceBuffer, ServicePath, ServiceWork
+from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .topk_exchange import CudaTopkExchange, TopkExchange
 
 log = logging.getLogger("nodecomm.client")
@@ -99,7 +99,7 @@ class Communicator:
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata, group)
         # Collectives the daemon runs (path="service").
-        self._service = ServicePath(
+        self._service = ServiceClient(
             self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata,
             transport.device,
         )  # fmt: skip

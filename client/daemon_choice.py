@@ -20,23 +20,19 @@ import fcntl
 import logging
 import os
 import socket as socketlib
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
-
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError
 from nodecomm.socket_path import (
     PRIVATE_LOCK_NAME,
     PRIVATE_LOG_NAME,
     default_socket_path,
-    grpc_target,
     private_socket_path,
 )
+
+from .daemon_process import answers, start_daemon
 
 log = logging.getLogger("nodecomm.client")
 
@@ -67,19 +63,6 @@ def resolve_mode(mode: str | None, default: str, where: dict) -> str:
         source = "daemon" if mode is not None else ENVIRONMENT_VARIABLE
         raise InvalidArgumentError(f"{source} {chosen!r}: expected one of {', '.join(MODES)}", **where)
     return chosen
-
-
-def answers(socket: str, timeout: float = 1.0) -> bool:
-    """Whether a daemon serves on `socket` (its health service says SERVING)."""
-    if socket.startswith("unix:") or "/" in socket:
-        if not os.path.exists(socket.removeprefix("unix:")):
-            return False
-    with grpc.insecure_channel(grpc_target(socket)) as channel:
-        try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-        except grpc.RpcError:
-            return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def decide(mode: str, socket: str | None, job: str) -> tuple[str, str]:
@@ -152,40 +135,24 @@ def _lock_job_directory(directory: str, deadline: float, where: dict) -> int:
 def _start_private_daemon(socket: str, deadline: float, where: dict) -> None:
     directory = os.path.dirname(socket)
     os.chmod(directory, 0o700)
-    command = [sys.executable, "-m", "nodecomm.service.server", "--private", "true", "--socket", socket]
+    flags = ["--private", "true"]
     if "NODECOMM_METRICS_ADDRESS" not in os.environ:
-        command += ["--metrics-address", "off"]
+        flags += ["--metrics-address", "off"]
     if "NODECOMM_STATE_DIR" not in os.environ and os.access(NODE_STATE_DIR, os.R_OK | os.X_OK):
-        command += ["--state-dir", NODE_STATE_DIR]
+        flags += ["--state-dir", NODE_STATE_DIR]
     environment = dict(os.environ)
     environment.pop("CUDA_VISIBLE_DEVICES", None)  # it must see every GPU of the job's ranks
-    log_path = os.path.join(directory, PRIVATE_LOG_NAME)
-    with open(log_path, "ab") as output:
-        # A session of its own: a signal to the rank's process group does not reach it; it ends
-        # when its job's leases do.
-        process = subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env=environment, start_new_session=True
-        )
-    while not answers(socket, timeout=0.5):
-        if process.poll() is not None:
-            raise DaemonUnavailableError(
-                f"the job's private daemon exited with {process.returncode} before serving: {_tail(log_path)}",
-                **where,
-            )
-        if time.monotonic() > deadline:
-            process.kill()
-            raise DaemonUnavailableError(f"the job's private daemon did not serve on {socket} in time", **where)
-        time.sleep(0.05)
-
-
-def _tail(path: str, limit: int = 1500) -> str:
-    try:
-        with open(path, "rb") as handle:
-            handle.seek(0, os.SEEK_END)
-            handle.seek(max(0, handle.tell() - limit))
-            return handle.read().decode(errors="replace").strip()
-    except OSError:
-        return "(no log)"
+    # A session of its own: a signal to the rank's process group does not reach it; it ends when
+    # its job's leases do.
+    start_daemon(
+        socket,
+        *flags,
+        log_path=os.path.join(directory, PRIVATE_LOG_NAME),
+        env=environment,
+        own_session=True,
+        timeout=max(0.0, deadline - time.monotonic()),
+        where=where,
+    )
 
 
 class JobLeaseHandle:

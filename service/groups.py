@@ -59,7 +59,7 @@ from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
-from .submissions import CudaExecution, ServicePath
+from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
@@ -263,7 +263,7 @@ class Group:
     exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
     live: LiveEstimates | None = None  # groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
-    service: ServicePath | None = None  # collectives the daemon runs
+    service: SubmissionQueue | None = None  # collectives the daemon runs
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
     creator: int | None = None  # the first joiner's uid; None: it presented no identity
@@ -520,7 +520,7 @@ class GroupRegistry:
             if first.device_kind == "cuda"
             else None
         )
-        group.service = ServicePath(
+        group.service = SubmissionQueue(
             group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
         )
         tokens = {}
@@ -838,7 +838,7 @@ class GroupRegistry:
             )
         return group
 
-    def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, ServicePath]:
+    def _service_of(self, name: str, group_id: int, rank: int) -> tuple[Group, SubmissionQueue]:
         where = dict(group=name or None, rank=rank)
         group = self._group_of(name, group_id, rank)
         member = group.members[rank]

@@ -206,7 +206,7 @@ class CudaExecution:
             self._unmap_freed()
 
 
-class ServicePath:
+class SubmissionQueue:
     """One group's service path: the ranks' allocations and the queue of submitted collectives.
     Runs on the daemon's event loop; only the collectives themselves run on `executor`."""
 

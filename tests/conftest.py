@@ -10,7 +10,6 @@ import queue
 import signal
 import socket
 import subprocess
-import sys
 import time
 import traceback
 import urllib.request
@@ -20,8 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nodecomm.client.daemon_process import answers, start_daemon
 from nodecomm.credentials import rank_metadata
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
@@ -75,49 +74,20 @@ class Daemon:
     def start(self, timeout: float = 30.0) -> Daemon:
         self.starts += 1
         self.metrics_port = free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "nodecomm.service.server",
-            "--socket",
-            self.socket,
-            "--metrics-address",
-            f"127.0.0.1:{self.metrics_port}",
-            "--log-level",
-            "DEBUG",
-            "--state-dir",
-            str(self.directory / "state"),
-            *self.extra_args,
-        ]
-        env = {**os.environ, **self.env}
-        self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                self._log.close()
-                raise RuntimeError(f"daemon exited with {self.process.returncode}:\n{self.log_path.read_text()}")
-            if self.healthy(timeout=0.5):
-                return self
-            time.sleep(0.05)
-        self.stop(signal.SIGKILL)
-        raise RuntimeError(f"daemon not serving within {timeout} s:\n{self.log_path.read_text()}")
+        flags = ["--metrics-address", f"127.0.0.1:{self.metrics_port}", "--log-level", "DEBUG"]
+        flags += ["--state-dir", str(self.directory / "state"), *self.extra_args]
+        self.process = start_daemon(
+            self.socket, *flags, log_path=str(self.log_path), env={**os.environ, **self.env}, timeout=timeout
+        )
+        return self
 
     def healthy(self, timeout: float = 2.0) -> bool:
-        if not os.path.exists(self.socket):
-            return False
-        with grpc.insecure_channel(grpc_target(self.socket)) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
-            except grpc.RpcError:
-                return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
+        return answers(self.socket, timeout)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int | None:
         if self.process is None:
             return None
         if self.process.poll() is not None:
-            self._log.close()
             return self.process.returncode
         self.process.send_signal(sig)
         try:
@@ -126,8 +96,6 @@ class Daemon:
             self.process.kill()
             self.process.wait()
             raise
-        finally:
-            self._log.close()
 
     def metrics_text(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()

@@ -3,7 +3,6 @@
 import os
 import socket
 import subprocess
-import sys
 import time
 
 import grpc
@@ -11,6 +10,7 @@ import pytest
 
 import ranks
 from conftest import join_request, rank_channel, reserved_bytes
+from nodecomm.client.daemon_process import daemon_command
 from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
@@ -66,7 +66,7 @@ def test_join_timeout_is_capped_by_the_daemon(make_daemon):
 
 def test_a_live_socket_is_not_taken_over(daemon):
     second = subprocess.run(
-        [sys.executable, "-m", "nodecomm.service.server", "--socket", daemon.socket, "--metrics-address", "off"],
+        daemon_command(daemon.socket, "--metrics-address", "off"),
         capture_output=True,
         text=True,
         timeout=60,

@@ -10,7 +10,6 @@ import signal
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nodecomm
 from conftest import Daemon, free_port, in_child_as, join_request, stub_for
+from nodecomm.client.daemon_process import daemon_command
 
 from .harness import FIGURES
 
@@ -137,8 +137,7 @@ def _self_signed(directory: Path) -> tuple[Path, Path]:
 def test_tcp_beyond_loopback_needs_tls(tmp_path):
     port = free_port()
     refused = subprocess.run(
-        [sys.executable, "-m", "nodecomm.service.server", "--socket", str(tmp_path / "a.sock"),
-         "--tcp-address", f"0.0.0.0:{port}", "--metrics-address", "off"],
+        daemon_command(str(tmp_path / "a.sock"), "--tcp-address", f"0.0.0.0:{port}", "--metrics-address", "off"),
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert refused.returncode == 2 and "tls_cert and tls_key for any other" in refused.stderr

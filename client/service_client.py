@@ -160,7 +160,7 @@ class ServiceWork:
         return self._result
 
 
-class ServicePath:
+class ServiceClient:
     """One rank's use of the service path. Thread-safe."""
 
     def __init__(

@@ -1,0 +1,89 @@
+"""nodecommd as a child process: its command line, whether it serves, and a start that waits for it.
+
+The job's private daemon (daemon_choice.py), the bench's own daemon and the tests' daemons all
+start this way, so a daemon that exits early or never serves fails the same way everywhere:
+DaemonUnavailableError with the end of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodecomm.errors import DaemonUnavailableError
+from nodecomm.socket_path import grpc_target
+
+
+def daemon_command(socket: str, *flags: str) -> list[str]:
+    """The command line that runs nodecommd on `socket` with `flags` in this Python."""
+    return [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, *flags]
+
+
+def answers(socket: str, timeout: float = 1.0) -> bool:
+    """Whether a daemon serves on `socket` (its health service says SERVING)."""
+    if socket.startswith("unix:") or "/" in socket:
+        if not os.path.exists(socket.removeprefix("unix:")):
+            return False
+    with grpc.insecure_channel(grpc_target(socket)) as channel:
+        try:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError:
+            return False
+    return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def start_daemon(
+    socket: str,
+    *flags: str,
+    log_path: str | None = None,
+    env: Mapping[str, str] | None = None,
+    own_session: bool = False,
+    timeout: float = 30.0,
+    where: Mapping[str, object] | None = None,
+) -> subprocess.Popen:
+    """Start nodecommd on `socket` and return once it serves. Its output goes to `log_path`
+    (appended; else this process's), its environment is `env` (else this one's); `own_session`
+    keeps signals to this process group from reaching it. Raises DaemonUnavailableError, with the
+    end of the log, when it exits first or does not serve within `timeout` (it is killed then)."""
+    where = dict(where or {})
+    command = daemon_command(socket, *flags)
+    if log_path is None:
+        process = subprocess.Popen(command, env=env, start_new_session=own_session)
+    else:
+        with open(log_path, "ab") as output:
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=own_session
+            )
+    deadline = time.monotonic() + timeout
+    while not answers(socket, timeout=0.5):
+        if process.poll() is not None:
+            raise DaemonUnavailableError(
+                f"nodecommd exited with {process.returncode} before serving on {socket}: {log_tail(log_path)}", **where
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise DaemonUnavailableError(
+                f"nodecommd did not serve on {socket} within {timeout:.0f} s: {log_tail(log_path)}", **where
+            )
+        time.sleep(0.05)
+    return process
+
+
+def log_tail(path: str | None, limit: int = 1500) -> str:
+    """The last `limit` bytes of a daemon's log, for an error message."""
+    if path is None:
+        return "(its output went to this process's)"
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(0, handle.tell() - limit))
+            return handle.read().decode(errors="replace").strip()
+    except OSError:
+        return "(no log)"
