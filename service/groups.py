@@ -47,18 +47,17 @@ from nodecomm.v1 import control_pb2 as pb
 from .allocator import (
     GroupMemory,
     TopkSlabs,
-    accounted_bytes,
     allocate_cuda_topk_slabs,
     allocate_group,
     allocate_rank_device_memory,
     allocate_rank_memory,
     allocate_topk_slabs,
-    check_descriptors,
 )
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics, size_bucket
+from .quotas import Quotas
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
 
@@ -312,6 +311,7 @@ class GroupRegistry:
         self._forming: dict[str, FormingGroup] = {}
         self._active: dict[str, Group] = {}  # by name: the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
+        self.quotas = Quotas(config, self._groups)
         self._draining = False
         self._allocation_ids = itertools.count(1)
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
@@ -486,7 +486,7 @@ class GroupRegistry:
     def _form(self, forming: FormingGroup) -> None:
         first = forming.arrivals[0].args
         try:
-            self._check_quota(first, [a.args.device for _, a in sorted(forming.arrivals.items())])
+            self.quotas.check_group(first, [a.args.device for _, a in sorted(forming.arrivals.items())])
             devices = [
                 None if a.args.device == "cpu" else self.gpus.index(a.args.device)
                 for _, a in sorted(forming.arrivals.items())
@@ -523,19 +523,15 @@ class GroupRegistry:
         group.service = SubmissionQueue(
             group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
         )
-        tokens = {}
         try:
-            for rank, arrival in sorted(forming.arrivals.items()):
-                tokens[rank] = self.claims.issue(
-                    group.name,
-                    group_id,
-                    rank,
-                    arrival.args.pid,
-                    memory.descriptors(),
-                    self.config.claim_token_ttl_seconds,
-                )
+            tokens = self.claims.issue_all(
+                group.name,
+                group_id,
+                {rank: arrival.args.pid for rank, arrival in sorted(forming.arrivals.items())},
+                memory.descriptors(),
+                self.config.claim_token_ttl_seconds,
+            )
         except OSError as error:  # out of descriptors (EMFILE): no rank is answered with a token
-            self.claims.drop_group(group_id)
             memory.close()
             self._fail_forming(
                 forming,
@@ -588,36 +584,6 @@ class GroupRegistry:
                 "thresholds": [b.describe() for b in group.table.boundaries],
             },
         )
-
-    def _check_quota(self, args: JoinArgs, devices: list[str]) -> None:
-        """Before anything is allocated: the daemon's descriptors and byte budget, and each GPU's."""
-        # The segments, each rank's claim of all of them, and one claiming connection.
-        segments = args.world_size + 1
-        check_descriptors(segments * (args.world_size + 1) + 1, "the group", group=args.group)
-        if args.device_kind == "cpu":
-            buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
-        else:
-            buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
-            on_gpu = Counter()
-            for group in self._groups.values():
-                for kind, device, _, nbytes in group.placement():
-                    if kind == "cuda":
-                        on_gpu[device] += nbytes
-            for device, ranks in Counter(devices).items():
-                if on_gpu[device] + ranks * buffer_bytes > self.config.max_bytes_per_gpu:
-                    raise ResourceExhaustedError(
-                        f"GPU {device} would hold {on_gpu[device] + ranks * buffer_bytes} bytes of buffers, past "
-                        f"this daemon's max_bytes_per_gpu {self.config.max_bytes_per_gpu}; nothing was allocated",
-                        group=args.group,
-                    )
-        needed = _native.CONTROL_BYTES + args.world_size * buffer_bytes
-        reserved = self._reserved_bytes()
-        if reserved + needed > self.config.max_reserved_bytes:
-            raise ResourceExhaustedError(
-                f"the group needs {needed} bytes but the daemon already reserves {reserved} of its "
-                f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
-                group=args.group,
-            )
 
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
@@ -699,7 +665,7 @@ class GroupRegistry:
                 **where,
             )
         if request.sequence not in group.exchanges:  # the exchange's first call: later ones join it
-            self._check_caller_allocations(group, where)
+            self.quotas.check_caller(group, where)
         forming = group.exchanges.setdefault(request.sequence, FormingExchange())
         if forming.failure is not None:
             raise forming.failure
@@ -768,16 +734,8 @@ class GroupRegistry:
             )
         else:
             slab_bytes, blocks = layout.slab_bytes, 0
-        needed = slab_bytes * layout.world_size
-        reserved = self._reserved_bytes()
         try:
-            check_descriptors(3 * layout.world_size, "the exchange", group=group.name)
-            if reserved + needed > self.config.max_reserved_bytes:
-                raise ResourceExhaustedError(
-                    f"the exchange needs {needed} bytes but the daemon already reserves {reserved} of its "
-                    f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
-                    group=group.name,
-                )
+            self.quotas.check_exchange(group, slab_bytes * layout.world_size)
             if on_gpus:
                 slabs = allocate_cuda_topk_slabs(group.name, sequence, self._device_indices(group), slab_bytes)
             else:
@@ -785,18 +743,12 @@ class GroupRegistry:
         except ResourceExhaustedError as error:
             self._fail_exchange(forming, error)
             return
-        tokens: dict[int, bytes] = {}
         try:
-            for rank in forming.futures:
-                tokens[rank] = self.claims.issue(
-                    group.name, group.group_id, rank, group.members[rank].pid, slabs.fds,
-                    self.config.claim_token_ttl_seconds,
-                )  # fmt: skip
-        except OSError as error:  # out of descriptors handing them out: take back what was issued
-            for token in tokens.values():
-                claim = self.claims.take(token)
-                if claim is not None:
-                    claim.close()
+            tokens = self.claims.issue_all(
+                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.futures}, slabs.fds,
+                self.config.claim_token_ttl_seconds,
+            )  # fmt: skip
+        except OSError as error:  # out of descriptors handing them out: none was issued
             slabs.close()
             self._fail_exchange(
                 forming, ResourceExhaustedError(f"handing out the slabs failed: {error.strerror}", group=group.name)
@@ -846,25 +798,6 @@ class GroupRegistry:
             raise NotFoundError(f"rank {rank} is no longer a member of this group", **where)
         return group, group.service
 
-    def _check_caller_allocations(self, group: Group, where: dict) -> None:
-        """Refuse one more allocation or exchange where the groups of `group`'s creator hold
-        max_allocations_per_caller of them: per-rank and per-group counts bound one group, this
-        bounds many small ones."""
-        held = 0
-        for other in self._groups.values():
-            if other.creator != group.creator:
-                continue
-            held += len(other.topk_slabs)
-            if other.service is not None:
-                held += sum(1 for a in other.service.allocations.values() if not a.freed)
-        if held >= self.config.max_allocations_per_caller:
-            who = f"uid {group.creator}" if group.creator is not None else "callers without an identity"
-            raise ResourceExhaustedError(
-                f"the groups of {who} hold {held} allocations and top-k exchanges, this daemon's "
-                "max_allocations_per_caller; free one or close a group first",
-                **where,
-            )
-
     def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
         where = dict(group=group.name, rank=request.rank)
@@ -877,21 +810,8 @@ class GroupRegistry:
                 "(world_size times this daemon's max_capacity_bytes)",
                 **where,
             )
-        check_descriptors(3, "the allocation", **where)  # the memory, the claim's copy, the claim's connection
         held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
-        if held >= self.config.max_allocations_per_rank:
-            raise ResourceExhaustedError(
-                f"rank {request.rank} holds {held} allocations, this daemon's max_allocations_per_rank; free one first",
-                **where,
-            )
-        self._check_caller_allocations(group, where)
-        reserved, counted = self._reserved_bytes(), accounted_bytes(size)
-        if reserved + counted > self.config.max_reserved_bytes:
-            raise ResourceExhaustedError(
-                f"allocating {size} bytes (counted as {counted}, whole pages) would pass this daemon's "
-                f"max_reserved_bytes {self.config.max_reserved_bytes} ({reserved} reserved); free some first",
-                **where,
-            )
+        self.quotas.check_allocation(group, held, size, where)
         allocation_id = next(self._allocation_ids)
         if group.args.device_kind == "cuda":
             devices = self._device_indices(group)
@@ -1179,10 +1099,6 @@ class GroupRegistry:
                 member.lost = member.lost or not member.left
             self._release_if_empty(group)
         self._update_gauges()
-
-    def _reserved_bytes(self) -> int:
-        """Bytes every group not yet released holds, counted against max_reserved_bytes."""
-        return sum(g.reserved_bytes for g in self._groups.values())
 
     def _update_gauges(self) -> None:
         self.metrics.groups.labels("joining").set(sum(1 for f in self._forming.values() if f.arrivals))

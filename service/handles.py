@@ -72,6 +72,23 @@ class ClaimTable:
             self._pending[token] = claim
         return token
 
+    def issue_all(
+        self, group: str, group_id: int, pids: dict[int, int], fds: list[int], ttl: float
+    ) -> dict[int, bytes]:
+        """A token for `fds` per rank of `pids` (rank -> pid), all or none: past an OSError (out of
+        descriptors) the tokens issued are taken back before it propagates."""
+        tokens: dict[int, bytes] = {}
+        try:
+            for rank, pid in pids.items():
+                tokens[rank] = self.issue(group, group_id, rank, pid, fds, ttl)
+        except OSError:
+            for token in tokens.values():
+                claim = self.take(token)
+                if claim is not None:
+                    claim.close()
+            raise
+        return tokens
+
     def take(self, token: bytes) -> PendingClaim | None:
         """The claim for `token`, now owned by the caller; None if unknown, used or expired."""
         with self._lock:
