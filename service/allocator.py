@@ -15,6 +15,7 @@ import logging
 import os
 import resource
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -350,3 +351,11 @@ def allocate_rank_memory(name: str, rank: int, allocation_id: int, size_bytes: i
         os.close(fd)
         raise ResourceExhaustedError(f"mapping {size_bytes} bytes of host memory failed: {error}", group=name) from None
     return RankAllocation(allocation_id, rank, fd, address, size_bytes)
+
+
+def max_blocks_for(devices: list[int]) -> int:
+    """The grid cap of a CUDA group whose rank r runs on daemon GPU index devices[r]: every rank's
+    grid must be resident at once, so ranks sharing a GPU split what it holds."""
+    ranks_on = Counter(devices)
+    fits = [_native.cuda_resident_blocks(device) // ranks for device, ranks in ranks_on.items()]
+    return max(1, min([_native.CUDA_MAX_BLOCKS, *fits]))

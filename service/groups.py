@@ -14,11 +14,9 @@ import hashlib
 import hmac
 import itertools
 import logging
-import math
 import re
 import secrets
 import time
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
@@ -41,17 +39,15 @@ from nodecomm.errors import (
     shown,
 )
 from nodecomm.thresholds import DispatchTable, Path
-from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import (
     GroupMemory,
     TopkSlabs,
-    allocate_cuda_topk_slabs,
     allocate_group,
     allocate_rank_device_memory,
     allocate_rank_memory,
-    allocate_topk_slabs,
+    max_blocks_for,
 )
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
@@ -60,6 +56,7 @@ from .metrics import DaemonMetrics, size_bucket
 from .quotas import Quotas
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
+from .topk_exchanges import FormingExchange, TopkOpenings
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
 MAX_TIMINGS_PER_BATCH = 256
@@ -70,7 +67,6 @@ _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
 _OP_NAMES = {v: pb.Op.Name(v).lower() for v in pb.Op.values() if v}
 MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
-DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -172,20 +168,6 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
 
 
-def _exchange_timeout(seconds: float) -> float:
-    """How long a top-k exchange call waits for the other ranks: what it asks for when that is a
-    positive, finite number of seconds, else (0, negative, NaN, infinite) the default."""
-    return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_EXCHANGE_TIMEOUT_SECONDS
-
-
-def max_blocks_for(devices: list[int]) -> int:
-    """The grid cap of a CUDA group whose rank r runs on daemon GPU index devices[r]: every rank's
-    grid must be resident at once, so ranks sharing a GPU split what it holds."""
-    ranks_on = Counter(devices)
-    fits = [_native.cuda_resident_blocks(device) // ranks for device, ranks in ranks_on.items()]
-    return max(1, min([_native.CUDA_MAX_BLOCKS, *fits]))
-
-
 @dataclass
 class Arrival:
     args: JoinArgs
@@ -235,18 +217,6 @@ class PeerCheck:
 
 
 PEER_CHECK_STAGES = {1: "peer memory probe", 2: "numeric self-test"}
-
-
-@dataclass
-class FormingExchange:
-    """The ranks' calls for one top-k exchange (a group's n-th), until all have agreed."""
-
-    arrivals: dict[int, pb.TopkExchangeRequest] = field(default_factory=dict)
-    futures: dict[int, asyncio.Future] = field(default_factory=dict)
-    failure: NodecommError | None = None
-
-    # What every rank must agree on.
-    AGREED = ("max_rows", "topk", "layout_version")
 
 
 @dataclass
@@ -312,6 +282,7 @@ class GroupRegistry:
         self._active: dict[str, Group] = {}  # by name: the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self.quotas = Quotas(config, self._groups)
+        self.topk_openings = TopkOpenings(config, metrics, claims, self.quotas)
         self._draining = False
         self._allocation_ids = itertools.count(1)
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
@@ -638,142 +609,12 @@ class GroupRegistry:
     # -- top-k exchanges -----------------------------------------------------------------------
 
     async def open_topk_exchange(self, request: pb.TopkExchangeRequest) -> pb.TopkExchangeReply:
-        """Wait for every rank's call for the same exchange; if they agree, allocate every owner's
-        slab and answer each rank with a token for them. Disagreeing ranks all get one error."""
-        where = dict(group=request.group or None, rank=request.rank)
+        """One rank's call to open a top-k exchange of its group (topk_exchanges.py)."""
         group = self._group_of(request.group, request.group_id, request.rank)
         if group.state != "active":
-            raise NotFoundError(f"the group is {group.state}", **where)
-        world_size = group.args.world_size
-        if world_size not in WORLD_SIZES:
-            raise InvalidArgumentError(
-                f"top-k exchanges support world sizes {sorted(WORLD_SIZES)}; this group has {world_size}", **where
-            )
-        if request.layout_version != LAYOUT_VERSION:
-            raise InvalidArgumentError(
-                f"layout_version {request.layout_version}: this daemon lays slabs out as version {LAYOUT_VERSION}",
-                **where,
-            )
-        if request.max_rows < 1 or request.topk < 1:
-            raise InvalidArgumentError(
-                f"max_rows {request.max_rows} and topk {request.topk}: expected both at least 1", **where
-            )
-        if len(group.topk_slabs) >= self.config.max_topk_exchanges_per_group:
-            raise ResourceExhaustedError(
-                f"the group holds {len(group.topk_slabs)} top-k exchanges, this daemon's "
-                "max_topk_exchanges_per_group; they are released with the group",
-                **where,
-            )
-        if request.sequence not in group.exchanges:  # the exchange's first call: later ones join it
-            self.quotas.check_caller(group, where)
-        forming = group.exchanges.setdefault(request.sequence, FormingExchange())
-        if forming.failure is not None:
-            raise forming.failure
-        if request.rank in forming.arrivals:
-            raise AlreadyExistsError(f"rank {request.rank} already opened exchange {request.sequence}", **where)
-        for name in FormingExchange.AGREED:
-            values = {r: getattr(a, name) for r, a in forming.arrivals.items()}
-            values[request.rank] = getattr(request, name)
-            if len(set(values.values())) > 1:
-                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
-                self._fail_exchange(
-                    forming,
-                    GroupMismatchError(
-                        f"ranks disagree on the top-k exchange's {name}: {detail}; nothing was allocated",
-                        group=group.name,
-                    ),
-                )
-                raise forming.failure
-        forming.arrivals[request.rank] = request
-        future = forming.futures[request.rank] = asyncio.get_running_loop().create_future()
-        if len(forming.arrivals) == world_size:
-            self._form_exchange(group, request.sequence, forming)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), _exchange_timeout(request.timeout_seconds))
-        except asyncio.TimeoutError:
-            if future.done():  # formed (or failed) in the same step the deadline passed
-                return future.result()
-            missing = sorted(set(group.members) - set(forming.arrivals))
-            self._fail_exchange(
-                forming,
-                DeadlineExceededError(
-                    f"ranks {missing} did not open top-k exchange {request.sequence} in time; nothing was allocated",
-                    group=group.name,
-                ),
-            )
-            raise forming.failure from None
-        except asyncio.CancelledError:
-            # The caller went away (cancelled, or past its gRPC deadline). Forming without it would
-            # hand a token to no one and leave its peers' slabs half-used; its retry would only
-            # find its own stale arrival.
-            if not future.done():
-                self._fail_exchange(
-                    forming,
-                    DeadlineExceededError(
-                        f"top-k exchange {request.sequence} did not open: rank {request.rank} stopped waiting "
-                        "for it (its call was cancelled or passed its deadline); nothing was allocated",
-                        group=group.name,
-                    ),
-                )
-            raise
-
-    def _fail_exchange(self, forming: FormingExchange, error: NodecommError) -> None:
-        forming.failure = error
-        for future in forming.futures.values():
-            if not future.done():
-                future.set_exception(error)
-
-    def _form_exchange(self, group: Group, sequence: int, forming: FormingExchange) -> None:
-        first = forming.arrivals[0]
-        layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
-        on_gpus = group.args.device_kind == "cuda"
-        if on_gpus:
-            slab_bytes = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, layout.topk)
-            blocks = _native.cuda_topk_blocks(
-                layout.rows_per_owner, layout.world_size, layout.topk, max_blocks_for(self._device_indices(group))
-            )
-        else:
-            slab_bytes, blocks = layout.slab_bytes, 0
-        try:
-            self.quotas.check_exchange(group, slab_bytes * layout.world_size)
-            if on_gpus:
-                slabs = allocate_cuda_topk_slabs(group.name, sequence, self._device_indices(group), slab_bytes)
-            else:
-                slabs = allocate_topk_slabs(group.name, sequence, layout.world_size, slab_bytes)
-        except ResourceExhaustedError as error:
-            self._fail_exchange(forming, error)
-            return
-        try:
-            tokens = self.claims.issue_all(
-                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.futures}, slabs.fds,
-                self.config.claim_token_ttl_seconds,
-            )  # fmt: skip
-        except OSError as error:  # out of descriptors handing them out: none was issued
-            slabs.close()
-            self._fail_exchange(
-                forming, ResourceExhaustedError(f"handing out the slabs failed: {error.strerror}", group=group.name)
-            )
-            return
-        del group.exchanges[sequence]  # formed: only failures stay, for the ranks still to come
-        group.topk_slabs.append(slabs)
-        for placed in group.placement([slabs]):
-            self.metrics.reserve(*placed)
-        exchange_id = secrets.randbits(63)
-        for rank, future in forming.futures.items():
-            reply = pb.TopkExchangeReply(
-                exchange_id=exchange_id,
-                claim_token=tokens[rank],
-                memory_kind=pb.CUDA_VMM_FD if on_gpus else pb.HOST_MEMFD,
-                blocks=blocks,
-                rows_per_owner=layout.rows_per_owner,
-            )
-            for owner in range(layout.world_size):
-                reply.slabs.add(owner_rank=owner, size_bytes=slabs.slab_bytes)
-            future.set_result(reply)
-        log.info(
-            "top-k exchange opened",
-            extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
-        )
+            raise NotFoundError(f"the group is {group.state}", group=request.group or None, rank=request.rank)
+        devices = self._device_indices(group) if group.args.device_kind == "cuda" else []
+        return await self.topk_openings.open(group, request, devices)
 
     def _device_indices(self, group: Group) -> list[int]:
         """The daemon's CUDA index of each rank's GPU, in rank order."""
@@ -991,7 +832,7 @@ class GroupRegistry:
             group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
         for forming in group.exchanges.values():
             if forming.failure is None and any(not f.done() for f in forming.futures.values()):
-                self._fail_exchange(forming, PeerLostError(f"group aborted: {message}", group=group.name))
+                forming.fail(PeerLostError(f"group aborted: {message}", group=group.name))
         for check in group.peer_checks.values():
             if check.verdict is not None and not check.verdict.done():
                 check.verdict.set_exception(PeerLostError(f"group aborted: {message}", group=group.name))

@@ -1,0 +1,197 @@
+"""Opening a group's top-k exchanges: every rank's call for the group's n-th exchange, compared on
+what they must agree on, then every owner's slab allocated once and a token for them handed to
+each rank. Disagreeing ranks, a missing one or a caller that stops waiting fail every rank alike."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nodecomm import _native
+from nodecomm.errors import (
+    AlreadyExistsError,
+    DeadlineExceededError,
+    GroupMismatchError,
+    InvalidArgumentError,
+    NodecommError,
+    ResourceExhaustedError,
+)
+from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
+from nodecomm.v1 import control_pb2 as pb
+
+from .allocator import allocate_cuda_topk_slabs, allocate_topk_slabs, max_blocks_for
+from .config import DaemonConfig
+from .handles import ClaimTable
+from .metrics import DaemonMetrics
+from .quotas import Quotas
+
+if TYPE_CHECKING:
+    from .groups import Group
+
+log = logging.getLogger("nodecomm.groups")
+
+DEFAULT_EXCHANGE_TIMEOUT_SECONDS = 60.0
+
+
+def exchange_timeout(seconds: float) -> float:
+    """How long a top-k exchange call waits for the other ranks: what it asks for when that is a
+    positive, finite number of seconds, else (0, negative, NaN, infinite) the default."""
+    return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_EXCHANGE_TIMEOUT_SECONDS
+
+
+@dataclass
+class FormingExchange:
+    """The ranks' calls for one top-k exchange (a group's n-th), until all have agreed."""
+
+    arrivals: dict[int, pb.TopkExchangeRequest] = field(default_factory=dict)
+    futures: dict[int, asyncio.Future] = field(default_factory=dict)
+    failure: NodecommError | None = None
+
+    # What every rank must agree on.
+    AGREED = ("max_rows", "topk", "layout_version")
+
+    def fail(self, error: NodecommError) -> None:
+        """Every rank still waiting, and every later call for this exchange, gets `error`."""
+        self.failure = error
+        for future in self.futures.values():
+            if not future.done():
+                future.set_exception(error)
+
+
+class TopkOpenings:
+    """The daemon's side of TopkExchange opening, over the registry's claims and quotas."""
+
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, claims: ClaimTable, quotas: Quotas):
+        self.config = config
+        self.metrics = metrics
+        self.claims = claims
+        self.quotas = quotas
+
+    async def open(self, group: Group, request: pb.TopkExchangeRequest, devices: list[int]) -> pb.TopkExchangeReply:
+        """Wait for every rank's call for the same exchange of `group` (an active one; on a CUDA
+        group rank r runs on daemon GPU index devices[r]); if they agree, allocate every
+        owner's slab and answer each rank with a token for them. Disagreeing ranks all get one error."""
+        where = dict(group=request.group or None, rank=request.rank)
+        world_size = group.args.world_size
+        if world_size not in WORLD_SIZES:
+            raise InvalidArgumentError(
+                f"top-k exchanges support world sizes {sorted(WORLD_SIZES)}; this group has {world_size}", **where
+            )
+        if request.layout_version != LAYOUT_VERSION:
+            raise InvalidArgumentError(
+                f"layout_version {request.layout_version}: this daemon lays slabs out as version {LAYOUT_VERSION}",
+                **where,
+            )
+        if request.max_rows < 1 or request.topk < 1:
+            raise InvalidArgumentError(
+                f"max_rows {request.max_rows} and topk {request.topk}: expected both at least 1", **where
+            )
+        if len(group.topk_slabs) >= self.config.max_topk_exchanges_per_group:
+            raise ResourceExhaustedError(
+                f"the group holds {len(group.topk_slabs)} top-k exchanges, this daemon's "
+                "max_topk_exchanges_per_group; they are released with the group",
+                **where,
+            )
+        if request.sequence not in group.exchanges:  # the exchange's first call: later ones join it
+            self.quotas.check_caller(group, where)
+        forming = group.exchanges.setdefault(request.sequence, FormingExchange())
+        if forming.failure is not None:
+            raise forming.failure
+        if request.rank in forming.arrivals:
+            raise AlreadyExistsError(f"rank {request.rank} already opened exchange {request.sequence}", **where)
+        for name in FormingExchange.AGREED:
+            values = {r: getattr(a, name) for r, a in forming.arrivals.items()}
+            values[request.rank] = getattr(request, name)
+            if len(set(values.values())) > 1:
+                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
+                forming.fail(
+                    GroupMismatchError(
+                        f"ranks disagree on the top-k exchange's {name}: {detail}; nothing was allocated",
+                        group=group.name,
+                    ),
+                )
+                raise forming.failure
+        forming.arrivals[request.rank] = request
+        future = forming.futures[request.rank] = asyncio.get_running_loop().create_future()
+        if len(forming.arrivals) == world_size:
+            self._form(group, request.sequence, forming, devices)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), exchange_timeout(request.timeout_seconds))
+        except asyncio.TimeoutError:
+            if future.done():  # formed (or failed) in the same step the deadline passed
+                return future.result()
+            missing = sorted(set(group.members) - set(forming.arrivals))
+            forming.fail(
+                DeadlineExceededError(
+                    f"ranks {missing} did not open top-k exchange {request.sequence} in time; nothing was allocated",
+                    group=group.name,
+                ),
+            )
+            raise forming.failure from None
+        except asyncio.CancelledError:
+            # The caller went away (cancelled, or past its gRPC deadline). Forming without it would
+            # hand a token to no one and leave its peers' slabs half-used; its retry would only
+            # find its own stale arrival.
+            if not future.done():
+                forming.fail(
+                    DeadlineExceededError(
+                        f"top-k exchange {request.sequence} did not open: rank {request.rank} stopped waiting "
+                        "for it (its call was cancelled or passed its deadline); nothing was allocated",
+                        group=group.name,
+                    ),
+                )
+            raise
+
+    def _form(self, group: Group, sequence: int, forming: FormingExchange, devices: list[int]) -> None:
+        first = forming.arrivals[0]
+        layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
+        on_gpus = group.args.device_kind == "cuda"
+        if on_gpus:
+            slab_bytes = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, layout.topk)
+            blocks = _native.cuda_topk_blocks(
+                layout.rows_per_owner, layout.world_size, layout.topk, max_blocks_for(devices)
+            )
+        else:
+            slab_bytes, blocks = layout.slab_bytes, 0
+        try:
+            self.quotas.check_exchange(group, slab_bytes * layout.world_size)
+            if on_gpus:
+                slabs = allocate_cuda_topk_slabs(group.name, sequence, devices, slab_bytes)
+            else:
+                slabs = allocate_topk_slabs(group.name, sequence, layout.world_size, slab_bytes)
+        except ResourceExhaustedError as error:
+            forming.fail(error)
+            return
+        try:
+            tokens = self.claims.issue_all(
+                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.futures}, slabs.fds,
+                self.config.claim_token_ttl_seconds,
+            )  # fmt: skip
+        except OSError as error:  # out of descriptors handing them out: none was issued
+            slabs.close()
+            forming.fail(ResourceExhaustedError(f"handing out the slabs failed: {error.strerror}", group=group.name))
+            return
+        del group.exchanges[sequence]  # formed: only failures stay, for the ranks still to come
+        group.topk_slabs.append(slabs)
+        for placed in group.placement([slabs]):
+            self.metrics.reserve(*placed)
+        exchange_id = secrets.randbits(63)
+        for rank, future in forming.futures.items():
+            reply = pb.TopkExchangeReply(
+                exchange_id=exchange_id,
+                claim_token=tokens[rank],
+                memory_kind=pb.CUDA_VMM_FD if on_gpus else pb.HOST_MEMFD,
+                blocks=blocks,
+                rows_per_owner=layout.rows_per_owner,
+            )
+            for owner in range(layout.world_size):
+                reply.slabs.add(owner_rank=owner, size_bytes=slabs.slab_bytes)
+            future.set_result(reply)
+        log.info(
+            "top-k exchange opened",
+            extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
+        )
