@@ -38,7 +38,7 @@ from nodecomm.errors import (
     UnsupportedError,
     shown,
 )
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import (
@@ -52,20 +52,17 @@ from .allocator import (
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
 from .handles import ClaimTable
 from .live_thresholds import LiveEstimates
-from .metrics import DaemonMetrics, size_bucket
+from .metrics import DaemonMetrics
 from .quotas import Quotas
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
+from .timings import TimingIntake, TokenBucket
 from .topk_exchanges import FormingExchange, TopkOpenings
-
-# A bound far past the 32 timings a client batches: anything longer is not a client of ours.
-MAX_TIMINGS_PER_BATCH = 256
 
 log = logging.getLogger("nodecomm.groups")
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
-_OP_NAMES = {v: pb.Op.Name(v).lower() for v in pb.Op.values() if v}
 MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
 
 
@@ -197,9 +194,8 @@ class Member:
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False
-    # The rank's budget of timings (a token bucket: timing_rate_per_rank a second, as many at once).
-    timing_budget: float = -1.0
-    timing_budget_at: float = 0.0
+    # The rank's budget of timings (timing_rate_per_rank a second), from its first batch on.
+    timing_budget: TokenBucket | None = None
     left: bool = False
     lost: bool = False
 
@@ -286,6 +282,7 @@ class GroupRegistry:
         self._draining = False
         self._allocation_ids = itertools.count(1)
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
+        self.timings = TimingIntake(config, metrics, self.tables)
 
     # -- thresholds ----------------------------------------------------------------------------
 
@@ -750,53 +747,11 @@ class GroupRegistry:
 
     def record_counts(self, group_id: int, counts: list[pb.OperationCount]) -> None:
         group = self._groups.get(group_id)
-        if group is None:
-            return
-        for count in counts:
-            if count.op not in _OP_NAMES or count.path not in pb.Path.values() or not count.path:
-                continue
-            labels = (_OP_NAMES[count.op], Path.from_proto(count.path).value)
-            group.counted.add(labels)
-            self.metrics.operations.labels(group.name, *labels).inc(count.operations)
-            self.metrics.operation_bytes.labels(group.name, *labels).inc(count.bytes)
+        if group is not None:
+            self.timings.record_counts(group, counts)
 
     def record_timings(self, group_id: int, rank: int, timings: Sequence[pb.Timing]) -> None:
-        """Use a rank's timings, within bounds: a batch far past what the client sends (32) is
-        dropped whole, and past the rank's rate the rest are, so one rank's stream cannot take
-        the daemon's time from everyone else's calls."""
-        group = self._groups.get(group_id)
-        if len(timings) > MAX_TIMINGS_PER_BATCH:
-            self.metrics.timings_dropped.labels("batch").inc(len(timings))
-            return
-        member = group.members.get(rank) if group is not None else None
-        if member is not None:
-            rate, now = self.config.timing_rate_per_rank, time.monotonic()
-            if member.timing_budget < 0:
-                member.timing_budget = rate
-            member.timing_budget = min(rate, member.timing_budget + (now - member.timing_budget_at) * rate)
-            member.timing_budget_at = now
-            allowed = min(len(timings), int(member.timing_budget))
-            member.timing_budget -= allowed
-            if allowed < len(timings):
-                self.metrics.timings_dropped.labels("rate").inc(len(timings) - allowed)
-                timings = timings[:allowed]
-        for timing in timings:
-            if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values() or not timing.path:
-                continue
-            path = Path.from_proto(timing.path)
-            self.metrics.sampled_ops.labels("all_reduce", path.value).inc()
-            self.metrics.op_seconds.labels("all_reduce", path.value, size_bucket(timing.bytes)).observe(timing.seconds)
-            if group is not None and group.live is not None:
-                group.live.add(rank, path, timing.bytes, timing.seconds)
-        if group is not None and group.live is not None and group.state == "active":
-            self._follow_evidence(group)
-
-    def _follow_evidence(self, group: Group) -> None:
-        """Move the group's boundary where its timings demand, and offer every rank the new table."""
-        table = self.tables.follow_evidence(group.name, group.table, group.live, group.args.nccl_fallback)
-        if table is not None:
-            group.table = table
-            group.broadcast(pb.SessionDown(thresholds=table.to_proto()))
+        self.timings.record_timings(self._groups.get(group_id), rank, timings)
 
     def _check_sessions(self, group_id: int) -> None:
         group = self._groups.get(group_id)

@@ -43,6 +43,7 @@ from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_
 from .job_lease import JobLease
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
+from .timings import TokenBucket
 
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -62,23 +63,16 @@ class UndecodableRequest:
 
 
 class MessagePace:
-    """A token bucket over a stream's messages: `per_second` on average, a second's worth at once.
-    A Session stream read no faster than this keeps what its sender sends beyond it in HTTP/2
-    flow control, at the sender, instead of in this daemon's event loop."""
+    """A stream's messages read at `per_second` on average, a second's worth at once. A Session
+    stream read no faster than this keeps what its sender sends beyond it in HTTP/2 flow control,
+    at the sender, instead of in this daemon's event loop."""
 
     def __init__(self, per_second: float):
-        self._rate = per_second
-        self._tokens = per_second
-        self._at = time.monotonic()
+        self._bucket = TokenBucket(per_second)
 
     async def take(self) -> None:
-        now = time.monotonic()
-        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1:
-            await asyncio.sleep((1 - self._tokens) / self._rate)
-            self._tokens, self._at = 1.0, time.monotonic()
-        self._tokens -= 1
+        while not self._bucket.take(1):
+            await asyncio.sleep(1 / self._bucket.rate)
 
 
 def session_messages_per_second(timing_rate_per_rank: int) -> float:
