@@ -15,7 +15,8 @@ from .allocator import accounted_bytes, check_descriptors
 from .config import DaemonConfig
 
 if TYPE_CHECKING:
-    from .groups import Group, JoinArgs
+    from .groups import Group
+    from .join_args import JoinArgs
 
 
 class Quotas:

@@ -38,9 +38,10 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 from .allocator import raise_descriptor_limit
 from .calibration import CalibrationStore
 from .config import DaemonConfig, load_config, parse_ids
-from .groups import GroupRegistry, JoinArgs
+from .groups import GroupRegistry
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .job_lease import JobLease
+from .join_args import JoinArgs
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .timings import TokenBucket

@@ -1,0 +1,117 @@
+"""What a Join asks for: its arguments as the daemon compares them between ranks (JoinArgs), and
+the checks every Join passes before it reaches a forming group (validate_join)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nodecomm import _native
+from nodecomm.byte_size import format_byte_size
+from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
+from nodecomm.v1 import control_pb2 as pb
+
+from .config import DEFAULT_BOUNDARIES, DaemonConfig
+
+_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
+_DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
+MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
+
+
+@dataclass(frozen=True)
+class JoinArgs:
+    group: str
+    rank: int
+    world_size: int
+    device: str
+    capacity_bytes: int
+    dtypes: tuple[int, ...]
+    pid: int
+    nccl_fallback: bool
+    overrides: tuple[tuple[str, int | None], ...] = ()  # this group's own, sorted by name
+
+    @classmethod
+    def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
+        return cls(
+            group=request.group,
+            rank=request.rank,
+            world_size=request.world_size,
+            device=request.device,
+            capacity_bytes=request.geometry.capacity_bytes,
+            dtypes=tuple(sorted(set(request.geometry.dtypes))),
+            pid=request.pid,
+            nccl_fallback=request.nccl_fallback,
+            # By name, then off (None) before values: a name given twice, once without a value,
+            # must reach validate_join (which refuses it) instead of comparing None with an int.
+            overrides=tuple(
+                sorted(
+                    ((b.name, b.value_bytes if b.HasField("value_bytes") else None) for b in request.overrides),
+                    key=lambda item: (item[0], item[1] is not None, item[1] or 0),
+                )
+            ),
+        )
+
+    # The fields every rank must agree on, with how to show a value in an error.
+    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides")
+
+    @property
+    def device_kind(self) -> str:
+        return "cpu" if self.device == "cpu" else "cuda"
+
+    def shown(self, name: str) -> str:
+        value = getattr(self, name)
+        if name == "dtypes":
+            return "[" + ", ".join(_DTYPE_NAMES[d] for d in value) + "]"
+        if name == "overrides":
+            return "{" + ", ".join(f"{n}={format_byte_size(v)}" for n, v in value) + "}"
+        return str(value)
+
+
+def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None:
+    where = dict(group=args.group or None, rank=args.rank)
+    if not _GROUP_NAME.fullmatch(args.group):
+        raise InvalidArgumentError(
+            f"group name {args.group[:160]!r}: expected 1-128 characters from [A-Za-z0-9._:/-], "
+            "starting with a letter or digit",
+        )
+    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
+        raise InvalidArgumentError(f"world_size {args.world_size}: expected 1..{MAX_WORLD_SIZE}", **where)
+    if args.world_size > config.max_ranks_per_group:
+        raise ResourceExhaustedError(
+            f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
+            **where,
+        )
+    if not 0 <= args.rank < args.world_size:
+        raise InvalidArgumentError(
+            f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where
+        )
+    if args.device != "cpu" and args.device not in gpus:
+        seen = f"the GPUs it sees are {gpus}" if gpus else "it sees no GPUs (no CUDA build, driver or device)"
+        raise InvalidArgumentError(
+            f"device {args.device[:80]!r}: expected 'cpu' or the UUID of a GPU this daemon sees; {seen}", **where
+        )
+    if args.device == "cpu" and args.nccl_fallback:
+        raise InvalidArgumentError("nccl_fallback applies to CUDA groups; a CPU group has no NCCL path", **where)
+    if args.capacity_bytes < 64:
+        raise InvalidArgumentError(f"geometry.capacity_bytes {args.capacity_bytes}: expected at least 64", **where)
+    if args.capacity_bytes > config.max_capacity_bytes:
+        raise ResourceExhaustedError(
+            f"geometry.capacity_bytes {args.capacity_bytes} exceeds this daemon's max_capacity_bytes "
+            f"{config.max_capacity_bytes}",
+            **where,
+        )
+    if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
+        raise InvalidArgumentError(
+            f"geometry.dtypes {shown(list(args.dtypes))}: expected one or more of {sorted(_DTYPE_NAMES.values())}",
+            **where,
+        )
+    names = [name for name, _ in args.overrides]
+    unknown = sorted(set(names) - set(DEFAULT_BOUNDARIES[args.device_kind]))
+    if unknown or len(set(names)) != len(names):
+        raise InvalidArgumentError(
+            f"overrides {shown(names, 200)}: expected each of {sorted(DEFAULT_BOUNDARIES[args.device_kind])} "
+            f"at most once for a {args.device_kind.upper()} group",
+            **where,
+        )
+    if args.pid <= 0:
+        raise InvalidArgumentError(f"pid {args.pid}: expected the joining process's pid", **where)
