@@ -420,9 +420,10 @@ class Communicator:
     # -- checks ----------------------------------------------------------------------------------
 
     def _check_usable(self, call_follows: bool = False) -> None:
-        """Raise why this communicator cannot be used. With `call_follows`, a CUDA group that a
-        mismatch stopped is left to the transport, which records the call this rank was about to
-        make before it raises (the call its peers disagreed on, where its kernels never ran it)."""
+        """Raise why this communicator cannot be used. With `call_follows`, a group that a mismatch
+        stopped (only CUDA kernels abort with one) is left to the transport, which records the call
+        this rank was about to make before it raises (the call its peers disagreed on, where its
+        kernels never ran it)."""
         if self._closed:
             raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
         if self._lease.lost_reason is not None:
@@ -432,7 +433,7 @@ class Communicator:
                 rank=self.rank,
             )
         reason, detail = _native.abort_state(self._control.address)
-        if reason == _native.ABORT_MISMATCH and call_follows and self._transport.kind == "cuda":
+        if reason == _native.ABORT_MISMATCH and call_follows:
             return
         if reason:
             raise self._aborted(reason, detail)

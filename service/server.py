@@ -63,22 +63,10 @@ class UndecodableRequest:
         return InvalidArgumentError(self.message)
 
 
-class MessagePace:
-    """A stream's messages read at `per_second` on average, a second's worth at once. A Session
-    stream read no faster than this keeps what its sender sends beyond it in HTTP/2 flow control,
-    at the sender, instead of in this daemon's event loop."""
-
-    def __init__(self, per_second: float):
-        self._bucket = TokenBucket(per_second)
-
-    async def take(self) -> None:
-        while not self._bucket.take(1):
-            await asyncio.sleep(1 / self._bucket.rate)
-
-
 def session_messages_per_second(timing_rate_per_rank: int) -> float:
     """How fast a Session stream is read: twice what a client at the timing rate sends (a batch
-    per 32 timings, and one a second besides)."""
+    per 32 timings, and one a second besides). A stream sent faster waits in HTTP/2 flow control,
+    at its sender, instead of in this daemon's event loop."""
     return 2 * (timing_rate_per_rank / 32 + 1)
 
 
@@ -231,11 +219,12 @@ class ControlServicer(pb_grpc.ControlServicer):
 
         undecodable: list[UndecodableRequest] = []
 
-        pace = MessagePace(session_messages_per_second(self.config.timing_rate_per_rank))
+        pace = TokenBucket(session_messages_per_second(self.config.timing_rate_per_rank))
 
         async def pump_up() -> None:
             async for message in request_iterator:
-                await pace.take()
+                while not pace.take(1):
+                    await asyncio.sleep(1 / pace.rate)
                 if isinstance(message, UndecodableRequest):
                     undecodable.append(message)  # the stream ends: the rank is lost
                     return

@@ -3,8 +3,8 @@
 // Every call enqueues on the caller's stream and returns; nothing synchronises the host, nothing
 // is patched on the host between launches, so every call can be captured in a CUDA graph and
 // replayed. All ranks must make the same calls with the same sizes in the same order; where they
-// do not, the first barrier or pushed line of the call finds it, the rank records both calls in
-// its error record and aborts the group (control.h), and nothing is written to the output.
+// do not, the first barrier or pushed line of the call finds it, every rank records its own call
+// in its error record, the group is aborted (control.h), and nothing is written to the output.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -26,11 +26,12 @@
 //
 // Agreement (../agreement.h): every barrier's arrival word carries a digest of the call the rank
 // is in beside its epoch (sync.cuh), and every pushed line a digest of the call and the launch in
-// its flags, so ranks compare calls with what they exchange anyway, at no store more. Ranks in different kernels for one launch
-// (one pushes, another meets at barriers) never see each other's arrivals; their waits look, once
-// a poll interval, for the other kind's: a pushed line where a barrier was expected, a barrier
-// where lines were. A rank that finds a mismatch records both calls and aborts the group before
-// anything is written to an output (a kernel cannot raise; the host's next call does).
+// its flags, so ranks compare calls with what they exchange anyway, at no store more. Ranks in
+// different kernels for one launch (one pushes, another meets at barriers) never see each other's
+// arrivals; their waits look, once a poll interval, for the other kind's: a pushed line where a
+// barrier was expected, a barrier where lines were. A rank that finds a mismatch, or that a
+// peer's mismatch stops, records its own call and the group is aborted before anything is written
+// to an output (a kernel cannot raise; the host's next call does).
 // Launches are counted by every collective (the first barrier of a copy path counts it), so the
 // ranks' launch numbers, and with them the slots, stay equal as long as their calls do.
 #include <cuda_bf16.h>
