@@ -48,8 +48,10 @@ __device__ __forceinline__ std::uint64_t* word(std::uint8_t* base, std::size_t o
 
 // Record why this rank stopped (the first record stays) in the control segment, where the host
 // reads it; a timeout also aborts the group. Host memory takes no device atomics on PCIe hosts,
-// so "first" is best effort: every record and reason written is a true one.
-__device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code, int peer, std::uint64_t epoch) {
+// so "first" is best effort: every record and reason written is a true one. The stop paths are
+// out of line: inlined into every wait they doubled the kernels' code, and the cold start of a
+// larger kernel showed in every small call.
+__device__ inline __noinline__ void fail(std::uint8_t* control, int rank, std::uint64_t code, int peer, std::uint64_t epoch) {
   std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
   if (load_volatile(record) == control::kErrorNone) {
     store_volatile(record + 1, std::uint64_t(peer));
@@ -68,7 +70,8 @@ __device__ inline void fail(std::uint8_t* control, int rank, std::uint64_t code,
 // then abort the group, so that every rank's waits end and its next call raises
 // GroupMismatchError with every rank's record. It replaces a record of an abort, which the
 // mismatch (this rank's or a peer's) caused.
-__device__ inline void disagree(std::uint8_t* control, int rank, int peer, std::uint64_t epoch, std::uint64_t call) {
+__device__ inline __noinline__ void disagree(std::uint8_t* control, int rank, int peer, std::uint64_t epoch,
+                                             std::uint64_t call) {
   std::uint64_t* record = word(control, control::kErrorOffset + control::kErrorStride * rank);
   const std::uint64_t code = load_volatile(record);
   if (code == control::kErrorNone || code == control::kErrorAborted) {
@@ -100,11 +103,38 @@ struct NoEvidence {
 // an abort drains at up to one interval per wait.
 constexpr std::uint64_t kAbortPollNs = 1000000;
 
+// What a wait's look found that ends it, unless what it waits for came meanwhile.
+enum class Stop { kNone, kElsewhere, kAbortedByMismatch, kAborted, kTimedOut };
+
+// The look: `elsewhere` (evidence is looked for a poll interval after the wait began: a peer that
+// finished this launch has long made its arrivals visible by then, so the evidence is of another
+// kernel), then the abort word, then the clock.
+template <typename Elsewhere>
+__device__ __noinline__ Stop look_for_stop(std::uint8_t* control, Elsewhere elsewhere, bool timed_out) {
+  if (elsewhere()) return Stop::kElsewhere;
+  if (const std::uint64_t abort = load_acquire(word(control, 0)); abort != 0) {
+    return abort >> 32 == control::kMismatch ? Stop::kAbortedByMismatch : Stop::kAborted;
+  }
+  return timed_out ? Stop::kTimedOut : Stop::kNone;
+}
+
+// Record why a wait ended without what it waited for. A peer's mismatch puts this rank's call on
+// record too, for the message.
+__device__ inline __noinline__ void record_stop(Stop stop, std::uint8_t* control, int rank, int peer,
+                                                std::uint64_t epoch, std::uint64_t call) {
+  if (stop == Stop::kElsewhere || (stop == Stop::kAbortedByMismatch && call != 0)) {
+    disagree(control, rank, peer, epoch, call);
+  } else {
+    fail(control, rank, stop == Stop::kTimedOut ? control::kErrorTimeout : control::kErrorAborted, peer, epoch);
+  }
+}
+
 // Wait until ready() holds. The clock is read every 32 spins; the abort word and `elsewhere`
 // (the peer runs another kernel: see NoEvidence) every kAbortPollNs, and once more before a
 // timeout is declared, so that an abort or a mismatch is reported as one. False (after recording
 // why, against `peer`) on an abort, a mismatch (this rank's call is `call`), or once timeout_ns
-// have passed.
+// have passed; true if ready() holds at the look that found any of them (a peer that arrived and
+// then left aborts the group after its arrival).
 template <typename Ready, typename Elsewhere = NoEvidence>
 __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std::uint8_t* control, int rank, int peer,
                                            std::uint64_t timeout_ns, std::uint64_t call = 0,
@@ -115,28 +145,11 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
     const std::uint64_t now = now_ns();
     if (started == 0) started = polled = now;
     const bool timed_out = now - started > timeout_ns;
-    if (timed_out || now - polled >= kAbortPollNs) {
-      polled = now;
-      // Evidence is looked for a poll interval after the wait began: a peer that finished this
-      // launch has long made its arrivals visible by then, so the evidence is of another kernel.
-      if (elsewhere() && !ready()) {
-        disagree(control, rank, peer, epoch, call);
-        return false;
-      }
-      // A peer that arrived and then left aborts the group after its arrival: ready() decides.
-      if (const std::uint64_t abort = load_acquire(word(control, 0)); abort != 0) {
-        if (ready()) return true;
-        // Stopped by a peer's mismatch: this rank's call goes on record too, for the message.
-        if (abort >> 32 == control::kMismatch && call != 0) {
-          disagree(control, rank, peer, epoch, call);
-        } else {
-          fail(control, rank, control::kErrorAborted, peer, epoch);
-        }
-        return false;
-      }
-    }
-    if (timed_out) {
-      fail(control, rank, control::kErrorTimeout, peer, epoch);
+    if (!timed_out && now - polled < kAbortPollNs) continue;
+    polled = now;
+    if (const Stop stop = look_for_stop(control, elsewhere, timed_out); stop != Stop::kNone) {
+      if (ready()) return true;
+      record_stop(stop, control, rank, peer, epoch, call);
       return false;
     }
   }

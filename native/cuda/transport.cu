@@ -32,8 +32,9 @@
 // barrier was expected, a barrier where lines were. A rank that finds a mismatch, or that a
 // peer's mismatch stops, records its own call and the group is aborted before anything is written
 // to an output (a kernel cannot raise; the host's next call does).
-// Launches are counted by every collective (the first barrier of a copy path counts it), so the
-// ranks' launch numbers, and with them the slots, stay equal as long as their calls do.
+// Only the kernel paths count launches (the copy paths address fixed slots), so the ranks' launch
+// numbers, and with them the slots, stay equal as long as their calls do; a copy path's waits look
+// for a pushing peer's lines at the launch that peer is in, one past the count.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -57,7 +58,7 @@ namespace nodecomm::cuda {
 namespace {
 
 constexpr int kThreads = 512;
-constexpr int kSignalThreads = kMaxBlocks;  // a thread per block's launch counter, which the first signal advances
+constexpr int kSignalThreads = 32;  // one warp: at most kMaxRanks peers to signal and wait for
 constexpr int kReduceMaxBlocks = 132;
 // The dma path pulls its segment from the peers in chunks of this many bytes per peer: the
 // reduction of one chunk overlaps the copies of the next.
@@ -411,17 +412,20 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// One block-pair barrier on block 0's counters: the signal between the copy paths' steps. The
-// first signal of a call counts its launch; the others are of the launch counted last.
+// The launch a peer that pushes instead of meeting at a copy path's barrier is in (the copy paths
+// count none): the one after the last counted.
+__device__ __forceinline__ std::uint64_t pushing_launch(std::uint8_t* mine) {
+  return load_volatile(word(mine, kCounterOffset)) + 1;
+}
+
+// One block-pair barrier on block 0's counters: the signal between the copy paths' steps.
 template <int N>
 __global__ void signal_kernel(Peers<N> peers, std::uint8_t* control, int rank, PushSlots push, std::uint64_t call,
-                              bool first, std::uint64_t timeout_ns) {
+                              std::uint64_t timeout_ns) {
   __shared__ int failed;
   std::uint8_t* mine = peers.rank[rank];
   if (threadIdx.x == 0) failed = 0;
-  const std::uint64_t launch = first ? next_launch(mine) : load_volatile(word(mine, kCounterOffset));
-  __syncthreads();
-  block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, launch, push);
+  block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, pushing_launch(mine), push);
 }
 
 // dma: elements [lo, lo + n) of this rank's segment [own_begin, ...): this rank's values are in
@@ -507,8 +511,7 @@ __global__ void __launch_bounds__(kThreads) copy_out_kernel(Peers<N> peers, std:
   std::uint8_t* mine = peers.rank[rank];
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) failed = 0;
-    block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, load_volatile(word(mine, kCounterOffset)),
-                       push);
+    block_pair_barrier(peers, control, rank, timeout_ns, &failed, call, pushing_launch(mine), push);
     return;
   }
   if (gave_up(mine)) return;
@@ -533,12 +536,12 @@ PushSlots push_slots(const GroupView& group) {
   return PushSlots{push_offset(group.slot_bytes), push_slot_bytes(group.slot_bytes), push_part_bytes(group)};
 }
 
-// One barrier of `call`; `first`: the call's first (it counts the launch).
+// One barrier of `call`.
 template <int N>
-void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t call, bool first, std::uint64_t timeout,
+void signal(const GroupView& group, const Peers<N>& peers, std::uint64_t call, std::uint64_t timeout,
             cudaStream_t stream) {
   signal_kernel<N><<<1, kSignalThreads, 0, stream>>>(peers, reinterpret_cast<std::uint8_t*>(group.control),
-                                                     group.rank, push_slots(group), call, first, timeout);
+                                                     group.rank, push_slots(group), call, timeout);
   NODECOMM_CUDA(cudaGetLastError());
 }
 
@@ -609,9 +612,9 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
   T* pulled = reinterpret_cast<T*>(peers.rank[rank] + kSlotOffset + stride);
 
   // The first signal also compares the ranks' calls, before anything is copied.
-  signal<N>(group, peers, call, true, timeout, stream);  // peers are done with whatever read our slots before
+  signal<N>(group, peers, call, timeout, stream);  // peers are done with whatever read our slots before
   copy(staged, input, count * sizeof(T), stream);
-  signal<N>(group, peers, call, false, timeout, stream);  // every rank has staged
+  signal<N>(group, peers, call, timeout, stream);  // every rank has staged
   const std::size_t own_begin = begin_of(rank), own_end = end_of(rank);
   if (own_end > own_begin) {
     NODECOMM_CUDA(cudaEventRecord(pipeline.fork, stream));
@@ -633,7 +636,7 @@ void dma_all_reduce(const GroupView& group, const T* input, T* output, std::size
       NODECOMM_CUDA(cudaGetLastError());
     }
   }
-  signal<N>(group, peers, call, false, timeout, stream);  // every segment is reduced
+  signal<N>(group, peers, call, timeout, stream);  // every segment is reduced
   // Peers' segments come to slot 1, where the pulled ones were, and go out from there.
   Pieces pieces{};
   for (int p = 0; p < N; ++p) {
@@ -684,7 +687,7 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
-    if (count == 0) return signal<N>(group, peers_of<N>(group), call, true, timeout, stream);  // the calls still meet
+    if (count == 0) return signal<N>(group, peers_of<N>(group), call, timeout, stream);  // the calls still meet
     switch (dtype) {
       case 1: return all_reduce_typed<float, N>(group, input, output, count, algorithm, call, timeout, stream, pipeline);
       case 2: return all_reduce_typed<__half, N>(group, input, output, count, algorithm, call, timeout, stream, pipeline);
@@ -709,11 +712,11 @@ void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
     const Peers<N> peers = peers_of<N>(group);
-    signal<N>(group, peers, call, true, timeout, stream);
+    signal<N>(group, peers, call, timeout, stream);
     if (nbytes == 0) return;  // the calls met
     std::uint8_t* gathered = peers.rank[group.rank] + kSlotOffset + slot_stride(group.slot_bytes);
     copy(peers.rank[group.rank] + kSlotOffset, reinterpret_cast<const void*>(input), nbytes, stream);
-    signal<N>(group, peers, call, false, timeout, stream);
+    signal<N>(group, peers, call, timeout, stream);
     Pieces pieces{};
     for (int p = 0; p < N; ++p) {
       copy(gathered + std::size_t(p) * nbytes, peers.rank[p] + kSlotOffset, nbytes, stream);
@@ -755,7 +758,7 @@ void barrier(const GroupView& group, double timeout_s, cudaStream_t stream) {
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(group.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
-    signal<N>(group, peers_of<N>(group), Call{Collective::kBarrier}.packed(), true, timeout, stream);
+    signal<N>(group, peers_of<N>(group), Call{Collective::kBarrier}.packed(), timeout, stream);
   });
 }
 
