@@ -26,5 +26,9 @@ struct Error : std::runtime_error {
 }  // namespace nodecomm
 
 #define NODECOMM_RAISE(kind, what) ::nodecomm::raise(::nodecomm::ErrorKind::kind, __FILE__, __LINE__, (what))
+// A check of what the caller passed: InvalidArgument.
 #define NODECOMM_CHECK(cond, what) \
   do { if (!(cond)) NODECOMM_RAISE(kInvalidArgument, what); } while (0)
+// A check of nodecomm's own invariant, which no argument can break: InternalError.
+#define NODECOMM_ASSERT(cond, what) \
+  do { if (!(cond)) NODECOMM_RAISE(kInternal, what); } while (0)

@@ -79,7 +79,7 @@ PYBIND11_MODULE(_native, m) {
         "field the ranks disagree on and each rank's value), and whether every rank's call is on record.");
 
   namespace shm = nodecomm::shm;
-  m.attr("SHM_MAX_RANKS") = shm::kMaxRanks;
+  m.attr("MAX_RANKS") = nodecomm::kMaxRanks;
   m.attr("COLLECTIVE_TOPK_STAGE") = int(nodecomm::Collective::kTopkStage);
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
@@ -94,7 +94,7 @@ PYBIND11_MODULE(_native, m) {
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype,
              int algorithm, double timeout_s) {
             py::gil_scoped_release release;
-            self.all_reduce(in, out, count, nodecomm::DType(dtype), shm::Algorithm(algorithm), timeout_s);
+            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::algorithm_of(algorithm), timeout_s);
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
           py::arg("timeout_s"), "Sum `count` elements across ranks; output may equal input.")
@@ -124,7 +124,7 @@ PYBIND11_MODULE(_native, m) {
       "service_all_reduce",
       [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t count, int dtype) {
         py::gil_scoped_release release;
-        service::all_reduce(inputs, outputs, count, nodecomm::DType(dtype));
+        service::all_reduce(inputs, outputs, count, nodecomm::dtype_of(dtype));
       },
       py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"),
       "The service path: every rank's output gets the sum of every rank's input (host addresses, rank order).");
@@ -251,7 +251,7 @@ PYBIND11_MODULE(_native, m) {
         "cuda_service_all_reduce",
         [](int device, Addresses inputs, Addresses outputs, std::size_t count, int dtype, std::uintptr_t stream) {
           py::gil_scoped_release release;
-          executor::all_reduce(device, inputs, outputs, count, dtype, stream);
+          executor::all_reduce(device, inputs, outputs, count, nodecomm::dtype_of(dtype), stream);
         },
         py::arg("device"), py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"),
         py::arg("stream"), "Enqueue the sum of every input into every output (device addresses, rank order).");
@@ -293,9 +293,17 @@ PYBIND11_MODULE(_native, m) {
       .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int, int>(),
            py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"),
            py::arg("device"), py::arg("max_blocks"))
-      .def("all_reduce", &cuda::CudaGroup::all_reduce, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
-           py::arg("output"), py::arg("count"), py::arg("call_count"), py::arg("dtype"), py::arg("algorithm"),
-           py::arg("timeout_s"), py::arg("stream"),
+      .def(
+          "all_reduce",
+          [](cuda::CudaGroup& self, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+             std::size_t call_count, int dtype, int algorithm, double timeout_s, std::uintptr_t stream) {
+            const nodecomm::DType element = nodecomm::dtype_of(dtype);
+            const nodecomm::Algorithm path = nodecomm::algorithm_of(algorithm);
+            py::gil_scoped_release release;
+            self.all_reduce(input, output, count, call_count, element, path, timeout_s, stream);
+          },
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("call_count"), py::arg("dtype"),
+          py::arg("algorithm"), py::arg("timeout_s"), py::arg("stream"),
            "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`, a piece of a "
            "call of `call_count` elements (what the ranks compare).")
       .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),

@@ -10,16 +10,41 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
+
+#include "codes.h"
+#include "errors.h"
 
 namespace nodecomm {
 
-// Element type codes; equal to nodecomm.v1.DType values.
-enum class DType : int { kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
-
-inline std::size_t dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
-
 struct BFloat16 { std::uint16_t bits; };
 struct Float16 { std::uint16_t bits; };
+
+// The element types each side reduces: the host's, bit containers converted by the functions
+// below, and the device's (cuda/numerics.cuh).
+struct HostElements {
+  using Float32 = float;
+  using Float16 = nodecomm::Float16;
+  using BFloat16 = nodecomm::BFloat16;
+};
+
+template <typename T>
+struct ElementTag {
+  using type = T;
+};
+
+// Calls fn(ElementTag<E>{}) with E the element type that `Elements` gives `dtype`: the one dtype
+// dispatch of every transport. An unknown code is the caller's error.
+template <typename Elements, typename Fn>
+decltype(auto) for_dtype(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(ElementTag<typename Elements::Float32>{});
+    case DType::kFloat16: return fn(ElementTag<typename Elements::Float16>{});
+    case DType::kBFloat16: return fn(ElementTag<typename Elements::BFloat16>{});
+  }
+  NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(int(dtype)) +
+                                       ": expected 1 (float32), 2 (float16) or 3 (bfloat16)");
+}
 
 inline std::uint32_t float_bits(float f) { std::uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float bits_float(std::uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }

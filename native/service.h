@@ -21,8 +21,8 @@ namespace nodecomm::service {
 constexpr std::size_t kChunkBytes = 256 << 10;
 
 inline void check_ranks(const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs) {
-  NODECOMM_CHECK(!inputs.empty() && inputs.size() <= std::size_t(shm::kMaxRanks),
-                 "expected 1.." + std::to_string(shm::kMaxRanks) + " inputs, got " + std::to_string(inputs.size()));
+  NODECOMM_CHECK(!inputs.empty() && inputs.size() <= std::size_t(kMaxRanks),
+                 "expected 1.." + std::to_string(kMaxRanks) + " inputs, got " + std::to_string(inputs.size()));
   NODECOMM_CHECK(inputs.size() == outputs.size(), "expected one output per input, got " +
                                                       std::to_string(outputs.size()) + " for " +
                                                       std::to_string(inputs.size()));
@@ -32,7 +32,7 @@ template <typename T>
 void all_reduce_typed(const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,
                       std::size_t count) {
   const int n = int(inputs.size());
-  const std::uint8_t* sources[shm::kMaxRanks];
+  const std::uint8_t* sources[kMaxRanks];
   for (int r = 0; r < n; ++r) sources[r] = reinterpret_cast<const std::uint8_t*>(inputs[r]);
   T* first = reinterpret_cast<T*>(outputs[0]);
   const std::size_t step = kChunkBytes / sizeof(T);
@@ -52,12 +52,9 @@ void all_reduce_typed(const std::vector<std::uintptr_t>& inputs, const std::vect
 inline void all_reduce(const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,
                        std::size_t count, DType dtype) {
   check_ranks(inputs, outputs);
-  switch (dtype) {
-    case DType::kFloat32: return all_reduce_typed<float>(inputs, outputs, count);
-    case DType::kFloat16: return all_reduce_typed<Float16>(inputs, outputs, count);
-    case DType::kBFloat16: return all_reduce_typed<BFloat16>(inputs, outputs, count);
-  }
-  NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(int(dtype)));
+  for_dtype<HostElements>(dtype, [&](auto element) {
+    all_reduce_typed<typename decltype(element)::type>(inputs, outputs, count);
+  });
 }
 
 // Rank r's nbytes land at outputs[q] + r * nbytes for every q.

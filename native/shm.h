@@ -45,7 +45,6 @@
 
 namespace nodecomm::shm {
 
-constexpr int kMaxRanks = 16;
 constexpr std::size_t kLineBytes = 64;
 constexpr int kNumSlots = 2;
 constexpr std::size_t kHeaderBytes = kMaxRanks * kLineBytes;
@@ -58,9 +57,6 @@ constexpr std::size_t kPipelineChunkBytes = 1 << 20;
 constexpr std::size_t kStreamOutputBytes = 8 << 20;
 
 using namespace nodecomm::control;  // the abort word and its reasons
-
-// Algorithms; equal to nodecomm.v1.Path values.
-enum class Algorithm : int { kOneshot = 1, kTwoshot = 2 };
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -190,12 +186,9 @@ class ShmGroup {
   // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ).
   void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
                   double timeout_s) {
-    switch (dtype) {
-      case DType::kFloat32: return all_reduce_typed<float>(in, out, count, dtype, algorithm, timeout_s);
-      case DType::kFloat16: return all_reduce_typed<Float16>(in, out, count, dtype, algorithm, timeout_s);
-      case DType::kBFloat16: return all_reduce_typed<BFloat16>(in, out, count, dtype, algorithm, timeout_s);
-    }
-    NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(int(dtype)));
+    for_dtype<HostElements>(dtype, [&](auto element) {
+      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, algorithm, timeout_s);
+    });
   }
 
   // out holds world_size * nbytes: rank r's input lands at out + r * nbytes. Even 0 bytes meet
@@ -260,7 +253,7 @@ class ShmGroup {
   void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
                         double timeout_s) {
     NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
-                   "unknown algorithm code " + std::to_string(int(algorithm)) + "; expected 1 (oneshot) or 2 (twoshot)");
+                   "algorithm code " + std::to_string(int(algorithm)) + " on a host group: expected 1 (oneshot) or 2 (twoshot)");
     const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
     const T* src = reinterpret_cast<const T*>(in);
     T* dst = reinterpret_cast<T*>(out);

@@ -15,7 +15,7 @@ from .config import DEFAULT_BOUNDARIES, DaemonConfig
 
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
-MAX_WORLD_SIZE = _native.SHM_MAX_RANKS
+MAX_WORLD_SIZE = _native.MAX_RANKS
 
 
 @dataclass(frozen=True)

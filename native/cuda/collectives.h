@@ -1,4 +1,5 @@
-// collectives.h — the host-side ABI of the CUDA transport (defined in transport.cu).
+// collectives.h — the host-side ABI of the CUDA transport: all_reduce in collectives.cu, which
+// picks the path's file (paths.h); all_gather and barrier in dma.cu.
 //
 // Every call enqueues on the caller's stream and returns; nothing synchronises the host, nothing
 // is patched on the host between launches, so every call can be captured in a CUDA graph and
@@ -12,10 +13,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace nodecomm::cuda {
+#include "../codes.h"
 
-// Algorithms; equal to nodecomm.v1.Path values.
-enum class Algorithm : int { kOneshot = 1, kTwoshot = 2, kDma = 3 };
+namespace nodecomm::cuda {
 
 // One rank's view of a group: every rank's buffer as mapped in this process (layout.h), and the
 // group's control segment (../control.h) as the device addresses it.
@@ -37,7 +37,7 @@ struct CopyPipeline {
   cudaEvent_t ready;
 };
 
-// Sum `count` elements of `dtype` (1 fp32, 2 fp16, 3 bf16) across ranks into `output` (may equal
+// Sum `count` elements of `dtype` across ranks into `output` (may equal
 // `input`): fp32 accumulation in rank order 0..n-1, one rounding, the same bits for every
 // algorithm.
 //   oneshot  payloads that fit the push slots (layout.h): every rank writes its input, flagged,
@@ -51,7 +51,7 @@ struct CopyPipeline {
 // this piece belongs to, which the ranks compare (so a call in pieces disagrees at its first).
 // A count of 0 still meets the peers at one barrier.
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                std::size_t call_count, int dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
+                std::size_t call_count, DType dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
                 const CopyPipeline& pipeline);
 
 // Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines into this

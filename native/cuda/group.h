@@ -57,11 +57,11 @@ class CudaGroup {
   CudaGroup(const CudaGroup&) = delete;
   CudaGroup& operator=(const CudaGroup&) = delete;
 
-  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, std::size_t call_count, int dtype,
-                  int algorithm, double timeout_s, std::uintptr_t stream) {
-    refuse_if_stopped(Call{Collective::kAllReduce, call_count, dtype, algorithm});
+  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, std::size_t call_count, DType dtype,
+                  Algorithm algorithm, double timeout_s, std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kAllReduce, call_count, int(dtype), int(algorithm)});
     DeviceScope scope(device_);
-    cuda::all_reduce(view_, input, output, count, call_count, dtype, Algorithm(algorithm), timeout_s,
+    cuda::all_reduce(view_, input, output, count, call_count, dtype, algorithm, timeout_s,
                      reinterpret_cast<cudaStream_t>(stream), pipeline_);
   }
 

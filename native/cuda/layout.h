@@ -22,9 +22,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "../codes.h"
+
 namespace nodecomm::cuda {
 
-constexpr int kMaxRanks = 16;
 constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;

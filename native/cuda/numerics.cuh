@@ -5,7 +5,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "../numerics.h"
+
 namespace nodecomm::cuda {
+
+// The element types the kernels reduce, for for_dtype (../numerics.h).
+struct DeviceElements {
+  using Float32 = float;
+  using Float16 = __half;
+  using BFloat16 = __nv_bfloat16;
+};
 
 __device__ __forceinline__ float widen(float x) { return x; }
 __device__ __forceinline__ float widen(__half x) { return __half2float(x); }

@@ -111,7 +111,7 @@ void record_event(int device, std::uintptr_t event, std::uintptr_t stream) {
 }
 
 void all_reduce(int device, const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,
-                std::size_t count, int dtype, std::uintptr_t stream) {
+                std::size_t count, DType dtype, std::uintptr_t stream) {
   check_ranks(inputs, outputs);
   if (count == 0) return;
   Pointers p{};
@@ -121,12 +121,9 @@ void all_reduce(int device, const std::vector<std::uintptr_t>& inputs, const std
   }
   DeviceScope scope(device);
   const int ranks = int(inputs.size());
-  switch (dtype) {
-    case 1: return launch_reduce<float>(p, ranks, count, as_stream(stream));
-    case 2: return launch_reduce<__half>(p, ranks, count, as_stream(stream));
-    case 3: return launch_reduce<__nv_bfloat16>(p, ranks, count, as_stream(stream));
-  }
-  NODECOMM_RAISE(kInvalidArgument, "unknown dtype code " + std::to_string(dtype));
+  for_dtype<DeviceElements>(dtype, [&](auto element) {
+    launch_reduce<typename decltype(element)::type>(p, ranks, count, as_stream(stream));
+  });
 }
 
 void all_gather(int device, const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,

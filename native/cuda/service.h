@@ -12,6 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "../codes.h"
+
 namespace nodecomm::cuda::service {
 
 // A stream on `device` that does not synchronise with the legacy default stream.
@@ -35,7 +37,7 @@ void record_event(int device, std::uintptr_t event, std::uintptr_t stream);
 // Every output gets the sum of every input: fp32 accumulation in rank order 0..n-1, one rounding,
 // the same bits as every other path. An output may be its rank's input.
 void all_reduce(int device, const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,
-                std::size_t count, int dtype, std::uintptr_t stream);
+                std::size_t count, DType dtype, std::uintptr_t stream);
 
 // Rank r's nbytes land at outputs[q] + r * nbytes for every q: copies, so copy engines move them.
 void all_gather(int device, const std::vector<std::uintptr_t>& inputs, const std::vector<std::uintptr_t>& outputs,

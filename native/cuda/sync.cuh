@@ -156,18 +156,26 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
   return true;
 }
 
-// An arrival word, what a barrier stores into its peers' flags: the low 32 bits of the arrival's
-// epoch (compared modulo 2^32: peers are never more than a barrier apart), above a 32-bit digest
-// of the call it arrived with, so that one store carries both.
-__device__ __forceinline__ std::uint32_t call_digest(std::uint64_t call) {
+// A call as a kernel carries it: whole, for this rank's record if the ranks disagree, and as the
+// 32-bit digest that arrival words and pushed lines carry, taken once on the host (mixing 64 bits
+// on the device sat on every barrier's path).
+struct TaggedCall {
+  std::uint64_t call;
+  std::uint32_t digest;
+};
+
+inline TaggedCall tagged(std::uint64_t call) {
   std::uint64_t x = call;
   x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
   x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return std::uint32_t(x ^ (x >> 31));
+  return TaggedCall{call, std::uint32_t(x ^ (x >> 31))};
 }
 
-__device__ __forceinline__ std::uint64_t arrival(std::uint64_t epoch, std::uint64_t call) {
-  return (epoch << 32) | call_digest(call);
+// An arrival word, what a barrier stores into its peers' flags: the low 32 bits of the arrival's
+// epoch (compared modulo 2^32: peers are never more than a barrier apart), above the digest of the
+// call it arrived with, so that one store carries both.
+__device__ __forceinline__ std::uint64_t arrival(std::uint64_t epoch, TaggedCall call) {
+  return (epoch << 32) | call.digest;
 }
 
 // How many epochs past `epoch` the arrival word `word` is (negative: not there yet).
@@ -179,7 +187,7 @@ __device__ __forceinline__ std::int32_t epochs_past(std::uint64_t word, std::uin
 // with this rank's: a peer already past `epoch` compared ours there and agreed. False (after
 // recording why) on a timeout, an abort, or another call.
 template <typename Elsewhere = NoEvidence>
-__device__ inline bool wait_arrival(const std::uint64_t* flag, std::uint64_t epoch, std::uint64_t call,
+__device__ inline bool wait_arrival(const std::uint64_t* flag, std::uint64_t epoch, TaggedCall call,
                                     std::uint8_t* control, int rank, int peer, std::uint64_t timeout_ns,
                                     Elsewhere elsewhere = {}) {
   std::uint64_t seen = 0;
@@ -187,9 +195,9 @@ __device__ inline bool wait_arrival(const std::uint64_t* flag, std::uint64_t epo
     seen = load_acquire(flag);
     return epochs_past(seen, epoch) >= 0;
   };
-  if (!wait_until(arrived, epoch, control, rank, peer, timeout_ns, call, elsewhere)) return false;
-  if (epochs_past(seen, epoch) == 0 && std::uint32_t(seen) != call_digest(call)) {
-    disagree(control, rank, peer, epoch, call);
+  if (!wait_until(arrived, epoch, control, rank, peer, timeout_ns, call.call, elsewhere)) return false;
+  if (epochs_past(seen, epoch) == 0 && std::uint32_t(seen) != call.digest) {
+    disagree(control, rank, peer, epoch, call.call);
     return false;
   }
   return true;

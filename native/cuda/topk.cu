@@ -15,6 +15,7 @@
 #include "../errors.h"
 #include "driver.h"
 #include "layout.h"
+#include "signal.cuh"
 #include "sync.cuh"
 #include "topk.h"
 #include "world.h"
@@ -25,11 +26,6 @@ namespace {
 constexpr int kThreads = 256;
 // Plane bytes one block aims to move per stage: enough to amortise its flag round trips.
 constexpr std::size_t kBytesPerBlock = 64 << 10;
-
-template <int N>
-struct Slabs {
-  std::uint8_t* rank[N];
-};
 
 // Copies `rows` rows of `row_elements` 4-byte elements (row strides in elements) with every thread
 // of the block, 16 bytes at a time when kVector (row_elements and every row start 16-byte aligned).
@@ -52,9 +48,9 @@ __device__ __forceinline__ void copy_rows(std::int32_t* dst, std::size_t dst_str
 
 template <int N, bool kVector>
 __global__ void __launch_bounds__(kThreads)
-    topk_stage_kernel(Slabs<N> slabs, std::uint8_t* control, int rank, std::size_t rows, std::size_t rows_per_owner,
+    topk_stage_kernel(Peers<N> slabs, std::uint8_t* control, int rank, std::size_t rows, std::size_t rows_per_owner,
                       std::size_t topk, const std::int32_t* idx, const std::int32_t* scores, std::int32_t* out_idx,
-                      std::int32_t* out_scores, std::uint64_t call, std::uint64_t timeout_ns) {
+                      std::int32_t* out_scores, TaggedCall call, std::uint64_t timeout_ns) {
   __shared__ std::uint64_t stage_shared;
   __shared__ int failed;
   std::uint8_t* mine = slabs.rank[rank];
@@ -173,14 +169,13 @@ void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores,
   for_world(view.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
     if constexpr (N <= 8) {
-      Slabs<N> slabs;
-      for (int r = 0; r < N; ++r) slabs.rank[r] = reinterpret_cast<std::uint8_t*>(view.slabs[r]);
+      const Peers<N> slabs = peers_of<N>(view.slabs);
       const auto kernel = vector ? topk_stage_kernel<N, true> : topk_stage_kernel<N, false>;
       kernel<<<view.blocks, kThreads, 0, stream>>>(
           slabs, reinterpret_cast<std::uint8_t*>(view.control), view.rank, rows, view.rows_per_owner, view.topk,
           reinterpret_cast<const std::int32_t*>(idx), reinterpret_cast<const std::int32_t*>(scores),
           reinterpret_cast<std::int32_t*>(out_idx), reinterpret_cast<std::int32_t*>(out_scores),
-          Call{Collective::kTopkStage, rows}.packed(), timeout);
+          tagged(Call{Collective::kTopkStage, rows}.packed()), timeout);
       NODECOMM_CUDA(cudaGetLastError());
     }
   });

@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "../errors.h"
+#include "../numerics.h"
 
 namespace nodecomm::cuda {
 
@@ -25,6 +26,19 @@ void for_world(int world_size, Fn&& fn) {
     case 16: return fn(std::integral_constant<int, 16>{});
   }
   NODECOMM_RAISE(kInvalidArgument, "CUDA paths support world sizes 1-8 and 16, got " + std::to_string(world_size));
+}
+
+// Calls fn(world, element) for every world size and every element type of `Elements`: a kernel's
+// every instantiation, for occupancy queries.
+template <typename Elements, typename Fn>
+void for_every_instance(Fn&& fn) {
+  for (const int world_size : kWorldSizes) {
+    for_world(world_size, [&](auto world) {
+      for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+        for_dtype<Elements>(dtype, [&](auto element) { fn(world, element); });
+      }
+    });
+  }
 }
 
 }  // namespace nodecomm::cuda

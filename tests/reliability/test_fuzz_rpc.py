@@ -32,7 +32,7 @@ from nodecomm.v1 import control_pb2 as pb
 
 from .harness import Checked, Lease, fd_count, fuzz, wait_until
 
-MAX_WORLD = _native.SHM_MAX_RANKS
+MAX_WORLD = _native.MAX_RANKS
 PID = os.getpid()
 NAN, INF = float("nan"), float("inf")
 

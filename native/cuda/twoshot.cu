@@ -1,0 +1,91 @@
+// twoshot.cu — twoshot all-reduce: stage into this launch's slot, barrier, rank r reduces segment
+// r of every block's share (into its slot and the output), barrier, every rank gathers the other
+// segments from their owners' slots.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+#include "../errors.h"
+#include "driver.h"
+#include "pack.cuh"
+#include "paths.h"
+#include "signal.cuh"
+#include "world.h"
+
+namespace nodecomm::cuda {
+namespace {
+
+template <typename T, int N, bool kVector>
+__global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std::size_t slot_stride, const T* input,
+                                                           T* output, std::size_t count, TaggedCall call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
+  const BlockShare share = block_share<T>(count);
+  T* staged = reinterpret_cast<T*>(signal.mine() + slot);
+  block_copy<T, kVector>(input, staged, share.begin, share.end);
+  if (!signal.barrier(&failed, call, true)) return;
+
+  // Element i of every rank's slot.
+  const auto slots_at = [&signal, slot](std::size_t i) {
+    return [&signal, slot, i](int r) { return reinterpret_cast<const T*>(signal.peers.rank[r] + slot) + i; };
+  };
+  const std::size_t segment = round_to_packs<T>((share.end - share.begin + N - 1) / N);
+  const auto segment_of = [&](int r) {
+    const std::size_t lo = min(share.end, share.begin + std::size_t(r) * segment);
+    return BlockShare{lo, min(share.end, lo + segment)};
+  };
+  const BlockShare own = segment_of(signal.rank);
+  block_for<T, kVector>(
+      own.begin, own.end,
+      [&](std::size_t i) {
+        const Pack<T> value = sum_pack<T, N>(slots_at(i));
+        store_pack(staged + i, value);
+        store_pack(output + i, value);
+      },
+      [&](std::size_t i) {
+        const T value = sum_element<T, N>(slots_at(i));
+        staged[i] = value;
+        output[i] = value;
+      });
+  if (!signal.barrier(&failed, call, true)) return;
+  for (int r = 0; r < N; ++r) {
+    if (r == signal.rank) continue;
+    const BlockShare theirs = segment_of(r);
+    block_copy<T, kVector>(reinterpret_cast<const T*>(signal.peers.rank[r] + slot), output, theirs.begin, theirs.end);
+  }
+}
+
+}  // namespace
+
+void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+                        DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream) {
+  // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
+  const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
+  const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
+  for_world(group.world_size, [&](auto world) {
+    constexpr int N = decltype(world)::value;
+    for_dtype<DeviceElements>(dtype, [&](auto element) {
+      using T = typename decltype(element)::type;
+      const auto* in = reinterpret_cast<const T*>(input);
+      auto* out = reinterpret_cast<T*>(output);
+      const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns), slot_stride(group.slot_bytes), in, out,
+                                              count, call);
+      NODECOMM_CUDA(cudaGetLastError());
+    });
+  });
+}
+
+int twoshot_blocks_per_sm() {
+  int per_sm = 1 << 30;
+  for_every_instance<DeviceElements>([&](auto world, auto element) {
+    constexpr int N = decltype(world)::value;
+    using T = typename decltype(element)::type;
+    per_sm = std::min(
+        {per_sm, blocks_per_sm(twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(twoshot_kernel<T, N, false>, kThreads)});
+  });
+  return per_sm;
+}
+
+}  // namespace nodecomm::cuda
