@@ -353,7 +353,7 @@ class Communicator:
                 )
             for fd, slab in zip(fds, reply.slabs, strict=True):
                 if on_gpu:
-                    address = _native.cuda_vmm_import(fd, slab.size_bytes, self.device.index)
+                    address = _native.cuda_vmm_import(self.device.index, fd, slab.size_bytes)
                     slabs.append(SegmentMapping(address, slab.size_bytes))
                 else:
                     slabs.append(map_host_segment(fd, slab.size_bytes, where))

@@ -281,14 +281,14 @@ def _join(
             control = map_host_segment(fds[0], sizes[0], where)
             if legacy:
                 for segment in reply.buffers:
-                    address = _native.cuda_ipc_open(segment.ipc_handle, device_index)
+                    address = _native.cuda_ipc_open(device_index, segment.ipc_handle)
                     buffers.append(SegmentMapping(address, segment.size_bytes, legacy=True, device=device_index))
             else:
                 for fd, size in zip(fds[1:], sizes[1:], strict=True):
                     if device_index is None:
                         buffers.append(map_host_segment(fd, size, where))
                     else:
-                        buffers.append(SegmentMapping(_native.cuda_vmm_import(fd, size, device_index), size))
+                        buffers.append(SegmentMapping(_native.cuda_vmm_import(device_index, fd, size), size))
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory

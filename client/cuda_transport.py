@@ -45,7 +45,7 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
 def unmap_device_segment(mapping: SegmentMapping) -> None:
     """Release device memory mapped here: close a cudaIpcMemHandle import, unmap a VMM mapping."""
     if mapping.legacy:
-        _native.cuda_ipc_close(mapping.address, mapping.device)
+        _native.cuda_ipc_close(mapping.device, mapping.address)
     else:
         _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
 

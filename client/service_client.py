@@ -208,7 +208,7 @@ class ServiceClient:
         (fd,) = claim(self._descriptor_socket, reply.claim_token, 1, self._timeout, self._where)
         try:
             if self.device.type == "cuda":
-                address = _native.cuda_vmm_import(fd, reply.size_bytes, self.device.index)
+                address = _native.cuda_vmm_import(self.device.index, fd, reply.size_bytes)
                 with self._lock:
                     self._device_mappings.append((address, reply.size_bytes))
                 base = torch.as_tensor(_DeviceBytes(address, reply.size_bytes), device=self.device)

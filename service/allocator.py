@@ -320,7 +320,7 @@ def allocate_rank_device_memory(
     try:
         size = allocate_on_gpus([device], size_bytes, fds, mappings)
         if executing_device != device:
-            _native.cuda_vmm_grant(mappings[0].address, size, executing_device)
+            _native.cuda_vmm_grant(executing_device, mappings[0].address, size)
     except (MemoryError, OSError, NodecommError) as error:
         for mapping in mappings:
             _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)

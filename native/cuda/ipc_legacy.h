@@ -40,7 +40,7 @@ inline void ipc_free(int device, std::uintptr_t address) {
 }
 
 // Map another process's allocation on `device`; close it with ipc_close.
-inline std::uintptr_t ipc_open(const std::string& handle, int device) {
+inline std::uintptr_t ipc_open(int device, const std::string& handle) {
   const auto imported = ipc_handle_from<cudaIpcMemHandle_t>(handle, "a memory");
   DeviceScope scope(device);
   void* memory = nullptr;
@@ -48,7 +48,7 @@ inline std::uintptr_t ipc_open(const std::string& handle, int device) {
   return reinterpret_cast<std::uintptr_t>(memory);
 }
 
-inline void ipc_close(std::uintptr_t address, int device) {
+inline void ipc_close(int device, std::uintptr_t address) {
   DeviceScope scope(device);
   NODECOMM_CUDA(cudaIpcCloseMemHandle(reinterpret_cast<void*>(address)));
 }

@@ -89,7 +89,7 @@ inline VmmMapping vmm_allocate(int device, std::size_t bytes) {
 }
 
 // Map an allocation exported by another process. The descriptor stays the caller's to close.
-inline std::uintptr_t vmm_import(int fd, std::size_t size, int device) {
+inline std::uintptr_t vmm_import(int device, int fd, std::size_t size) {
   NODECOMM_CUDA(cudaSetDevice(device));
   NODECOMM_CUDA(cudaFree(nullptr));
   CUmemGenericAllocationHandle handle = 0;
@@ -107,7 +107,7 @@ inline std::uintptr_t vmm_import(int fd, std::size_t size, int device) {
 }
 
 // Let `device` read and write a range this process mapped for another device (peer access).
-inline void vmm_grant(std::uintptr_t address, std::size_t size, int device) {
+inline void vmm_grant(int device, std::uintptr_t address, std::size_t size) {
   CUmemAccessDesc access{};
   access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
   access.location.id = device;

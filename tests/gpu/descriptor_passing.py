@@ -16,7 +16,7 @@ def receive_and_map(path: str, count: int, size: int, device: int, ready) -> lis
         conn, _ = server.accept()
         with conn:
             _, fds, _, _ = socket.recv_fds(conn, 16, count)
-    addresses = [_native.cuda_vmm_import(fd, size, device) for fd in fds]
+    addresses = [_native.cuda_vmm_import(device, fd, size) for fd in fds]
     for fd in fds:
         os.close(fd)
     return addresses

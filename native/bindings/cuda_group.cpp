@@ -1,0 +1,69 @@
+// cuda_group.cpp — a rank's CUDA group (../cuda/group.h), its buffers' and top-k slabs' sizes,
+// and the occupancy its grids are sized by.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "codes.h"
+#include "cuda/group.h"
+#include "cuda/layout.h"
+#include "cuda/topk.h"
+
+#include "bindings.h"
+
+namespace py = pybind11;
+
+namespace nodecomm::bindings {
+
+void bind_cuda_group(py::module_& m) {
+  namespace cuda = nodecomm::cuda;
+  m.attr("CUDA_MAX_BLOCKS") = cuda::kMaxBlocks;
+  m.def(
+      "cuda_resident_blocks",
+      [](int device) {
+        cuda::DeviceScope scope(device);
+        return cuda::resident_blocks(device);
+      },
+      py::arg("device"), "How many blocks of any kernel with block-pair waits fit on `device` at once.");
+  m.def("cuda_topk_slab_bytes", &cuda::topk_slab_bytes, py::arg("rows_per_owner"), py::arg("world_size"),
+        py::arg("topk"), "Bytes of one owner's top-k slab on its GPU: flags, then two slots of planes.");
+  m.def("cuda_topk_blocks", &cuda::topk_blocks, py::arg("rows_per_owner"), py::arg("world_size"), py::arg("topk"),
+        py::arg("max_blocks"), "The grid every rank of a top-k exchange runs.");
+  m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
+        "Bytes of one rank's CUDA buffer (counters, flags, two staging slots, two push slots).");
+  py::class_<cuda::CudaGroup>(m, "CudaGroup",
+                              "One rank's view of a CUDA group: every rank's buffer mapped on this "
+                              "rank's device, the control segment registered with it, the dma copy stream.")
+      .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int, int>(),
+           py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"),
+           py::arg("device"), py::arg("max_blocks"))
+      .def(
+          "all_reduce",
+          [](cuda::CudaGroup& self, std::uintptr_t input, std::uintptr_t output, std::size_t count,
+             std::size_t call_count, int dtype, int algorithm, double timeout_s, std::uintptr_t stream) {
+            const nodecomm::DType element = nodecomm::dtype_of(dtype);
+            const nodecomm::Algorithm path = nodecomm::algorithm_of(algorithm);
+            py::gil_scoped_release release;
+            self.all_reduce(input, output, count, call_count, element, path, timeout_s, stream);
+          },
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("call_count"), py::arg("dtype"),
+          py::arg("algorithm"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`, a piece of a "
+           "call of `call_count` elements (what the ranks compare).")
+      .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
+           py::arg("output"), py::arg("nbytes"), py::arg("output_stride"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")
+      .def("barrier", &cuda::CudaGroup::barrier, py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
+           py::arg("stream"), "Enqueue a barrier among the ranks' streams.")
+      .def("topk_stage", &cuda::CudaGroup::topk_stage, py::call_guard<py::gil_scoped_release>(), py::arg("slabs"),
+           py::arg("rows_per_owner"), py::arg("topk"), py::arg("blocks"), py::arg("idx"), py::arg("scores"),
+           py::arg("rows"), py::arg("out_idx"), py::arg("out_scores"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue one top-k exchange stage: this rank's candidates to their owners, its owner table out.")
+      .def("check_peers", &cuda::CudaGroup::check_peers, py::call_guard<py::gil_scoped_release>(), py::arg("nonce"),
+           py::arg("timeout_s"),
+           "Write a tag into every peer's buffer and wait for every peer's tag in this one: '' or what failed.")
+      .def_property_readonly("rank", &cuda::CudaGroup::rank)
+      .def_property_readonly("world_size", &cuda::CudaGroup::world_size)
+      .def_property_readonly("device", &cuda::CudaGroup::device);
+}
+
+}  // namespace nodecomm::bindings

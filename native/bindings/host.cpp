@@ -1,0 +1,85 @@
+// host.cpp — the CPU transport (../shm.h) and the service path's host executor (../service.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "codes.h"
+#include "service.h"
+#include "shm.h"
+
+#include "bindings.h"
+
+namespace py = pybind11;
+
+namespace nodecomm::bindings {
+
+void bind_host(py::module_& m) {
+  namespace shm = nodecomm::shm;
+  m.attr("MAX_RANKS") = nodecomm::kMaxRanks;
+  m.attr("COLLECTIVE_TOPK_STAGE") = int(nodecomm::Collective::kTopkStage);
+  m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
+        "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
+
+  py::class_<shm::ShmGroup>(m, "ShmGroup",
+                            "One rank's view of a CPU group: every rank's buffer mapped here, and the "
+                            "epochs that order this rank's operations.")
+      .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t>(), py::arg("rank"),
+           py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"))
+      .def(
+          "all_reduce",
+          [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype,
+             int algorithm, double timeout_s) {
+            py::gil_scoped_release release;
+            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::algorithm_of(algorithm), timeout_s);
+          },
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
+          py::arg("timeout_s"), "Sum `count` elements across ranks; output may equal input.")
+      .def(
+          "all_gather",
+          [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
+            py::gil_scoped_release release;
+            self.all_gather(in, out, nbytes, timeout_s);
+          },
+          py::arg("input"), py::arg("output"), py::arg("nbytes"), py::arg("timeout_s"),
+          "Rank r's `nbytes` land at output + r * nbytes on every rank.")
+      .def(
+          "barrier",
+          [](shm::ShmGroup& self, double timeout_s, int collective, std::uint64_t count) {
+            py::gil_scoped_release release;
+            self.barrier(timeout_s, nodecomm::Call{nodecomm::Collective(collective), count});
+          },
+          py::arg("timeout_s"), py::arg("collective") = int(nodecomm::Collective::kBarrier), py::arg("count") = 0,
+          "Every rank arrives with the same (collective, count), or all get GroupMismatchError.")
+      .def_property_readonly("rank", &shm::ShmGroup::rank)
+      .def_property_readonly("world_size", &shm::ShmGroup::world_size)
+      .def_property_readonly("op_epoch", &shm::ShmGroup::op_epoch)
+      .def_property_readonly("barrier_epoch", &shm::ShmGroup::barrier_epoch);
+
+  namespace service = nodecomm::service;
+  m.def(
+      "service_all_reduce",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t count, int dtype) {
+        py::gil_scoped_release release;
+        service::all_reduce(inputs, outputs, count, nodecomm::dtype_of(dtype));
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("count"), py::arg("dtype"),
+      "The service path: every rank's output gets the sum of every rank's input (host addresses, rank order).");
+  m.def(
+      "service_all_gather",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t nbytes) {
+        py::gil_scoped_release release;
+        service::all_gather(inputs, outputs, nbytes);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("nbytes"),
+      "The service path: rank r's nbytes land at outputs[q] + r * nbytes for every rank q.");
+  m.def(
+      "service_topk_stage",
+      [](std::vector<std::uintptr_t> inputs, std::vector<std::uintptr_t> outputs, std::size_t rows,
+         std::size_t topk) {
+        py::gil_scoped_release release;
+        service::topk_stage(inputs, outputs, rows, topk);
+      },
+      py::arg("inputs"), py::arg("outputs"), py::arg("rows"), py::arg("topk"),
+      "The service path's top-k owner exchange: each source's candidates into each owner's table.");
+}
+
+}  // namespace nodecomm::bindings
