@@ -69,7 +69,6 @@ class CudaTransport:
         self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
         self._buffers = buffers
         self._control = control
-        self._slot_bytes = slot_bytes
         self._nccl_group = nccl_group
         self._group = _native.CudaGroup(
             rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
@@ -120,26 +119,16 @@ class CudaTransport:
                 out.copy_(tensor)
             torch.distributed.all_reduce(out, group=self._nccl_group)
             return
-        element = tensor.element_size()
-        per_piece = self._slot_bytes // element
-        count, code, algorithm, stream = tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), self._stream()
-        source, target = tensor.data_ptr(), out.data_ptr()
-        # Every piece carries the whole count, which the ranks compare; even none meets the peers.
-        with self._enqueueing():
-            for start in range(0, max(count, 1), per_piece):
-                n = min(per_piece, count - start)
-                offset = start * element
-                self._group.all_reduce(source + offset, target + offset, n, count, code, algorithm, timeout, stream)
+        with self._enqueueing():  # the native group runs a call larger than a slot in pieces
+            self._group.all_reduce(
+                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout,
+                self._stream(),
+            )  # fmt: skip
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        source, target, stream = tensor.data_ptr(), out.data_ptr(), self._stream()
-        share = self._slot_bytes // self.world_size  # every rank's piece together fit one slot
-        per_piece = share // 256 * 256 or share
         with self._enqueueing():
-            for offset in range(0, max(nbytes, 1), per_piece):
-                piece = min(per_piece, nbytes - offset)
-                self._group.all_gather(source + offset, target + offset, piece, nbytes, timeout, stream)
+            self._group.all_gather(tensor.data_ptr(), out.data_ptr(), nbytes, timeout, self._stream())
 
     def barrier(self, timeout: float) -> None:
         stream = torch.cuda.current_stream(self.device)

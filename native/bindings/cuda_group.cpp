@@ -38,20 +38,19 @@ void bind_cuda_group(py::module_& m) {
            py::arg("device"), py::arg("max_blocks"))
       .def(
           "all_reduce",
-          [](cuda::CudaGroup& self, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-             std::size_t call_count, int dtype, int algorithm, double timeout_s, std::uintptr_t stream) {
+          [](cuda::CudaGroup& self, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
+             int algorithm, double timeout_s, std::uintptr_t stream) {
             const nodecomm::DType element = nodecomm::dtype_of(dtype);
             const nodecomm::Algorithm path = nodecomm::algorithm_of(algorithm);
             py::gil_scoped_release release;
-            self.all_reduce(input, output, count, call_count, element, path, timeout_s, stream);
+            self.all_reduce(input, output, count, element, path, timeout_s, stream);
           },
-          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("call_count"), py::arg("dtype"),
-          py::arg("algorithm"), py::arg("timeout_s"), py::arg("stream"),
-           "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`, a piece of a "
-           "call of `call_count` elements (what the ranks compare).")
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
+          py::arg("timeout_s"), py::arg("stream"),
+          "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`.")
       .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
-           py::arg("output"), py::arg("nbytes"), py::arg("output_stride"), py::arg("timeout_s"), py::arg("stream"),
-           "Enqueue: rank r's `nbytes` land at output + r * output_stride on every rank.")
+           py::arg("output"), py::arg("nbytes"), py::arg("timeout_s"), py::arg("stream"),
+           "Enqueue: rank r's `nbytes` land at output + r * nbytes on every rank.")
       .def("barrier", &cuda::CudaGroup::barrier, py::call_guard<py::gil_scoped_release>(), py::arg("timeout_s"),
            py::arg("stream"), "Enqueue a barrier among the ranks' streams.")
       .def("topk_stage", &cuda::CudaGroup::topk_stage, py::call_guard<py::gil_scoped_release>(), py::arg("slabs"),

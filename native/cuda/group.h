@@ -57,19 +57,31 @@ class CudaGroup {
   CudaGroup(const CudaGroup&) = delete;
   CudaGroup& operator=(const CudaGroup&) = delete;
 
-  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, std::size_t call_count, DType dtype,
-                  Algorithm algorithm, double timeout_s, std::uintptr_t stream) {
-    refuse_if_stopped(Call{Collective::kAllReduce, call_count, int(dtype), int(algorithm)});
+  // A call larger than a slot runs as pieces of a slot each, every piece carrying the whole call's
+  // count, which the ranks compare; a call of nothing still meets the peers once.
+  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, DType dtype, Algorithm algorithm,
+                  double timeout_s, std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kAllReduce, count, int(dtype), int(algorithm)});
     DeviceScope scope(device_);
-    cuda::all_reduce(view_, input, output, count, call_count, dtype, algorithm, timeout_s,
-                     reinterpret_cast<cudaStream_t>(stream), pipeline_);
+    const std::size_t element = dtype_bytes(dtype), per_piece = view_.slot_bytes / element;
+    for (std::size_t start = 0; start < std::max<std::size_t>(count, 1); start += per_piece) {
+      const std::size_t offset = start * element;
+      cuda::all_reduce(view_, input + offset, output + offset, std::min(per_piece, count - start), count, dtype,
+                       algorithm, timeout_s, reinterpret_cast<cudaStream_t>(stream), pipeline_);
+    }
   }
 
-  void all_gather(std::uintptr_t input, std::uintptr_t output, std::size_t nbytes, std::size_t output_stride,
-                  double timeout_s, std::uintptr_t stream) {
-    refuse_if_stopped(Call{Collective::kAllGather, output_stride});
+  // Every rank's piece of a call together fills at most a slot; pieces start 256-byte aligned.
+  void all_gather(std::uintptr_t input, std::uintptr_t output, std::size_t nbytes, double timeout_s,
+                  std::uintptr_t stream) {
+    refuse_if_stopped(Call{Collective::kAllGather, nbytes});
     DeviceScope scope(device_);
-    cuda::all_gather(view_, input, output, nbytes, output_stride, timeout_s, reinterpret_cast<cudaStream_t>(stream));
+    const std::size_t share = view_.slot_bytes / std::size_t(view_.world_size);
+    const std::size_t per_piece = share / 256 * 256 ? share / 256 * 256 : share;
+    for (std::size_t offset = 0; offset < std::max<std::size_t>(nbytes, 1); offset += per_piece) {
+      cuda::all_gather(view_, input + offset, output + offset, std::min(per_piece, nbytes - offset), nbytes, timeout_s,
+                       reinterpret_cast<cudaStream_t>(stream));
+    }
   }
 
   void barrier(double timeout_s, std::uintptr_t stream) {
