@@ -28,6 +28,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import claim, map_host_segment
+from .dispatch import Dispatcher
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
@@ -35,9 +36,6 @@ from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .topk_exchange import CudaTopkExchange, TopkExchange
 
 log = logging.getLogger("nodecomm.client")
-
-# Paths that give the same bits, so exploring between them changes no result.
-_LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
 
 Transport = HostTransport | CudaTransport
 
@@ -88,10 +86,10 @@ class Communicator:
         self._exchange_calls = 0
         self.device = transport.device
         self._dtypes = dtypes
-        self._table = table
-        self._switch_period = table_switch_period
-        self._explore_period = explore_period
-        self._reduces = 0  # all-reduce calls so far: the same count on every rank
+        self._dispatcher = Dispatcher(
+            table, transport.paths | {Path.SERVICE}, transport.kind,
+            explore_period=explore_period, switch_period=table_switch_period,
+        )  # fmt: skip
         self._sample_period = max(1, timing_sample_period)
         self._operation_timeout = operation_timeout
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
@@ -103,7 +101,6 @@ class Communicator:
             self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata,
             transport.device,
         )  # fmt: skip
-        self._paths = transport.paths | {Path.SERVICE}
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.
         self._lock = threading.Lock()
@@ -156,34 +153,13 @@ class Communicator:
                 rank=self.rank,
             )
         nbytes = tensor.numel() * tensor.element_size()
-        self._reduces += 1
-        sampled = (self._reduces - 1) % self._sample_period == 0
-        if path is not None:
-            chosen = self._forced_path(path)
-        else:
-            chosen = self._table.path_for(nbytes)
-            if chosen not in self._paths:
-                hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
-                raise InvalidArgumentError(
-                    f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run{hint}",
-                    group=self.group,
-                    rank=self.rank,
-                )
-            explore = self._explore_period and self._reduces % self._explore_period == 0
-            if explore and chosen in _LOSSLESS and not self._transport.capturing():
-                # Every rank counts the same calls, so every rank explores the same one; between
-                # lossless paths, so the result's bits are the same.
-                neighbour = self._table.neighbour_path(nbytes)
-                if neighbour in _LOSSLESS and neighbour in self._transport.paths:
-                    chosen, sampled = neighbour, True
+        try:
+            decision = self._dispatcher.decide(nbytes, forced=path, capturing=self._transport.capturing())
+        except NodecommError as error:
+            raise self._located(error) from None
+        chosen = decision.path
+        sampled = decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
         if chosen is Path.SERVICE:
-            if path is None and self._transport.capturing():
-                raise InvalidArgumentError(
-                    f"the dispatch table sends {nbytes} bytes to the service path (service_min_bytes), which a "
-                    "CUDA graph cannot capture; pass path= for captured calls, or turn service_min_bytes off",
-                    group=self.group,
-                    rank=self.rank,
-                )
             work = self._submitted(self._service.all_reduce, tensor, out)
             self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
             self._maybe_switch_table()
@@ -197,7 +173,7 @@ class Communicator:
     def _maybe_switch_table(self) -> None:
         """After every table_switch_period-th all-reduce: after the call, so that what accepts()
         answered before a call is what that call dispatches by."""
-        if self._switch_period and self._reduces % self._switch_period == 0 and not self._transport.capturing():
+        if self._dispatcher.switch_due(self._transport.capturing()):
             self._agree_on_table()
 
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -207,7 +183,7 @@ class Communicator:
         engine's custom all-reduce slot declines those, and the engine's own NCCL takes them."""
         if not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
             return False
-        return self._table.path_for(tensor.numel() * tensor.element_size()) in self._paths
+        return self._dispatcher.accepts(tensor.numel() * tensor.element_size())
 
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:
@@ -395,27 +371,26 @@ class Communicator:
     def _agree_on_table(self) -> None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of
         them, which every rank holds, so all dispatch the next call by the same table."""
-        offered = max(self._lease.offered, default=self._table.epoch)
-        mine = torch.tensor([max(offered, self._table.epoch)], dtype=torch.int64, device=self.device)
-        gathered = torch.empty((self.world_size, 1), dtype=torch.int64, device=self.device)
-        # Through the transport, not all_gather(): the client's own traffic is not the engine's to count.
-        self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
-        agreed = int(gathered.min())
-        if agreed > self._table.epoch:
-            self._table = self._lease.offered[agreed]
-            for epoch in list(self._lease.offered):  # the lease thread may add offers meanwhile
-                if epoch <= agreed:
-                    self._lease.offered.pop(epoch, None)
+
+        def lowest_of_ranks(epoch: int) -> int:
+            mine = torch.tensor([epoch], dtype=torch.int64, device=self.device)
+            gathered = torch.empty((self.world_size, 1), dtype=torch.int64, device=self.device)
+            # Through the transport, not all_gather(): the client's own traffic is not the engine's to count.
+            self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
+            return int(gathered.min())
+
+        agreed = self._dispatcher.agree(self._lease.offered, lowest_of_ranks)
+        if agreed is not None:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
 
     @property
     def paths(self) -> frozenset[Path]:
         """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
-        return frozenset(self._paths)
+        return self._dispatcher.paths
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
-        return self._table
+        return self._dispatcher.table
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -490,18 +465,9 @@ class Communicator:
 
     def _forced_path(self, name: str) -> Path:
         try:
-            path = Path.parse(name)
-        except ValueError as error:
-            raise InvalidArgumentError(str(error), group=self.group, rank=self.rank) from None
-        if path not in self._paths:
-            available = ", ".join(repr(p.value) for p in Path if p in self._paths)
-            hint = " (nccl needs connect(..., nccl_group=...))" if path is Path.NCCL else ""
-            raise InvalidArgumentError(
-                f"path {name!r} is not available to a {self._transport.kind.upper()} group{hint}; expected one of {available}",
-                group=self.group,
-                rank=self.rank,
-            )
-        return path
+            return self._dispatcher.forced_path(name)
+        except NodecommError as error:
+            raise self._located(error) from None
 
     # -- teardown --------------------------------------------------------------------------------
 

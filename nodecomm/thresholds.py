@@ -1,9 +1,9 @@
 """The dispatch table: which path carries an all-reduce of a given size.
 
-This is the one place that decides the path for a size. The daemon builds a table from its
-boundaries (override > calibrated > default) and pushes it to every rank of a group; ranks look
-sizes up in it with `path_for`. All ranks of a group hold the same table at the same epoch, so they
-dispatch identically.
+The daemon builds a table from its boundaries (override > calibrated > default) and pushes it to
+every rank of a group; ranks look sizes up in it with `path_for`, through the client's Dispatcher
+(nodecomm/client/dispatch.py), the one place that decides a call's path. All ranks of a group
+hold the same table at the same epoch, so they dispatch identically.
 """
 
 from __future__ import annotations

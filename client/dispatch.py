@@ -1,0 +1,112 @@
+"""The one place that decides which path carries a rank's all-reduce.
+
+The daemon's dispatch table (nodecomm/thresholds.py) maps sizes to paths; the Dispatcher turns a
+call into a path: the path the caller forced, or the table's for its size, now and then the
+neighbouring lossless path instead (so the daemon gets timings on both sides of a boundary), and
+never a path the stream cannot run (the service path under graph capture). It also owns the
+table: every rank switches to a newer one only when all agree on it. Every rank makes the same
+calls in the same order, so every rank's Dispatcher decides the same; it needs no group to test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from nodecomm.errors import InvalidArgumentError
+from nodecomm.thresholds import DispatchTable, Path
+
+# Paths that give the same bits, so exploring between them changes no result.
+LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
+
+
+@dataclass(frozen=True)
+class Decision:
+    path: Path
+    explored: bool  # the table's neighbour, not its choice: time it for the daemon
+
+
+class Dispatcher:
+    """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
+    `kind`: "cpu" or "cuda", for messages; every `explore_period`-th call explores, after every
+    `switch_period`-th one the ranks agree on the newest table (0: never)."""
+
+    def __init__(
+        self,
+        table: DispatchTable,
+        paths: frozenset[Path],
+        kind: str,
+        *,
+        explore_period: int = 0,
+        switch_period: int = 0,
+    ):
+        self.table = table
+        self.paths = paths
+        self._kind = kind
+        self._explore_period = explore_period
+        self._switch_period = switch_period
+        self.calls = 0  # all-reduce calls decided: the same count on every rank
+
+    def decide(self, nbytes: int, *, forced: str | None, capturing: bool) -> Decision:
+        """The path of the next all-reduce of `nbytes`, forced to `forced` unless None; counts the
+        call. InvalidArgumentError where the rank cannot run the path."""
+        self.calls += 1
+        if forced is not None:
+            return Decision(self.forced_path(forced), explored=False)
+        chosen = self.table.path_for(nbytes)
+        if chosen not in self.paths:
+            hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
+            raise InvalidArgumentError(
+                f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run{hint}"
+            )
+        if chosen is Path.SERVICE and capturing:
+            raise InvalidArgumentError(
+                f"the dispatch table sends {nbytes} bytes to the service path (service_min_bytes), which a "
+                "CUDA graph cannot capture; pass path= for captured calls, or turn service_min_bytes off"
+            )
+        explore = self._explore_period and self.calls % self._explore_period == 0
+        if explore and chosen in LOSSLESS and not capturing:
+            # Between lossless paths, so the result's bits are the same.
+            neighbour = self.table.neighbour_path(nbytes)
+            if neighbour in LOSSLESS and neighbour in self.paths:
+                return Decision(neighbour, explored=True)
+        return Decision(chosen, explored=False)
+
+    def accepts(self, nbytes: int) -> bool:
+        """Whether the table gives `nbytes` a path this rank runs."""
+        return self.table.path_for(nbytes) in self.paths
+
+    def forced_path(self, name: str) -> Path:
+        """The path named `name`, which this rank must run."""
+        try:
+            path = Path.parse(name)
+        except ValueError as error:
+            raise InvalidArgumentError(str(error)) from None
+        if path not in self.paths:
+            available = ", ".join(repr(p.value) for p in Path if p in self.paths)
+            hint = " (nccl needs connect(..., nccl_group=...))" if path is Path.NCCL else ""
+            raise InvalidArgumentError(
+                f"path {name!r} is not available to a {self._kind.upper()} group{hint}; expected one of {available}"
+            )
+        return path
+
+    def switch_due(self, capturing: bool) -> bool:
+        """Whether the ranks agree on a table after this call: after every switch_period-th
+        all-reduce (after it, so that what accepts() answered before a call is what that call
+        dispatched by), and never inside a graph capture."""
+        return bool(self._switch_period) and self.calls % self._switch_period == 0 and not capturing
+
+    def agree(self, offered: dict[int, DispatchTable], lowest_of_ranks: Callable[[int], int]) -> int | None:
+        """Every rank shares the newest table epoch it was offered; all switch to the lowest of
+        them, which every rank holds, so all dispatch the next call by the same table.
+        `lowest_of_ranks(epoch)` returns the lowest epoch any rank passed. Returns the epoch
+        switched to, or None. Offers up to it are dropped from `offered`."""
+        newest = max(offered, default=self.table.epoch)
+        agreed = lowest_of_ranks(max(newest, self.table.epoch))
+        if agreed <= self.table.epoch:
+            return None
+        self.table = offered[agreed]
+        for epoch in list(offered):  # the lease thread may add offers meanwhile
+            if epoch <= agreed:
+                offered.pop(epoch, None)
+        return agreed

@@ -1,0 +1,102 @@
+"""The Dispatcher, without a group: what a call's path is, given the table, the forced path and
+whether the stream captures; when the ranks agree on a table, and which one."""
+
+import pytest
+
+from nodecomm.client.dispatch import Dispatcher
+from nodecomm.errors import InvalidArgumentError
+from nodecomm.thresholds import DispatchTable, Path
+
+KIB = 1 << 10
+# <=32KiB oneshot, <=1MiB twoshot, <=64MiB dma, then service.
+TABLE = DispatchTable(
+    epoch=1, range_max=(32 * KIB, 1 << 20, 64 << 20), range_paths=(Path.ONESHOT, Path.TWOSHOT, Path.DMA, Path.SERVICE)
+)
+CUDA_PATHS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA, Path.SERVICE})
+
+
+def cuda_dispatcher(**periods) -> Dispatcher:
+    return Dispatcher(TABLE, CUDA_PATHS, "cuda", **periods)
+
+
+@pytest.mark.parametrize(
+    "nbytes, path",
+    [(0, Path.ONESHOT), (32 * KIB, Path.ONESHOT), (32 * KIB + 1, Path.TWOSHOT), (1 << 20, Path.TWOSHOT),
+     ((1 << 20) + 1, Path.DMA), ((64 << 20) + 1, Path.SERVICE)],
+)  # fmt: skip
+def test_the_table_decides_by_size(nbytes, path):
+    decision = cuda_dispatcher().decide(nbytes, forced=None, capturing=False)
+    assert (decision.path, decision.explored) == (path, False)
+
+
+def test_a_forced_path_wins_and_is_checked():
+    dispatcher = cuda_dispatcher()
+    assert dispatcher.decide(4, forced="DMA", capturing=True).path is Path.DMA
+    with pytest.raises(InvalidArgumentError, match=r"unknown path 'ring': expected one of oneshot, twoshot"):
+        dispatcher.decide(4, forced="ring", capturing=False)
+    with pytest.raises(InvalidArgumentError, match=r"'nccl' is not available to a CUDA group \(nccl needs connect"):
+        dispatcher.decide(4, forced="nccl", capturing=False)
+    cpu = Dispatcher(TABLE, frozenset({Path.ONESHOT, Path.TWOSHOT, Path.SERVICE}), "cpu")
+    with pytest.raises(InvalidArgumentError, match=r"'dma' is not available to a CPU group; expected one of 'oneshot'"):
+        cpu.decide(4, forced="dma", capturing=False)
+    assert dispatcher.calls == 3  # refused calls count too: every rank refuses the same ones
+
+
+def test_a_table_path_this_rank_cannot_run_is_refused():
+    cpu = Dispatcher(TABLE, frozenset({Path.ONESHOT, Path.TWOSHOT, Path.SERVICE}), "cpu")
+    with pytest.raises(InvalidArgumentError, match=r"sends 2097152 bytes to dma, which this rank cannot run$"):
+        cpu.decide(2 << 20, forced=None, capturing=False)
+    assert not cpu.accepts(2 << 20) and cpu.accepts(4 * KIB)
+    nccl_table = DispatchTable(epoch=1, range_max=(32 * KIB,), range_paths=(Path.ONESHOT, Path.NCCL))
+    by_caller = Dispatcher(nccl_table, CUDA_PATHS, "cuda")
+    with pytest.raises(InvalidArgumentError, match=r"runs NCCL itself for these sizes \(ask accepts\(\) first\)"):
+        by_caller.decide(1 << 20, forced=None, capturing=False)
+
+
+def test_the_service_path_is_refused_under_capture_unless_forced():
+    dispatcher = cuda_dispatcher()
+    with pytest.raises(InvalidArgumentError, match="which a CUDA graph cannot capture; pass path="):
+        dispatcher.decide(128 << 20, forced=None, capturing=True)
+    assert dispatcher.decide(128 << 20, forced=None, capturing=False).path is Path.SERVICE
+
+
+def test_every_explore_period_th_call_takes_the_lossless_neighbour_outside_captures():
+    dispatcher = cuda_dispatcher(explore_period=3)
+    near_edge = 30 * KIB  # oneshot, within 4x of the twoshot edge
+    decided = [dispatcher.decide(near_edge, forced=None, capturing=False) for _ in range(6)]
+    assert [(d.path, d.explored) for d in decided] == [(Path.ONESHOT, False)] * 2 + [(Path.TWOSHOT, True)] + [
+        (Path.ONESHOT, False)
+    ] * 2 + [(Path.TWOSHOT, True)]
+    # The ninth call would explore, but a capture is replayed as recorded: no exploring inside one.
+    assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [Path.ONESHOT] * 3
+    # dma's neighbour above is the service path, which is not lossless: never explored.
+    at_service_edge = 64 << 20
+    assert {cuda_dispatcher(explore_period=1).decide(at_service_edge, forced=None, capturing=False).path} == {Path.DMA}
+    # Far from any edge there is no neighbour to time.
+    assert cuda_dispatcher(explore_period=1).decide(256, forced=None, capturing=False) == (
+        cuda_dispatcher().decide(256, forced=None, capturing=False)
+    )
+
+
+def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():
+    dispatcher = cuda_dispatcher(switch_period=2)
+    dispatcher.decide(4, forced=None, capturing=False)
+    assert not dispatcher.switch_due(capturing=False)
+    dispatcher.decide(4, forced=None, capturing=False)
+    assert dispatcher.switch_due(capturing=False) and not dispatcher.switch_due(capturing=True)
+
+    newer = {e: DispatchTable(epoch=e, range_max=(), range_paths=(Path.TWOSHOT,)) for e in (2, 3)}
+    offered = dict(newer)
+    passed = []
+
+    def lowest_of_ranks(epoch: int) -> int:
+        passed.append(epoch)
+        return min(epoch, 2)  # a peer holds only epoch 2
+
+    assert dispatcher.agree(offered, lowest_of_ranks) == 2
+    assert passed == [3] and dispatcher.table is newer[2] and list(offered) == [3]
+    assert dispatcher.decide(4, forced=None, capturing=False).path is Path.TWOSHOT
+    # Nothing newer anywhere: no switch, the table stays.
+    assert dispatcher.agree({}, lambda epoch: epoch) is None and dispatcher.table is newer[2]
+    # Never without a period.
+    assert not cuda_dispatcher().switch_due(capturing=False)
