@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(kThreads)
   if (stopped) return;  // as at a barrier: nothing of this launch reaches the peers
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) {
-    return pushed_lines(signal.peers.rank[owner], signal.push, launch, source);
+    return pushed_lines(signal.peers.at(owner), signal.push, launch, source);
   };
   const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
   const std::size_t lines = (count + kPerLine - 1) / kPerLine;
@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(Signal<N> signal, std::s
   if (!signal.barrier(&failed, call, true)) return;
   // Element i of every rank's slot.
   const auto slots_at = [&signal, slot](std::size_t i) {
-    return [&signal, slot, i](int r) { return reinterpret_cast<const T*>(signal.peers.rank[r] + slot) + i; };
+    return [&signal, slot, i](int r) { return reinterpret_cast<const T*>(signal.peers.at(r) + slot) + i; };
   };
   block_for<T, kVector>(
       share.begin, share.end, [&](std::size_t i) { store_pack(output + i, sum_pack<T, N>(slots_at(i))); },

@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(kThreads)
                       std::int32_t* out_scores, TaggedCall call, std::uint64_t timeout_ns) {
   __shared__ std::uint64_t stage_shared;
   __shared__ int failed;
-  std::uint8_t* mine = slabs.rank[rank];
+  std::uint8_t* mine = slabs.at(rank);
   const std::size_t block = blockIdx.x;
   if (threadIdx.x == 0) {
     std::uint64_t* stages = word(mine, kTopkStagesOffset + block * 8);
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads)
     const std::size_t owned = min(rows, first + per) - first;
     const std::size_t lo = min(owned, first_row), hi = min(owned, first_row + share);
     if (hi <= lo) continue;
-    auto* planes = reinterpret_cast<std::int32_t*>(slabs.rank[owner] + slot);
+    auto* planes = reinterpret_cast<std::int32_t*>(slabs.at(owner) + slot);
     const std::size_t at = (lo * N + rank) * topk;
     copy_rows<kVector>(planes + at, N * topk, idx + (first + lo) * topk, topk, hi - lo, topk);
     copy_rows<kVector>(planes + plane + at, N * topk, scores + (first + lo) * topk, topk, hi - lo, topk);
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
   if (threadIdx.x < N) {
     const int source = threadIdx.x;
-    store_release(word(slabs.rank[source], flag(kTopkArriveOffset, rank)), arrival(stage, call));
+    store_release(word(slabs.at(source), flag(kTopkArriveOffset, rank)), arrival(stage, call));
     if (!wait_arrival(word(mine, flag(kTopkArriveOffset, source)), stage, call, control, rank, source, timeout_ns)) {
       failed = 1;
       store_volatile(word(mine, kTopkGaveUpOffset), 1);
@@ -123,7 +123,7 @@ __global__ void __launch_bounds__(kThreads)
 
   // (5) Read: every source may rewrite these rows of this slot (two stages on).
   __syncthreads();
-  if (threadIdx.x < N) store_release(word(slabs.rank[threadIdx.x], flag(kTopkRetireOffset, rank)), stage);
+  if (threadIdx.x < N) store_release(word(slabs.at(threadIdx.x), flag(kTopkRetireOffset, rank)), stage);
 }
 
 bool aligned(std::uintptr_t address) { return address % 16 == 0; }

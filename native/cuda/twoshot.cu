@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std
 
   // Element i of every rank's slot.
   const auto slots_at = [&signal, slot](std::size_t i) {
-    return [&signal, slot, i](int r) { return reinterpret_cast<const T*>(signal.peers.rank[r] + slot) + i; };
+    return [&signal, slot, i](int r) { return reinterpret_cast<const T*>(signal.peers.at(r) + slot) + i; };
   };
   const std::size_t segment = round_to_packs<T>((share.end - share.begin + N - 1) / N);
   const auto segment_of = [&](int r) {
@@ -52,7 +52,7 @@ __global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std
   for (int r = 0; r < N; ++r) {
     if (r == signal.rank) continue;
     const BlockShare theirs = segment_of(r);
-    block_copy<T, kVector>(reinterpret_cast<const T*>(signal.peers.rank[r] + slot), output, theirs.begin, theirs.end);
+    block_copy<T, kVector>(reinterpret_cast<const T*>(signal.peers.at(r) + slot), output, theirs.begin, theirs.end);
   }
 }
 
