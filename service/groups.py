@@ -53,10 +53,11 @@ from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
 from .quotas import Quotas
+from .rendezvous import Rendezvous
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
 from .timings import TimingIntake, TokenBucket
-from .topk_exchanges import FormingExchange, TopkOpenings
+from .topk_exchanges import TopkOpenings
 
 log = logging.getLogger("nodecomm.groups")
 
@@ -121,7 +122,7 @@ class Group:
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
     peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
-    exchanges: dict[int, FormingExchange] = field(default_factory=dict)  # by sequence
+    exchanges: dict[int, Rendezvous] = field(default_factory=dict)  # top-k exchanges opening, by sequence
     live: LiveEstimates | None = None  # groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
     service: SubmissionQueue | None = None  # collectives the daemon runs

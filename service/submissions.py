@@ -41,6 +41,7 @@ from nodecomm.topk_layout import WORLD_SIZES, owned_rows
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import RankAllocation, accounted_bytes
+from .rendezvous import OnStop, Rendezvous
 
 log = logging.getLogger("nodecomm.submissions")
 
@@ -67,26 +68,35 @@ class Part:
         return [ref[0] for ref in (self.input, self.output) if ref is not None]
 
 
-@dataclass
-class Collective:
-    sequence: int
-    parts: dict[int, Part] = field(default_factory=dict)
-    futures: dict[int, asyncio.Future] = field(default_factory=dict)
-    failure: NodecommError | None = None
-    answered: set[int] = field(default_factory=set)  # ranks that have the failure
-    running: bool = False
-
-    # What every rank must agree on, with how to show it.
-    AGREED = ("op", "dtype", "count", "topk")
-
-
-def _shown(request: pb.SubmitRequest, name: str) -> str:
-    value = getattr(request, name)
+def _shown(part: Part, name: str) -> str:
+    value = getattr(part.request, name)
     if name == "op":
         return OP_NAMES.get(value, str(value))
     if name == "dtype":
         return pb.DType.Name(value).lower() if value in pb.DType.values() else str(value)
     return str(value)
+
+
+# What every rank's part of a collective must agree on.
+AGREED = ("op", "dtype", "count", "topk")
+
+
+@dataclass
+class Collective:
+    """The ranks' n-th submits: their parts meet in `meeting`, which answers every rank."""
+
+    sequence: int
+    meeting: Rendezvous[Part, pb.SubmitReply]
+    answered: set[int] = field(default_factory=set)  # ranks that have the failure
+    running: bool = False
+
+    @property
+    def parts(self) -> dict[int, Part]:
+        return self.meeting.arrivals
+
+    @property
+    def failure(self) -> NodecommError | None:
+        return self.meeting.failure
 
 
 class CudaExecution:
@@ -280,7 +290,7 @@ class SubmissionQueue:
                     "its submits 0, 1, ...",
                     **where,
                 )
-            collective = self._collectives[sequence] = Collective(sequence)
+            collective = self._collectives[sequence] = Collective(sequence, Rendezvous(self.world_size, AGREED, _shown))
             if sequence >= self._next + self.depth:
                 # Failed for every rank, so that the ranks' numbering stays paired.
                 self._fail(
@@ -294,63 +304,49 @@ class SubmissionQueue:
         if collective.failure is not None:
             self._answer_failed(collective, request.rank)
             raise collective.failure
-        if request.rank in collective.parts:
-            raise AlreadyExistsError(f"rank {request.rank} already submitted sequence {sequence}", **where)
+        duplicate = f"rank {request.rank} already submitted sequence {sequence}"
+        if request.rank in collective.parts:  # before its ranges are looked at: a duplicate changes nothing
+            raise AlreadyExistsError(duplicate, **where)
         try:
-            self._check_agreement(collective, request)
             part = self._resolve(request)
+            disagreement = collective.meeting.arrive(request.rank, part, duplicate, where)
+            if disagreement is not None:
+                name, each = disagreement
+                raise GroupMismatchError(
+                    f"ranks disagree on collective {sequence}'s {name}: {each}; nothing ran", group=self.group
+                )
         except NodecommError as error:
             self._fail(collective, error)
             self._answer_failed(collective, request.rank)
             raise
         for allocation in part.allocations():
             allocation.users += 1
-        collective.parts[request.rank] = part
-        future = collective.futures[request.rank] = asyncio.get_running_loop().create_future()
-        # A part whose wait timed out is no longer awaited: its outcome is retrieved here instead.
-        future.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if len(collective.parts) == self.world_size:
+        if collective.meeting.complete:
             self._kick()
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        except asyncio.TimeoutError:
-            if collective.running or future.done():
-                return await future  # running now: bounded, it only copies and adds
-            missing = sorted(set(range(self.world_size)) - set(collective.parts))
+
+        def timed_out(missing: list[int]) -> NodecommError:
             waited = f"ranks {missing} did not submit it" if missing else "earlier collectives had not run"
-            self._fail(
-                collective,
-                DeadlineExceededError(
-                    f"collective {sequence} timed out after {timeout:.1f} s: {waited}", group=self.group
-                ),
+            error = DeadlineExceededError(
+                f"collective {sequence} timed out after {timeout:.1f} s: {waited}", group=self.group
             )
-            raise collective.failure from None
-        except asyncio.CancelledError:
+            self._fail(collective, error)
+            return error
+
+        def stopped() -> NodecommError:
             # The caller went away (cancelled, or past its gRPC deadline). Its part must not stay
             # queued: it would hold its allocations mapped for good and keep the sequence waiting.
-            if not collective.running and not future.done():
-                self._fail(
-                    collective,
-                    DeadlineExceededError(
-                        f"collective {sequence} did not run: rank {request.rank} stopped waiting for it "
-                        "(its call was cancelled or passed its deadline)",
-                        group=self.group,
-                    ),
-                )
-            raise
+            error = DeadlineExceededError(
+                f"collective {sequence} did not run: rank {request.rank} stopped waiting for it "
+                "(its call was cancelled or passed its deadline)",
+                group=self.group,
+            )
+            self._fail(collective, error)
+            return error
 
-    def _check_agreement(self, collective: Collective, request: pb.SubmitRequest) -> None:
-        if not collective.parts:
-            return
-        for name in Collective.AGREED:
-            values = {r: _shown(p.request, name) for r, p in collective.parts.items()}
-            values[request.rank] = _shown(request, name)
-            if len(set(values.values())) > 1:
-                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
-                raise GroupMismatchError(
-                    f"ranks disagree on collective {collective.sequence}'s {name}: {detail}; nothing ran",
-                    group=self.group,
-                )
+        # Running means bounded: it only copies and adds.
+        return await collective.meeting.wait(
+            request.rank, timeout, OnStop.FAIL_ALL, timed_out, stopped, deciding=lambda: collective.running
+        )
 
     def _resolve(self, request: pb.SubmitRequest) -> Part:
         """Check the request against the op's shape and the rank's allocations; the addresses."""
@@ -505,22 +501,18 @@ class SubmissionQueue:
     def _succeed(self, collective: Collective, done_event: bytes) -> None:
         first = collective.parts[0]
         self._on_done(OP_NAMES[first.request.op], "ok", first.in_bytes)
-        for future in collective.futures.values():
-            if not future.done():
-                future.set_result(pb.SubmitReply(sequence=collective.sequence, done_event=done_event))
+        reply = pb.SubmitReply(sequence=collective.sequence, done_event=done_event)
+        collective.meeting.succeed(dict.fromkeys(collective.parts, reply))
         self._retire(collective)
         del self._collectives[collective.sequence]
 
     def _fail(self, collective: Collective, error: NodecommError) -> None:
         if collective.failure is not None:
             return
-        collective.failure = error
         op = next((OP_NAMES.get(p.request.op, "unknown") for p in collective.parts.values()), "unknown")
         self._on_done(op, type(error).__name__, 0)
-        for rank, future in collective.futures.items():
-            collective.answered.add(rank)
-            if not future.done():
-                future.set_exception(error)
+        collective.answered.update(collective.parts)
+        collective.meeting.fail(error)
         self._retire(collective)
         self._forget_if_answered(collective)
         self._forget_old_failures()

@@ -4,20 +4,16 @@ each rank. Disagreeing ranks, a missing one or a caller that stops waiting fail 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import secrets
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nodecomm import _native
 from nodecomm.errors import (
-    AlreadyExistsError,
     DeadlineExceededError,
     GroupMismatchError,
     InvalidArgumentError,
-    NodecommError,
     ResourceExhaustedError,
 )
 from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
@@ -28,6 +24,7 @@ from .config import DaemonConfig
 from .handles import ClaimTable
 from .metrics import DaemonMetrics
 from .quotas import Quotas
+from .rendezvous import OnStop, Rendezvous
 
 if TYPE_CHECKING:
     from .groups import Group
@@ -43,23 +40,8 @@ def exchange_timeout(seconds: float) -> float:
     return seconds if math.isfinite(seconds) and seconds > 0 else DEFAULT_EXCHANGE_TIMEOUT_SECONDS
 
 
-@dataclass
-class FormingExchange:
-    """The ranks' calls for one top-k exchange (a group's n-th), until all have agreed."""
-
-    arrivals: dict[int, pb.TopkExchangeRequest] = field(default_factory=dict)
-    futures: dict[int, asyncio.Future] = field(default_factory=dict)
-    failure: NodecommError | None = None
-
-    # What every rank must agree on.
-    AGREED = ("max_rows", "topk", "layout_version")
-
-    def fail(self, error: NodecommError) -> None:
-        """Every rank still waiting, and every later call for this exchange, gets `error`."""
-        self.failure = error
-        for future in self.futures.values():
-            if not future.done():
-                future.set_exception(error)
+# What every rank's call for an exchange must agree on.
+AGREED = ("max_rows", "topk", "layout_version")
 
 
 class TopkOpenings:
@@ -98,55 +80,41 @@ class TopkOpenings:
             )
         if request.sequence not in group.exchanges:  # the exchange's first call: later ones join it
             self.quotas.check_caller(group, where)
-        forming = group.exchanges.setdefault(request.sequence, FormingExchange())
+        forming = group.exchanges.get(request.sequence)
+        if forming is None:
+            forming = group.exchanges[request.sequence] = Rendezvous(world_size, AGREED)
         if forming.failure is not None:
             raise forming.failure
-        if request.rank in forming.arrivals:
-            raise AlreadyExistsError(f"rank {request.rank} already opened exchange {request.sequence}", **where)
-        for name in FormingExchange.AGREED:
-            values = {r: getattr(a, name) for r, a in forming.arrivals.items()}
-            values[request.rank] = getattr(request, name)
-            if len(set(values.values())) > 1:
-                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
-                forming.fail(
-                    GroupMismatchError(
-                        f"ranks disagree on the top-k exchange's {name}: {detail}; nothing was allocated",
-                        group=group.name,
-                    ),
-                )
-                raise forming.failure
-        forming.arrivals[request.rank] = request
-        future = forming.futures[request.rank] = asyncio.get_running_loop().create_future()
-        if len(forming.arrivals) == world_size:
-            self._form(group, request.sequence, forming, devices)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), exchange_timeout(request.timeout_seconds))
-        except asyncio.TimeoutError:
-            if future.done():  # formed (or failed) in the same step the deadline passed
-                return future.result()
-            missing = sorted(set(group.members) - set(forming.arrivals))
+        duplicate = f"rank {request.rank} already opened exchange {request.sequence}"
+        disagreement = forming.arrive(request.rank, request, duplicate, where)
+        if disagreement is not None:
+            name, each = disagreement
             forming.fail(
-                DeadlineExceededError(
-                    f"ranks {missing} did not open top-k exchange {request.sequence} in time; nothing was allocated",
-                    group=group.name,
-                ),
-            )
-            raise forming.failure from None
-        except asyncio.CancelledError:
-            # The caller went away (cancelled, or past its gRPC deadline). Forming without it would
-            # hand a token to no one and leave its peers' slabs half-used; its retry would only
-            # find its own stale arrival.
-            if not future.done():
-                forming.fail(
-                    DeadlineExceededError(
-                        f"top-k exchange {request.sequence} did not open: rank {request.rank} stopped waiting "
-                        "for it (its call was cancelled or passed its deadline); nothing was allocated",
-                        group=group.name,
-                    ),
+                GroupMismatchError(
+                    f"ranks disagree on the top-k exchange's {name}: {each}; nothing was allocated", group=group.name
                 )
-            raise
+            )
+            raise forming.failure
+        if forming.complete:
+            self._form(group, request.sequence, forming, devices)
+        return await forming.wait(
+            request.rank,
+            exchange_timeout(request.timeout_seconds),
+            # The exchange cannot form without every rank: forming without one that went away
+            # would hand a token to no one and leave its peers' slabs half-used.
+            OnStop.FAIL_ALL,
+            timed_out=lambda missing: DeadlineExceededError(
+                f"ranks {missing} did not open top-k exchange {request.sequence} in time; nothing was allocated",
+                group=group.name,
+            ),
+            stopped=lambda: DeadlineExceededError(
+                f"top-k exchange {request.sequence} did not open: rank {request.rank} stopped waiting "
+                "for it (its call was cancelled or passed its deadline); nothing was allocated",
+                group=group.name,
+            ),
+        )
 
-    def _form(self, group: Group, sequence: int, forming: FormingExchange, devices: list[int]) -> None:
+    def _form(self, group: Group, sequence: int, forming: Rendezvous, devices: list[int]) -> None:
         first = forming.arrivals[0]
         layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
         on_gpus = group.args.device_kind == "cuda"
@@ -168,7 +136,7 @@ class TopkOpenings:
             return
         try:
             tokens = self.claims.issue_all(
-                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.futures}, slabs.fds,
+                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.arrivals}, slabs.fds,
                 self.config.claim_token_ttl_seconds,
             )  # fmt: skip
         except OSError as error:  # out of descriptors handing them out: none was issued
@@ -180,8 +148,9 @@ class TopkOpenings:
         for placed in group.placement([slabs]):
             self.metrics.reserve(*placed)
         exchange_id = secrets.randbits(63)
-        for rank, future in forming.futures.items():
-            reply = pb.TopkExchangeReply(
+        replies = {}
+        for rank in forming.arrivals:
+            reply = replies[rank] = pb.TopkExchangeReply(
                 exchange_id=exchange_id,
                 claim_token=tokens[rank],
                 memory_kind=pb.CUDA_VMM_FD if on_gpus else pb.HOST_MEMFD,
@@ -190,7 +159,7 @@ class TopkOpenings:
             )
             for owner in range(layout.world_size):
                 reply.slabs.add(owner_rank=owner, size_bytes=slabs.slab_bytes)
-            future.set_result(reply)
+        forming.succeed(replies)
         log.info(
             "top-k exchange opened",
             extra={"group": group.name, "sequence": sequence, "max_rows": first.max_rows, "topk": first.topk},
