@@ -53,7 +53,7 @@ from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
 from .quotas import Quotas
-from .rendezvous import Rendezvous
+from .rendezvous import OnStop, Rendezvous
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
 from .timings import TimingIntake, TokenBucket
@@ -101,14 +101,6 @@ class Member:
         return self.left or self.lost
 
 
-@dataclass
-class PeerCheck:
-    """One stage of a CUDA group's peer-memory check: every rank's report, then one verdict."""
-
-    reports: dict[int, tuple[bool, str]] = field(default_factory=dict)
-    verdict: asyncio.Future | None = None
-
-
 PEER_CHECK_STAGES = {1: "peer memory probe", 2: "numeric self-test"}
 
 
@@ -121,7 +113,8 @@ class Group:
     table: DispatchTable
     members: dict[int, Member]
     state: str = "active"  # "active" | "aborted"
-    peer_checks: dict[int, PeerCheck] = field(default_factory=dict)
+    # Each stage of a CUDA group's peer-memory check: every rank's (ok, detail), then one verdict.
+    peer_checks: dict[int, Rendezvous[tuple[bool, str], pb.PeerCheckVerdict]] = field(default_factory=dict)
     exchanges: dict[int, Rendezvous] = field(default_factory=dict)  # top-k exchanges opening, by sequence
     live: LiveEstimates | None = None  # groups with live recalibration on
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
@@ -462,43 +455,40 @@ class GroupRegistry:
             raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
         if report.stage not in PEER_CHECK_STAGES:
             raise InvalidArgumentError(f"stage {report.stage}: expected one of {sorted(PEER_CHECK_STAGES)}", **where)
-        check = group.peer_checks.setdefault(report.stage, PeerCheck())
-        if check.verdict is None:
-            check.verdict = asyncio.get_running_loop().create_future()
-            # A rank whose wait timed out no longer awaits it: its outcome is retrieved here instead.
-            check.verdict.add_done_callback(lambda done: done.cancelled() or done.exception())
-        if report.rank in check.reports:
-            raise AlreadyExistsError(f"rank {report.rank} already reported stage {report.stage}", **where)
-        check.reports[report.rank] = (report.ok, report.detail[:500])
-        if len(check.reports) == group.args.world_size:
-            self._decide(group, report.stage, check)
-        try:
-            return await asyncio.wait_for(asyncio.shield(check.verdict), timeout)
-        except asyncio.TimeoutError:
-            missing = sorted(set(group.members) - set(check.reports))
-            raise DeadlineExceededError(
+        check = group.peer_checks.setdefault(report.stage, Rendezvous(group.args.world_size))
+        duplicate = f"rank {report.rank} already reported stage {report.stage}"
+        check.arrive(report.rank, (report.ok, report.detail[:500]), duplicate, where)
+        if check.complete:
+            try:
+                verdict = self._verdict(group, report.stage, check.arrivals)
+            except UnsupportedError as error:
+                check.fail(error)
+            else:
+                check.succeed(dict.fromkeys(check.arrivals, verdict))
+        # A rank that stops waiting leaves its report: the verdict still comes once the others report.
+        return await check.wait(
+            report.rank,
+            timeout,
+            OnStop.STAND,
+            timed_out=lambda missing: DeadlineExceededError(
                 f"ranks {missing} did not report the {PEER_CHECK_STAGES[report.stage]} within {timeout:.1f} s", **where
-            ) from None
+            ),
+        )
 
-    def _decide(self, group: Group, stage: int, check: PeerCheck) -> None:
-        failures = [(rank, detail) for rank, (ok, detail) in sorted(check.reports.items()) if not ok]
+    def _verdict(self, group: Group, stage: int, reports: dict[int, tuple[bool, str]]) -> pb.PeerCheckVerdict:
+        """Every rank's verdict; UnsupportedError where a failed check leaves the group no path."""
+        failures = [(rank, detail) for rank, (ok, detail) in sorted(reports.items()) if not ok]
         self.metrics.peer_checks.labels("failed" if failures else "ok").inc()
         if not failures:
-            check.verdict.set_result(pb.PeerCheckVerdict(peer_memory_ok=True, thresholds=group.table.to_proto()))
-            return
+            return pb.PeerCheckVerdict(peer_memory_ok=True, thresholds=group.table.to_proto())
         reason = f"{PEER_CHECK_STAGES[stage]} failed: " + "; ".join(f"rank {r}: {d}" for r, d in failures)
         log.warning("peer memory unusable", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
         if not group.args.nccl_fallback:
-            check.verdict.set_exception(
-                UnsupportedError(f"{reason}; the ranks passed no NCCL group to fall back to", group=group.name)
-            )
-            return
+            raise UnsupportedError(f"{reason}; the ranks passed no NCCL group to fall back to", group=group.name)
         group.table = self.tables.nccl_only()
         group.live = None  # one range: nothing left to move
         self.metrics.fallbacks.labels("peer_memory_unusable").inc()
-        check.verdict.set_result(
-            pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
-        )
+        return pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
 
     # -- top-k exchanges -----------------------------------------------------------------------
 

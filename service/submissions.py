@@ -68,8 +68,8 @@ class Part:
         return [ref[0] for ref in (self.input, self.output) if ref is not None]
 
 
-def _shown(part: Part, name: str) -> str:
-    value = getattr(part.request, name)
+def _shown(request: pb.SubmitRequest, name: str) -> str:
+    value = getattr(request, name)
     if name == "op":
         return OP_NAMES.get(value, str(value))
     if name == "dtype":
@@ -290,7 +290,9 @@ class SubmissionQueue:
                     "its submits 0, 1, ...",
                     **where,
                 )
-            collective = self._collectives[sequence] = Collective(sequence, Rendezvous(self.world_size, AGREED, _shown))
+            collective = self._collectives[sequence] = Collective(
+                sequence, Rendezvous(self.world_size, AGREED, lambda part, name: _shown(part.request, name))
+            )
             if sequence >= self._next + self.depth:
                 # Failed for every rank, so that the ranks' numbering stays paired.
                 self._fail(
