@@ -63,25 +63,25 @@ log = logging.getLogger("nodecomm.groups")
 
 
 @dataclass
-class Arrival:
-    args: JoinArgs
-    future: asyncio.Future
-
-
-@dataclass
 class FormingGroup:
-    """Ranks that have arrived for a name that is not formed yet: admitted only with the first
-    joiner's uid (unless mixed uids are allowed) and group key (its digest, compared in constant
-    time)."""
+    """Ranks that have arrived for a name that is not formed yet, meeting in `joins`: admitted only
+    with the first joiner's uid (unless mixed uids are allowed) and group key (its digest, compared
+    in constant time). Once the attempt failed, every rank of it gets the same error."""
 
     name: str
+    joins: Rendezvous[JoinArgs, pb.JoinReply]
     creator: int | None = None  # the first joiner's uid; None: it presented no identity
     key_digest: bytes = b""
-    arrivals: dict[int, Arrival] = field(default_factory=dict)
-    # Set once the ranks disagreed: every rank of this attempt gets the same error.
-    failure: NodecommError | None = None
     failed_ranks: set[int] = field(default_factory=set)
     failed_at: float = 0.0
+
+    @property
+    def arrivals(self) -> dict[int, JoinArgs]:
+        return self.joins.arrivals
+
+    @property
+    def failure(self) -> NodecommError | None:
+        return self.joins.failure
 
 
 @dataclass
@@ -224,41 +224,37 @@ class GroupRegistry:
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         if forming is None:
             self._check_new_forming(args, caller, group_key)
-            forming = self._forming[args.group] = FormingGroup(args.group, caller, key_digest)
+            joins = Rendezvous(args.world_size, JoinArgs.AGREED, lambda joined, name: joined.shown(name))
+            forming = self._forming[args.group] = FormingGroup(args.group, joins, caller, key_digest)
         elif forming.arrivals:
             self._check_admission(forming, args, caller, key_digest)
-        if args.rank in forming.arrivals:
-            other = forming.arrivals[args.rank].args
-            raise AlreadyExistsError(
-                f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once",
-                group=args.group,
-                rank=args.rank,
-            )
-        mismatch = self._disagreement(forming, args)
+        other = forming.arrivals.get(args.rank)
+        duplicate = (
+            f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once" if other else ""
+        )
+        where = dict(group=args.group, rank=args.rank)
+        disagreement = forming.joins.arrive(args.rank, args, duplicate, where)
+        mismatch = self._disagreement(forming, args, disagreement)
         if mismatch is not None:
             self._fail_forming(forming, mismatch)
             forming.failed_ranks.add(args.rank)
             raise mismatch
-        arrival = Arrival(args, asyncio.get_running_loop().create_future())
-        forming.arrivals[args.rank] = arrival
         self._update_gauges()
-        if len(forming.arrivals) == args.world_size:
+        if forming.joins.complete:
             self._form(forming)
         try:
-            return await asyncio.wait_for(asyncio.shield(arrival.future), timeout)
-        except asyncio.TimeoutError:
-            if arrival.future.done():  # formed (or failed) in the same step the deadline passed
-                return arrival.future.result()
-            joined = sorted(forming.arrivals)
-            missing = sorted(set(range(args.world_size)) - set(joined))
-            self._withdraw(forming, args.rank)
-            raise DeadlineExceededError(
-                f"ranks {missing} did not join within {timeout:.1f} s (joined: {joined}); nothing was allocated",
-                group=args.group,
-                rank=args.rank,
-            ) from None
-        except asyncio.CancelledError:
-            self._withdraw(forming, args.rank)
+            return await forming.joins.wait(
+                args.rank,
+                timeout,
+                OnStop.WITHDRAW,
+                timed_out=lambda missing: DeadlineExceededError(
+                    f"ranks {missing} did not join within {timeout:.1f} s (joined: {sorted(forming.arrivals)}); "
+                    "nothing was allocated",
+                    **where,
+                ),
+            )
+        except (DeadlineExceededError, asyncio.CancelledError):
+            self._forget_if_empty(forming)
             raise
 
     def _check_new_forming(self, args: JoinArgs, caller: int | None, group_key: bytes) -> None:
@@ -302,18 +298,17 @@ class GroupRegistry:
                 **where,
             )
 
-    def _disagreement(self, forming: FormingGroup, args: JoinArgs) -> GroupMismatchError | None:
-        for name in JoinArgs.AGREED:
-            values = {r: a.args.shown(name) for r, a in forming.arrivals.items()}
-            values[args.rank] = args.shown(name)
-            if len(set(values.values())) > 1:
-                detail = ", ".join(f"rank {r} has {v}" for r, v in sorted(values.items()))
-                return GroupMismatchError(
-                    f"ranks disagree on {name}: {detail}; nothing was allocated", group=args.group
-                )
+    def _disagreement(
+        self, forming: FormingGroup, args: JoinArgs, disagreement: tuple[str, str] | None
+    ) -> GroupMismatchError | None:
+        """Why `args` cannot join the others: an agreed field that differs (`disagreement`, from
+        the Rendezvous, which then did not add it), or a GPU another rank uses."""
+        if disagreement is not None:
+            name, each = disagreement
+            return GroupMismatchError(f"ranks disagree on {name}: {each}; nothing was allocated", group=args.group)
         if args.device_kind == "cuda" and not self.config.allow_shared_devices:
-            for rank, arrival in forming.arrivals.items():
-                if arrival.args.device == args.device:
+            for rank, joined in forming.arrivals.items():
+                if rank != args.rank and joined.device == args.device:
                     return GroupMismatchError(
                         f"ranks {min(rank, args.rank)} and {max(rank, args.rank)} both use {args.device}; "
                         "each rank of a CUDA group needs its own GPU (allow_shared_devices lifts this for "
@@ -323,32 +318,25 @@ class GroupRegistry:
         return None
 
     def _fail_forming(self, forming: FormingGroup, error: NodecommError) -> None:
-        forming.failure = error
         forming.failed_at = time.monotonic()
-        for rank, arrival in forming.arrivals.items():
-            forming.failed_ranks.add(rank)
-            if not arrival.future.done():
-                arrival.future.set_exception(error)
+        forming.failed_ranks.update(forming.arrivals)
+        forming.joins.fail(error)
         forming.arrivals.clear()
         self._update_gauges()
         log.warning("join failed", extra={"group": forming.name, "error": str(error)})
 
-    def _withdraw(self, forming: FormingGroup, rank: int) -> None:
-        arrival = forming.arrivals.get(rank)
-        if arrival is not None and not arrival.future.done():
-            del forming.arrivals[rank]
+    def _forget_if_empty(self, forming: FormingGroup) -> None:
+        """After a rank withdrew: a forming group that no rank waits in any more goes."""
         if not forming.arrivals and forming.failure is None and self._forming.get(forming.name) is forming:
             del self._forming[forming.name]
         self._update_gauges()
 
     def _form(self, forming: FormingGroup) -> None:
-        first = forming.arrivals[0].args
+        first = forming.arrivals[0]
+        joined = [forming.arrivals[rank] for rank in range(first.world_size)]
         try:
-            self.quotas.check_group(first, [a.args.device for _, a in sorted(forming.arrivals.items())])
-            devices = [
-                None if a.args.device == "cpu" else self.gpus.index(a.args.device)
-                for _, a in sorted(forming.arrivals.items())
-            ]
+            self.quotas.check_group(first, [a.device for a in joined])
+            devices = [None if a.device == "cpu" else self.gpus.index(a.device) for a in joined]
             max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
             memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
         except NodecommError as error:
@@ -362,8 +350,8 @@ class GroupRegistry:
             args=first,
             memory=memory,
             table=self.tables.for_new_group(first.device_kind, first.nccl_fallback, dict(first.overrides)),
-            members={r: Member(r, pid=a.args.pid) for r, a in forming.arrivals.items()},
-            devices=[a.args.device for _, a in sorted(forming.arrivals.items())],
+            members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
+            devices=[a.device for a in joined],
             creator=forming.creator,
             live=(
                 LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
@@ -385,7 +373,7 @@ class GroupRegistry:
             tokens = self.claims.issue_all(
                 group.name,
                 group_id,
-                {rank: arrival.args.pid for rank, arrival in sorted(forming.arrivals.items())},
+                {rank: a.pid for rank, a in enumerate(joined)},
                 memory.descriptors(),
                 self.config.claim_token_ttl_seconds,
             )
@@ -403,9 +391,10 @@ class GroupRegistry:
         del self._forming[forming.name]
         self._active[group.name] = group
         self._groups[group_id] = group
-        for rank, arrival in sorted(forming.arrivals.items()):
+        replies = {}
+        for rank in range(first.world_size):
             token = tokens[rank]
-            reply = pb.JoinReply(
+            reply = replies[rank] = pb.JoinReply(
                 group_id=group_id,
                 claim_token=token,
                 descriptor_socket=self.config.descriptor_socket,
@@ -424,7 +413,7 @@ class GroupRegistry:
                 reply.buffers.add(
                     owner_rank=owner, size_bytes=memory.buffer_bytes, ipc_handle=handles[owner] if handles else b""
                 )
-            arrival.future.set_result(reply)
+        forming.joins.succeed(replies)
         for placed in group.placement():
             self.metrics.reserve(*placed)
         self._update_gauges()
@@ -673,7 +662,7 @@ class GroupRegistry:
         if group.service is not None:
             group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
         for forming in group.exchanges.values():
-            if forming.failure is None and any(not f.done() for f in forming.futures.values()):
+            if forming.failure is None and forming.waiting():
                 forming.fail(PeerLostError(f"group aborted: {message}", group=group.name))
         for check in group.peer_checks.values():
             if check.verdict is not None and not check.verdict.done():
@@ -729,7 +718,7 @@ class GroupRegistry:
         for forming in self._forming.values():
             member = bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest)
             if forming.arrivals and (forming_details or member):
-                any_args = next(iter(forming.arrivals.values())).args
+                any_args = next(iter(forming.arrivals.values()))
                 infos.append(
                     pb.GroupInfo(
                         name=forming.name,

@@ -73,6 +73,10 @@ class Rendezvous(Generic[Arrival, Result]):
         answer.add_done_callback(lambda done: done.cancelled() or done.exception())
         return None
 
+    def waiting(self) -> bool:
+        """Whether a rank still waits for its answer."""
+        return any(not answer.done() for answer in self._answers.values())
+
     def answered(self, rank: int) -> bool:
         answer = self._answers.get(rank)
         return answer is not None and answer.done()
