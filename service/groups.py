@@ -12,13 +12,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
-import itertools
 import logging
 import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 from nodecomm import _native
 from nodecomm.credentials import RANK_SECRET_KEY
@@ -26,128 +24,37 @@ from nodecomm.errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
     DeadlineExceededError,
-    GroupMismatchError,
-    InvalidArgumentError,
     NodecommError,
     NotFoundError,
     PeerLostError,
     PermissionDeniedError,
     ResourceExhaustedError,
-    UnsupportedError,
     shown,
 )
 from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import (
-    GroupMemory,
-    TopkSlabs,
     allocate_group,
-    allocate_rank_device_memory,
-    allocate_rank_memory,
     max_blocks_for,
 )
 from .config import DaemonConfig
+from .group import Group, Member
 from .handles import ClaimTable
 from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
+from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
+from .peer_checks import PeerChecks
 from .quotas import Quotas
 from .rendezvous import OnStop, Rendezvous
+from .service_memory import ServiceMemory
 from .submissions import CudaExecution, SubmissionQueue
 from .tables import TableKeeper
-from .timings import TimingIntake, TokenBucket
+from .timings import TimingIntake
 from .topk_exchanges import TopkOpenings
 
 log = logging.getLogger("nodecomm.groups")
-
-
-@dataclass
-class FormingGroup:
-    """Ranks that have arrived for a name that is not formed yet, meeting in `joins`: admitted only
-    with the first joiner's uid (unless mixed uids are allowed) and group key (its digest, compared
-    in constant time). Once the attempt failed, every rank of it gets the same error."""
-
-    name: str
-    joins: Rendezvous[JoinArgs, pb.JoinReply]
-    creator: int | None = None  # the first joiner's uid; None: it presented no identity
-    key_digest: bytes = b""
-    failed_ranks: set[int] = field(default_factory=set)
-    failed_at: float = 0.0
-
-    @property
-    def arrivals(self) -> dict[int, JoinArgs]:
-        return self.joins.arrivals
-
-    @property
-    def failure(self) -> NodecommError | None:
-        return self.joins.failure
-
-
-@dataclass
-class Member:
-    rank: int
-    pid: int = 0
-    secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
-    session: asyncio.Queue | None = None
-    session_seen: bool = False
-    # The rank's budget of timings (timing_rate_per_rank a second), from its first batch on.
-    timing_budget: TokenBucket | None = None
-    left: bool = False
-    lost: bool = False
-
-    @property
-    def gone(self) -> bool:
-        return self.left or self.lost
-
-
-PEER_CHECK_STAGES = {1: "peer memory probe", 2: "numeric self-test"}
-
-
-@dataclass
-class Group:
-    name: str
-    group_id: int
-    args: JoinArgs  # rank 0's, which every rank agreed with
-    memory: GroupMemory
-    table: DispatchTable
-    members: dict[int, Member]
-    state: str = "active"  # "active" | "aborted"
-    # Each stage of a CUDA group's peer-memory check: every rank's (ok, detail), then one verdict.
-    peer_checks: dict[int, Rendezvous[tuple[bool, str], pb.PeerCheckVerdict]] = field(default_factory=dict)
-    exchanges: dict[int, Rendezvous] = field(default_factory=dict)  # top-k exchanges opening, by sequence
-    live: LiveEstimates | None = None  # groups with live recalibration on
-    topk_slabs: list[TopkSlabs] = field(default_factory=list)
-    service: SubmissionQueue | None = None  # collectives the daemon runs
-    counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
-    devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
-    creator: int | None = None  # the first joiner's uid; None: it presented no identity
-
-    def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
-        """(kind, device, use, bytes) of the group's memory: the control page and each rank's
-        buffer, then each owner's slab of every top-k exchange (of `slabs` when given, and then
-        only those). Service allocations are accounted one by one as they come and go."""
-
-        def on(device: str) -> tuple[str, str]:
-            return ("host", "host") if device == "cpu" else ("cuda", device)
-
-        placed = []
-        if slabs is None:
-            placed.append(("host", "host", "collectives", self.memory.control_bytes))
-            placed += [(*on(device), "collectives", self.memory.buffer_bytes) for device in self.devices]
-        for exchange in self.topk_slabs if slabs is None else slabs:
-            placed += [(*on(device), "topk", exchange.slab_bytes) for device in self.devices]
-        return placed
-
-    @property
-    def reserved_bytes(self) -> int:
-        service = self.service.reserved_bytes if self.service is not None else 0
-        return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs) + service
-
-    def broadcast(self, message: pb.SessionDown) -> None:
-        for member in self.members.values():
-            if member.session is not None:
-                member.session.put_nowait(message)
 
 
 class GroupRegistry:
@@ -170,9 +77,10 @@ class GroupRegistry:
         self.quotas = Quotas(config, self._groups)
         self.topk_openings = TopkOpenings(config, metrics, claims, self.quotas)
         self._draining = False
-        self._allocation_ids = itertools.count(1)
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
         self.timings = TimingIntake(config, metrics, self.tables)
+        self.peer_checks = PeerChecks(metrics, self.tables)
+        self.service_memory = ServiceMemory(config, metrics, claims, self.quotas)
 
     # -- thresholds ----------------------------------------------------------------------------
 
@@ -223,18 +131,18 @@ class GroupRegistry:
                 raise forming.failure
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         if forming is None:
-            self._check_new_forming(args, caller, group_key)
+            check_new_forming(self.config, len(self._groups), self._forming, args, caller, group_key)
             joins = Rendezvous(args.world_size, JoinArgs.AGREED, lambda joined, name: joined.shown(name))
             forming = self._forming[args.group] = FormingGroup(args.group, joins, caller, key_digest)
         elif forming.arrivals:
-            self._check_admission(forming, args, caller, key_digest)
+            check_admission(self.config, forming, args, caller, key_digest)
         other = forming.arrivals.get(args.rank)
         duplicate = (
             f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once" if other else ""
         )
         where = dict(group=args.group, rank=args.rank)
         disagreement = forming.joins.arrive(args.rank, args, duplicate, where)
-        mismatch = self._disagreement(forming, args, disagreement)
+        mismatch = join_mismatch(self.config, forming, args, disagreement)
         if mismatch is not None:
             self._fail_forming(forming, mismatch)
             forming.failed_ranks.add(args.rank)
@@ -256,66 +164,6 @@ class GroupRegistry:
         except (DeadlineExceededError, asyncio.CancelledError):
             self._forget_if_empty(forming)
             raise
-
-    def _check_new_forming(self, args: JoinArgs, caller: int | None, group_key: bytes) -> None:
-        where = dict(group=args.group, rank=args.rank)
-        if self.config.require_group_key and not group_key:
-            raise PermissionDeniedError(
-                "this daemon admits to forming groups only joins that carry a group key (require_group_key): "
-                "pass connect(group_key=...) or set NODECOMM_GROUP_KEY, the same on every rank",
-                **where,
-            )
-        groups = len(self._groups) + sum(1 for f in self._forming.values() if f.arrivals)
-        if groups >= self.config.max_groups:
-            raise ResourceExhaustedError(
-                f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released", **where
-            )
-        mine = sum(1 for f in self._forming.values() if f.arrivals and f.creator == caller)
-        if mine >= self.config.max_forming_groups_per_caller:
-            who = f"uid {caller}" if caller is not None else "callers without an identity"
-            raise ResourceExhaustedError(
-                f"{who} already started {mine} groups that are still forming, this daemon's "
-                "max_forming_groups_per_caller; one more can start once one forms or times out",
-                **where,
-            )
-
-    def _check_admission(self, forming: FormingGroup, args: JoinArgs, caller: int | None, key_digest: bytes) -> None:
-        """A later Join to a forming group: refused, before it can change anything there, unless it
-        carries the group's key and (unless allowed otherwise) comes from the first joiner's uid."""
-        where = dict(group=args.group, rank=args.rank)
-        if not hmac.compare_digest(forming.key_digest, key_digest):
-            raise PermissionDeniedError(
-                "this Join's group key is not the one the group's first Join carried (or one of them carried "
-                "none); every rank must pass the same connect(group_key=...) or NODECOMM_GROUP_KEY",
-                **where,
-            )
-        if caller != forming.creator and not self.config.allow_mixed_uids:
-            who = f"uid {caller}" if caller is not None else "a caller without an identity"
-            first = f"uid {forming.creator}" if forming.creator is not None else "a caller without an identity"
-            raise PermissionDeniedError(
-                f"this group is forming among the ranks of {first}; a Join from {who} is refused (the daemon's "
-                "allow_mixed_uids lets ranks of several uids form one group)",
-                **where,
-            )
-
-    def _disagreement(
-        self, forming: FormingGroup, args: JoinArgs, disagreement: tuple[str, str] | None
-    ) -> GroupMismatchError | None:
-        """Why `args` cannot join the others: an agreed field that differs (`disagreement`, from
-        the Rendezvous, which then did not add it), or a GPU another rank uses."""
-        if disagreement is not None:
-            name, each = disagreement
-            return GroupMismatchError(f"ranks disagree on {name}: {each}; nothing was allocated", group=args.group)
-        if args.device_kind == "cuda" and not self.config.allow_shared_devices:
-            for rank, joined in forming.arrivals.items():
-                if rank != args.rank and joined.device == args.device:
-                    return GroupMismatchError(
-                        f"ranks {min(rank, args.rank)} and {max(rank, args.rank)} both use {args.device}; "
-                        "each rank of a CUDA group needs its own GPU (allow_shared_devices lifts this for "
-                        "single-GPU development); nothing was allocated",
-                        group=args.group,
-                    )
-        return None
 
     def _fail_forming(self, forming: FormingGroup, error: NodecommError) -> None:
         forming.failed_at = time.monotonic()
@@ -391,28 +239,7 @@ class GroupRegistry:
         del self._forming[forming.name]
         self._active[group.name] = group
         self._groups[group_id] = group
-        replies = {}
-        for rank in range(first.world_size):
-            token = tokens[rank]
-            reply = replies[rank] = pb.JoinReply(
-                group_id=group_id,
-                claim_token=token,
-                descriptor_socket=self.config.descriptor_socket,
-                memory_kind=memory.memory_kind,
-                control=pb.Segment(owner_rank=-1, size_bytes=memory.control_bytes),
-                thresholds=group.table.to_proto(),
-                timing_sample_period=self.config.timing_sample_period,
-                operation_timeout_seconds=self.config.operation_timeout_seconds,
-                max_blocks=max_blocks,
-                table_switch_period=self.config.table_switch_period,
-                explore_period=self.config.explore_period,
-                rank_secret=group.members[rank].secret,
-            )
-            handles = memory.ipc_handles
-            for owner in range(first.world_size):
-                reply.buffers.add(
-                    owner_rank=owner, size_bytes=memory.buffer_bytes, ipc_handle=handles[owner] if handles else b""
-                )
+        replies = join_replies(self.config, group, tokens, max_blocks)
         forming.joins.succeed(replies)
         for placed in group.placement():
             self.metrics.reserve(*placed)
@@ -435,49 +262,9 @@ class GroupRegistry:
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
     async def check_peers(self, report: pb.PeerCheckReport, timeout: float) -> pb.PeerCheckVerdict:
-        """Collect one stage's reports from every rank; answer all of them with one verdict. A
-        failed check takes the peer paths away: every size goes to NCCL, or, without an NCCL
-        group, the group cannot run and every rank gets UnsupportedError."""
-        where = dict(group=report.group or None, rank=report.rank)
+        """One rank's report of a stage of its group's peer check (peer_checks.py)."""
         group = self._group_of(report.group, report.group_id, report.rank)
-        if group.args.device_kind != "cuda":
-            raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
-        if report.stage not in PEER_CHECK_STAGES:
-            raise InvalidArgumentError(f"stage {report.stage}: expected one of {sorted(PEER_CHECK_STAGES)}", **where)
-        check = group.peer_checks.setdefault(report.stage, Rendezvous(group.args.world_size))
-        duplicate = f"rank {report.rank} already reported stage {report.stage}"
-        check.arrive(report.rank, (report.ok, report.detail[:500]), duplicate, where)
-        if check.complete:
-            try:
-                verdict = self._verdict(group, report.stage, check.arrivals)
-            except UnsupportedError as error:
-                check.fail(error)
-            else:
-                check.succeed(dict.fromkeys(check.arrivals, verdict))
-        # A rank that stops waiting leaves its report: the verdict still comes once the others report.
-        return await check.wait(
-            report.rank,
-            timeout,
-            OnStop.STAND,
-            timed_out=lambda missing: DeadlineExceededError(
-                f"ranks {missing} did not report the {PEER_CHECK_STAGES[report.stage]} within {timeout:.1f} s", **where
-            ),
-        )
-
-    def _verdict(self, group: Group, stage: int, reports: dict[int, tuple[bool, str]]) -> pb.PeerCheckVerdict:
-        """Every rank's verdict; UnsupportedError where a failed check leaves the group no path."""
-        failures = [(rank, detail) for rank, (ok, detail) in sorted(reports.items()) if not ok]
-        self.metrics.peer_checks.labels("failed" if failures else "ok").inc()
-        if not failures:
-            return pb.PeerCheckVerdict(peer_memory_ok=True, thresholds=group.table.to_proto())
-        reason = f"{PEER_CHECK_STAGES[stage]} failed: " + "; ".join(f"rank {r}: {d}" for r, d in failures)
-        log.warning("peer memory unusable", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
-        if not group.args.nccl_fallback:
-            raise UnsupportedError(f"{reason}; the ranks passed no NCCL group to fall back to", group=group.name)
-        group.table = self.tables.nccl_only()
-        group.live = None  # one range: nothing left to move
-        self.metrics.fallbacks.labels("peer_memory_unusable").inc()
-        return pb.PeerCheckVerdict(peer_memory_ok=False, reason=reason, thresholds=group.table.to_proto())
+        return await self.peer_checks.check(group, report, timeout)
 
     # -- top-k exchanges -----------------------------------------------------------------------
 
@@ -514,55 +301,12 @@ class GroupRegistry:
 
     def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
-        where = dict(group=group.name, rank=request.rank)
-        if group.state != "active":
-            raise NotFoundError(f"the group is {group.state}", **where)
-        size = request.size_bytes
-        if not 1 <= size <= self.config.max_capacity_bytes * group.args.world_size:
-            raise InvalidArgumentError(
-                f"size_bytes {size}: expected 1..{self.config.max_capacity_bytes * group.args.world_size} "
-                "(world_size times this daemon's max_capacity_bytes)",
-                **where,
-            )
-        held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
-        self.quotas.check_allocation(group, held, size, where)
-        allocation_id = next(self._allocation_ids)
-        if group.args.device_kind == "cuda":
-            devices = self._device_indices(group)
-            allocation = allocate_rank_device_memory(
-                group.name, request.rank, allocation_id, size, devices[request.rank], group.devices[request.rank],
-                devices[0],
-            )  # fmt: skip
-        else:
-            allocation = allocate_rank_memory(group.name, request.rank, allocation_id, size)
-        service.add_allocation(allocation)
-        try:
-            token = self.claims.issue(
-                group.name,
-                group.group_id,
-                request.rank,
-                group.members[request.rank].pid,
-                [allocation.fd],
-                self.config.claim_token_ttl_seconds,
-            )
-        except OSError as error:  # out of descriptors (EMFILE): no rank could ever free it
-            service.free(request.rank, allocation.allocation_id)
-            raise ResourceExhaustedError(
-                f"handing out the allocation's descriptor failed: {error.strerror}; nothing was allocated", **where
-            ) from None
-        self.metrics.reserve(*allocation.placement, "service", allocation.size_bytes)
-        kind = pb.CUDA_VMM_FD if group.args.device_kind == "cuda" else pb.HOST_MEMFD
-        return pb.AllocateMemoryReply(
-            allocation_id=allocation.allocation_id,
-            claim_token=token,
-            memory_kind=kind,
-            size_bytes=allocation.size_bytes,
-        )
+        devices = self._device_indices(group) if group.args.device_kind == "cuda" else []
+        return self.service_memory.allocate(group, service, request, devices)
 
     def free_memory(self, request: pb.FreeMemoryRequest) -> None:
         _, service = self._service_of(request.group, request.group_id, request.rank)
-        allocation = service.free(request.rank, request.allocation_id)
-        self.metrics.reserve(*allocation.placement, "service", -allocation.size_bytes)
+        self.service_memory.free(service, request)
 
     async def submit(self, request: pb.SubmitRequest) -> pb.SubmitReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)

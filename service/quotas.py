@@ -15,7 +15,7 @@ from .allocator import accounted_bytes, check_descriptors
 from .config import DaemonConfig
 
 if TYPE_CHECKING:
-    from .groups import Group
+    from .group import Group
     from .join_args import JoinArgs
 
 

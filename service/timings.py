@@ -17,7 +17,7 @@ from .metrics import DaemonMetrics, size_bucket
 from .tables import TableKeeper
 
 if TYPE_CHECKING:
-    from .groups import Group
+    from .group import Group
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
 MAX_TIMINGS_PER_BATCH = 256

@@ -27,7 +27,7 @@ from .quotas import Quotas
 from .rendezvous import OnStop, Rendezvous
 
 if TYPE_CHECKING:
-    from .groups import Group
+    from .group import Group
 
 log = logging.getLogger("nodecomm.groups")
 

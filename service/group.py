@@ -1,0 +1,81 @@
+"""A formed group as the daemon holds it: its members (each rank's pid, secret, session and
+timing budget), its memory, dispatch table, peer checks, top-k exchanges and service path."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass, field
+
+from nodecomm.thresholds import DispatchTable
+from nodecomm.v1 import control_pb2 as pb
+
+from .allocator import GroupMemory, TopkSlabs
+from .join_args import JoinArgs
+from .live_thresholds import LiveEstimates
+from .rendezvous import Rendezvous
+from .submissions import SubmissionQueue
+from .timings import TokenBucket
+
+
+@dataclass
+class Member:
+    rank: int
+    pid: int = 0
+    secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
+    session: asyncio.Queue | None = None
+    session_seen: bool = False
+    # The rank's budget of timings (timing_rate_per_rank a second), from its first batch on.
+    timing_budget: TokenBucket | None = None
+    left: bool = False
+    lost: bool = False
+
+    @property
+    def gone(self) -> bool:
+        return self.left or self.lost
+
+
+@dataclass
+class Group:
+    name: str
+    group_id: int
+    args: JoinArgs  # rank 0's, which every rank agreed with
+    memory: GroupMemory
+    table: DispatchTable
+    members: dict[int, Member]
+    state: str = "active"  # "active" | "aborted"
+    # Each stage of a CUDA group's peer-memory check: every rank's (ok, detail), then one verdict.
+    peer_checks: dict[int, Rendezvous[tuple[bool, str], pb.PeerCheckVerdict]] = field(default_factory=dict)
+    exchanges: dict[int, Rendezvous] = field(default_factory=dict)  # top-k exchanges opening, by sequence
+    live: LiveEstimates | None = None  # groups with live recalibration on
+    topk_slabs: list[TopkSlabs] = field(default_factory=list)
+    service: SubmissionQueue | None = None  # collectives the daemon runs
+    counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
+    devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
+    creator: int | None = None  # the first joiner's uid; None: it presented no identity
+
+    def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
+        """(kind, device, use, bytes) of the group's memory: the control page and each rank's
+        buffer, then each owner's slab of every top-k exchange (of `slabs` when given, and then
+        only those). Service allocations are accounted one by one as they come and go."""
+
+        def on(device: str) -> tuple[str, str]:
+            return ("host", "host") if device == "cpu" else ("cuda", device)
+
+        placed = []
+        if slabs is None:
+            placed.append(("host", "host", "collectives", self.memory.control_bytes))
+            placed += [(*on(device), "collectives", self.memory.buffer_bytes) for device in self.devices]
+        for exchange in self.topk_slabs if slabs is None else slabs:
+            placed += [(*on(device), "topk", exchange.slab_bytes) for device in self.devices]
+        return placed
+
+    @property
+    def reserved_bytes(self) -> int:
+        service = self.service.reserved_bytes if self.service is not None else 0
+        return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs) + service
+
+    def broadcast(self, message: pb.SessionDown) -> None:
+        for member in self.members.values():
+            if member.session is not None:
+                member.session.put_nowait(message)

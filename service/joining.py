@@ -1,0 +1,141 @@
+"""Joining a forming group: who may arrive (the group key, the first joiner's uid, the daemon's
+group limits) and what makes a Join disagree with the ranks already there. The ranks meet in a
+Rendezvous; GroupRegistry forms the group once all agree."""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass, field
+
+from nodecomm.errors import GroupMismatchError, NodecommError, PermissionDeniedError, ResourceExhaustedError
+from nodecomm.v1 import control_pb2 as pb
+
+from .config import DaemonConfig
+from .group import Group
+from .join_args import JoinArgs
+from .rendezvous import Rendezvous
+
+
+@dataclass
+class FormingGroup:
+    """Ranks that have arrived for a name that is not formed yet, meeting in `joins`: admitted only
+    with the first joiner's uid (unless mixed uids are allowed) and group key (its digest, compared
+    in constant time). Once the attempt failed, every rank of it gets the same error."""
+
+    name: str
+    joins: Rendezvous[JoinArgs, pb.JoinReply]
+    creator: int | None = None  # the first joiner's uid; None: it presented no identity
+    key_digest: bytes = b""
+    failed_ranks: set[int] = field(default_factory=set)
+    failed_at: float = 0.0
+
+    @property
+    def arrivals(self) -> dict[int, JoinArgs]:
+        return self.joins.arrivals
+
+    @property
+    def failure(self) -> NodecommError | None:
+        return self.joins.failure
+
+
+def check_new_forming(
+    config: DaemonConfig,
+    formed: int,
+    forming: dict[str, FormingGroup],
+    args: JoinArgs,
+    caller: int | None,
+    group_key: bytes,
+) -> None:
+    """A Join that starts a forming group: refused past the daemon's group limits or without a
+    key where one is required. `formed`: the groups formed and not yet released."""
+    where = dict(group=args.group, rank=args.rank)
+    if config.require_group_key and not group_key:
+        raise PermissionDeniedError(
+            "this daemon admits to forming groups only joins that carry a group key (require_group_key): "
+            "pass connect(group_key=...) or set NODECOMM_GROUP_KEY, the same on every rank",
+            **where,
+        )
+    groups = formed + sum(1 for f in forming.values() if f.arrivals)
+    if groups >= config.max_groups:
+        raise ResourceExhaustedError(
+            f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released", **where
+        )
+    mine = sum(1 for f in forming.values() if f.arrivals and f.creator == caller)
+    if mine >= config.max_forming_groups_per_caller:
+        who = f"uid {caller}" if caller is not None else "callers without an identity"
+        raise ResourceExhaustedError(
+            f"{who} already started {mine} groups that are still forming, this daemon's "
+            "max_forming_groups_per_caller; one more can start once one forms or times out",
+            **where,
+        )
+
+
+def check_admission(
+    config: DaemonConfig, forming: FormingGroup, args: JoinArgs, caller: int | None, key_digest: bytes
+) -> None:
+    """A later Join to a forming group: refused, before it can change anything there, unless it
+    carries the group's key and (unless allowed otherwise) comes from the first joiner's uid."""
+    where = dict(group=args.group, rank=args.rank)
+    if not hmac.compare_digest(forming.key_digest, key_digest):
+        raise PermissionDeniedError(
+            "this Join's group key is not the one the group's first Join carried (or one of them carried "
+            "none); every rank must pass the same connect(group_key=...) or NODECOMM_GROUP_KEY",
+            **where,
+        )
+    if caller != forming.creator and not config.allow_mixed_uids:
+        who = f"uid {caller}" if caller is not None else "a caller without an identity"
+        first = f"uid {forming.creator}" if forming.creator is not None else "a caller without an identity"
+        raise PermissionDeniedError(
+            f"this group is forming among the ranks of {first}; a Join from {who} is refused (the daemon's "
+            "allow_mixed_uids lets ranks of several uids form one group)",
+            **where,
+        )
+
+
+def join_mismatch(
+    config: DaemonConfig, forming: FormingGroup, args: JoinArgs, disagreement: tuple[str, str] | None
+) -> GroupMismatchError | None:
+    """Why `args` cannot join the others: an agreed field that differs (`disagreement`, from
+    the Rendezvous, which then did not add it), or a GPU another rank uses."""
+    if disagreement is not None:
+        name, each = disagreement
+        return GroupMismatchError(f"ranks disagree on {name}: {each}; nothing was allocated", group=args.group)
+    if args.device_kind == "cuda" and not config.allow_shared_devices:
+        for rank, joined in forming.arrivals.items():
+            if rank != args.rank and joined.device == args.device:
+                return GroupMismatchError(
+                    f"ranks {min(rank, args.rank)} and {max(rank, args.rank)} both use {args.device}; "
+                    "each rank of a CUDA group needs its own GPU (allow_shared_devices lifts this for "
+                    "single-GPU development); nothing was allocated",
+                    group=args.group,
+                )
+    return None
+
+
+def join_replies(
+    config: DaemonConfig, group: Group, tokens: dict[int, str], max_blocks: int
+) -> dict[int, pb.JoinReply]:
+    """What every rank of a group that just formed is answered with: its claim token, the group's
+    memory, table and timing settings, and its rank secret."""
+    memory, handles = group.memory, group.memory.ipc_handles
+    replies = {}
+    for rank in range(group.args.world_size):
+        reply = replies[rank] = pb.JoinReply(
+            group_id=group.group_id,
+            claim_token=tokens[rank],
+            descriptor_socket=config.descriptor_socket,
+            memory_kind=memory.memory_kind,
+            control=pb.Segment(owner_rank=-1, size_bytes=memory.control_bytes),
+            thresholds=group.table.to_proto(),
+            timing_sample_period=config.timing_sample_period,
+            operation_timeout_seconds=config.operation_timeout_seconds,
+            max_blocks=max_blocks,
+            table_switch_period=config.table_switch_period,
+            explore_period=config.explore_period,
+            rank_secret=group.members[rank].secret,
+        )
+        for owner in range(group.args.world_size):
+            reply.buffers.add(
+                owner_rank=owner, size_bytes=memory.buffer_bytes, ipc_handle=handles[owner] if handles else b""
+            )
+    return replies
