@@ -113,7 +113,7 @@ def join_mismatch(
 
 
 def join_replies(
-    config: DaemonConfig, group: Group, tokens: dict[int, str], max_blocks: int
+    config: DaemonConfig, group: Group, tokens: dict[int, bytes], max_blocks: int
 ) -> dict[int, pb.JoinReply]:
     """What every rank of a group that just formed is answered with: its claim token, the group's
     memory, table and timing settings, and its rank secret."""
