@@ -11,7 +11,7 @@ import warnings
 import grpc
 import torch
 
-from nodecomm import _native, host_memory
+from nodecomm import _native
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
@@ -21,19 +21,18 @@ from nodecomm.errors import (
     from_rpc_error,
 )
 from nodecomm.thresholds import DispatchTable, Path
-from nodecomm.topk_layout import LAYOUT_VERSION, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
-from .descriptors import claim, map_host_segment
 from .dispatch import Dispatcher
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
+from .membership import Membership
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
-from .topk_exchange import CudaTopkExchange, TopkExchange
+from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
 
 log = logging.getLogger("nodecomm.client")
 
@@ -53,10 +52,7 @@ class Communicator:
     def __init__(
         self,
         *,
-        group: str,
-        rank: int,
-        world_size: int,
-        group_id: int,
+        membership: Membership,
         channel: grpc.Channel,
         control: SegmentMapping,
         descriptor_socket: str,
@@ -71,10 +67,9 @@ class Communicator:
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
     ):
-        self.group = group
-        self.rank = rank
-        self.world_size = world_size
-        self.group_id = group_id
+        self.membership = membership
+        self.group, self.rank = membership.group, membership.rank
+        self.world_size, self.group_id = membership.world_size, membership.group_id
         self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
         self._daemon_lease = daemon_lease
         self._channel = channel
@@ -95,11 +90,10 @@ class Communicator:
         self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        self._lease = Lease(self._stub, group_id, rank, control.address, self._metadata, group)
+        self._lease = Lease(self._stub, membership, control.address, self._metadata)
         # Collectives the daemon runs (path="service").
         self._service = ServiceClient(
-            self._stub, group, group_id, rank, world_size, descriptor_socket, operation_timeout, self._metadata,
-            transport.device,
+            self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device,
         )  # fmt: skip
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.
@@ -286,72 +280,27 @@ class Communicator:
         Collective: every rank calls it in the same order with the same max_rows and topk, or all
         get GroupMismatchError before anything is allocated. See TopkExchange.stage.
         """
-        where = dict(group=self.group, rank=self.rank)
         with self._lock:
             self._check_usable()
             # Every call takes the next number, failed or not, so the ranks' n-th calls meet.
             sequence = self._exchange_calls
             self._exchange_calls += 1
-        request = pb.TopkExchangeRequest(
-            group=self.group,
-            group_id=self.group_id,
-            rank=self.rank,
-            sequence=sequence,
-            max_rows=max_rows,
-            topk=topk,
-            layout_version=LAYOUT_VERSION,
-            timeout_seconds=timeout,
+        device = self.device.index if self._transport.kind == "cuda" else None
+        layout, slabs, reply = open_slabs(
+            self._stub, self.membership, self._metadata, self._descriptor_socket, sequence, max_rows, topk, timeout,
+            device,
+        )  # fmt: skip
+        where, callbacks = (
+            self.membership.where,
+            dict(count=self._count_topk_stage, service_stage=self._service_topk_stage),
         )
-        try:
-            reply = self._stub.OpenTopkExchange(request, timeout=timeout + 5.0, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise from_rpc_error(error, **where) from None
-        layout = TopkLayout(max_rows, topk, self.world_size)
-        on_gpu = self._transport.kind == "cuda"
-        if on_gpu:
-            needed = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, topk)
-            fits = reply.memory_kind == pb.CUDA_VMM_FD and reply.rows_per_owner == layout.rows_per_owner
-        else:
-            needed, fits = layout.slab_bytes, reply.memory_kind == pb.HOST_MEMFD
-        fds = claim(self._descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
-        slabs: list[SegmentMapping] = []
-        try:
-            sizes = [slab.size_bytes for slab in reply.slabs]
-            if (
-                not fits
-                or len(sizes) != self.world_size
-                or any(size < needed or (not on_gpu and size != needed) for size in sizes)
-            ):
-                raise DaemonUnavailableError(
-                    f"the daemon's slabs ({pb.MemoryKind.Name(reply.memory_kind)}, {sizes} bytes) are not "
-                    f"{self.world_size} of the {needed} bytes this client lays out for {max_rows} rows of {topk}",
-                    **where,
-                )
-            for fd, slab in zip(fds, reply.slabs, strict=True):
-                if on_gpu:
-                    address = _native.cuda_vmm_import(self.device.index, fd, slab.size_bytes)
-                    slabs.append(SegmentMapping(address, slab.size_bytes))
-                else:
-                    slabs.append(map_host_segment(fd, slab.size_bytes, where))
-        except BaseException:
-            if on_gpu:
-                self._transport.unmap(slabs)
-            else:
-                for mapping in slabs:
-                    host_memory.unmap_segment(mapping.address, mapping.size_bytes)
-            raise
-        finally:
-            for fd in fds:
-                os.close(fd)
-        if on_gpu:
+        if device is not None:
             exchange = CudaTopkExchange(
                 layout, self.rank, slabs, self._transport, self._run, reply.blocks, self._operation_timeout, where,
-                self._count_topk_stage, self._service_topk_stage,
+                **callbacks,
             )  # fmt: skip
         else:
-            exchange = TopkExchange(
-                layout, self.rank, slabs, self._topk_barrier, where, self._service_topk_stage, self._count_topk_stage
-            )
+            exchange = TopkExchange(layout, self.rank, slabs, self._topk_barrier, where, **callbacks)
         with self._lock:
             self._exchanges.append(exchange)
         return exchange
@@ -503,7 +452,7 @@ class Communicator:
                     where = {"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
                     log.info("leave failed", extra=where)
             self._lease.close()
-            host_memory.unmap_segment(self._control.address, self._control.size_bytes)
+            self._control.unmap()
             self._channel.close()
             if self._daemon_lease is not None:
                 self._daemon_lease.release()  # the job's private daemon may leave once every rank has

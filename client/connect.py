@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 import grpc
 import torch
 
-from nodecomm import _native, host_memory
+from nodecomm import _native
 from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
@@ -21,11 +21,12 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from . import daemon_choice
 from .communicator import Communicator, Transport
-from .cuda_transport import CudaTransport, unmap_device_segment
-from .descriptors import claim, identify, map_host_segment
+from .cuda_transport import CudaTransport
+from .descriptors import claim, identify
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
-from .mapping import SegmentMapping
+from .mapping import SegmentMapping, map_descriptors
+from .membership import Membership
 
 log = logging.getLogger("nodecomm.client")
 
@@ -278,17 +279,12 @@ def _join(
         # Legacy buffers come as handles in the reply: only the control page crosses as a descriptor.
         fds = claim(descriptor_socket, reply.claim_token, 1 if legacy else len(sizes), timeout, where)
         try:
-            control = map_host_segment(fds[0], sizes[0], where)
+            control = SegmentMapping.from_descriptor(fds[0], sizes[0], None, where)
             if legacy:
                 for segment in reply.buffers:
-                    address = _native.cuda_ipc_open(device_index, segment.ipc_handle)
-                    buffers.append(SegmentMapping(address, segment.size_bytes, legacy=True, device=device_index))
+                    buffers.append(SegmentMapping.from_ipc_handle(segment.ipc_handle, segment.size_bytes, device_index))
             else:
-                for fd, size in zip(fds[1:], sizes[1:], strict=True):
-                    if device_index is None:
-                        buffers.append(map_host_segment(fd, size, where))
-                    else:
-                        buffers.append(SegmentMapping(_native.cuda_vmm_import(device_index, fd, size), size))
+                buffers = map_descriptors(fds[1:], sizes[1:], device_index, where)
         finally:
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
@@ -308,10 +304,7 @@ def _join(
                 # NCCL alone: one range, nothing to explore, and no peer memory to agree on a table over.
                 switch_period = explore_period = 0
         communicator = Communicator(
-            group=group,
-            rank=rank,
-            world_size=world_size,
-            group_id=reply.group_id,
+            membership=Membership(group, reply.group_id, rank, world_size),
             channel=channel,
             control=control,
             descriptor_socket=descriptor_socket,
@@ -331,12 +324,9 @@ def _join(
             transport.close()
         else:
             for mapping in buffers:
-                if device_index is None:
-                    host_memory.unmap_segment(mapping.address, mapping.size_bytes)
-                else:
-                    unmap_device_segment(mapping)
+                mapping.unmap()
         if control is not None:
-            host_memory.unmap_segment(control.address, control.size_bytes)
+            control.unmap()
         # The group formed with this rank in it: its peers hear now, not after the session grace.
         with contextlib.suppress(grpc.RpcError):
             stub.Leave(

@@ -42,14 +42,6 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
     )
 
 
-def unmap_device_segment(mapping: SegmentMapping) -> None:
-    """Release device memory mapped here: close a cudaIpcMemHandle import, unmap a VMM mapping."""
-    if mapping.legacy:
-        _native.cuda_ipc_close(mapping.device, mapping.address)
-    else:
-        _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
-
-
 class CudaTransport:
     kind = "cuda"
 
@@ -178,7 +170,7 @@ class CudaTransport:
         """Unmap device memory mapped here (a top-k exchange's slabs) once nothing runs on it."""
         torch.cuda.synchronize(self.device)
         for mapping in mappings:
-            unmap_device_segment(mapping)
+            mapping.unmap()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -187,4 +179,4 @@ class CudaTransport:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
         self._group = None
         for mapping in self._buffers:
-            unmap_device_segment(mapping)
+            mapping.unmap()

@@ -5,11 +5,8 @@ from __future__ import annotations
 import os
 import socket
 
-from nodecomm import host_memory
 from nodecomm.credentials import IDENTIFY
 from nodecomm.errors import DaemonUnavailableError, PermissionDeniedError
-
-from .mapping import SegmentMapping
 
 
 def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> list[int]:
@@ -66,11 +63,3 @@ def claim(path: str, token: bytes, expected: int, timeout: float, where: dict) -
             os.close(fd)
         raise DaemonUnavailableError(f"expected {expected} descriptors, received {len(fds)}", **where)
     return fds
-
-
-def map_host_segment(fd: int, size: int, where: dict) -> SegmentMapping:
-    """Map a memfd the daemon sent, after checking it is as large as announced."""
-    actual = host_memory.segment_size(fd)
-    if actual < size:
-        raise DaemonUnavailableError(f"segment of {actual} bytes is smaller than announced {size}", **where)
-    return SegmentMapping(host_memory.map_segment(fd, size), size)

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from nodecomm import _native, host_memory
+from nodecomm import _native
 from nodecomm.thresholds import Path
 
 from .dtypes import DTYPE_CODES
@@ -59,4 +59,4 @@ class HostTransport:
     def close(self) -> None:
         self._group = None
         for mapping in self._buffers:
-            host_memory.unmap_segment(mapping.address, mapping.size_bytes)
+            mapping.unmap()

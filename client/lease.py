@@ -23,6 +23,8 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .membership import Membership
+
 log = logging.getLogger("nodecomm.client")
 
 _BATCH = 32
@@ -36,16 +38,14 @@ class Lease:
     def __init__(
         self,
         stub: pb_grpc.ControlStub,
-        group_id: int,
-        rank: int,
+        membership: Membership,
         control_address: int,
         metadata: tuple[tuple[str, bytes], ...] = (),
-        group: str = "",
     ):
-        self._group = group
+        self._group = membership.group
         self._stub = stub
-        self._group_id = group_id
-        self._rank = rank
+        self._group_id = membership.group_id
+        self._rank = membership.rank
         self._control = control_address
         self._metadata = metadata
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
@@ -61,7 +61,7 @@ class Lease:
         self.event_message: str | None = None  # the last group event's message
         self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
         self._call = None
-        self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{membership.rank}", daemon=True)
 
     def start(self, timeout: float) -> None:
         """Open the stream and wait for READY. Raises the daemon's refusal, or TimeoutError."""

@@ -37,6 +37,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .descriptors import claim
 from .dtypes import DTYPE_CODES
+from .membership import Membership
 
 _STAGING_MIN_BYTES = 64 << 10
 _ALIGN = 64
@@ -166,10 +167,7 @@ class ServiceClient:
     def __init__(
         self,
         stub: pb_grpc.ControlStub,
-        group: str,
-        group_id: int,
-        rank: int,
-        world_size: int,
+        membership: Membership,
         descriptor_socket: str,
         operation_timeout: float,
         metadata: tuple[tuple[str, bytes], ...] = (),
@@ -177,9 +175,9 @@ class ServiceClient:
     ):
         self._stub = stub
         self.device = device
-        self._ids = dict(group=group, group_id=group_id, rank=rank)
-        self._where = dict(group=group, rank=rank)
-        self.world_size = world_size
+        self._ids = dict(group=membership.group, group_id=membership.group_id, rank=membership.rank)
+        self._where = membership.where
+        self.world_size = membership.world_size
         self._descriptor_socket = descriptor_socket
         self._timeout = operation_timeout
         self._metadata = metadata  # the rank's secret, on every call

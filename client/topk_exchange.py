@@ -10,15 +10,77 @@ reaches after copying stage n out. Layout: nodecomm.topk_layout.
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 
+import grpc
 import torch
 
-from nodecomm import host_memory
-from nodecomm.errors import InvalidArgumentError
-from nodecomm.topk_layout import SLOTS, TopkLayout, owned_rows
+from nodecomm import _native
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
+from nodecomm.topk_layout import LAYOUT_VERSION, SLOTS, TopkLayout, owned_rows
+from nodecomm.v1 import control_pb2 as pb
+from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .mapping import SegmentMapping
+from .descriptors import claim
+from .mapping import SegmentMapping, map_descriptors
+from .membership import Membership
+
+
+def open_slabs(
+    stub: pb_grpc.ControlStub,
+    membership: Membership,
+    metadata: tuple[tuple[str, bytes], ...],
+    descriptor_socket: str,
+    sequence: int,
+    max_rows: int,
+    topk: int,
+    timeout: float,
+    device: int | None,
+) -> tuple[TopkLayout, list[SegmentMapping], pb.TopkExchangeReply]:
+    """Open the group's `sequence`-th top-k exchange with the daemon (every rank's call meets
+    there) and map every owner's slab here, on `device` (None: host memory), once it is checked
+    against this client's layout."""
+    where = membership.where
+    request = pb.TopkExchangeRequest(
+        group=membership.group,
+        group_id=membership.group_id,
+        rank=membership.rank,
+        sequence=sequence,
+        max_rows=max_rows,
+        topk=topk,
+        layout_version=LAYOUT_VERSION,
+        timeout_seconds=timeout,
+    )
+    try:
+        reply = stub.OpenTopkExchange(request, timeout=timeout + 5.0, metadata=metadata)
+    except grpc.RpcError as error:
+        raise from_rpc_error(error, **where) from None
+    world_size = membership.world_size
+    layout = TopkLayout(max_rows, topk, world_size)
+    on_gpu = device is not None
+    if on_gpu:
+        needed = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, topk)
+        fits = reply.memory_kind == pb.CUDA_VMM_FD and reply.rows_per_owner == layout.rows_per_owner
+    else:
+        needed, fits = layout.slab_bytes, reply.memory_kind == pb.HOST_MEMFD
+    fds = claim(descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
+    try:
+        sizes = [slab.size_bytes for slab in reply.slabs]
+        if (
+            not fits
+            or len(sizes) != world_size
+            or any(size < needed or (not on_gpu and size != needed) for size in sizes)
+        ):
+            raise DaemonUnavailableError(
+                f"the daemon's slabs ({pb.MemoryKind.Name(reply.memory_kind)}, {sizes} bytes) are not "
+                f"{world_size} of the {needed} bytes this client lays out for {max_rows} rows of {topk}",
+                **where,
+            )
+        return layout, map_descriptors(fds, sizes, device, where), reply
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _planes(mapping: SegmentMapping, layout: TopkLayout) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -70,8 +132,9 @@ class TopkExchange:
         slabs: list[SegmentMapping],
         barrier: Callable[[int], None],
         where: dict,
-        service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        *,
         count: Callable[[int], None] = lambda nbytes: None,
+        service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
@@ -125,7 +188,7 @@ class TopkExchange:
         self._closed = True
         self._planes = []
         for slab in self._slabs:
-            host_memory.unmap_segment(slab.address, slab.size_bytes)
+            slab.unmap()
 
 
 class CudaTopkExchange:
@@ -143,6 +206,7 @@ class CudaTopkExchange:
         blocks: int,
         timeout: float,
         where: dict,
+        *,
         count: Callable[[int], None] = lambda nbytes: None,
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
     ):
