@@ -75,6 +75,23 @@ class Group:
         service = self.service.reserved_bytes if self.service is not None else 0
         return self.memory.reserved_bytes + sum(slabs.reserved_bytes for slabs in self.topk_slabs) + service
 
+    def info(self) -> pb.GroupInfo:
+        """The operator view (ListGroups, `nodecomm status`)."""
+        return pb.GroupInfo(
+            name=self.name,
+            group_id=self.group_id,
+            world_size=self.args.world_size,
+            joined_ranks=sorted(self.members),
+            live_ranks=sorted(r for r, m in self.members.items() if m.session is not None and not m.gone),
+            state=self.state,
+            device_kind=self.args.device_kind,
+            reserved_bytes=self.reserved_bytes,
+            geometry=pb.Geometry(capacity_bytes=self.args.capacity_bytes, dtypes=self.args.dtypes),
+            thresholds=self.table.to_proto(),
+            topk_exchanges=len(self.topk_slabs),
+            service_bytes=self.service.reserved_bytes if self.service is not None else 0,
+        )
+
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
             if member.session is not None:

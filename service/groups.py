@@ -39,6 +39,7 @@ from .allocator import (
     max_blocks_for,
 )
 from .config import DaemonConfig
+from .cuda_execution import CudaExecution
 from .group import Group, Member
 from .handles import ClaimTable
 from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
@@ -49,7 +50,7 @@ from .peer_checks import PeerChecks
 from .quotas import Quotas
 from .rendezvous import OnStop, Rendezvous
 from .service_memory import ServiceMemory
-from .submissions import CudaExecution, SubmissionQueue
+from .submissions import SubmissionQueue
 from .tables import TableKeeper
 from .timings import TimingIntake
 from .topk_exchanges import TopkOpenings
@@ -458,40 +459,12 @@ class GroupRegistry:
         `forming_details` (an operator asks) or `group_key` is theirs (a member asks): to anyone
         else those say which rank to pose as."""
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
-        infos = []
-        for forming in self._forming.values():
-            member = bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest)
-            if forming.arrivals and (forming_details or member):
-                any_args = next(iter(forming.arrivals.values()))
-                infos.append(
-                    pb.GroupInfo(
-                        name=forming.name,
-                        world_size=any_args.world_size,
-                        joined_ranks=sorted(forming.arrivals),
-                        state="joining",
-                        device_kind=any_args.device_kind,
-                    )
-                )
-            elif forming.arrivals:
-                infos.append(pb.GroupInfo(name=forming.name, state="joining"))
-        for group in self._groups.values():
-            infos.append(
-                pb.GroupInfo(
-                    name=group.name,
-                    group_id=group.group_id,
-                    world_size=group.args.world_size,
-                    joined_ranks=sorted(group.members),
-                    live_ranks=sorted(r for r, m in group.members.items() if m.session is not None and not m.gone),
-                    state=group.state,
-                    device_kind=group.args.device_kind,
-                    reserved_bytes=group.reserved_bytes,
-                    geometry=pb.Geometry(capacity_bytes=group.args.capacity_bytes, dtypes=group.args.dtypes),
-                    thresholds=group.table.to_proto(),
-                    topk_exchanges=len(group.topk_slabs),
-                    service_bytes=group.service.reserved_bytes if group.service is not None else 0,
-                )
-            )
-        return infos
+        infos = [
+            forming.info(forming_details or (bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest)))
+            for forming in self._forming.values()
+            if forming.arrivals
+        ]
+        return infos + [group.info() for group in self._groups.values()]
 
     def sweep(self) -> None:
         """Forget failed join attempts whose ranks did not come back within a join timeout."""

@@ -37,6 +37,20 @@ class FormingGroup:
     def failure(self) -> NodecommError | None:
         return self.joins.failure
 
+    def info(self, detailed: bool) -> pb.GroupInfo:
+        """The operator view; the world size and joined ranks only when `detailed`: to anyone
+        else those say which rank to pose as."""
+        if not detailed:
+            return pb.GroupInfo(name=self.name, state="joining")
+        any_args = next(iter(self.arrivals.values()))
+        return pb.GroupInfo(
+            name=self.name,
+            world_size=any_args.world_size,
+            joined_ranks=sorted(self.arrivals),
+            state="joining",
+            device_kind=any_args.device_kind,
+        )
+
 
 def check_new_forming(
     config: DaemonConfig,

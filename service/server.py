@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -42,6 +41,7 @@ from .groups import GroupRegistry
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .job_lease import JobLease
 from .join_args import JoinArgs
+from .listening import prepare_socket_path, restrict_socket_file, tls_credentials
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .timings import TokenBucket
@@ -339,51 +339,6 @@ def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
     return b""
 
 
-def _restrict(path: str, mode: int, group: str) -> None:
-    """Give `path` its mode and, when configured, the socket group (which must exist and be ours
-    to give: root, or a group the daemon's user belongs to)."""
-    os.chmod(path, mode)
-    if group:
-        (gid,) = parse_ids("socket_group", group)
-        try:
-            os.chown(path, -1, gid)
-        except PermissionError:
-            raise OSError(
-                f"socket_group {group!r}: cannot give {path} to gid {gid}; run as root or as a member"
-            ) from None
-
-
-def _tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
-    def read(path: str) -> bytes:
-        with open(path, "rb") as handle:
-            return handle.read()
-
-    client_ca = read(config.tls_client_ca) if config.tls_client_ca else None
-    return grpc.ssl_server_credentials(
-        [(read(config.tls_key), read(config.tls_cert))],
-        root_certificates=client_ca,
-        require_client_auth=client_ca is not None,
-    )
-
-
-def _prepare_socket_path(path: str, group: str = "") -> None:
-    """Create the socket's directory (0750, the socket group's); remove a stale socket, but never
-    take over a live one."""
-    directory = os.path.dirname(path) or "."
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o750, exist_ok=True)
-        _restrict(directory, 0o750, group)
-    if not os.path.exists(path):
-        return
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: left behind by a daemon that died
-            return
-    raise OSError(f"{path}: another process is serving on this socket; stop it or pick another --socket")
-
-
 async def serve(config: DaemonConfig) -> int:
     # Every group, allocation and connection costs descriptors: take all the system allows.
     raise_descriptor_limit()
@@ -401,8 +356,8 @@ async def serve(config: DaemonConfig) -> int:
             extra={"state_dir": config.state_dir, "device_kinds": uncalibrated},
         )
 
-    _prepare_socket_path(config.socket, config.socket_group)
-    _prepare_socket_path(config.descriptor_socket, config.socket_group)
+    prepare_socket_path(config.socket, config.socket_group)
+    prepare_socket_path(config.descriptor_socket, config.socket_group)
     identities = IdentityTable()
     admission = Admission(
         parse_ids("allowed_uids", config.allowed_uids),
@@ -427,7 +382,7 @@ async def serve(config: DaemonConfig) -> int:
         admission=admission,
         identity_ttl=config.claim_token_ttl_seconds,
     )
-    _restrict(config.descriptor_socket, 0o660, config.socket_group)
+    restrict_socket_file(config.descriptor_socket, 0o660, config.socket_group)
 
     server = grpc.aio.server(
         options=[
@@ -449,7 +404,7 @@ async def serve(config: DaemonConfig) -> int:
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     server.add_insecure_port(f"unix:{config.socket}")
     if config.tcp_address and config.tls_cert:
-        server.add_secure_port(config.tcp_address, _tls_credentials(config))
+        server.add_secure_port(config.tcp_address, tls_credentials(config))
     elif config.tcp_address:
         server.add_insecure_port(config.tcp_address)
 
@@ -460,7 +415,7 @@ async def serve(config: DaemonConfig) -> int:
         metrics_address = (metrics_address[0], metrics_server.server_port)
 
     await server.start()
-    _restrict(config.socket, 0o660, config.socket_group)
+    restrict_socket_file(config.socket, 0o660, config.socket_group)
     descriptors.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)

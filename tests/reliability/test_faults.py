@@ -19,14 +19,15 @@ from nodecomm.errors import ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
 from . import fault_ranks
-from .harness import FIGURES
+from .harness import FIGURES, wait_until
 from .test_load import daemon_resources, settle
 
 OPERATION_TIMEOUT = 3.0
+SESSION_GRACE = 3.0
 DAEMON_ARGS = [
     "--operation-timeout-seconds", str(OPERATION_TIMEOUT),
     "--join-timeout-seconds", "5",
-    "--session-grace-seconds", "3",
+    "--session-grace-seconds", str(SESSION_GRACE),
     "--claim-token-ttl-seconds", "2",
     "--log-level", "INFO",
 ]  # fmt: skip
@@ -74,6 +75,13 @@ def stop_or_kill_at(daemon: Daemon, spawn_ranks, stage: str, sig: signal.Signals
     assert waited < 5.0 + OPERATION_TIMEOUT + 3.0, (waited, message)
     if sig == signal.SIGSTOP:
         ranks.kill(1, signal.SIGKILL)
+    # The name is free again once the daemon has given the dead rank's session its grace.
+    channel, stub = stub_for(daemon)
+    with channel:
+        wait_until(
+            lambda: group not in {info.name for info in stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups},
+            SESSION_GRACE + OPERATION_TIMEOUT + 5.0, f"group {group!r} released",
+        )  # fmt: skip
     again = spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, group, device, timeout=120).values()
     assert again == {0: 3.0, 1: 3.0}
     assert daemon.healthy()
