@@ -31,6 +31,8 @@ from nodecomm.errors import DaemonUnavailableError
 from .daemon_process import start_daemon
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
+# Rows of one nodecomm path, forced (the others: auto, the baselines, the backend's).
+NODECOMM_PATHS = frozenset({"oneshot", "twoshot", "dma", "service"})
 GRAPH_REPLAYS = 5
 
 
@@ -51,6 +53,11 @@ class Row:
     # The least CPU time any rank had while timed, per second of wall time: ranks that spin on
     # host memory (CPU groups) use a whole core each on an idle machine, and less on a busy one.
     cpu_share: float = 1.0
+    form: str = ""  # how a forced path moved this size: "push" or "pull" for CUDA oneshot
+
+    @property
+    def label(self) -> str:
+        return f"{self.path}/{self.form}" if self.form else self.path
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -229,7 +236,8 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                 share = (time.process_time() - started[0]) / max(time.perf_counter() - started[1], 1e-9)
                 slowest, wrong, share = slowest_rank(times, int((out != expected).sum()), world_size, share)
                 if rank == 0:
-                    rows.append((nbytes, count, path, slowest, wrong, share))
+                    form = comm.path_form(path, nbytes) if path in NODECOMM_PATHS else ""
+                    rows.append((nbytes, count, path, slowest, wrong, share, form))
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)
@@ -285,7 +293,15 @@ def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
 
 
 def _row(
-    nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int, cpu_share: float
+    nbytes: int,
+    count: int,
+    dtype: str,
+    path: str,
+    times: list[float],
+    wrong: int,
+    world_size: int,
+    cpu_share: float,
+    form: str,
 ) -> Row:
     ordered = sorted(times)
     p50 = statistics.median(ordered)
@@ -297,7 +313,7 @@ def _row(
     busbw = algbw * (2 * (world_size - 1) / world_size) if world_size > 1 else 0.0
     return Row(
         nbytes, count, dtype, path, p50 * 1e6, quantile(0.99) * 1e6, algbw, busbw, wrong, len(times),
-        quantile(0.25) * 1e6, quantile(0.75) * 1e6, cpu_share,
+        quantile(0.25) * 1e6, quantile(0.75) * 1e6, cpu_share, form,
     )  # fmt: skip
 
 
@@ -396,7 +412,7 @@ def run_bench(setup: BenchSetup, socket: str | None, on_rows=None) -> tuple[list
 
     def rows_of(raw: list) -> list[Row]:
         raw = sorted(raw, key=lambda measured: (setup.sizes.index(measured[0]), setup.paths.index(measured[2])))
-        return [_row(n, c, setup.dtype, p, t, w, setup.world_size, share) for n, c, p, t, w, share in raw]
+        return [_row(n, c, setup.dtype, p, t, w, setup.world_size, share, f) for n, c, p, t, w, share, f in raw]
 
     on_part = None if on_rows is None else (lambda raw: on_rows(rows_of(raw)))
     raw, notes = run_ranks(_rank_main, setup.world_size, args, socket, flags, on_part)
@@ -414,7 +430,7 @@ def format_header(setup: BenchSetup) -> list[str]:
         f"# nodecomm bench: {setup.describe()} {machine}",
         f"# time: slowest rank per iteration; busbw = algbw * 2(n-1)/n; vs {name}: p50 latency ratio and busbw ratio",
         "#",
-        f"# {'size':>9} {'count':>10} {'type':>8} {'path':>8} {'p50(us)':>10} {'p99(us)':>10} "
+        f"# {'size':>9} {'count':>10} {'type':>8} {'path':>12} {'p50(us)':>10} {'p99(us)':>10} "
         f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'lat/' + name:>9} {'bw/' + name:>8}",
     ]
     if setup.baseline is None:
@@ -432,7 +448,7 @@ def format_rows(rows: list[Row], setup: BenchSetup) -> list[str]:
         lat = f"{r.p50_us / base.p50_us:9.3f}" if base and r.path != name else f"{'':9}"
         bw = f"{r.busbw_gbps / base.busbw_gbps:8.2f}" if base and r.path != name and base.busbw_gbps else f"{'':8}"
         lines.append(
-            f"  {format_byte_size(r.size_bytes):>9} {r.count:>10} {r.dtype:>8} {r.path:>8} {r.p50_us:>10.1f} "
+            f"  {format_byte_size(r.size_bytes):>9} {r.count:>10} {r.dtype:>8} {r.label:>12} {r.p50_us:>10.1f} "
             f"{r.p99_us:>10.1f} {r.algbw_gbps:>11.3f} {r.busbw_gbps:>11.3f} {r.wrong:>6} {lat} {bw}"
         )
     return lines

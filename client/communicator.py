@@ -82,7 +82,7 @@ class Communicator:
         self.device = transport.device
         self._dtypes = dtypes
         self._dispatcher = Dispatcher(
-            table, transport.paths | {Path.SERVICE}, transport.kind,
+            table, transport.paths | {Path.SERVICE}, transport.kind, form_of=transport.form,
             explore_period=explore_period, switch_period=table_switch_period,
         )  # fmt: skip
         self._sample_period = max(1, timing_sample_period)
@@ -337,6 +337,14 @@ class Communicator:
         """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
         return self._dispatcher.paths
 
+    def path_form(self, path: str, nbytes: int) -> str:
+        """How `path` moves an all-reduce of `nbytes` here: "push" or "pull" for oneshot on a CUDA
+        group, "" where a path has one form (what the bench and calibration report)."""
+        try:
+            return self._dispatcher.form(path, nbytes)
+        except NodecommError as error:
+            raise self._located(error) from None
+
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
         return self._dispatcher.table
@@ -357,23 +365,23 @@ class Communicator:
                 rank=self.rank,
             )
         reason, detail = _native.abort_state(self._control.address)
-        if reason == _native.ABORT_MISMATCH and call_follows:
+        if reason == _native.AbortReason.MISMATCH and call_follows:
             return
         if reason:
             raise self._aborted(reason, detail)
 
     def _aborted(self, reason: int, detail: int) -> NodecommError:
         message = self._lease.event_message
-        if reason == _native.ABORT_PEER_LOST:
+        if reason == _native.AbortReason.PEER_LOST:
             text = message or f"peer rank {detail} was lost"
             return PeerLostError(f"group aborted: {text}", group=self.group, rank=self.rank)
-        if reason == _native.ABORT_PEER_LEFT:
+        if reason == _native.AbortReason.PEER_LEFT:
             return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
-        if reason == _native.ABORT_MISMATCH:
+        if reason == _native.AbortReason.MISMATCH:
             return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
-        if reason == _native.ABORT_STALLED:
+        if reason == _native.AbortReason.STALLED:
             code, peer, _ = _native.error_record(self._control.address, detail)
-            waited = f" for rank {peer}" if code == _native.ERROR_TIMEOUT else " for a peer"
+            waited = f" for rank {peer}" if code == _native.KernelError.TIMEOUT else " for a peer"
             return PeerLostError(
                 f"group aborted: rank {detail} timed out waiting{waited}", group=self.group, rank=self.rank
             )

@@ -93,6 +93,13 @@ class CudaTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
+    def form(self, path: Path, nbytes: int) -> str:
+        """How `path` moves an all-reduce of `nbytes`: oneshot "push" (into peers' push slots) or
+        "pull" (from their staging slots), as the native group decides; "" for the other paths."""
+        if path is not Path.ONESHOT:
+            return ""
+        return "push" if self._group.oneshot_pushes(nbytes) else "pull"
+
     @contextlib.contextmanager
     def _enqueueing(self):
         """The native group raises a bare GroupMismatchError on a group that a mismatch stopped,
@@ -129,11 +136,11 @@ class CudaTransport:
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
         # A kernel that gave up says so only in this rank's error record.
         code, peer, _ = _native.error_record(self._control.address, self.rank)
-        if code == _native.ERROR_MISMATCH:
+        if code == _native.KernelError.MISMATCH:
             raise mismatch_error(self._control.address, self.world_size)
-        if code == _native.ERROR_TIMEOUT:
+        if code == _native.KernelError.TIMEOUT:
             raise PeerLostError(f"the barrier timed out waiting for rank {peer}")
-        if code == _native.ERROR_ABORTED:
+        if code == _native.KernelError.ABORTED:
             raise PeerLostError("the barrier ended: the group was aborted")
 
     # Timing samples: CUDA events around the operation, read once the end event has completed.

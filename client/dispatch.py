@@ -3,7 +3,8 @@
 The daemon's dispatch table (nodecomm/thresholds.py) maps sizes to paths; the Dispatcher turns a
 call into a path: the path the caller forced, or the table's for its size, now and then the
 neighbouring lossless path instead (so the daemon gets timings on both sides of a boundary), and
-never a path the stream cannot run (the service path under graph capture). It also owns the
+never a path the stream cannot run (the service path under graph capture), and the form the path
+takes at that size (oneshot pushes or pulls on CUDA, as the native group says). It also owns the
 table: every rank switches to a newer one only when all agree on it. Every rank makes the same
 calls in the same order, so every rank's Dispatcher decides the same; it needs no group to test.
 """
@@ -20,16 +21,23 @@ from nodecomm.thresholds import DispatchTable, Path
 LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
 
 
+def one_form(path: Path, nbytes: int) -> str:
+    """The form of a transport whose paths have one each."""
+    return ""
+
+
 @dataclass(frozen=True)
 class Decision:
     path: Path
     explored: bool  # the table's neighbour, not its choice: time it for the daemon
+    form: str = ""  # how the path moves this size ("push" or "pull" for CUDA oneshot)
 
 
 class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
-    `kind`: "cpu" or "cuda", for messages; every `explore_period`-th call explores, after every
-    `switch_period`-th one the ranks agree on the newest table (0: never)."""
+    `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes)`: the transport's form of a
+    path at a size; every `explore_period`-th call explores, after every `switch_period`-th one the
+    ranks agree on the newest table (0: never)."""
 
     def __init__(
         self,
@@ -37,12 +45,14 @@ class Dispatcher:
         paths: frozenset[Path],
         kind: str,
         *,
+        form_of: Callable[[Path, int], str] = one_form,
         explore_period: int = 0,
         switch_period: int = 0,
     ):
         self.table = table
         self.paths = paths
         self._kind = kind
+        self._form_of = form_of
         self._explore_period = explore_period
         self._switch_period = switch_period
         self.calls = 0  # all-reduce calls decided: the same count on every rank
@@ -52,7 +62,8 @@ class Dispatcher:
         call. InvalidArgumentError where the rank cannot run the path."""
         self.calls += 1
         if forced is not None:
-            return Decision(self.forced_path(forced), explored=False)
+            path = self.forced_path(forced)
+            return Decision(path, explored=False, form=self._form_of(path, nbytes))
         chosen = self.table.path_for(nbytes)
         if chosen not in self.paths:
             hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
@@ -69,8 +80,12 @@ class Dispatcher:
             # Between lossless paths, so the result's bits are the same.
             neighbour = self.table.neighbour_path(nbytes)
             if neighbour in LOSSLESS and neighbour in self.paths:
-                return Decision(neighbour, explored=True)
-        return Decision(chosen, explored=False)
+                return Decision(neighbour, explored=True, form=self._form_of(neighbour, nbytes))
+        return Decision(chosen, explored=False, form=self._form_of(chosen, nbytes))
+
+    def form(self, path: str, nbytes: int) -> str:
+        """The form `path` takes for an all-reduce of `nbytes` on this rank, without deciding a call."""
+        return self._form_of(self.forced_path(path), nbytes)
 
     def accepts(self, nbytes: int) -> bool:
         """Whether the table gives `nbytes` a path this rank runs."""

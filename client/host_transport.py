@@ -28,6 +28,10 @@ class HostTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
+    def form(self, path: Path, nbytes: int) -> str:
+        """Host paths have one form each."""
+        return ""
+
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float) -> None:
         self._group.all_reduce(
             tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout
@@ -41,7 +45,7 @@ class HostTransport:
 
     def topk_barrier(self, rows: int, timeout: float) -> None:
         """A top-k stage's barrier: the ranks must stage the same number of rows."""
-        self._group.barrier(timeout, _native.COLLECTIVE_TOPK_STAGE, rows)
+        self._group.barrier(timeout, _native.Collective.TOPK_STAGE, rows)
 
     # Timing samples: collectives here block, so a sample is complete when the call returns.
     def capturing(self) -> bool:

@@ -119,7 +119,7 @@ class Lease:
                 self.lost_reason = f"the daemon's session message could not be read: {error!r}"
         finally:
             if not self._closing and self.refusal is None:
-                _native.abort_group(self._control, _native.ABORT_DAEMON_LOST, self._rank)
+                _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
                 # The message names everything: under Python's default logging only it is printed.
                 log.warning(
                     f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}",

@@ -30,10 +30,7 @@ enum AbortReason : std::uint64_t {
 };
 
 // Error codes of an error record.
-constexpr std::uint64_t kErrorNone = 0;
-constexpr std::uint64_t kErrorTimeout = 1;
-constexpr std::uint64_t kErrorAborted = 2;
-constexpr std::uint64_t kErrorMismatch = 3;
+enum KernelError : std::uint64_t { kErrorNone = 0, kErrorTimeout = 1, kErrorAborted = 2, kErrorMismatch = 3 };
 
 inline constexpr std::uint64_t abort_word(std::uint64_t reason, std::uint64_t detail) {
   return (reason << 32) | (detail & 0xFFFFFFFFu);

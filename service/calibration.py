@@ -182,6 +182,14 @@ CALIBRATION_SCHEMA = {
             },
         },
         "measured_at": {"type": "number"},
+        "forms": {
+            "type": "object",
+            "additionalProperties": {
+                "type": "object",
+                "propertyNames": {"pattern": "^[0-9]+$"},
+                "additionalProperties": {"enum": ["push", "pull"]},
+            },
+        },
     },
 }
 _VALIDATOR = jsonschema.Draft202012Validator(CALIBRATION_SCHEMA)
@@ -201,6 +209,8 @@ class Calibration:
     measured_at: float
     # CUDA, where the probe timed NCCL: the boundaries for groups whose fallback is NCCL.
     nccl_boundaries: dict[str, int | None] | None = None
+    # How a path moved each size where it has several forms: CUDA oneshot's "push" or "pull".
+    forms: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -223,9 +233,12 @@ class Calibration:
         def whole(boundaries: dict | None) -> dict[str, int | None] | None:  # 5.0 is an integer to JSON Schema
             return None if boundaries is None else {k: None if v is None else int(v) for k, v in boundaries.items()}
 
+        forms = {
+            path: {int(size): form for size, form in by_size.items()} for path, by_size in raw.get("forms", {}).items()
+        }
         return cls(
             raw["key"], raw["fingerprint"], whole(raw["boundaries"]), medians, raw["measured_at"],
-            whole(raw.get("nccl_boundaries")),
+            whole(raw.get("nccl_boundaries")), forms,
         )  # fmt: skip
 
 
@@ -318,11 +331,12 @@ NOISE_RETRIES = 3
 @dataclass(frozen=True)
 class Measured:
     """What the probe measured: the slowest rank's median seconds and the relative interquartile
-    range, per path and size."""
+    range, per path and size, and the form a path took where it has several (CUDA oneshot)."""
 
     medians: dict[str, dict[int, float]]
     spreads: dict[str, dict[int, float]]
     cpu_shares: dict[str, dict[int, float]] = field(default_factory=dict)  # CPU probes
+    forms: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def noisy_sizes(self) -> list[int]:
         """The sizes to measure again: those of noisy points, and both sizes of a jump."""
@@ -342,6 +356,7 @@ class Measured:
             merged(self.medians, again.medians),
             merged(self.spreads, again.spreads),
             merged(self.cpu_shares, again.cpu_shares),
+            merged(self.forms, again.forms),
         )
 
     def _noise(self) -> list[tuple[int, str]]:
@@ -442,7 +457,10 @@ async def probe(
         medians: dict[str, dict[int, float]] = {}
         spreads: dict[str, dict[int, float]] = {}
         shares: dict[str, dict[int, float]] = {}
+        forms: dict[str, dict[int, str]] = {}
         for row in rows:
+            if row.get("form"):
+                forms.setdefault(row["path"], {})[row["size_bytes"]] = row["form"]
             if device_kind == "cpu":
                 shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
             medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
@@ -450,15 +468,19 @@ async def probe(
             spreads.setdefault(row["path"], {})[row["size_bytes"]] = middle / row["p50_us"] if row["p50_us"] else 0.0
     except (ValueError, KeyError, TypeError, ZeroDivisionError) as error:
         raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
-    return Measured(medians, spreads, shares)
+    return Measured(medians, spreads, shares, forms)
 
 
-def calibration_from(fingerprint: dict[str, object], medians: dict[str, dict[int, float]]) -> Calibration:
-    """The boundaries the medians place, for the fingerprint's device kind."""
+def calibration_from(
+    fingerprint: dict[str, object], medians: dict[str, dict[int, float]], forms: dict[str, dict[int, str]] | None = None
+) -> Calibration:
+    """The boundaries the medians place, for the fingerprint's device kind; `forms` kept beside them."""
     key = fingerprint_key(fingerprint)
     if fingerprint["device_kind"] == "cuda":
         with_nccl = cuda_boundaries(medians, "nccl") if "nccl" in medians else None
-        return Calibration(key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl)
+        return Calibration(
+            key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl, forms or {}
+        )
     sizes = sorted(medians["oneshot"])
     boundaries = {"oneshot_max_bytes": small_path_max(sizes, medians["oneshot"], medians["twoshot"])}
     return Calibration(key, fingerprint, boundaries, medians, time.time())

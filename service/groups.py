@@ -362,7 +362,7 @@ class GroupRegistry:
         member.session = None
         if not member.left and not member.lost:
             member.lost = True
-            self._abort(group, _native.ABORT_PEER_LOST, rank, f"rank {rank}'s session ended without Leave")
+            self._abort(group, _native.AbortReason.PEER_LOST, rank, f"rank {rank}'s session ended without Leave")
         self._release_if_empty(group)
         self._update_gauges()
 
@@ -383,7 +383,7 @@ class GroupRegistry:
                 member.lost = True
                 reason = f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s"
                 log.warning("rank lost", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
-                self._abort(group, _native.ABORT_PEER_LOST, member.rank, reason)
+                self._abort(group, _native.AbortReason.PEER_LOST, member.rank, reason)
         self._release_if_empty(group)
 
     # -- leave, abort, release -----------------------------------------------------------------
@@ -398,7 +398,7 @@ class GroupRegistry:
         member.left = True
         if any(not m.gone for m in group.members.values()):
             # Peers still using the group must not wait for this rank forever.
-            self._abort(group, _native.ABORT_PEER_LEFT, rank, f"rank {rank} left", quiet=True)
+            self._abort(group, _native.AbortReason.PEER_LEFT, rank, f"rank {rank} left", quiet=True)
         self._release_if_empty(group)
         self._update_gauges()
 
@@ -417,13 +417,13 @@ class GroupRegistry:
             if self._active.get(group.name) is group:
                 del self._active[group.name]
             reason_name = {
-                _native.ABORT_PEER_LOST: "peer_lost",
-                _native.ABORT_PEER_LEFT: "peer_left",
-                _native.ABORT_SHUTDOWN: "shutdown",
+                _native.AbortReason.PEER_LOST: "peer_lost",
+                _native.AbortReason.PEER_LEFT: "peer_left",
+                _native.AbortReason.SHUTDOWN: "shutdown",
             }.get(reason, "other")
             self.metrics.aborts.labels(reason_name).inc()
             self._update_gauges()
-            kind = pb.DRAINING if reason == _native.ABORT_SHUTDOWN else pb.PEER_LOST
+            kind = pb.DRAINING if reason == _native.AbortReason.SHUTDOWN else pb.PEER_LOST
             group.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
             (log.info if quiet else log.warning)(
                 "group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message}
@@ -480,7 +480,7 @@ class GroupRegistry:
             self._fail_forming(forming, DaemonUnavailableError("the daemon is shutting down", group=forming.name))
         self._forming.clear()
         for group in list(self._groups.values()):
-            self._abort(group, _native.ABORT_SHUTDOWN, 0, "the daemon is shutting down")
+            self._abort(group, _native.AbortReason.SHUTDOWN, 0, "the daemon is shutting down")
             for member in group.members.values():
                 if member.session is not None:
                     member.session.put_nowait(None)  # ends the stream

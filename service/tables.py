@@ -159,7 +159,9 @@ class TableKeeper:
                     return self._refuse_noisy(kind, measured, noise)
                 medians = measured.medians
                 # The boundary search tries every assignment of boundaries: off the event loop.
-                calibration = await asyncio.to_thread(calibration_from, self.fingerprints[kind], medians)
+                calibration = await asyncio.to_thread(
+                    calibration_from, self.fingerprints[kind], medians, measured.forms
+                )
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
@@ -176,6 +178,7 @@ class TableKeeper:
             extra={
                 "device_kind": kind,
                 "boundaries": calibration.boundaries,
+                "forms": calibration.forms,
                 "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
                 "seconds": round(time.monotonic() - started, 1),
                 "stored_at": stored,

@@ -10,6 +10,7 @@ import queue
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 import urllib.request
@@ -216,25 +217,14 @@ def spawn_ranks():
             group.close()
 
 
-def in_child_as(uid: int, gid: int, work: Callable[[], bytes]) -> bytes:
-    """What `work` returns in a forked child running as uid/gid (no supplementary groups). Keep
-    `work` to sockets and os calls: no gRPC, and the child ends without interpreter teardown."""
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setgid(gid)
-            os.setuid(uid)
-            os.write(write_end, work())
-        finally:
-            os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        answer = pipe.read()
-    os.waitpid(child, 0)
-    return answer
+def as_user(uid: int, gid: int, question: str, path: str) -> bytes:
+    """What a process of uid/gid (no supplementary groups) gets asking `question` of the descriptor
+    socket at `path` (tests/as_user.py says which questions there are)."""
+    answer = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("as_user.py")), str(uid), str(gid), question, path],
+        capture_output=True, timeout=60, check=True,
+    )  # fmt: skip
+    return answer.stdout
 
 
 # -- raw control-plane helpers -------------------------------------------------------------------

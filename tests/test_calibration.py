@@ -13,7 +13,13 @@ import pytest
 
 from conftest import operator_identity, stub_for
 from nodecomm.errors import InternalError
-from nodecomm.service.calibration import Measured, cuda_boundaries, small_path_max
+from nodecomm.service.calibration import (
+    InvalidCalibrationError,
+    Measured,
+    calibration_from,
+    cuda_boundaries,
+    small_path_max,
+)  # fmt: skip
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
@@ -324,3 +330,19 @@ def test_a_point_measured_without_a_whole_core_is_noise():
     assert Measured(medians, calm, shares).noise() == [
         "oneshot at 4KiB: the probe's ranks had 22% of a core each (median 10.0 us)"
     ]
+
+
+def test_a_stored_calibration_keeps_the_forms_the_probe_saw():
+    """The form a path took per size (CUDA oneshot: push or pull) is stored beside the medians and
+    read back; a form that is neither is refused, naming the field."""
+    medians = {p: _times([1e-6 * (i + 1) for i in range(7)]) for p in ("oneshot", "twoshot", "dma")}
+    forms = {"oneshot": {size: "push" if size <= 8 << 10 else "pull" for size in SIZES}}
+    calibration = calibration_from({"device_kind": "cuda"}, medians, forms)
+    assert type(calibration).from_json(calibration.to_json()) == calibration
+    assert calibration_from({"device_kind": "cuda"}, medians).forms == {}
+    wrong = json.loads(calibration.to_json())
+    wrong["forms"]["oneshot"]["1024"] = "sideways"
+    with pytest.raises(InvalidCalibrationError, match=r"forms.oneshot.1024: 'sideways' is not one of"):
+        type(calibration).from_json(json.dumps(wrong))
+    again = Measured(medians, {}, forms={"oneshot": {1024: "pull"}})
+    assert Measured(medians, {}, forms=forms).remeasured(again).forms["oneshot"][1024] == "pull"

@@ -20,9 +20,8 @@ import pytest
 
 import nodecomm
 import ranks
-from conftest import Daemon, in_child_as, join_request, operator_identity, stub_for
-from nodecomm.client.descriptors import identify
-from nodecomm.errors import NodecommError, ResourceExhaustedError
+from conftest import Daemon, as_user, join_request, operator_identity, stub_for
+from nodecomm.errors import ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
 from nodecomm.service.config import DaemonConfig
 from nodecomm.service.server import session_messages_per_second
@@ -124,16 +123,8 @@ NOBODY = 65534  # uid nobody, gid nogroup on Debian
 
 def identify_as_nobody(path: str) -> str:
     """What nodecomm.connect's first step (IDENTIFY on the descriptor socket) raises in a process
-    of uid nobody: forked, so that it needs no file of this test's but the socket."""
-
-    def attempt() -> bytes:
-        try:
-            identify(path, 5.0, {})
-            return b"no error"
-        except NodecommError as error:
-            return f"{type(error).__name__} {error}".encode()
-
-    return in_child_as(NOBODY, NOBODY, attempt).decode()
+    of uid nobody."""
+    return as_user(NOBODY, NOBODY, "connect", path).decode()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes uids: needs root (CI runs as root)")

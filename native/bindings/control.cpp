@@ -1,5 +1,6 @@
 // control.cpp — the group's control segment (../control.h): the abort word, its reasons, and the
 // error records CUDA kernels leave.
+#include <pybind11/native_enum.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -14,15 +15,21 @@ namespace nodecomm::bindings {
 void bind_control(py::module_& m) {
   namespace control = nodecomm::control;
   m.attr("CONTROL_BYTES") = control::kControlBytes;
-  m.attr("ABORT_PEER_LOST") = std::uint64_t(control::kPeerLost);
-  m.attr("ABORT_DAEMON_LOST") = std::uint64_t(control::kDaemonLost);
-  m.attr("ABORT_SHUTDOWN") = std::uint64_t(control::kShutdown);
-  m.attr("ABORT_STALLED") = std::uint64_t(control::kStalled);
-  m.attr("ABORT_PEER_LEFT") = std::uint64_t(control::kPeerLeft);
-  m.attr("ERROR_TIMEOUT") = control::kErrorTimeout;
-  m.attr("ERROR_ABORTED") = control::kErrorAborted;
-  m.attr("ERROR_MISMATCH") = control::kErrorMismatch;
-  m.attr("ABORT_MISMATCH") = std::uint64_t(control::kMismatch);
+  py::native_enum<control::AbortReason>(m, "AbortReason", "enum.IntEnum", "Why a group's abort word is set.")
+      .value("NOT_ABORTED", control::kNotAborted)
+      .value("PEER_LOST", control::kPeerLost)
+      .value("DAEMON_LOST", control::kDaemonLost)
+      .value("SHUTDOWN", control::kShutdown)
+      .value("STALLED", control::kStalled)
+      .value("PEER_LEFT", control::kPeerLeft)
+      .value("MISMATCH", control::kMismatch)
+      .finalize();
+  py::native_enum<control::KernelError>(m, "KernelError", "enum.IntEnum", "The code of a rank's error record.")
+      .value("NONE", control::kErrorNone)
+      .value("TIMEOUT", control::kErrorTimeout)
+      .value("ABORTED", control::kErrorAborted)
+      .value("MISMATCH", control::kErrorMismatch)
+      .finalize();
   m.def("abort_group", &control::abort_group, py::arg("control"), py::arg("reason"), py::arg("detail"),
         "Set the group's abort word at `control` unless it is already set (the first reason wins).");
   m.def("abort_state", &control::abort_state, py::arg("control"), "(reason, detail) of the abort word.");

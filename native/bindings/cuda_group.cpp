@@ -47,7 +47,7 @@ void bind_cuda_group(py::module_& m) {
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
           py::arg("timeout_s"), py::arg("stream"),
-          "Enqueue a oneshot (1), twoshot (2) or dma (3) all-reduce of `count` elements on `stream`.")
+          "Enqueue an all-reduce (Algorithm) of `count` elements (DType) on `stream`.")
       .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
            py::arg("output"), py::arg("nbytes"), py::arg("timeout_s"), py::arg("stream"),
            "Enqueue: rank r's `nbytes` land at output + r * nbytes on every rank.")
@@ -60,6 +60,8 @@ void bind_cuda_group(py::module_& m) {
       .def("check_peers", &cuda::CudaGroup::check_peers, py::call_guard<py::gil_scoped_release>(), py::arg("nonce"),
            py::arg("timeout_s"),
            "Write a tag into every peer's buffer and wait for every peer's tag in this one: '' or what failed.")
+      .def("oneshot_pushes", &cuda::CudaGroup::oneshot_pushes, py::arg("nbytes"),
+           "Whether oneshot pushes an all-reduce of `nbytes` into peers' push slots (else it pulls).")
       .def_property_readonly("rank", &cuda::CudaGroup::rank)
       .def_property_readonly("world_size", &cuda::CudaGroup::world_size)
       .def_property_readonly("device", &cuda::CudaGroup::device);

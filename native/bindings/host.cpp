@@ -1,4 +1,5 @@
 // host.cpp — the CPU transport (../shm.h) and the service path's host executor (../service.h).
+#include <pybind11/native_enum.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -15,7 +16,24 @@ namespace nodecomm::bindings {
 void bind_host(py::module_& m) {
   namespace shm = nodecomm::shm;
   m.attr("MAX_RANKS") = nodecomm::kMaxRanks;
-  m.attr("COLLECTIVE_TOPK_STAGE") = int(nodecomm::Collective::kTopkStage);
+  // The codes functions take as ints (nodecomm.v1's values), by name.
+  py::native_enum<nodecomm::DType>(m, "DType", "enum.IntEnum", "Element types (nodecomm.v1.DType).")
+      .value("FLOAT32", nodecomm::DType::kFloat32)
+      .value("FLOAT16", nodecomm::DType::kFloat16)
+      .value("BFLOAT16", nodecomm::DType::kBFloat16)
+      .finalize();
+  py::native_enum<nodecomm::Algorithm>(m, "Algorithm", "enum.IntEnum", "All-reduce algorithms (nodecomm.v1.Path).")
+      .value("ONESHOT", nodecomm::Algorithm::kOneshot)
+      .value("TWOSHOT", nodecomm::Algorithm::kTwoshot)
+      .value("DMA", nodecomm::Algorithm::kDma)
+      .finalize();
+  py::native_enum<nodecomm::Collective>(m, "Collective", "enum.IntEnum",
+                                        "What a rank's call is, as the ranks compare it.")
+      .value("ALL_REDUCE", nodecomm::Collective::kAllReduce)
+      .value("ALL_GATHER", nodecomm::Collective::kAllGather)
+      .value("BARRIER", nodecomm::Collective::kBarrier)
+      .value("TOPK_STAGE", nodecomm::Collective::kTopkStage)
+      .finalize();
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
 
@@ -44,6 +62,8 @@ void bind_host(py::module_& m) {
       .def(
           "barrier",
           [](shm::ShmGroup& self, double timeout_s, int collective, std::uint64_t count) {
+            NODECOMM_CHECK(collective >= 1 && collective <= 4,
+                           "unknown collective code " + std::to_string(collective) + ": expected a Collective");
             py::gil_scoped_release release;
             self.barrier(timeout_s, nodecomm::Call{nodecomm::Collective(collective), count});
           },

@@ -54,6 +54,10 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
                 std::size_t call_count, DType dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
                 const CopyPipeline& pipeline);
 
+// Whether oneshot pushes a piece of `nbytes` (into peers' push slots) rather than pulling it
+// (from peers' staging slots): the form a call takes, for whoever times or reports it.
+bool oneshot_pushes(const GroupView& group, std::size_t nbytes);
+
 // Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines into this
 // rank's slot 1, a kernel from there; world_size * nbytes must fit in one slot; the stride lets
 // callers gather a large payload in pieces, and is the whole call's bytes, which the ranks compare).

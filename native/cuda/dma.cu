@@ -206,13 +206,11 @@ void dma_typed(const GroupView& group, const Signal<N>& signal, const T* input, 
 void dma_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                     DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream,
                     const CopyPipeline& pipeline) {
-  for_world(group.world_size, [&](auto world) {
+  for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
-    for_dtype<DeviceElements>(dtype, [&](auto element) {
-      using T = typename decltype(element)::type;
-      dma_typed<T, N>(group, signal_of<N>(group, timeout_ns), reinterpret_cast<const T*>(input),
-                      reinterpret_cast<T*>(output), count, call, stream, pipeline);
-    });
+    using T = typename decltype(element)::type;
+    dma_typed<T, N>(group, signal_of<N>(group, timeout_ns), reinterpret_cast<const T*>(input),
+                    reinterpret_cast<T*>(output), count, call, stream, pipeline);
   });
 }
 

@@ -140,6 +140,11 @@ class CudaGroup {
     }
   }
 
+  // Whether oneshot pushes an all-reduce of `nbytes` (its pieces, past a slot).
+  bool oneshot_pushes(std::size_t nbytes) const {
+    return cuda::oneshot_pushes(view_, std::min(nbytes, view_.slot_bytes));
+  }
+
   int rank() const { return view_.rank; }
   int world_size() const { return view_.world_size; }
   int device() const { return device_; }

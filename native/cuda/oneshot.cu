@@ -153,35 +153,33 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(Signal<N> signal, std::s
 // The push form while its lines fit a part and every thread of the grid carries at most one: past
 // that the doubled traffic costs more than the round trip it saves (2x H200, world 2, 512 KiB:
 // 6.2 us pushed, 5.7 us pulled).
-bool fits_push(const GroupView& group, std::size_t count, DType dtype) {
-  const std::size_t lines = (count * dtype_bytes(dtype) + 7) / 8;
+bool oneshot_pushes(const GroupView& group, std::size_t nbytes) {
+  const std::size_t lines = (nbytes + 7) / 8;
   return lines * sizeof(PushLine) <= push_part_bytes(group) && lines <= std::size_t(group.max_blocks) * kThreads;
 }
 
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                         DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream) {
   // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
-  const bool pushed = fits_push(group, count, dtype);
-  for_world(group.world_size, [&](auto world) {
+  const bool pushed = oneshot_pushes(group, count * dtype_bytes(dtype));
+  for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
-    for_dtype<DeviceElements>(dtype, [&](auto element) {
-      using T = typename decltype(element)::type;
-      const Signal<N> signal = signal_of<N>(group, timeout_ns);
-      const auto* in = reinterpret_cast<const T*>(input);
-      auto* out = reinterpret_cast<T*>(output);
-      if (pushed) {
-        const std::size_t lines = (count * sizeof(T) + 7) / 8;
-        const int blocks =
-            int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
-        push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, in, out, count, call);
-      } else {
-        const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
-        const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
-        const auto kernel = aligned(in) && aligned(out) ? pull_kernel<T, N, true> : pull_kernel<T, N, false>;
-        kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, call);
-      }
-      NODECOMM_CUDA(cudaGetLastError());
-    });
+    using T = typename decltype(element)::type;
+    const Signal<N> signal = signal_of<N>(group, timeout_ns);
+    const auto* in = reinterpret_cast<const T*>(input);
+    auto* out = reinterpret_cast<T*>(output);
+    if (pushed) {
+      const std::size_t lines = (count * sizeof(T) + 7) / 8;
+      const int blocks =
+          int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
+      push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, in, out, count, call);
+    } else {
+      const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
+      const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
+      const auto kernel = aligned(in) && aligned(out) ? pull_kernel<T, N, true> : pull_kernel<T, N, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, call);
+    }
+    NODECOMM_CUDA(cudaGetLastError());
   });
 }
 

@@ -15,8 +15,7 @@
 
 namespace nodecomm::cuda {
 
-// oneshot.cu: pushed while the payload fits the push slots (fits_push), pulled past that.
-bool fits_push(const GroupView& group, std::size_t count, DType dtype);
+// oneshot.cu: pushed while the payload fits the push slots (oneshot_pushes), pulled past that.
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                         DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream);
 int oneshot_blocks_per_sm();

@@ -63,17 +63,15 @@ void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
   // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
-  for_world(group.world_size, [&](auto world) {
+  for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
-    for_dtype<DeviceElements>(dtype, [&](auto element) {
-      using T = typename decltype(element)::type;
-      const auto* in = reinterpret_cast<const T*>(input);
-      auto* out = reinterpret_cast<T*>(output);
-      const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns), slot_stride(group.slot_bytes), in, out,
-                                              count, call);
-      NODECOMM_CUDA(cudaGetLastError());
-    });
+    using T = typename decltype(element)::type;
+    const auto* in = reinterpret_cast<const T*>(input);
+    auto* out = reinterpret_cast<T*>(output);
+    const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
+    kernel<<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns), slot_stride(group.slot_bytes), in, out,
+                                            count, call);
+    NODECOMM_CUDA(cudaGetLastError());
   });
 }
 

@@ -28,16 +28,21 @@ void for_world(int world_size, Fn&& fn) {
   NODECOMM_RAISE(kInvalidArgument, "CUDA paths support world sizes 1-8 and 16, got " + std::to_string(world_size));
 }
 
+// Calls fn(world, element): the world size as a compile-time constant and the element type of
+// `Elements` for `dtype`, the instantiation of a kernel that a call launches.
+template <typename Elements, typename Fn>
+void for_instance(int world_size, DType dtype, Fn&& fn) {
+  for_world(world_size, [&](auto world) { for_dtype<Elements>(dtype, [&](auto element) { fn(world, element); }); });
+}
+
 // Calls fn(world, element) for every world size and every element type of `Elements`: a kernel's
 // every instantiation, for occupancy queries.
 template <typename Elements, typename Fn>
 void for_every_instance(Fn&& fn) {
   for (const int world_size : kWorldSizes) {
-    for_world(world_size, [&](auto world) {
-      for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
-        for_dtype<Elements>(dtype, [&](auto element) { fn(world, element); });
-      }
-    });
+    for (const DType dtype : {DType::kFloat32, DType::kFloat16, DType::kBFloat16}) {
+      for_instance<Elements>(world_size, dtype, fn);
+    }
   }
 }
 

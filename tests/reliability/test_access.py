@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import stat
 import subprocess
 import tempfile
@@ -19,12 +18,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nodecomm
-from conftest import Daemon, free_port, in_child_as, join_request, stub_for
+from conftest import Daemon, as_user, free_port, join_request, stub_for
 from nodecomm.client.daemon_process import daemon_command
 
 from .harness import FIGURES
 
-IDENTIFY = b"nodecomm:whoami\x00"
 NOBODY = 65534  # uid nobody, gid nogroup on Debian
 
 
@@ -53,21 +51,7 @@ class SocketDaemon(Daemon):
 
 def identify_as(uid: int, gid: int, path: str) -> bytes:
     """What the descriptor socket answers IDENTIFY from a process running as uid/gid."""
-
-    def exchange() -> bytes:
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(5)
-                sock.connect(path)
-                sock.sendall(IDENTIFY)
-                answer = b""
-                while chunk := sock.recv(4096):
-                    answer += chunk
-            return answer or b"\x02"
-        except OSError as error:
-            return b"\x03" + str(error).encode()
-
-    return in_child_as(uid, gid, exchange)
+    return as_user(uid, gid, "identify", path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="changes uids and socket groups: needs root (CI runs as root)")

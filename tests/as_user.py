@@ -1,0 +1,53 @@
+"""What a process of another uid gets from a daemon's descriptor socket.
+
+Run by `conftest.as_user` as `python as_user.py UID GID QUESTION PATH`, as root: the process
+imports what it needs, drops to UID/GID with no supplementary groups, asks QUESTION of the socket
+at PATH and writes the answer to stdout. A fresh process rather than a fork of the test's, which
+has gRPC's and torch's threads: a fork there can stop for good in a handler of theirs.
+
+Questions:
+  identify  send IDENTIFY, write the raw answer (b"\\x02": none; b"\\x03" + the error: no connection)
+  connect   what nodecomm.connect's first step (identify) raises: "no error" or "Class message"
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+from nodecomm.client.descriptors import identify
+from nodecomm.credentials import IDENTIFY
+from nodecomm.errors import NodecommError
+
+
+def raw_identify(path: str) -> bytes:
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(5)
+            sock.connect(path)
+            sock.sendall(IDENTIFY)
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+        return answer or b"\x02"
+    except OSError as error:
+        return b"\x03" + str(error).encode()
+
+
+def connect_identify(path: str) -> bytes:
+    try:
+        identify(path, 5.0, {})
+        return b"no error"
+    except NodecommError as error:
+        return f"{type(error).__name__} {error}".encode()
+
+
+QUESTIONS = {"identify": raw_identify, "connect": connect_identify}
+
+if __name__ == "__main__":
+    uid, gid, question, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.setgroups([])
+    os.setgid(gid)
+    os.setuid(uid)
+    sys.stdout.buffer.write(QUESTIONS[question](path))
