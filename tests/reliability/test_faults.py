@@ -75,13 +75,16 @@ def stop_or_kill_at(daemon: Daemon, spawn_ranks, stage: str, sig: signal.Signals
     assert waited < 5.0 + OPERATION_TIMEOUT + 3.0, (waited, message)
     if sig == signal.SIGSTOP:
         ranks.kill(1, signal.SIGKILL)
-    # The name is free again once the daemon has given the dead rank's session its grace.
+    # The name forms again once the group is no longer active: the daemon has given the dead
+    # rank's session its grace and aborted the group (released once every rank has left).
     channel, stub = stub_for(daemon)
     with channel:
-        wait_until(
-            lambda: group not in {info.name for info in stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups},
-            SESSION_GRACE + OPERATION_TIMEOUT + 5.0, f"group {group!r} released",
-        )  # fmt: skip
+
+        def active() -> bool:
+            listed = stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups
+            return any(info.name == group and info.state == "active" for info in listed)
+
+        wait_until(lambda: not active(), SESSION_GRACE + OPERATION_TIMEOUT + 5.0, f"group {group!r} aborted")
     again = spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, group, device, timeout=120).values()
     assert again == {0: 3.0, 1: 3.0}
     assert daemon.healthy()
