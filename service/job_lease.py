@@ -63,7 +63,15 @@ class JobLease:
 
     async def _leave(self) -> None:
         self._timer = None
-        descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except FileNotFoundError:
+            # The job's directory is gone (a cleaned-up runtime directory): no rank finds this
+            # daemon any more, since attaching goes through the lock file there.
+            self._server.close()
+            log.info("the job's directory is gone: stopping", extra={"directory": self.directory})
+            self._on_idle()
+            return
         while True:
             try:
                 fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -111,3 +111,17 @@ def test_connect_takes_a_private_daemon_when_asked_and_refuses_an_unknown_mode(r
     assert set(results.values()) == {"private [3.0, 3.0, 3.0, 3.0]"}
     with pytest.raises(nodecomm.InvalidArgumentError, match="daemon 'anywhere': expected one of auto, node, private"):
         nodecomm.connect("g", 0, 1, daemon="anywhere")
+
+
+def test_a_private_daemon_whose_directory_was_removed_still_leaves_with_its_job(no_node_daemon, spawn_ranks):
+    """The job's directory removed under a running job (a runtime directory cleaned up): once the
+    job's ranks are gone the daemon stops all the same; it had waited forever for the lock file."""
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(distributed_ranks.hold_the_job, 2, 2, free_port(), no_node_daemon, report, timeout=120)
+    seen = [report.get(timeout=60) for _ in range(2)]
+    socket = seen[0][2]
+    assert len(private_daemons(socket)) == 1
+    shutil.rmtree(Path(socket).parent)
+    for rank in range(2):
+        group.kill(rank, signal.SIGKILL)
+    assert gone_within(8, socket), private_daemons(socket)
