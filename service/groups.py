@@ -406,12 +406,10 @@ class GroupRegistry:
         group.memory.abort(reason, rank)
         if group.service is not None:
             group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
-        for forming in group.exchanges.values():
-            if forming.failure is None and forming.waiting():
-                forming.fail(PeerLostError(f"group aborted: {message}", group=group.name))
-        for check in group.peer_checks.values():
-            if check.verdict is not None and not check.verdict.done():
-                check.verdict.set_exception(PeerLostError(f"group aborted: {message}", group=group.name))
+        # Meetings still under way end with the group: top-k openings and peer checks.
+        for meeting in [*group.exchanges.values(), *group.peer_checks.values()]:
+            if meeting.failure is None and meeting.waiting():
+                meeting.fail(PeerLostError(f"group aborted: {message}", group=group.name))
         if group.state == "active":
             group.state = "aborted"
             if self._active.get(group.name) is group:
