@@ -292,17 +292,8 @@ def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
     raise TimeoutError("the bench did not finish within an hour")
 
 
-def _row(
-    nbytes: int,
-    count: int,
-    dtype: str,
-    path: str,
-    times: list[float],
-    wrong: int,
-    world_size: int,
-    cpu_share: float,
-    form: str,
-) -> Row:
+def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int,
+         cpu_share: float, form: str) -> Row:  # fmt: skip
     ordered = sorted(times)
     p50 = statistics.median(ordered)
 

@@ -132,20 +132,7 @@ class Communicator:
         others are complete when the work is returned.
         """
         self._check_tensor(tensor, "tensor")
-        if out is None:
-            out = torch.empty_like(tensor)
-        elif (
-            out.shape != tensor.shape
-            or out.dtype != tensor.dtype
-            or not out.is_contiguous()
-            or not self._transport.on_device(out)
-        ):
-            raise InvalidArgumentError(
-                f"out must be a contiguous tensor on {self.device} of shape {tuple(tensor.shape)} and dtype "
-                f"{tensor.dtype}, got shape {tuple(out.shape)} dtype {out.dtype} on {out.device}",
-                group=self.group,
-                rank=self.rank,
-            )
+        out = self._output(out, tuple(tensor.shape), tensor.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         try:
             decision = self._dispatcher.decide(nbytes, forced=path, capturing=self._transport.capturing())
@@ -207,21 +194,7 @@ class Communicator:
             raise InvalidArgumentError(
                 f"tensor must be a contiguous tensor on {self.device}", group=self.group, rank=self.rank
             )
-        shape = (self.world_size, *tensor.shape)
-        if out is None:
-            out = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
-        elif (
-            tuple(out.shape) != shape
-            or out.dtype != tensor.dtype
-            or not out.is_contiguous()
-            or not self._transport.on_device(out)
-        ):
-            raise InvalidArgumentError(
-                f"out must be contiguous on {self.device} with shape {shape} and dtype {tensor.dtype}, "
-                f"got {tuple(out.shape)} {out.dtype} on {out.device}",
-                group=self.group,
-                rank=self.rank,
-            )
+        out = self._output(out, (self.world_size, *tensor.shape), tensor.dtype)
         if path is not None:
             if self._forced_path(path) is not Path.SERVICE:
                 raise InvalidArgumentError(
@@ -419,6 +392,20 @@ class Communicator:
             )
         if not tensor.is_contiguous():
             raise InvalidArgumentError(f"{name} must be contiguous", group=self.group, rank=self.rank)
+
+    def _output(self, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """`out` checked to be a contiguous tensor of `shape` and `dtype` on this group's device,
+        or a new one where it is None."""
+        if out is None:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or not self._transport.on_device(out):
+            raise InvalidArgumentError(
+                f"out must be a contiguous tensor on {self.device} of shape {shape} and dtype {dtype}, "
+                f"got shape {tuple(out.shape)} dtype {out.dtype} on {out.device}",
+                group=self.group,
+                rank=self.rank,
+            )
+        return out
 
     def _forced_path(self, name: str) -> Path:
         try:

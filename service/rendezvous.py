@@ -71,6 +71,8 @@ class Rendezvous(Generic[Arrival, Result]):
         answer = self._answers[rank] = asyncio.get_running_loop().create_future()
         # A rank that stopped waiting no longer awaits its answer: its outcome is retrieved here.
         answer.add_done_callback(lambda done: done.cancelled() or done.exception())
+        if self.failure is not None:
+            answer.set_exception(self.failure)  # the meeting failed before this rank came
         return None
 
     def waiting(self) -> bool:
