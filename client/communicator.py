@@ -398,7 +398,12 @@ class Communicator:
         or a new one where it is None."""
         if out is None:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        if tuple(out.shape) != shape or out.dtype != dtype or not out.is_contiguous() or not self._transport.on_device(out):
+        if (
+            tuple(out.shape) != shape
+            or out.dtype != dtype
+            or not out.is_contiguous()
+            or not self._transport.on_device(out)
+        ):
             raise InvalidArgumentError(
                 f"out must be a contiguous tensor on {self.device} of shape {shape} and dtype {dtype}, "
                 f"got shape {tuple(out.shape)} dtype {out.dtype} on {out.device}",
