@@ -13,7 +13,7 @@ import grpc
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path, grpc_target
-from nodecomm.thresholds import DispatchTable, range_end
+from nodecomm.thresholds import DispatchTable, Wire, range_end
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -107,7 +107,11 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "epoch": table.epoch,
-                    "ranges": [{"from": lo, "to": hi, "path": path.value} for lo, hi, path in table.rows()],
+                    "wire": table.wire.value,
+                    "ranges": [
+                        {"from": lo, "to": hi, "path": path.value, "wire": wire.value}
+                        for (lo, hi, path), wire in zip(table.rows(), table.wires(), strict=True)
+                    ],
                     "boundaries": [
                         {"name": b.name, "value_bytes": b.value_bytes, "source": b.source.value}
                         for b in table.boundaries
@@ -127,8 +131,9 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
 
 
 def _print_table(table: DispatchTable) -> None:
-    for sizes, path in table.labels():
-        print(f"  {sizes:<24} -> {path.value}")
+    for (sizes, path), wire in zip(table.labels(), table.wires(), strict=True):
+        carried = path.value if wire is Wire.LOSSLESS else f"{path.value}, {wire.value} wire"
+        print(f"  {sizes:<24} -> {carried}")
     for boundary in table.boundaries:
         print(f"  {boundary.describe()}")
 

@@ -20,7 +20,7 @@ from nodecomm.errors import (
     PeerLostError,
     from_rpc_error,
 )
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -83,6 +83,7 @@ class Communicator:
         self._dtypes = dtypes
         self._dispatcher = Dispatcher(
             table, transport.paths | {Path.SERVICE}, transport.kind, form_of=transport.form,
+            wire_paths=transport.wire_paths,
             explore_period=explore_period, switch_period=table_switch_period,
         )  # fmt: skip
         self._sample_period = max(1, timing_sample_period)
@@ -119,6 +120,7 @@ class Communicator:
         *,
         out: torch.Tensor | None = None,
         path: str | None = None,
+        wire: str | None = None,
         async_op: bool = False,
     ) -> torch.Tensor | ServiceWork:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
@@ -127,7 +129,11 @@ class Communicator:
         shape on every rank. path: force one ("oneshot", "twoshot", "service", which the daemon
         runs; CUDA groups also "dma", and "nccl" when connected with an nccl_group); by
         default the daemon's table picks by size. Every path but nccl gives the same bits: fp32
-        accumulation in rank order 0..n-1, one rounding. async_op: return a work whose wait()
+        accumulation in rank order 0..n-1, one rounding. wire: "int8" or "fp8" sends this call
+        compressed (each rank quantizes its input once in blocks of 32 with one scale; every rank
+        sums the dequantized blocks in rank order: the same bits on every rank, an error the docs
+        bound), "lossless" never; by default a group connected with wire= gets its compressed wire
+        where the table says, any other group never. async_op: return a work whose wait()
         completes the call and returns `out`; only the service path runs in the background, the
         others are complete when the work is returned.
         """
@@ -135,19 +141,24 @@ class Communicator:
         out = self._output(out, tuple(tensor.shape), tensor.dtype)
         nbytes = tensor.numel() * tensor.element_size()
         try:
-            decision = self._dispatcher.decide(nbytes, forced=path, capturing=self._transport.capturing())
+            decision = self._dispatcher.decide(nbytes, forced=path, capturing=self._transport.capturing(), wire=wire)
         except NodecommError as error:
             raise self._located(error) from None
-        chosen = decision.path
-        sampled = decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
+        chosen, on_wire = decision.path, decision.wire
+        # Live timings are of the lossless wire: a compressed call is not sampled.
+        sampled = on_wire is Wire.LOSSLESS and (
+            decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
+        )
         if chosen is Path.SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
             self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
             self._maybe_switch_table()
             return work if async_op else work.wait()
         sample = (chosen, nbytes) if sampled else None
-        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, sample=sample)
-        self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
+        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire, sample=sample)
+        self._lease.count(
+            pb.ALL_REDUCE, chosen, nbytes, on_wire, on_wire.encoded_bytes(tensor.numel(), tensor.element_size())
+        )
         self._maybe_switch_table()
         return ServiceWork.completed(out) if async_op else out
 

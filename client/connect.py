@@ -15,7 +15,7 @@ from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.socket_path import grpc_target
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -137,6 +137,7 @@ def connect(
     daemon: str | None = None,
     job: str | None = None,
     group_key: str | bytes | None = None,
+    wire: str = "lossless",
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -159,6 +160,9 @@ def connect(
     $NODECOMM_GROUP_KEY): admission to the forming group, the same on every rank: the first Join
     fixes it and the daemon refuses a later Join without it, so another process cannot take a
     rank's place (nodecomm.distributed and the engine integrations make one on their own).
+    wire: "lossless" (the default) or a compressed wire ("int8", "fp8") the dispatch table may
+    then use from its compressed_min_bytes on (calibrated, or set in `thresholds`); the same on
+    every rank. A group that does not ask is never sent compressed (docs/compressed-wires.md).
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
@@ -172,6 +176,10 @@ def connect(
         _check_nccl_group(nccl_group, rank, world_size, where)
     if not timeout > 0:
         raise InvalidArgumentError(f"timeout {timeout!r}: expected a positive number of seconds", **where)
+    try:
+        group_wire = Wire.parse(wire)
+    except (ValueError, AttributeError):
+        raise InvalidArgumentError(f"wire {wire!r}: expected one of lossless, int8, fp8", **where) from None
     dtype_codes = []
     for dtype in dtypes:
         resolved = DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else dtype
@@ -199,7 +207,7 @@ def connect(
     try:
         communicator = _join(
             group, rank, world_size, device_id, device_index, chosen, lease, timeout, nccl_group, nccl_by_caller,
-            table_switching, capacity_bytes, dtype_codes, overrides, key, where,
+            table_switching, capacity_bytes, dtype_codes, overrides, group_wire, key, where,
         )  # fmt: skip
     except BaseException:
         if lease is not None:
@@ -224,6 +232,7 @@ def _join(
     capacity_bytes: int,
     dtype_codes: list[int],
     overrides: list[pb.Boundary],
+    wire: Wire,
     group_key: bytes,
     where: dict,
 ) -> Communicator:
@@ -238,7 +247,7 @@ def _join(
         rank=rank,
         world_size=world_size,
         device=device_id,
-        geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes),
+        geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes, wire=wire.to_proto()),
         pid=os.getpid(),
         join_timeout_seconds=timeout,
         nccl_fallback=nccl_group is not None or nccl_by_caller,

@@ -14,8 +14,8 @@ import time
 import torch
 
 from nodecomm import _native
-from nodecomm.errors import GroupMismatchError, PeerLostError
-from nodecomm.thresholds import Path
+from nodecomm.errors import GroupMismatchError, InternalError, PeerLostError
+from nodecomm.thresholds import Path, Wire
 
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
@@ -44,6 +44,7 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
 
 class CudaTransport:
     kind = "cuda"
+    wire_paths: frozenset[Path] = frozenset()  # compressed wires run on CPU groups so far
 
     def __init__(
         self,
@@ -112,7 +113,11 @@ class CudaTransport:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float, wire: Wire = Wire.LOSSLESS
+    ) -> None:
+        if wire is not Wire.LOSSLESS:  # the Dispatcher gives CUDA groups none (wire_paths)
+            raise InternalError(f"a {wire.value} wire reached the CUDA transport, which carries lossless only")
         if path is Path.NCCL:
             if out.data_ptr() != tensor.data_ptr():
                 out.copy_(tensor)

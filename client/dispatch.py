@@ -4,7 +4,9 @@ The daemon's dispatch table (nodecomm/thresholds.py) maps sizes to paths; the Di
 call into a path: the path the caller forced, or the table's for its size, now and then the
 neighbouring lossless path instead (so the daemon gets timings on both sides of a boundary), and
 never a path the stream cannot run (the service path under graph capture), and the form the path
-takes at that size (oneshot pushes or pulls on CUDA, as the native group says). It also owns the
+takes at that size (oneshot pushes or pulls on CUDA, as the native group says), and the wire the
+payload crosses as: lossless unless the call asks for a compressed one or the group asked and the
+table gives the size one (a group that did not ask never gets one). It also owns the
 table: every rank switches to a newer one only when all agree on it. Every rank makes the same
 calls in the same order, so every rank's Dispatcher decides the same; it needs no group to test.
 """
@@ -15,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodecomm.errors import InvalidArgumentError
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import DispatchTable, Path, Wire
 
 # Paths that give the same bits, so exploring between them changes no result.
 LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
@@ -31,12 +33,13 @@ class Decision:
     path: Path
     explored: bool  # the table's neighbour, not its choice: time it for the daemon
     form: str = ""  # how the path moves this size ("push" or "pull" for CUDA oneshot)
+    wire: Wire = Wire.LOSSLESS
 
 
 class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
     `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes)`: the transport's form of a
-    path at a size; every `explore_period`-th call explores, after every `switch_period`-th one the
+    path at a size; `wire_paths`: the paths on which it runs compressed wires; every `explore_period`-th call explores, after every `switch_period`-th one the
     ranks agree on the newest table (0: never)."""
 
     def __init__(
@@ -46,6 +49,7 @@ class Dispatcher:
         kind: str,
         *,
         form_of: Callable[[Path, int], str] = one_form,
+        wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
         switch_period: int = 0,
     ):
@@ -53,14 +57,40 @@ class Dispatcher:
         self.paths = paths
         self._kind = kind
         self._form_of = form_of
+        self._wire_paths = wire_paths
         self._explore_period = explore_period
         self._switch_period = switch_period
         self.calls = 0  # all-reduce calls decided: the same count on every rank
 
-    def decide(self, nbytes: int, *, forced: str | None, capturing: bool) -> Decision:
-        """The path of the next all-reduce of `nbytes`, forced to `forced` unless None; counts the
-        call. InvalidArgumentError where the rank cannot run the path."""
+    def decide(self, nbytes: int, *, forced: str | None, capturing: bool, wire: str | None = None) -> Decision:
+        """The path and wire of the next all-reduce of `nbytes`: the path forced to `forced` and the
+        wire to `wire` unless None; counts the call. InvalidArgumentError where the rank cannot run
+        the path or carry the wire on it."""
         self.calls += 1
+        decision = self._path(nbytes, forced, capturing)
+        wanted = self.table.wire_for(nbytes) if wire is None else self._parsed_wire(wire)
+        if wanted is Wire.LOSSLESS:
+            return decision
+        # Compressed calls are not explored: the neighbour's timings are of the lossless wire.
+        path = self.table.path_for(nbytes) if decision.explored else decision.path
+        if path not in self._wire_paths:
+            if wire is None:  # the table's wire on a path this rank carries losslessly only
+                return Decision(path, explored=False, form=self._form_of(path, nbytes))
+            carriers = ", ".join(sorted(p.value for p in self._wire_paths)) or "no path"
+            raise InvalidArgumentError(
+                f"wire {wanted.value!r} on the {path.value} path: a {self._kind.upper()} group carries compressed "
+                f"wires on {carriers}"
+            )
+        return Decision(path, explored=False, form=self._form_of(path, nbytes), wire=wanted)
+
+    @staticmethod
+    def _parsed_wire(name: str) -> Wire:
+        try:
+            return Wire.parse(name)
+        except (ValueError, AttributeError):
+            raise InvalidArgumentError(f"wire {name!r}: expected one of lossless, int8, fp8") from None
+
+    def _path(self, nbytes: int, forced: str | None, capturing: bool) -> Decision:
         if forced is not None:
             path = self.forced_path(forced)
             return Decision(path, explored=False, form=self._form_of(path, nbytes))

@@ -7,7 +7,7 @@ import time
 import torch
 
 from nodecomm import _native
-from nodecomm.thresholds import Path
+from nodecomm.thresholds import Path, Wire
 
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
@@ -16,6 +16,7 @@ from .mapping import SegmentMapping
 class HostTransport:
     kind = "cpu"
     paths = frozenset({Path.ONESHOT, Path.TWOSHOT})
+    wire_paths = paths  # both carry compressed wires (native/shm.h)
 
     def __init__(
         self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, slot_bytes: int
@@ -32,10 +33,13 @@ class HostTransport:
         """Host paths have one form each."""
         return ""
 
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float) -> None:
+    def all_reduce(
+        self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float, wire: Wire = Wire.LOSSLESS
+    ) -> None:
         self._group.all_reduce(
-            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout
-        )
+            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout,
+            wire.to_proto(),
+        )  # fmt: skip
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         self._group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)

@@ -19,7 +19,7 @@ import grpc
 
 from nodecomm import _native
 from nodecomm.errors import InternalError, NodecommError, from_rpc_error, shown
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -50,7 +50,9 @@ class Lease:
         self._metadata = metadata
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         self._pending: list[pb.Timing] = []
-        self._counts: dict[tuple[int, Path], list[int]] = {}  # (op, path) -> [operations, bytes]
+        self._counts: dict[
+            tuple[int, Path, Wire], list[int]
+        ] = {}  # (op, path, wire) -> [operations, bytes, wire bytes]
         self._batch_lock = threading.Lock()  # the caller's thread adds, the stream's thread may flush
         self._last_flush = time.monotonic()
         self._dropping = False  # batches are being dropped (warned once per episode)
@@ -134,14 +136,18 @@ class Lease:
         if due or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
 
-    def count(self, op: int, path: Path, nbytes: int) -> None:
-        """One call of `op` (pb.Op) on `path` moving `nbytes` of this rank's payload."""
+    def count(
+        self, op: int, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS, wire_bytes: int | None = None
+    ) -> None:
+        """One call of `op` (pb.Op) on `path` moving `nbytes` of this rank's payload, which took
+        `wire_bytes` (default: nbytes) on `wire`."""
         with self._batch_lock:
-            entry = self._counts.get((op, path))
+            entry = self._counts.get((op, path, wire))
             if entry is None:
-                entry = self._counts[(op, path)] = [0, 0]
+                entry = self._counts[(op, path, wire)] = [0, 0, 0]
             entry[0] += 1
             entry[1] += nbytes
+            entry[2] += nbytes if wire_bytes is None else wire_bytes
         if time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
 
@@ -152,8 +158,10 @@ class Lease:
             if not self._pending and not self._counts:
                 return None
             counts = [
-                pb.OperationCount(op=op, path=path.to_proto(), operations=n, bytes=nbytes)
-                for (op, path), (n, nbytes) in self._counts.items()
+                pb.OperationCount(
+                    op=op, path=path.to_proto(), operations=n, bytes=nbytes, wire=wire.to_proto(), wire_bytes=sent
+                )
+                for (op, path, wire), (n, nbytes, sent) in self._counts.items()
             ]
             batch = pb.SessionUp(timings=pb.TimingBatch(timings=self._pending, counts=counts))
             self._pending, self._counts = [], {}

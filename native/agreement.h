@@ -8,6 +8,7 @@
 #include <string>
 
 #include "numerics.h"
+#include "wire.h"
 
 namespace nodecomm {
 
@@ -19,17 +20,18 @@ struct Call {
   std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage)
   int dtype = 0;            // DType, all_reduce only
   int algorithm = 0;        // path code (nodecomm.v1.Path), all_reduce only
+  int wire = 0;             // wire format (nodecomm.v1.Wire), all_reduce only
 
-  // The count in 40 bits (a TiB of bytes; larger counts compare modulo 2^40), 8 bits for each of
-  // the others. Never 0: the collective is at least 1.
+  // The count in 40 bits (a TiB of bytes; larger counts compare modulo 2^40), 8 bits for the
+  // collective and the dtype, 4 for the path and the wire. Never 0: the collective is at least 1.
   static constexpr int kCountBits = 40;
   constexpr std::uint64_t packed() const {
     return (count & ((std::uint64_t(1) << kCountBits) - 1)) | std::uint64_t(collective) << 56 |
-           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(algorithm & 0xFF) << 40;
+           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(wire & 0xF) << 44 | std::uint64_t(algorithm & 0xF) << 40;
   }
   static constexpr Call unpack(std::uint64_t word) {
     return Call{Collective(word >> 56), word & ((std::uint64_t(1) << kCountBits) - 1), int((word >> 48) & 0xFF),
-                int((word >> 40) & 0xFF)};
+                int((word >> 40) & 0xF), int((word >> 44) & 0xF)};
   }
 };
 
@@ -98,6 +100,9 @@ inline std::string describe_disagreement(const Call* calls, const bool* known, i
   } else if (differ([](const Call& c) { return c.algorithm; })) {
     what = collective_name(call.collective) + std::string("'s path: ") +
            each([](const Call& c) { return "has " + path_name(c.algorithm); });
+  } else if (differ([](const Call& c) { return c.wire; })) {
+    what = collective_name(call.collective) + std::string("'s wire format: ") +
+           each([](const Call& c) { return std::string("has ") + wire::wire_name(c.wire); });
   } else {
     // Only a CUDA rank that saw a peer's digest differ, with the peer's own call not recorded.
     what = "their calls: " + each([](const Call& c) {

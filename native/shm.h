@@ -37,7 +37,9 @@
 #include "agreement.h"
 #include "control.h"
 #include "errors.h"
+#include "host_pack.h"
 #include "numerics.h"
+#include "wire.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -81,86 +83,6 @@ inline std::size_t shm_buffer_bytes(std::size_t slot_bytes) {
   return kHeaderBytes + kNumSlots * slot_stride(slot_bytes);
 }
 
-#ifdef __AVX2__
-// Eight elements at a time, widened to fp32. These keep the numerics of to_float/from_float.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-inline __m256 load8(const Float16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-
-inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline void stream8(float* p, __m256 v) { _mm256_stream_ps(p, v); }
-inline void store8(BFloat16* p, __m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
-  const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
-}
-inline void stream8(BFloat16* p, __m256 v) {
-  alignas(16) BFloat16 lanes[8];
-  store8(lanes, v);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(lanes)));
-}
-inline void store8(Float16* p, __m256 v) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, v);
-    for (int j = 0; j < 8; ++j) p[j] = from_float<Float16>(lanes[j]);  // canonical NaNs
-  }
-}
-inline void stream8(Float16* p, __m256 v) {
-  alignas(16) Float16 lanes[8];
-  store8(lanes, v);
-  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm_load_si128(reinterpret_cast<const __m128i*>(lanes)));
-}
-#endif
-
-// Copy to a destination nobody reads soon: non-temporal stores skip reading the lines first.
-inline void copy_out(void* destination, const void* source, std::size_t len, bool stream) {
-  auto* dst = static_cast<std::uint8_t*>(destination);
-  const auto* src = static_cast<const std::uint8_t*>(source);
-  std::size_t i = 0;
-#ifdef __AVX2__
-  if (stream) {
-    while (i < len && (reinterpret_cast<std::uintptr_t>(dst + i) & 31)) { dst[i] = src[i]; ++i; }
-    for (; i + 32 <= len; i += 32) {
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-    }
-  }
-#endif
-  std::memcpy(dst + i, src + i, len - i);
-}
-
-// Sum the n sources element-wise over [begin, end) into out (and copy, when given): fp32
-// accumulation in rank order 0..n-1, one rounding. One pass: each element is loaded once per
-// rank and stored once per destination. out may be one of the sources (same indices only).
-template <typename T>
-void reduce_range(const std::uint8_t* const* sources, int n, T* out, std::size_t begin, std::size_t end,
-                  T* copy = nullptr, bool stream_out = false) {
-  std::size_t i = begin;
-#ifdef __AVX2__
-  stream_out = stream_out && (reinterpret_cast<std::uintptr_t>(out + i) % (8 * sizeof(T))) == 0;
-  for (; i + 8 <= end; i += 8) {
-    __m256 acc = load8(reinterpret_cast<const T*>(sources[0]) + i);
-    for (int r = 1; r < n; ++r) acc = _mm256_add_ps(acc, load8(reinterpret_cast<const T*>(sources[r]) + i));
-    if (stream_out) stream8(out + i, acc); else store8(out + i, acc);
-    if (copy != nullptr) store8(copy + i, acc);
-  }
-#endif
-  for (; i < end; ++i) {
-    float acc = to_float(reinterpret_cast<const T*>(sources[0])[i]);
-    for (int r = 1; r < n; ++r) acc += to_float(reinterpret_cast<const T*>(sources[r])[i]);
-    out[i] = from_float<T>(acc);
-    if (copy != nullptr) copy[i] = out[i];
-  }
-}
-
 class ShmGroup {
  public:
   // buffers: each rank's buffer as mapped in this process, in rank order.
@@ -183,11 +105,12 @@ class ShmGroup {
   std::uint64_t barrier_epoch() const { return barrier_epoch_; }
   std::uint64_t op_epoch() const { return op_epoch_; }
 
-  // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ).
+  // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ),
+  // over the lossless wire or a compressed one (wire.h).
   void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
-                  double timeout_s) {
+                  double timeout_s, wire::Wire format = wire::Wire::kLossless) {
     for_dtype<HostElements>(dtype, [&](auto element) {
-      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, algorithm, timeout_s);
+      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, algorithm, timeout_s, format);
     });
   }
 
@@ -251,13 +174,20 @@ class ShmGroup {
 
   template <typename T>
   void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
-                        double timeout_s) {
+                        double timeout_s, wire::Wire format) {
     NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
                    "algorithm code " + std::to_string(int(algorithm)) + " on a host group: expected 1 (oneshot) or 2 (twoshot)");
-    const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
     const T* src = reinterpret_cast<const T*>(in);
     T* dst = reinterpret_cast<T*>(out);
-    const Call call{Collective::kAllReduce, count, int(dtype), int(algorithm)};
+    const Call call{Collective::kAllReduce, count, int(dtype), int(algorithm), int(format)};
+    if (format != wire::Wire::kLossless) {
+      // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
+      const std::size_t per_element = sizeof(T) + 2;
+      const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / per_element / 512 * 512};
+      NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(slot_bytes_) + " bytes holds no encoded chunk");
+      return reduce_over_wire(src, dst, chunks, algorithm, format, call, timeout_s);
+    }
+    const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
     if (algorithm == Algorithm::kOneshot) {
       oneshot(src, dst, chunks, call, timeout_s);
     } else {
@@ -322,10 +252,39 @@ class ShmGroup {
     if (stream) store_fence();
   }
 
-  // A chunk of len elements split into world_size segments of 16-element multiples.
+  // Over a compressed wire, per chunk: this rank encodes it whole into its slot, barrier; oneshot
+  // sums every rank's decoded chunk; twoshot sums segment r on rank r, which writes it in T after
+  // the codes in its slot, barrier, and every rank copies the others' segments. Both sum every
+  // element the same way, so they give the same bits; the gather moves T, not codes.
+  template <typename T>
+  void reduce_over_wire(const T* src, T* dst, const Chunking& chunks, Algorithm algorithm, wire::Wire format,
+                        const Call& call, double timeout_s) {
+    if (chunks.size() == 0) return barrier(timeout_s, call);  // nothing to move, but the calls meet
+    for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
+      const std::size_t begin = chunks.begin(k), len = chunks.len(k), slot = slot_offset();
+      encode_range(src + begin, len, format, peer(rank_) + slot);
+      barrier(timeout_s, call);
+      const std::uint8_t* encoded[kMaxRanks];
+      for (int r = 0; r < world_size_; ++r) encoded[r] = peer(r) + slot;
+      if (algorithm == Algorithm::kOneshot) {
+        reduce_encoded(encoded, world_size_, len, format, dst + begin, 0, len);
+        continue;
+      }
+      const Segments seg{len, world_size_, wire::kWireBlock};
+      const auto reduced = [&](int r) { return reinterpret_cast<T*>(peer(r) + slot + wire::encoded_bytes(len)); };
+      reduce_encoded(encoded, world_size_, len, format, dst + begin, seg.lo(rank_), seg.hi(rank_), reduced(rank_));
+      barrier(timeout_s, call);
+      for (int r = 0; r < world_size_; ++r) {
+        if (r != rank_) std::memcpy(dst + begin + seg.lo(r), reduced(r) + seg.lo(r), (seg.hi(r) - seg.lo(r)) * sizeof(T));
+      }
+    }
+  }
+
+  // A chunk of len elements split into world_size segments of `align`-element multiples.
   struct Segments {
     std::size_t len, per;
-    Segments(std::size_t n, int world_size) : len(n), per(round_up((n + world_size - 1) / world_size, 16)) {}
+    Segments(std::size_t n, int world_size, std::size_t align = 16)
+        : len(n), per(round_up((n + world_size - 1) / world_size, align)) {}
     std::size_t lo(int r) const { return std::min(len, std::size_t(r) * per); }
     std::size_t hi(int r) const { return std::min(len, std::size_t(r + 1) * per); }
   };

@@ -39,6 +39,39 @@ class Path(str, enum.Enum):
         return cls[pb.Path.Name(value)]
 
 
+class Wire(str, enum.Enum):
+    """What an all-reduce's payload crosses between ranks as: the elements themselves, or one of
+    the compressed formats a call or a group must ask for (native/wire.h)."""
+
+    LOSSLESS = "lossless"
+    INT8 = "int8"
+    FP8 = "fp8"
+
+    @classmethod
+    def parse(cls, name: str) -> Wire:
+        try:
+            return cls(name.lower())
+        except ValueError:
+            known = ", ".join(w.value for w in cls)
+            raise ValueError(f"unknown wire {name!r}: expected one of {known}") from None
+
+    def to_proto(self) -> int:
+        return pb.Wire.Value(self.name)
+
+    @classmethod
+    def from_proto(cls, value: int) -> Wire:
+        return cls[pb.Wire.Name(value)]
+
+    def encoded_bytes(self, count: int, element_bytes: int) -> int:
+        """Bytes `count` elements take on this wire: a byte each and a 4-byte scale per 32."""
+        return count * element_bytes if self is Wire.LOSSLESS else count + 4 * -(-count // WIRE_BLOCK)
+
+
+WIRE_BLOCK = 32  # elements per scale on a compressed wire
+# The paths that can carry a compressed wire (where the transport runs it).
+WIRE_PATHS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
+
+
 class Source(str, enum.Enum):
     DEFAULT = "default"
     CALIBRATED = "calibrated"
@@ -47,7 +80,15 @@ class Source(str, enum.Enum):
 
 # The boundaries, in the order they are shown. A `*_max_bytes` boundary sends sizes up to and
 # including it to its path; a `*_min_bytes` boundary sends sizes from it up to its path.
-BOUNDARY_NAMES = ("oneshot_max_bytes", "twoshot_max_bytes", "dma_min_bytes", "service_min_bytes")
+# compressed_min_bytes exists only in the tables of groups that asked for a compressed wire: from
+# it on, the sizes a WIRE_PATHS path carries go compressed.
+BOUNDARY_NAMES = (
+    "oneshot_max_bytes",
+    "twoshot_max_bytes",
+    "dma_min_bytes",
+    "service_min_bytes",
+    "compressed_min_bytes",
+)
 
 
 @dataclass(frozen=True)
@@ -69,15 +110,27 @@ def range_end(high: int) -> str:
 
 @dataclass(frozen=True)
 class DispatchTable:
-    """Ordered size ranges -> path. `range_max[i]` is inclusive; the last range is unbounded."""
+    """Ordered size ranges -> path and wire. `range_max[i]` is inclusive; the last range is
+    unbounded. `wire`: the compressed wire the group asked for (LOSSLESS: none), which only its
+    ranges from compressed_min_bytes on carry."""
 
     epoch: int
     range_max: tuple[int, ...]  # inclusive upper ends of all ranges but the last
     range_paths: tuple[Path, ...]  # one more than range_max
     boundaries: tuple[Boundary, ...] = field(default=())
+    range_wires: tuple[Wire, ...] = field(default=())  # as range_paths; empty: every range lossless
+    wire: Wire = Wire.LOSSLESS
 
     def path_for(self, nbytes: int) -> Path:
         return self.range_paths[bisect.bisect_left(self.range_max, nbytes)]
+
+    def wire_for(self, nbytes: int) -> Wire:
+        if not self.range_wires:
+            return Wire.LOSSLESS
+        return self.range_wires[bisect.bisect_left(self.range_max, nbytes)]
+
+    def wires(self) -> tuple[Wire, ...]:
+        return self.range_wires or (Wire.LOSSLESS,) * len(self.range_paths)
 
     def neighbour_path(self, nbytes: int) -> Path | None:
         """The path of the adjacent range when `nbytes` lies within a factor of 4 of the edge
@@ -100,7 +153,7 @@ class DispatchTable:
 
     def rows(self) -> list[tuple[int, int | None, Path]]:
         """(first size, last size, path) per range, in bytes, both ends inclusive; the last range's
-        end is None (unbounded)."""
+        end is None (unbounded). wires() gives each range's wire."""
         rows = []
         low = 0
         for high, path in zip((*self.range_max, None), self.range_paths, strict=True):
@@ -124,10 +177,11 @@ class DispatchTable:
         return labels
 
     def to_proto(self) -> pb.ThresholdTable:
-        table = pb.ThresholdTable(epoch=self.epoch)
-        for high, path in zip(self.range_max, self.range_paths[:-1], strict=True):
-            table.ranges.add(max_bytes=high, path=path.to_proto())
-        table.ranges.add(unbounded=True, path=self.range_paths[-1].to_proto())
+        table = pb.ThresholdTable(epoch=self.epoch, wire=self.wire.to_proto())
+        wires = self.wires()
+        for high, path, wire in zip(self.range_max, self.range_paths[:-1], wires[:-1], strict=True):
+            table.ranges.add(max_bytes=high, path=path.to_proto(), wire=wire.to_proto())
+        table.ranges.add(unbounded=True, path=self.range_paths[-1].to_proto(), wire=wires[-1].to_proto())
         for b in self.boundaries:
             entry = table.boundaries.add(name=b.name, source=pb.BoundarySource.Value(b.source.name))
             if b.value_bytes is not None:
@@ -148,22 +202,31 @@ class DispatchTable:
             )
             for b in table.boundaries
         )
+        wires = tuple(Wire.from_proto(r.wire) for r in ranges)
         return cls(
             epoch=table.epoch,
             range_max=tuple(r.max_bytes for r in bounded),
             range_paths=tuple(Path.from_proto(r.path) for r in ranges),
             boundaries=boundaries,
+            range_wires=wires if any(w is not Wire.LOSSLESS for w in wires) else (),
+            wire=Wire.from_proto(table.wire),
         )
 
 
-def build_table(boundaries: dict[str, Boundary], fallback: Path, epoch: int) -> DispatchTable:
+def build_table(
+    boundaries: dict[str, Boundary], fallback: Path, epoch: int, wire: Wire = Wire.LOSSLESS
+) -> DispatchTable:
     """Turn boundaries into ranges. `fallback` carries every size no boundary claims.
 
     The rule, in order: the service path from service_min_bytes; DMA from dma_min_bytes; oneshot
     up to oneshot_max_bytes; twoshot up to twoshot_max_bytes; otherwise the fallback (twoshot on
-    CPU groups, NCCL on GPU groups).
+    CPU groups, NCCL on GPU groups). A group that asked for a compressed `wire` carries it from
+    compressed_min_bytes on, on the paths that can; no other group has that boundary.
     """
+    if wire is Wire.LOSSLESS:
+        boundaries = {name: b for name, b in boundaries.items() if name != "compressed_min_bytes"}
     value = {name: b.value_bytes for name, b in boundaries.items()}
+    compressed_min = value.get("compressed_min_bytes")
 
     def rule(nbytes: int) -> Path:
         service_min = value.get("service_min_bytes")
@@ -180,25 +243,35 @@ def build_table(boundaries: dict[str, Boundary], fallback: Path, epoch: int) -> 
             return Path.TWOSHOT
         return fallback
 
+    def wire_rule(nbytes: int, path: Path) -> Wire:
+        compressed = compressed_min is not None and nbytes >= compressed_min and path in WIRE_PATHS
+        return wire if compressed else Wire.LOSSLESS
+
     # The rule is constant between these points, so evaluating it at each range's top is exact.
     points = {value.get("oneshot_max_bytes"), value.get("twoshot_max_bytes")}
-    for name in ("dma_min_bytes", "service_min_bytes"):
+    for name in ("dma_min_bytes", "service_min_bytes", "compressed_min_bytes"):
         if value.get(name) is not None:
             points.add(value[name] - 1)
     points = sorted(p for p in points if p is not None and p >= 0)
     range_max: list[int] = []
-    range_paths: list[Path] = []
+    ranges: list[tuple[Path, Wire]] = []
     for point in points:
         path = rule(point)
-        if range_paths and range_paths[-1] == path:
+        here = (path, wire_rule(point, path))
+        if ranges and ranges[-1] == here:
             range_max[-1] = point
         else:
             range_max.append(point)
-            range_paths.append(path)
-    tail = rule(1 << 62)
-    if range_paths and range_paths[-1] == tail:
+            ranges.append(here)
+    tail_path = rule(1 << 62)
+    tail = (tail_path, wire_rule(1 << 62, tail_path))
+    if ranges and ranges[-1] == tail:
         range_max.pop()
-        range_paths.pop()
-    range_paths.append(tail)
+        ranges.pop()
+    ranges.append(tail)
     ordered = tuple(boundaries[n] for n in BOUNDARY_NAMES if n in boundaries)
-    return DispatchTable(epoch, tuple(range_max), tuple(range_paths), ordered)
+    wires = tuple(w for _, w in ranges)
+    compressed = any(w is not Wire.LOSSLESS for w in wires)
+    return DispatchTable(
+        epoch, tuple(range_max), tuple(p for p, _ in ranges), ordered, wires if compressed else (), wire
+    )

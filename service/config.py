@@ -32,7 +32,8 @@ ENV_PREFIX = "NODECOMM_"
 # oneshot for latency-bound sizes, copy engines from 6 MiB, and between them NCCL where the ranks
 # pass an NCCL group (twoshot otherwise) until calibration measures the machine.
 DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
-    "cpu": {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None},
+    # compressed_min_bytes: off until calibrated or overridden, and only for groups that ask.
+    "cpu": {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None, "compressed_min_bytes": None},
     "cuda": {
         "oneshot_max_bytes": 256 << 10,
         "twoshot_max_bytes": None,

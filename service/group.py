@@ -51,6 +51,7 @@ class Group:
     topk_slabs: list[TopkSlabs] = field(default_factory=list)
     service: SubmissionQueue | None = None  # collectives the daemon runs
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
+    wires: set[str] = field(default_factory=set)  # wire series of its all-reduce counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
     creator: int | None = None  # the first joiner's uid; None: it presented no identity
 
@@ -86,7 +87,7 @@ class Group:
             state=self.state,
             device_kind=self.args.device_kind,
             reserved_bytes=self.reserved_bytes,
-            geometry=pb.Geometry(capacity_bytes=self.args.capacity_bytes, dtypes=self.args.dtypes),
+            geometry=pb.Geometry(capacity_bytes=self.args.capacity_bytes, dtypes=self.args.dtypes, wire=self.args.wire),
             thresholds=self.table.to_proto(),
             topk_exchanges=len(self.topk_slabs),
             service_bytes=self.service.reserved_bytes if self.service is not None else 0,

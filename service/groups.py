@@ -31,7 +31,7 @@ from nodecomm.errors import (
     ResourceExhaustedError,
     shown,
 )
-from nodecomm.thresholds import DispatchTable
+from nodecomm.thresholds import DispatchTable, Wire
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import (
@@ -198,7 +198,9 @@ class GroupRegistry:
             group_id=group_id,
             args=first,
             memory=memory,
-            table=self.tables.for_new_group(first.device_kind, first.nccl_fallback, dict(first.overrides)),
+            table=self.tables.for_new_group(
+                first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire)
+            ),
             members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
             devices=[a.device for a in joined],
             creator=forming.creator,
@@ -447,6 +449,9 @@ class GroupRegistry:
             for op, path in group.counted:
                 self.metrics.operations.remove(group.name, op, path)
                 self.metrics.operation_bytes.remove(group.name, op, path)
+            for wire in group.wires:
+                self.metrics.wire_operations.remove(group.name, wire)
+                self.metrics.wire_bytes.remove(group.name, wire)
             self._update_gauges()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
-from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
+from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, UnsupportedError, shown
 from nodecomm.v1 import control_pb2 as pb
 
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
@@ -29,6 +29,7 @@ class JoinArgs:
     pid: int
     nccl_fallback: bool
     overrides: tuple[tuple[str, int | None], ...] = ()  # this group's own, sorted by name
+    wire: int = pb.LOSSLESS  # the compressed wire the group lets its table use
 
     @classmethod
     def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
@@ -41,6 +42,7 @@ class JoinArgs:
             dtypes=tuple(sorted(set(request.geometry.dtypes))),
             pid=request.pid,
             nccl_fallback=request.nccl_fallback,
+            wire=request.geometry.wire,
             # By name, then off (None) before values: a name given twice, once without a value,
             # must reach validate_join (which refuses it) instead of comparing None with an int.
             overrides=tuple(
@@ -52,7 +54,7 @@ class JoinArgs:
         )
 
     # The fields every rank must agree on, with how to show a value in an error.
-    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides")
+    AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides", "wire")
 
     @property
     def device_kind(self) -> str:
@@ -64,6 +66,8 @@ class JoinArgs:
             return "[" + ", ".join(_DTYPE_NAMES[d] for d in value) + "]"
         if name == "overrides":
             return "{" + ", ".join(f"{n}={format_byte_size(v)}" for n, v in value) + "}"
+        if name == "wire":
+            return pb.Wire.Name(value).lower() if value in pb.Wire.values() else str(value)
         return str(value)
 
 
@@ -103,6 +107,14 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
     if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
         raise InvalidArgumentError(
             f"geometry.dtypes {shown(list(args.dtypes))}: expected one or more of {sorted(_DTYPE_NAMES.values())}",
+            **where,
+        )
+    if args.wire not in pb.Wire.values():
+        raise InvalidArgumentError(f"geometry.wire {args.wire}: expected lossless, int8 or fp8", **where)
+    if args.wire != pb.LOSSLESS and args.device_kind == "cuda":
+        raise UnsupportedError(
+            f"geometry.wire {pb.Wire.Name(args.wire).lower()}: compressed wires run on CPU groups so far; "
+            "join a CUDA group with wire='lossless'",
             **where,
         )
     names = [name for name, _ in args.overrides]

@@ -129,7 +129,7 @@ def _moved_table(
         boundaries = dict(current)
         for name, value in values.items():
             boundaries[name] = Boundary(name, value, Source.CALIBRATED)
-        moved = build_table(boundaries, fallback, table.epoch)
+        moved = build_table(boundaries, fallback, table.epoch, table.wire)
         index = _range_of(moved, low, high)
         if index is not None and moved.range_paths[index] == winner:
             changed = {

@@ -50,6 +50,19 @@ class DaemonMetrics:
             ["group", "op", "path"],
             registry=r,
         )
+        self.wire_operations = Counter(
+            "nodecomm_wire_operations_total",
+            "All-reduce calls by group and the wire their payload crossed as (lossless, int8, fp8: "
+            "compressed only in calls or groups that asked for it).",
+            ["group", "wire"],
+            registry=r,
+        )
+        self.wire_bytes = Counter(
+            "nodecomm_wire_bytes_total",
+            "Bytes those calls' payloads took on their wire (codes and scales where compressed).",
+            ["group", "wire"],
+            registry=r,
+        )
         self.fallbacks = Counter(
             "nodecomm_fallbacks_total",
             "Groups moved off their paths, by reason (peer_memory_unusable: every size goes to NCCL).",

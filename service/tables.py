@@ -18,7 +18,7 @@ from collections.abc import Callable
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError, shown
-from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 from nodecomm.v1 import control_pb2 as pb
 
 from .calibration import (
@@ -236,19 +236,24 @@ class TableKeeper:
         return _with_points(reply, measured.medians)
 
     def _build_table(
-        self, device_kind: str, nccl_fallback: bool, epoch: int, group_overrides: dict[str, int | None] | None = None
+        self,
+        device_kind: str,
+        nccl_fallback: bool,
+        epoch: int,
+        group_overrides: dict[str, int | None] | None = None,
+        wire: Wire = Wire.LOSSLESS,
     ) -> DispatchTable:
         boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback)
-        return build_table(boundaries, fallback_path(nccl_fallback), epoch)
+        return build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
 
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch
 
     def for_new_group(
-        self, device_kind: str, nccl_fallback: bool, group_overrides: dict[str, int | None]
+        self, device_kind: str, nccl_fallback: bool, group_overrides: dict[str, int | None], wire: Wire
     ) -> DispatchTable:
-        return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides)
+        return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides, wire)
 
     def preview(self, device_kind: str, nccl_fallback: bool) -> DispatchTable:
         """What a new group of device_kind would get now (epoch 0: not any group's table)."""

@@ -59,6 +59,11 @@ class TimingIntake:
             group.counted.add(labels)
             self.metrics.operations.labels(group.name, *labels).inc(count.operations)
             self.metrics.operation_bytes.labels(group.name, *labels).inc(count.bytes)
+            if count.op == pb.ALL_REDUCE and count.wire in pb.Wire.values():
+                wire = pb.Wire.Name(count.wire).lower()
+                group.wires.add(wire)
+                self.metrics.wire_operations.labels(group.name, wire).inc(count.operations)
+                self.metrics.wire_bytes.labels(group.name, wire).inc(count.wire_bytes or count.bytes)
 
     def record_timings(self, group: Group | None, rank: int, timings: Sequence[pb.Timing]) -> None:
         """Use `rank`'s timings (of `group`, None once it is released: the metrics still take them)."""

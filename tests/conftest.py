@@ -304,6 +304,7 @@ def join_request(
     pid=None,
     device="cpu",
     nccl=False,
+    wire=pb.LOSSLESS,
 ):
     return pb.JoinRequest(
         group=group,
@@ -311,7 +312,7 @@ def join_request(
         world_size=world_size,
         device=device,
         nccl_fallback=nccl,
-        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes),
+        geometry=pb.Geometry(capacity_bytes=capacity, dtypes=dtypes, wire=wire),
         pid=pid or os.getpid(),
         join_timeout_seconds=timeout,
     )

@@ -18,6 +18,7 @@ from nodecomm.v1 import control_pb2 as pb
         ("dtypes", [{}, {"dtypes": ("float32", "bfloat16")}]),
         ("capacity_bytes", [{}, {"capacity_bytes": 1 << 20}]),
         ("overrides", [{}, {"thresholds": {"oneshot_max_bytes": "8KiB"}}]),
+        ("wire", [{}, {"wire": "int8"}]),
     ],
 )
 def test_mismatch_fails_every_rank_before_allocation(daemon, spawn_ranks, field, per_rank):
@@ -78,6 +79,7 @@ def test_join_deadline_names_missing_ranks(daemon):
         ({"device": "cuda:0"}, grpc.StatusCode.INVALID_ARGUMENT, "expected 'cpu' or the UUID of a GPU"),
         ({"device": "GPU-00000000-0000-0000-0000-000000000000"}, grpc.StatusCode.INVALID_ARGUMENT, "GPU"),
         ({"nccl": True}, grpc.StatusCode.INVALID_ARGUMENT, "nccl_fallback applies to CUDA groups"),
+        ({"wire": 7}, grpc.StatusCode.INVALID_ARGUMENT, "geometry.wire 7: expected lossless, int8 or fp8"),
     ],
 )
 def test_bad_join_requests(daemon, request_kwargs, code, text):
@@ -194,7 +196,7 @@ def test_group_overrides_win_over_the_daemons(make_daemon, spawn_ranks):
     [
         (
             {"dma_min_bytes": "1MiB"},
-            "expected each of ['oneshot_max_bytes', 'service_min_bytes'] at most once for a CPU group",
+            "expected each of ['compressed_min_bytes', 'oneshot_max_bytes', 'service_min_bytes'] at most once for a CPU group",
         ),
         ({"oneshot_max_bytes": "-5"}, "thresholds['oneshot_max_bytes']"),
     ],

@@ -6,6 +6,7 @@
 #include "codes.h"
 #include "service.h"
 #include "shm.h"
+#include "wire.h"
 
 #include "bindings.h"
 
@@ -27,6 +28,11 @@ void bind_host(py::module_& m) {
       .value("TWOSHOT", nodecomm::Algorithm::kTwoshot)
       .value("DMA", nodecomm::Algorithm::kDma)
       .finalize();
+  py::native_enum<wire::Wire>(m, "Wire", "enum.IntEnum", "Wire formats of an all-reduce (nodecomm.v1.Wire).")
+      .value("LOSSLESS", wire::Wire::kLossless)
+      .value("INT8", wire::Wire::kInt8)
+      .value("FP8", wire::Wire::kFp8)
+      .finalize();
   py::native_enum<nodecomm::Collective>(m, "Collective", "enum.IntEnum",
                                         "What a rank's call is, as the ranks compare it.")
       .value("ALL_REDUCE", nodecomm::Collective::kAllReduce)
@@ -45,12 +51,15 @@ void bind_host(py::module_& m) {
       .def(
           "all_reduce",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype,
-             int algorithm, double timeout_s) {
+             int algorithm, double timeout_s, int wire) {
+            const wire::Wire format = wire::wire_of(wire);
             py::gil_scoped_release release;
-            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::algorithm_of(algorithm), timeout_s);
+            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::algorithm_of(algorithm), timeout_s,
+                            format);
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
-          py::arg("timeout_s"), "Sum `count` elements across ranks; output may equal input.")
+          py::arg("timeout_s"), py::arg("wire") = 0,
+          "Sum `count` elements across ranks over a Wire format; output may equal input.")
       .def(
           "all_gather",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {

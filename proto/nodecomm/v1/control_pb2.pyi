@@ -14,6 +14,12 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
 
+class Wire(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LOSSLESS: _ClassVar[Wire]
+    INT8: _ClassVar[Wire]
+    FP8: _ClassVar[Wire]
+
 class Path(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PATH_UNSPECIFIED: _ClassVar[Path]
@@ -54,6 +60,9 @@ DTYPE_UNSPECIFIED: DType
 FLOAT32: DType
 FLOAT16: DType
 BFLOAT16: DType
+LOSSLESS: Wire
+INT8: Wire
+FP8: Wire
 PATH_UNSPECIFIED: Path
 ONESHOT: Path
 TWOSHOT: Path
@@ -78,12 +87,14 @@ ALL_GATHER: Op
 TOPK_STAGE: Op
 
 class Geometry(_message.Message):
-    __slots__ = ("capacity_bytes", "dtypes")
+    __slots__ = ("capacity_bytes", "dtypes", "wire")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
-    def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ...) -> None: ...
+    wire: Wire
+    def __init__(self, capacity_bytes: _Optional[int] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("group", "rank", "world_size", "device", "geometry", "pid", "join_timeout_seconds", "nccl_fallback", "overrides", "identity", "group_key")
@@ -162,24 +173,28 @@ class Boundary(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value_bytes: _Optional[int] = ..., source: _Optional[_Union[BoundarySource, str]] = ...) -> None: ...
 
 class PathRange(_message.Message):
-    __slots__ = ("max_bytes", "unbounded", "path")
+    __slots__ = ("max_bytes", "unbounded", "path", "wire")
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     UNBOUNDED_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     max_bytes: int
     unbounded: bool
     path: Path
-    def __init__(self, max_bytes: _Optional[int] = ..., unbounded: _Optional[bool] = ..., path: _Optional[_Union[Path, str]] = ...) -> None: ...
+    wire: Wire
+    def __init__(self, max_bytes: _Optional[int] = ..., unbounded: _Optional[bool] = ..., path: _Optional[_Union[Path, str]] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class ThresholdTable(_message.Message):
-    __slots__ = ("epoch", "ranges", "boundaries")
+    __slots__ = ("epoch", "ranges", "boundaries", "wire")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ranges: _containers.RepeatedCompositeFieldContainer[PathRange]
     boundaries: _containers.RepeatedCompositeFieldContainer[Boundary]
-    def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ...) -> None: ...
+    wire: Wire
+    def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("path", "bytes", "seconds")
@@ -216,16 +231,20 @@ class TimingBatch(_message.Message):
     def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[OperationCount, _Mapping]]] = ...) -> None: ...
 
 class OperationCount(_message.Message):
-    __slots__ = ("op", "path", "operations", "bytes")
+    __slots__ = ("op", "path", "operations", "bytes", "wire", "wire_bytes")
     OP_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     OPERATIONS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
     op: Op
     path: Path
     operations: int
     bytes: int
-    def __init__(self, op: _Optional[_Union[Op, str]] = ..., path: _Optional[_Union[Path, str]] = ..., operations: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+    wire: Wire
+    wire_bytes: int
+    def __init__(self, op: _Optional[_Union[Op, str]] = ..., path: _Optional[_Union[Path, str]] = ..., operations: _Optional[int] = ..., bytes: _Optional[int] = ..., wire: _Optional[_Union[Wire, str]] = ..., wire_bytes: _Optional[int] = ...) -> None: ...
 
 class GroupEvent(_message.Message):
     __slots__ = ("kind", "rank", "message")

@@ -1,0 +1,85 @@
+"""Compressed wires (int8, fp8) on CPU groups, through the real daemon and rank processes: the
+bits of a torch reference on every rank, within the error bound the docs state, non-finite and
+zero blocks, disagreement, and never a compressed wire for a group or call that did not ask."""
+
+import multiprocessing as mp
+import time
+
+import pytest
+
+import wire_ranks
+
+CASES = [
+    (dtype, count)
+    for dtype in ("float32", "float16", "bfloat16")
+    for count in (0, 1, 31, 33, 4099, (1 << 20) + 17)  # partial blocks; the last is chunked
+]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_every_rank_gets_the_references_bits_within_the_bound(daemon, spawn_ranks, world_size):
+    cases = CASES if world_size in (2, 3) else [c for c in CASES if c[1] < (1 << 20)]
+    results = spawn_ranks(wire_ranks.compressed_cases, world_size, world_size, daemon.socket, cases, timeout=600)
+    problems = {rank: p for rank, p in results.values().items() if p}
+    assert not problems, problems
+
+
+def test_non_finite_blocks_give_nan_and_zero_blocks_stay_zero(daemon, spawn_ranks):
+    seen = spawn_ranks(wire_ranks.special_blocks, 2, 2, daemon.socket).values()
+    assert seen[0] == seen[1]
+    for wire in ("int8", "fp8"):
+        # inf, -inf and NaN on rank 0 are NaN in the sum; the rest of their blocks is exact (ones).
+        assert seen[0][wire]["nan"] == [5, 2 * 32 + 7, 3 * 32 + 1], wire
+        assert seen[0][wire]["zero_block"] == [0.0] * 32, wire
+        assert seen[0][wire]["block_rest"] == [2.0] * 31, wire
+    assert seen[0]["e4m3"] is True and seen[0]["e4m3_count"] > 1000
+
+
+def test_ranks_that_disagree_on_the_wire_all_get_group_mismatch(daemon, spawn_ranks):
+    results = spawn_ranks(wire_ranks.disagree_on_wire, 3, 3, daemon.socket).values()
+    for rank, text in results.items():
+        message, after = text.split(" | ")
+        assert "disagree on all_reduce's wire format: rank 0 has lossless, rank 1 has int8, rank 2 has lossless" in (
+            message
+        ), (rank, message)
+        assert after == "after 3.0"
+
+
+def _held(daemon, spawn_ranks, group: str, kwargs: dict, sizes: list[int]) -> tuple[dict, dict[str, float]]:
+    """Rank 0's table_wires, and the daemon's all-reduce counts of the group by wire while it is
+    held (the ranks report counts about once a second; the series go with the group)."""
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), context.Queue()
+    held = spawn_ranks(wire_ranks.table_wires, 2, 2, daemon.socket, group, kwargs, sizes, report, commands)
+    assert {report.get(timeout=60) for _ in range(2)} == {0, 1}
+    deadline = time.monotonic() + 15
+    while True:
+        series = {}
+        for line in daemon.metrics_text().splitlines():
+            if line.startswith("nodecomm_wire_operations_total{") and f'group="{group}"' in line:
+                series[line.split('wire="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        if sum(series.values()) >= 2 * len(sizes) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for _ in range(2):
+        commands.put("stop")
+    return held.values()[0], series
+
+
+def test_only_a_group_that_asked_gets_a_compressed_wire_from_its_table(daemon, spawn_ranks):
+    sizes = [1 << 10, 4 << 10, 64 << 10, 1 << 20]
+    plain, counted = _held(daemon, spawn_ranks, "plain", {"thresholds": {"compressed_min_bytes": "4KiB"}}, sizes)
+    assert plain["wire"] == "lossless" and {r[3] for r in plain["ranges"]} == {"lossless"}
+    assert set(plain["took"].values()) == {"lossless"}
+    assert counted == {"lossless": 2 * len(sizes)}  # both ranks' calls; no compressed series at all
+    asked, counted = _held(
+        daemon, spawn_ranks, "asked", {"wire": "int8", "thresholds": {"compressed_min_bytes": "4KiB"}}, sizes
+    )
+    assert asked["wire"] == "int8"
+    assert asked["ranges"] == [(0, 4095, "oneshot", "lossless"), (4096, 32768, "oneshot", "int8"),
+                               (32769, None, "twoshot", "int8")]  # fmt: skip
+    assert asked["took"] == {1 << 10: "lossless", 4 << 10: "int8", 64 << 10: "int8", 1 << 20: "int8"}
+    assert counted == {"lossless": 2, "int8": 2 * (len(sizes) - 1)}
+    # Without a compressed_min_bytes (none calibrated or set), even a group that asked stays lossless.
+    uncalibrated, counted = _held(daemon, spawn_ranks, "uncalibrated", {"wire": "fp8"}, sizes)
+    assert set(uncalibrated["took"].values()) == {"lossless"} and counted == {"lossless": 2 * len(sizes)}

@@ -1,0 +1,200 @@
+"""Compressed wires: a reference written with torch alone (independent of native/wire.h), the
+bound on its error the docs state, inputs shaped like activations, and the rank programs of
+tests/test_wires.py (importable by spawned children)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+import nodecomm
+from ranks import BITS, DTYPES
+
+BLOCK = 32
+LIMIT = {"int8": 127.0, "fp8": 448.0}
+ZERO_BELOW = 2.0**-100
+
+
+def blocks_of(values: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """fp32 values as rows of BLOCK (the last padded with zeros, which change no block's absmax)."""
+    flat = values.float().flatten()
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK), flat.numel()
+
+
+def dequantized(x: torch.Tensor, wire: str) -> torch.Tensor:
+    """What a rank's input contributes on `wire`, in fp32: each block scaled by its largest finite
+    magnitude, rounded to int8 or E4M3 (nearest even), scaled back; non-finite elements as NaN."""
+    blocks, count = blocks_of(x)
+    finite = torch.isfinite(blocks)
+    absmax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
+    zero = absmax < ZERO_BELOW
+    limit = LIMIT[wire]
+    # Tensor by tensor: torch turns a scalar divided by a tensor (or a tensor by a scalar) into a
+    # multiply by a reciprocal, which is not the one fp32 division native/wire.h does.
+    limits = torch.full_like(absmax, limit)
+    inverse = torch.where(zero, torch.zeros_like(absmax), limits / absmax)
+    scale = torch.where(zero, torch.zeros_like(absmax), absmax / limits)
+    y = torch.where(finite, blocks * inverse, torch.zeros_like(blocks)).clamp(-limit, limit)
+    if wire == "int8":
+        codes = torch.round(y).to(torch.int8).float()  # int8 has no -0
+    else:
+        codes = y.to(torch.float8_e4m3fn).float()
+    values = torch.where(finite, codes * scale, torch.full_like(blocks, math.nan))
+    return values.flatten()[:count]
+
+
+def reference(inputs: list[torch.Tensor], wire: str) -> torch.Tensor:
+    """Every rank's dequantized input summed in fp32 in rank order, rounded once to their dtype."""
+    acc = dequantized(inputs[0], wire)
+    for x in inputs[1:]:
+        acc = acc + dequantized(x, wire)
+    return acc.view(inputs[0].shape).to(inputs[0].dtype)
+
+
+def error_bound(inputs: list[torch.Tensor], wire: str) -> torch.Tensor:
+    """The most a compressed sum may differ from the exact sum of the inputs, per element: per
+    rank half a code step (int8: absmax/254 of its block; E4M3: 1/16 of the value, or half its
+    smallest step, absmax/448 * 2^-10), then the one rounding to the dtype that the lossless
+    sum has too (half an ulp of the result, bounded by 2^-8 of it for bfloat16)."""
+    bound = torch.zeros(inputs[0].numel())
+    for x in inputs:
+        blocks, count = blocks_of(x)
+        finite = torch.isfinite(blocks)
+        absmax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
+        if wire == "int8":
+            step = (absmax / 254.0).expand_as(blocks)
+        else:
+            step = torch.maximum(blocks.abs() / 16.0, absmax / 448.0 * 2.0**-10)
+        bound += step.flatten()[:count] * 1.0001
+    exact = exact_sum(inputs).abs()
+    rounding = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[inputs[0].dtype]
+    return bound + (exact + bound) * rounding + 2.0**-24
+
+
+def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    """The lossless paths' sum: fp32 in rank order, rounded once."""
+    acc = inputs[0].float().clone()
+    for x in inputs[1:]:
+        acc += x.float()
+    return acc.to(inputs[0].dtype)
+
+
+def exact_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
+
+
+def activations(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Gaussian values with rare large outliers (one in 1024 elements 20-100x), as hidden states
+    and their partial sums are: the outliers set their blocks' scales."""
+    generator = torch.Generator().manual_seed(seed * 131 + rank)
+    x = torch.randn(count, generator=generator)
+    outliers = torch.rand(count, generator=generator) < 1 / 1024
+    x = torch.where(outliers, x.sign() * (20 + 80 * torch.rand(count, generator=generator)), x)
+    return x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bits, NaNs (whose payloads the paths spell differently) equal wherever both are NaN."""
+    nan = torch.isnan(a.float())
+    if not torch.equal(nan, torch.isnan(b.float())):
+        return False
+    return torch.equal(a.view(BITS[a.dtype])[~nan], b.view(BITS[b.dtype])[~nan])
+
+
+def compressed_cases(rank: int, world_size: int, socket: str, cases: list[tuple[str, int]]) -> list[str]:
+    """Every (dtype, count) case on both wires and both paths: the reference's bits (so every
+    rank's are the same) within the stated bound; the lossless call beside them unchanged."""
+    problems = []
+    with nodecomm.connect("wires", rank, world_size, socket=socket, timeout=60) as comm:
+        for index, (dtype_name, count) in enumerate(cases):
+            dtype = DTYPES[dtype_name]
+            inputs = [activations(r, count, dtype, index) for r in range(world_size)]
+            for wire in ("int8", "fp8"):
+                expected = reference(inputs, wire)
+                bound = error_bound(inputs, wire)
+                for path in ("oneshot", "twoshot"):
+                    y = comm.all_reduce(inputs[rank], path=path, wire=wire)
+                    if not same_bits(y, expected):
+                        wrong = int((y.view(BITS[dtype]) != expected.view(BITS[dtype])).sum())
+                        problems.append(f"{wire} {path} {dtype_name} count={count}: {wrong} elements differ")
+                    error = (y.double() - exact_sum(inputs)).abs()
+                    if count and not bool((error <= bound).all()):
+                        worst = int((error - bound).argmax())
+                        problems.append(
+                            f"{wire} {path} {dtype_name} count={count}: element {worst} is off by "
+                            f"{float(error[worst]):.3g}, past the bound {float(bound[worst]):.3g}"
+                        )
+            lossless = comm.all_reduce(inputs[rank], wire="lossless")
+            if not same_bits(lossless, rank_order_sum(inputs)):
+                problems.append(f"lossless {dtype_name} count={count} differs from the rank-order sum")
+    return problems
+
+
+def special_blocks(rank: int, world_size: int, socket: str) -> dict:
+    """Blocks holding inf or NaN (on rank 0 only), an all-zero block, and E4M3's every code and
+    every midpoint between neighbours (blocks anchored by 448, so they are sent unscaled)."""
+    seen = {}
+    with nodecomm.connect("special", rank, world_size, socket=socket, timeout=60) as comm:
+        x = torch.ones(4 * BLOCK)
+        x[BLOCK : 2 * BLOCK] = 0.0
+        if rank == 0:
+            x[5], x[2 * BLOCK + 7], x[3 * BLOCK + 1] = math.inf, -math.inf, math.nan
+        for wire in ("int8", "fp8"):
+            y = comm.all_reduce(x, wire=wire)
+            seen[wire] = {
+                "nan": torch.isnan(y).nonzero().flatten().tolist(),
+                "zero_block": y[BLOCK : 2 * BLOCK].tolist(),
+                "block_rest": y[:5].tolist() + y[6:BLOCK].tolist(),
+            }
+        codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        values = codes[torch.isfinite(codes)].unique()
+        midpoints = (values[1:] + values[:-1]) / 2
+        probe = torch.cat([values, midpoints, midpoints.nextafter(values[1:]), midpoints.nextafter(values[:-1])])
+        probe = probe[probe.abs() <= 448]
+        blocks = torch.nn.functional.pad(probe, (0, -probe.numel() % (BLOCK - 1))).view(-1, BLOCK - 1)
+        anchored = torch.cat([torch.full((blocks.shape[0], 1), 448.0), blocks], dim=1).flatten()
+        mine = anchored if rank == 0 else torch.zeros_like(anchored)
+        got = comm.all_reduce(mine, wire="fp8", path="oneshot")
+        seen["e4m3"] = same_bits(got, reference([anchored] + [torch.zeros_like(anchored)] * (world_size - 1), "fp8"))
+        seen["e4m3_count"] = int(probe.numel())
+    return seen
+
+
+def table_wires(
+    rank: int, world_size: int, socket: str, group: str, kwargs: dict, sizes: list[int], report, commands
+) -> dict:
+    """The table's wire per range, and the wire each size's all-reduce took (by its bits); the
+    group is held until the test has read the daemon's counts ("stop" on `commands`)."""
+    with nodecomm.connect(group, rank, world_size, socket=socket, timeout=30, **kwargs) as comm:
+        table = comm.thresholds()
+        took = {}
+        for size in sizes:
+            inputs = [activations(r, size // 4, torch.float32, size) for r in range(world_size)]
+            y = comm.all_reduce(inputs[rank])
+            took[size] = next(
+                (wire for wire in ("int8", "fp8") if same_bits(y, reference(inputs, wire))),
+                "lossless" if same_bits(y, rank_order_sum(inputs)) else "neither",
+            )
+        report.put(rank)
+        assert commands.get(timeout=120) == "stop"
+        return {
+            "wire": table.wire.value,
+            "ranges": [
+                (lo, hi, path.value, wire.value)
+                for (lo, hi, path), wire in zip(table.rows(), table.wires(), strict=True)
+            ],
+            "took": took,
+        }
+
+
+def disagree_on_wire(rank: int, world_size: int, socket: str) -> str:
+    """Rank 1 sends int8 where the others send lossless: every rank's error; then a call that agrees."""
+    with nodecomm.connect("wire-mismatch", rank, world_size, socket=socket, timeout=30) as comm:
+        try:
+            comm.all_reduce(torch.ones(1024), wire="int8" if rank == 1 else "lossless", path="oneshot")
+            message = "no error"
+        except nodecomm.GroupMismatchError as error:
+            message = str(error)
+        after = comm.all_reduce(torch.ones(1024), wire="fp8")[0].item()
+        return f"{message} | after {after}"
