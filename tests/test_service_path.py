@@ -9,7 +9,7 @@ import grpc
 import pytest
 import torch
 
-import ranks
+import service_ranks
 from conftest import join_request, reserved_bytes, stub_for
 from nodecomm.v1 import control_pb2 as pb
 
@@ -18,7 +18,9 @@ from nodecomm.v1 import control_pb2 as pb
 def test_bit_identical_to_the_shm_paths(daemon, spawn_ranks, world_size):
     # 1 and 7: a scalar tail; 70000: past one 256 KiB chunk of the daemon's executor for 4-byte types.
     counts = [1, 7, 4096, 70000]
-    results = spawn_ranks(ranks.service_cases, world_size, world_size, daemon.socket, counts, timeout=300).values()
+    results = spawn_ranks(
+        service_ranks.service_cases, world_size, world_size, daemon.socket, counts, timeout=300
+    ).values()
     assert results == {r: [] for r in range(world_size)}
     metrics = daemon.metrics_text()
     assert 'nodecomm_service_collectives_total{op="all_reduce",result="ok"}' in metrics
@@ -27,14 +29,14 @@ def test_bit_identical_to_the_shm_paths(daemon, spawn_ranks, world_size):
 
 def test_queued_submits_run_in_sequence_order(daemon, spawn_ranks):
     steps = 12
-    results = spawn_ranks(ranks.service_in_order, 3, 3, daemon.socket, steps, timeout=120).values()
+    results = spawn_ranks(service_ranks.service_in_order, 3, 3, daemon.socket, steps, timeout=120).values()
     # Ranks start at 1, 2, 3: after the first all-reduce every rank holds 6, then 18, 54, ...
     expected = [[6.0 * 3**k] * 3 for k in range(steps)]
     assert results == {r: expected for r in range(3)}
 
 
 def test_disagreeing_parts_fail_every_rank_and_the_group_goes_on(daemon, spawn_ranks):
-    results = spawn_ranks(ranks.service_mismatch, 2, 2, daemon.socket, timeout=120).values()
+    results = spawn_ranks(service_ranks.service_mismatch, 2, 2, daemon.socket, timeout=120).values()
     for seen in results.values():
         assert seen["error"].startswith("GroupMismatchError"), seen
         assert "disagree on collective 0's count: rank 0 has 8, rank 1 has 16" in seen["error"]
@@ -47,7 +49,7 @@ def test_a_submit_past_the_queue_is_resource_exhausted_for_every_rank(make_daemo
     daemon = make_daemon("--service-queue-depth", str(depth))
     context = mp.get_context("spawn")
     report, commands = context.Queue(), context.Queue()
-    group = spawn_ranks(ranks.service_over_quota, 2, 2, daemon.socket, depth, report, commands, timeout=120)
+    group = spawn_ranks(service_ranks.service_over_quota, 2, 2, daemon.socket, depth, report, commands, timeout=120)
     assert report.get(timeout=60) == "queued"
     commands.put("go")
     for seen in group.values().values():
@@ -64,7 +66,7 @@ def kill_a_rank_with_submits_pending(daemon, spawn_ranks, device: str) -> None:
     """Rank 0 waits on queued submits that rank 1, killed meanwhile, never makes: PeerLostError
     naming rank 1 and the group within 10 s."""
     report = mp.get_context("spawn").Queue()
-    group = spawn_ranks(ranks.service_until_peer_dies, 2, 2, daemon.socket, report, device, timeout=120)
+    group = spawn_ranks(service_ranks.service_until_peer_dies, 2, 2, daemon.socket, report, device, timeout=120)
     assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
     time.sleep(0.3)
     killed_at = time.time()
@@ -81,7 +83,7 @@ def kill_a_rank_with_submits_pending(daemon, spawn_ranks, device: str) -> None:
 @pytest.mark.parametrize("world_size, topk", [(2, 16), (3, 16), (3, 8)])
 def test_topk_stage_through_the_daemon_matches_the_slabs(daemon, spawn_ranks, world_size, topk):
     results = spawn_ranks(
-        ranks.service_topk_cases, world_size, world_size, daemon.socket, [37, 5, 0, 36], topk, timeout=200
+        service_ranks.service_topk_cases, world_size, world_size, daemon.socket, [37, 5, 0, 36], topk, timeout=200
     ).values()
     assert results == {r: [] for r in range(world_size)}
 
@@ -151,7 +153,7 @@ def test_the_daemon_refuses_ranges_it_does_not_own(daemon):
 
 
 def test_the_dispatch_table_can_send_sizes_to_the_service_path(daemon, spawn_ranks):
-    results = spawn_ranks(ranks.service_by_table, 2, 2, daemon.socket, timeout=120).values()
+    results = spawn_ranks(service_ranks.service_by_table, 2, 2, daemon.socket, timeout=120).values()
     for seen in results.values():
         assert seen["rows"] == [(0, 4095, "oneshot"), (4096, None, "service")]
         assert seen["small"] == [3.0] and seen["large"] == [3.0]

@@ -1,11 +1,11 @@
 """The service path on CUDA groups: rank processes (sharing the GPU where there is one) submit
 collectives that the daemon runs on its own stream, ordered by events in both directions.
-The rank programs are the CPU service tests' (tests/ranks.py), run with device="cuda"."""
+The rank programs are the CPU service tests' (tests/service_ranks.py), run with device="cuda"."""
 
 import pytest
 
 import cuda_ranks
-import ranks
+import service_ranks
 from test_service_path import kill_a_rank_with_submits_pending
 
 pytestmark = pytest.mark.gpu
@@ -20,14 +20,14 @@ def cuda_daemon(make_daemon):
 def test_bit_identical_to_the_peer_paths(cuda_daemon, spawn_ranks, world_size):
     counts = [1, 7, 4096, 70000]
     results = spawn_ranks(
-        ranks.service_cases, world_size, world_size, cuda_daemon.socket, counts, "cuda", timeout=300
+        service_ranks.service_cases, world_size, world_size, cuda_daemon.socket, counts, "cuda", timeout=300
     ).values()
     assert results == {r: [] for r in range(world_size)}
 
 
 def test_queued_submits_run_in_sequence_order(cuda_daemon, spawn_ranks):
     steps = 12
-    results = spawn_ranks(ranks.service_in_order, 3, 3, cuda_daemon.socket, steps, "cuda", timeout=120).values()
+    results = spawn_ranks(service_ranks.service_in_order, 3, 3, cuda_daemon.socket, steps, "cuda", timeout=120).values()
     expected = [[6.0 * 3**k] * 3 for k in range(steps)]
     assert results == {r: expected for r in range(3)}
 
@@ -41,7 +41,7 @@ def test_no_host_synchronisation(cuda_daemon, spawn_ranks):
 
 
 def test_disagreeing_parts_fail_every_rank(cuda_daemon, spawn_ranks):
-    results = spawn_ranks(ranks.service_mismatch, 2, 2, cuda_daemon.socket, "cuda", timeout=120).values()
+    results = spawn_ranks(service_ranks.service_mismatch, 2, 2, cuda_daemon.socket, "cuda", timeout=120).values()
     for seen in results.values():
         assert seen["error"].startswith("GroupMismatchError"), seen
         assert "disagree on collective 0's count: rank 0 has 8, rank 1 has 16" in seen["error"]
@@ -55,6 +55,13 @@ def test_a_killed_rank_fails_its_peers_pending_submits(cuda_daemon, spawn_ranks)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_topk_stage_through_the_daemon_matches_the_kernel(cuda_daemon, spawn_ranks, world_size):
     results = spawn_ranks(
-        ranks.service_topk_cases, world_size, world_size, cuda_daemon.socket, [37, 5, 0, 36], 16, "cuda", timeout=200
+        service_ranks.service_topk_cases,
+        world_size,
+        world_size,
+        cuda_daemon.socket,
+        [37, 5, 0, 36],
+        16,
+        "cuda",
+        timeout=200,
     ).values()
     assert results == {r: [] for r in range(world_size)}

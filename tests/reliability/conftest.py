@@ -1,4 +1,5 @@
-"""The reliability suites' daemon fixture, and the line that sums up what the fuzzers tried."""
+"""The reliability suites' daemon fixture, the RPC fuzzers' world, and the line that sums up what the
+fuzzers tried."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import signal
 
 import pytest
 
+from .fuzz_world import world  # noqa: F401 (the RPC fuzzers' real groups, a fixture)
 from .harness import FIGURES, Checked, start_fuzz_daemon
 
 

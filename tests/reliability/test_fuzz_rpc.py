@@ -10,302 +10,35 @@ request names as output, or keep memory or descriptors once every rank has left.
 
 from __future__ import annotations
 
-import itertools
-import mmap
 import os
-import threading
 import time
-from dataclasses import dataclass, field
 
 import grpc
-import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conftest import join_request, reserved_bytes
-from nodecomm import _native
-from nodecomm.client.descriptors import claim_descriptors
-from nodecomm.thresholds import BOUNDARY_NAMES
+from conftest import reserved_bytes
 from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import Checked, Lease, fd_count, fuzz, wait_until
-
-MAX_WORLD = _native.MAX_RANKS
-PID = os.getpid()
-NAN, INF = float("nan"), float("inf")
-
-# -- strategies ------------------------------------------------------------------------------------
-
-
-def _edges_or(low: int, high: int, *edges: int) -> st.SearchStrategy[int]:
-    return st.one_of(st.sampled_from([v for v in (low, high, *edges) if low <= v <= high]), st.integers(low, high))
-
-
-INT32 = _edges_or(-(2**31), 2**31 - 1, -1, 0, 1, 2, 3, 8, MAX_WORLD, MAX_WORLD + 1)
-UINT32 = _edges_or(0, 2**32 - 1, 1, 2, 2**31, 2**31 - 1)
-UINT64 = _edges_or(0, 2**64 - 1, 1, 2, 63, 64, 4096, 2**31, 2**32, 2**62, 2**63, 2**63 - 1)
-ODD_FLOATS = st.sampled_from([0.0, -0.0, -1.0, NAN, INF, -INF, 1e300, 5e-324, 2.0**63])
-ANY_FLOAT = st.one_of(ODD_FLOATS, st.floats())
-# Short positive waits or odd values (a request that waits for absent peers costs what it asks for).
-WAIT = st.one_of(st.floats(0.005, 0.05), ODD_FLOATS, st.floats())
-# Long strings of one character: a valid one past the 128-character limit, NUL, multi-byte.
-LONG_TEXT = st.builds(
-    lambda char, count: char * count,
-    st.sampled_from(["g", "\x00", "é", "日", "\U0001f980", "a/", "%s", "{}"]),
-    st.sampled_from([128, 129, 2000, 100_000, 1_500_000]),
+from .fuzz_world import Allocation, RealGroup, World, assert_groups_intact, fresh_group, group_of, targets
+from .harness import fd_count, fuzz, wait_until
+from .rpc_strategies import (
+    ANY_FLOAT,
+    DTYPE,
+    GROUP_NAMES,
+    INT32,
+    MAX_WORLD,
+    OP,
+    TEXT,
+    UINT32,
+    UINT64,
+    edges_or,
+    evidence,
+    join_requests,
+    timings,
 )
-# Any characters, up to a few hundred (a short random text repeated: cheap to generate).
-MEDIUM_TEXT = st.builds(lambda text, count: text * count, st.text(min_size=1, max_size=12), st.integers(10, 40))
-TEXT = st.one_of(st.text(max_size=40), MEDIUM_TEXT, LONG_TEXT)
-GROUP_NAMES = st.one_of(st.sampled_from(["fz", "fz-a", "fz.b", "Z9._:/-", "fz-solo", "fz-pair", "a" * 128]), TEXT)
-DTYPE = st.one_of(st.sampled_from(list(pb.DType.values())), INT32)
-OP = st.one_of(st.sampled_from(list(pb.Op.values())), INT32)
-PATH = st.one_of(st.sampled_from(list(pb.Path.values())), INT32)
-
-
-@st.composite
-def boundaries(draw, names: st.SearchStrategy[str] = TEXT) -> pb.Boundary:
-    name = draw(st.one_of(st.sampled_from(BOUNDARY_NAMES), names))
-    boundary = pb.Boundary(name=name, source=draw(INT32))
-    value = draw(st.one_of(st.none(), UINT64))
-    if value is not None:
-        boundary.value_bytes = value
-    return boundary
-
-
-# Long lists, made from one number (drawing each item would make most of the test's time).
-MANY_DTYPES = st.integers(500, 3000).map(lambda n: [(i * 2654435761) % 2**32 - 2**31 for i in range(n)])
-MANY_OVERRIDES = st.integers(200, 3000).map(
-    lambda n: [pb.Boundary(name=f"{BOUNDARY_NAMES[i % 4]}{'x' * (i % 3)}", value_bytes=i) for i in range(n)]
-)
-
-
-# What a wild value may replace in a Join that a real rank would send.
-JOIN_MUTATIONS: dict[str, st.SearchStrategy] = {
-    "group": GROUP_NAMES,
-    "rank": INT32,
-    "world_size": INT32,
-    "device": st.one_of(st.sampled_from(["cuda", "cuda:0", "GPU-00000000-0000-0000-0000-000000000000"]), TEXT),
-    "capacity_bytes": _edges_or(0, 2**64 - 1, 63, 64, 16 << 20, (16 << 20) + 1),
-    "dtypes": st.lists(DTYPE, max_size=4) | MANY_DTYPES,
-    "pid": INT32,
-    "join_timeout_seconds": ANY_FLOAT,
-    "nccl_fallback": st.just(True),
-    "overrides": st.lists(boundaries(), max_size=3) | MANY_OVERRIDES,
-}
-CPU_BOUNDARIES = ["oneshot_max_bytes", "service_min_bytes"]
-
-
-@st.composite
-def join_requests(draw, group: str | None = None, world_size: int | None = None) -> pb.JoinRequest:
-    """A Join a real rank would send, with up to four of its fields replaced by wild values."""
-    world_size = world_size or draw(st.sampled_from([1, 1, 1, 2, 3]))
-    request = pb.JoinRequest(
-        group=group or draw(st.sampled_from([f"fz-j{i}" for i in range(64)])),
-        rank=draw(st.integers(0, world_size - 1)),
-        world_size=world_size,
-        device="cpu",
-        geometry=pb.Geometry(
-            capacity_bytes=draw(st.sampled_from([64, 4096, 65536])),
-            dtypes=draw(st.lists(st.sampled_from([pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16]), min_size=1, max_size=3)),
-        ),
-        pid=PID,
-        join_timeout_seconds=draw(st.floats(0.005, 0.05)),
-    )
-    for name in draw(st.lists(st.sampled_from(CPU_BOUNDARIES), max_size=2, unique=True)):
-        request.overrides.add(name=name, value_bytes=draw(st.integers(0, 1 << 20)))
-    mutable = sorted(set(JOIN_MUTATIONS) - ({"group"} if group else set()))
-    for name in draw(st.lists(st.sampled_from(mutable), max_size=4, unique=True)):
-        value = draw(JOIN_MUTATIONS[name])
-        if name in ("capacity_bytes", "dtypes", "overrides"):
-            target = request.geometry if name != "overrides" else request
-            target.ClearField(name)
-            if isinstance(value, list):
-                getattr(target, name).extend(value)
-            else:
-                setattr(target, name, value)
-        else:
-            setattr(request, name, value)
-    return request
-
-
-def timings() -> st.SearchStrategy[pb.TimingBatch]:
-    timing = st.builds(
-        pb.Timing,
-        path=PATH,
-        bytes=UINT64,
-        seconds=st.one_of(st.floats(1e-6, 1e-2), ANY_FLOAT),
-    )
-    count = st.builds(pb.OperationCount, op=OP, path=PATH, operations=UINT64, bytes=UINT64)
-    return st.builds(pb.TimingBatch, timings=st.lists(timing, max_size=40), counts=st.lists(count, max_size=6))
-
-
-def evidence() -> st.SearchStrategy[pb.TimingBatch]:
-    """Many timings of oneshot and twoshot in a few sizes: enough for live recalibration to move
-    the group's boundary (and push a table down every session), with odd seconds now and then."""
-    timing = st.builds(
-        pb.Timing,
-        path=st.sampled_from([pb.ONESHOT, pb.TWOSHOT]),
-        bytes=st.sampled_from([0, 1, 4096, 32 << 10, (32 << 10) + 1, 1 << 20, 1 << 40, 2**64 - 1]),
-        seconds=st.one_of(st.floats(1e-6, 1e-3), st.sampled_from([0.0, 5e-324, 3599.999, 1e-300])),
-    )
-    return st.builds(pb.TimingBatch, timings=st.lists(timing, min_size=20, max_size=80))
-
-
-# -- the real state the fuzzers aim at ---------------------------------------------------------------
-
-
-@dataclass
-class Allocation:
-    allocation_id: int
-    size: int
-    view: mmap.mmap  # the test's own mapping of the daemon's memfd
-
-
-@dataclass
-class RealGroup:
-    name: str
-    group_id: int
-    world_size: int
-    leases: dict[int, Lease] = field(default_factory=dict)
-    # The service path's sequences the daemon has seen, to steer submits at the next one.
-    consumed: set[int] = field(default_factory=set)
-    next_sequence: int = 0
-    exchanges: int = 100  # top-k exchange sequences used (the fuzzer's wild ones are mostly below)
-
-    def ids(self, rank: int = 0) -> dict:
-        return dict(group=self.name, group_id=self.group_id, rank=rank)
-
-    def consume(self, sequence: int) -> None:
-        self.consumed.add(sequence)
-        while self.next_sequence in self.consumed:
-            self.next_sequence += 1
-
-
-@dataclass
-class World:
-    solo: RealGroup  # world 1: its submits run at once
-    pair: RealGroup  # world 2: a rank's submit waits for its peer, who never comes
-    target: Allocation  # solo rank 0's: the fuzzed submits' output
-    canary: Allocation  # solo rank 0's: named only as input, never as output
-    freed: int  # solo rank 0's, freed before fuzzing
-    pair0: Allocation  # pair rank 0's
-    pair1: Allocation  # pair rank 1's
-    baseline_reserved: float
-    baseline_fds: int
-    # Groups the fuzzed joins formed: (name, id, world_size); their ranks never open sessions.
-    formed: list[tuple[str, int, int]] = field(default_factory=list)
-    spare: list[tuple[dict, int]] = field(default_factory=list)  # fuzzed allocations kept: (ids, id)
-    freed_ids: list[int] = field(default_factory=list)
-
-    @property
-    def protected(self) -> set[int]:
-        """Allocations the fuzzers may name in anything but FreeMemory."""
-        return {a.allocation_id for a in (self.target, self.canary, self.pair0, self.pair1)}
-
-
-def _allocate(checked: Checked, group: RealGroup, rank: int, size: int, fill: bytes) -> Allocation:
-    reply = checked.stub.AllocateMemory(pb.AllocateMemoryRequest(**group.ids(rank), size_bytes=size), timeout=10)
-    (fd,) = claim_descriptors(checked.daemon.socket + ".fd", reply.claim_token, 1, 5.0)
-    view = mmap.mmap(fd, size)
-    os.close(fd)
-    view[:] = (fill * (size // len(fill) + 1))[:size]
-    return Allocation(reply.allocation_id, size, view)
-
-
-@pytest.fixture(scope="module")
-def world(fuzz_daemon, checked) -> World:
-    stub = checked.stub
-    stub.ListGroups(pb.ListGroupsRequest(), timeout=5)  # connected: the baseline counts this channel
-    baseline_reserved = reserved_bytes(fuzz_daemon)
-    baseline_fds = fd_count(fuzz_daemon.process.pid)
-    dtypes = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
-    reply = stub.Join(join_request("fz-solo", 0, 1, capacity=4096, dtypes=dtypes), timeout=10)
-    solo = RealGroup("fz-solo", reply.group_id, 1)
-    solo.leases[0] = Lease(stub, reply.group_id, 0)
-
-    replies: dict[int, pb.JoinReply] = {}
-
-    def join_pair(rank: int) -> None:
-        replies[rank] = stub.Join(join_request("fz-pair", rank, 2, capacity=4096, dtypes=dtypes), timeout=10)
-
-    threads = [threading.Thread(target=join_pair, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    pair = RealGroup("fz-pair", replies[0].group_id, 2)
-    for rank in (0, 1):
-        pair.leases[rank] = Lease(stub, pair.group_id, rank)
-    for lease in (*solo.leases.values(), *pair.leases.values()):
-        lease.wait_ready()
-
-    target = _allocate(checked, solo, 0, 64 << 10, os.urandom(4096))
-    canary = _allocate(checked, solo, 0, 4096, b"canary!\x00")
-    freed = _allocate(checked, solo, 0, 4096, b"\x00")
-    stub.FreeMemory(pb.FreeMemoryRequest(**solo.ids(), allocation_id=freed.allocation_id), timeout=10)
-    pair0 = _allocate(checked, pair, 0, 4096, b"pair0")
-    pair1 = _allocate(checked, pair, 1, 4096, b"pair1")
-    return World(solo, pair, target, canary, freed.allocation_id, pair0, pair1, baseline_reserved, baseline_fds)
-
-
-def _assert_groups_intact(checked: Checked, world: World) -> None:
-    """The real groups are still formed with every lease live, and the canaries are untouched."""
-    reply = checked.call("ListGroups", pb.ListGroupsRequest())
-    assert isinstance(reply, pb.ListGroupsReply), reply
-    states = {g.group_id: (g.state, list(g.live_ranks)) for g in reply.groups}
-    assert states.get(world.solo.group_id) == ("active", [0]), states.get(world.solo.group_id)
-    assert states.get(world.pair.group_id) == ("active", [0, 1]), states.get(world.pair.group_id)
-    assert bytes(world.canary.view) == (b"canary!\x00" * 512)
-
-
-# -- targets: a real group's ids, one of them changed, or wild ones ------------------------------------
-
-
-@st.composite
-def targets(draw, world: World, *, real_only: bool = False) -> dict:
-    """group, group_id and rank of a request: mostly a real group's, each field sometimes wild."""
-    kinds = ["solo"] * 6 + ["pair"] * 2 + ([] if real_only else ["formed", "wild"])
-    kind = draw(st.sampled_from(kinds))
-    if kind == "wild":
-        return dict(group=draw(GROUP_NAMES), group_id=draw(UINT64), rank=draw(INT32))
-    # Pools that change as the daemon answers are indexed with plain numbers, so that every
-    # example draws the same way whatever the pool holds (hypothesis replays examples).
-    index = draw(st.integers(0, 63))
-    if kind == "formed" and world.formed:
-        name, group_id, world_size = world.formed[index % len(world.formed)]
-    else:
-        group = world.pair if kind == "pair" else world.solo
-        name, group_id, world_size = group.name, group.group_id, group.world_size
-    ids = dict(group=name, group_id=group_id, rank=draw(st.integers(0, 7)) % world_size)
-    mutated = draw(st.sampled_from([None, None, None, "group", "group_id", "rank"]))
-    if mutated == "group":
-        ids["group"] = draw(GROUP_NAMES)
-    elif mutated == "group_id":
-        ids["group_id"] = draw(UINT64)
-    elif mutated == "rank":
-        ids["rank"] = draw(INT32)
-    return ids
-
-
-def _group_of(world: World, ids: dict) -> RealGroup | None:
-    for group in (world.solo, world.pair):
-        if (ids["group"], ids["group_id"]) == (group.name, group.group_id) and 0 <= ids["rank"] < group.world_size:
-            return group
-    return None
-
-
-_FRESH = itertools.count()
-
-
-def _fresh_group(checked: Checked) -> tuple[str, int]:
-    """A world-1 group formed now, its session not open: the daemon drops its rank after the
-    session grace period unless a fuzzed Session or Leave comes first. (name, group id)"""
-    name = f"fz-fresh{next(_FRESH)}"
-    return name, checked.stub.Join(join_request(name, 0, 1, capacity=4096), timeout=5).group_id
-
 
 # -- the fuzzers ------------------------------------------------------------------------------------
 
@@ -363,7 +96,7 @@ def test_session_streams(checked, world, data):
     )
     messages = data.draw(st.lists(message, max_size=6))
     if data.draw(st.booleans()):  # first a hello for a group that just formed, its session not open
-        _, group_id = _fresh_group(checked)
+        _, group_id = fresh_group(checked)
         rank = data.draw(st.sampled_from([0, 0, 0, 1, -1]))
         messages.insert(0, pb.SessionUp(hello=pb.SessionHello(group_id=group_id, rank=rank)))
     received, code = checked.stream("Session", iter(messages), timeout=4)
@@ -379,13 +112,13 @@ def test_timings_on_a_live_session(checked, world, batch):
     """Whatever a rank reports as its timings, its session (the lease) must stay open."""
     for lease in (world.solo.leases[0], *world.pair.leases.values()):
         lease.send(pb.SessionUp(timings=batch))
-    _assert_groups_intact(checked, world)
+    assert_groups_intact(checked, world)
     checked.assert_alive()
 
 
 def test_the_leases_survived_the_timings(checked, world):
     time.sleep(0.3)  # the last batches are read after their examples ended
-    _assert_groups_intact(checked, world)
+    assert_groups_intact(checked, world)
     for group in (world.solo, world.pair):
         assert all(lease.open and lease.error is None for lease in group.leases.values())
     # The evidence moved the boundary: every rank of a group was offered the new table.
@@ -462,7 +195,7 @@ def submits(
     """A submit a real rank would send (its own allocations, ranges that fit or just do not, the
     next sequence), with up to three of its fields replaced by wild values; and its group."""
     ids = ids or draw(targets(world, real_only=draw(st.booleans())))
-    group = _group_of(world, ids)
+    group = group_of(world, ids)
     shape = shape or draw(shapes())
     op = shape["op"]
     request = pb.SubmitRequest(**ids, **shape, timeout_seconds=draw(st.floats(0.005, 0.05)))
@@ -594,10 +327,10 @@ def test_both_ranks_of_a_pair_submit_at_once(checked, world, data):
 def test_allocate_and_free(checked, world, data):
     ids = data.draw(targets(world))
     if data.draw(st.booleans()):
-        size = data.draw(_edges_or(0, 2**64 - 1, 1, 4096, 16 << 20, (16 << 20) + 1, 32 << 20, (32 << 20) + 1))
+        size = data.draw(edges_or(0, 2**64 - 1, 1, 4096, 16 << 20, (16 << 20) + 1, 32 << 20, (32 << 20) + 1))
         reply = checked.call("AllocateMemory", pb.AllocateMemoryRequest(**ids, size_bytes=size))
         if isinstance(reply, pb.AllocateMemoryReply):
-            assert _group_of(world, ids) is not None and reply.size_bytes == size, (ids, reply)
+            assert group_of(world, ids) is not None and reply.size_bytes == size, (ids, reply)
             world.spare.append((ids, reply.allocation_id))
             while len(world.spare) > 6:  # keep the quota for the others
                 owner, allocation_id = world.spare.pop(0)
@@ -645,7 +378,7 @@ def topk_exchanges(draw, ids: dict, sequence: int, geometry: tuple[int, int]) ->
 def test_open_topk_exchange(checked, world, data):
     """One rank's call, or (the pair) both ranks' at once, each with its own wild fields."""
     ids = data.draw(targets(world))
-    group = _group_of(world, ids)
+    group = group_of(world, ids)
     if group is not None:
         group.exchanges += 1  # a new exchange: the group's earlier ones are formed or failed
     sequence = group.exchanges if group is not None else data.draw(UINT32)
@@ -672,10 +405,10 @@ def test_the_other_calls(checked, world, data):
     method = data.draw(st.sampled_from(["Leave", "CheckPeers", "GetThresholds", "ListGroups", "Calibrate"]))
     if method == "Leave":
         ids = data.draw(targets(world))
-        if _group_of(world, ids) is not None:
+        if group_of(world, ids) is not None:
             ids["group_id"] ^= 1  # never the real groups' ranks: the others still use them
         if data.draw(st.booleans()):  # a group that just formed, its ids now and then changed
-            name, group_id = _fresh_group(checked)
+            name, group_id = fresh_group(checked)
             ids = dict(group=name, group_id=group_id, rank=0)
             mutated = data.draw(st.sampled_from([None, None, "group", "group_id", "rank"]))
             if mutated is not None:
@@ -775,7 +508,7 @@ def test_bytes_that_are_not_a_request(checked, world, method, payload):
 
 
 def test_everything_is_released_after_every_rank_leaves(fuzz_daemon, checked, world):
-    _assert_groups_intact(checked, world)
+    assert_groups_intact(checked, world)
     stub = checked.stub
     for group in (world.solo, world.pair):
         for rank, lease in group.leases.items():
