@@ -16,51 +16,45 @@ from nodecomm.byte_size import format_byte_size
 from nodecomm.v1 import control_pb2 as pb
 
 
-class Path(str, enum.Enum):
+class ContractName(str, enum.Enum):
+    """A name of one of nodecomm.v1's enums (the member's name is the proto value's), parsed from
+    what a user writes in any case."""
+
+    @classmethod
+    def contract(cls):  # the proto enum, named as the class is
+        return getattr(pb, cls.__name__)
+
+    @classmethod
+    def parse(cls, name: str):
+        try:
+            return cls(name.lower())
+        except ValueError:
+            known = ", ".join(member.value for member in cls)
+            raise ValueError(f"unknown {cls.__name__.lower()} {name!r}: expected one of {known}") from None
+
+    def to_proto(self) -> int:
+        return self.contract().Value(self.name)
+
+    @classmethod
+    def from_proto(cls, value: int):
+        return cls[cls.contract().Name(value)]
+
+
+class Path(ContractName):
     ONESHOT = "oneshot"
     TWOSHOT = "twoshot"
     DMA = "dma"
     NCCL = "nccl"
     SERVICE = "service"
 
-    @classmethod
-    def parse(cls, name: str) -> Path:
-        try:
-            return cls(name.lower())
-        except ValueError:
-            known = ", ".join(p.value for p in cls)
-            raise ValueError(f"unknown path {name!r}: expected one of {known}") from None
 
-    def to_proto(self) -> int:
-        return pb.Path.Value(self.name)
-
-    @classmethod
-    def from_proto(cls, value: int) -> Path:
-        return cls[pb.Path.Name(value)]
-
-
-class Wire(str, enum.Enum):
+class Wire(ContractName):
     """What an all-reduce's payload crosses between ranks as: the elements themselves, or one of
     the compressed formats a call or a group must ask for (native/wire.h)."""
 
     LOSSLESS = "lossless"
     INT8 = "int8"
     FP8 = "fp8"
-
-    @classmethod
-    def parse(cls, name: str) -> Wire:
-        try:
-            return cls(name.lower())
-        except ValueError:
-            known = ", ".join(w.value for w in cls)
-            raise ValueError(f"unknown wire {name!r}: expected one of {known}") from None
-
-    def to_proto(self) -> int:
-        return pb.Wire.Value(self.name)
-
-    @classmethod
-    def from_proto(cls, value: int) -> Wire:
-        return cls[pb.Wire.Name(value)]
 
     def encoded_bytes(self, count: int, element_bytes: int) -> int:
         """Bytes `count` elements take on this wire: a byte each and a 4-byte scale per 32."""
