@@ -208,6 +208,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.op == "wire-error":
+        from nodecomm.client.wire_error import run_wire_error
+
+        worlds = [int(w) for w in args.worlds.split(",")]
+        if any(w < 1 or 8 % w for w in worlds):
+            print(f"nodecomm bench: --worlds {args.worlds}: expected divisors of 8", file=sys.stderr)
+            return 2
+        print(run_wire_error(worlds, args.count, args.socket))
+        return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
 
@@ -234,6 +243,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print("nodecomm bench: --device cuda needs a visible GPU", file=sys.stderr)
             return 2
     paths = [p.strip() for p in (args.paths or DEFAULT_BENCH_PATHS[args.device]).split(",") if p.strip()]
+    # Each compressed wire asked for runs on every path that carries one, beside its lossless row.
+    for wire in [w.strip() for w in (args.wire or "").split(",") if w.strip()]:
+        if wire not in ("int8", "fp8"):
+            print(f"nodecomm bench: --wire {wire!r}: expected int8 and/or fp8", file=sys.stderr)
+            return 2
+        paths += [f"{p}+{wire}" for p in list(paths) if p in ("oneshot", "twoshot", "dma", "auto")]
     baseline = BASELINES[args.device]
     # NCCL refuses ranks that share a GPU: with more ranks than GPUs the run has no baseline.
     if baseline not in paths and not args.no_baseline and (args.device == "cpu" or args.world_size <= gpus):
@@ -318,9 +333,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="all-reduce latency and bandwidth per path, beside gloo (CPU) or NCCL (GPU)"
     )
-    bench.add_argument("--op", default="all_reduce", choices=("all_reduce", "topk"))
+    bench.add_argument(
+        "--op",
+        default="all_reduce",
+        choices=("all_reduce", "topk", "wire-error"),
+        help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md)",
+    )
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     bench.add_argument("--rows", default="64,256,1024,2048", help="topk: rows per stage")
+    bench.add_argument("--worlds", default="2,4,8", help="wire-error: the world sizes, divisors of 8")
+    bench.add_argument("--count", type=int, default=1 << 18, help="wire-error: Gaussian elements per rank")
     bench.add_argument("--topk", type=int, default=2048, help="topk: candidates per row and rank")
     bench.add_argument("--iterations", type=int, default=10, help="topk: timed stages per size")
     bench.add_argument("--world-size", type=int, default=2)
@@ -333,6 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated: oneshot, twoshot, service, dma (GPU), auto, torch (dist.all_reduce through the "
         "nodecomm backend), inplace (what torch runs underneath, called directly), gloo / nccl "
         "(default: every path and auto)",
+    )
+    bench.add_argument(
+        "--wire",
+        help="comma-separated compressed wires (int8, fp8) to time beside lossless on every path that carries "
+        "them (rows 'oneshot+int8', ...; #wrong counts ranks whose bits differ from rank 0's)",
     )
     bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")

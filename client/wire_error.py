@@ -1,0 +1,137 @@
+"""nodecomm bench --op wire-error: what the compressed wires cost in accuracy, measured through a
+real group (a private daemon unless --socket), against the exact sum of the same inputs.
+
+Inputs: Gaussian values with rare large outliers (one in 1024 elements 20-100x, as hidden states
+and their partial sums have), and real tensor-parallel partial sums: all-MiniLM-L6-v2's last MLP
+down-projection over a few sentences, split over 8 shards (docs/data/minilm_partials.pt; for a
+smaller world each rank sums 8/world of them). Per input, dtype and world size: each wire's
+largest absolute error and its RMS error relative to the sum's RMS, whether every element stayed
+within error_bound, and the same figures for the lossless wire and for accumulating in the dtype
+itself, as NCCL's ring does (rank order, rounded after every addition), for scale.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .bench import run_ranks, start_rank
+
+PARTIALS = Path(__file__).resolve().parents[1] / "docs" / "data" / "minilm_partials.pt"
+KINDS = ("gaussian+outliers", "minilm-partials")
+WIRES = ("int8", "fp8")
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+
+
+def gaussian_input(rank: int, count: int, seed: int):
+    """fp32 Gaussian values with one in 1024 replaced by a 20-100x outlier."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed * 131 + rank)
+    x = torch.randn(count, generator=generator)
+    outliers = torch.rand(count, generator=generator) < 1 / 1024
+    return torch.where(outliers, x.sign() * (20 + 80 * torch.rand(count, generator=generator)), x)
+
+
+def minilm_input(rank: int, world_size: int, partials_path: Path = PARTIALS):
+    """Rank `rank`'s partial sum of world `world_size` (a divisor of 8), in fp32."""
+    import torch
+
+    partials = torch.load(partials_path).float()
+    per = partials.shape[0] // world_size
+    return partials[rank * per : (rank + 1) * per].sum(dim=0).flatten()
+
+
+def inputs_of(kind: str, world_size: int, dtype, count: int):
+    if kind == "gaussian+outliers":
+        return [gaussian_input(r, count, 7).to(dtype) for r in range(world_size)]
+    return [minilm_input(r, world_size).to(dtype) for r in range(world_size)]
+
+
+def error_bound(inputs: list, wire: str):
+    """The most a compressed sum may differ from the exact sum of `inputs`, per element (float64):
+    each rank's half code step (int8: 1/254 of its block's largest finite magnitude; E4M3: 1/16
+    of the value, or half its smallest step, absmax * 2^-10 / 448), then the one rounding to the
+    dtype that the lossless sum has too."""
+    import torch
+
+    bound = torch.zeros(inputs[0].numel(), dtype=torch.float64)
+    for x in inputs:
+        flat = x.double().flatten()
+        blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % 32)).view(-1, 32)
+        finite = torch.isfinite(blocks)
+        absmax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
+        if wire == "int8":
+            step = (absmax / 254.0).expand_as(blocks)
+        else:
+            step = torch.maximum(blocks.abs() / 16.0, absmax / 448.0 * 2.0**-10)
+        bound += step.flatten()[: flat.numel()] * 1.0001
+    exact = torch.stack([x.double().flatten() for x in inputs]).sum(dim=0).abs()
+    rounding = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[inputs[0].dtype]
+    return bound + (exact + bound) * rounding + 2.0**-24
+
+
+def errors(result, inputs: list) -> tuple[float, float]:
+    """(largest absolute error, RMS error / RMS of the exact sum) against the exact sum."""
+    import torch
+
+    exact = torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
+    error = result.double().flatten() - exact
+    return float(error.abs().max()), float(error.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
+
+
+def dtype_accumulation(inputs: list):
+    """NCCL's ring, as far as rounding goes: rank order, rounded to the dtype after every addition."""
+    acc = inputs[0].clone()
+    for x in inputs[1:]:
+        acc = (acc.float() + x.float()).to(x.dtype)
+    return acc
+
+
+def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+    start_rank(rank, world_size, args, port)
+    import torch
+    import torch.distributed as dist
+
+    import nodecomm
+
+    rows = []
+    with nodecomm.connect("wire-error", rank, world_size, socket=args["socket"], timeout=120) as comm:
+        for kind in KINDS:
+            for dtype_name in DTYPE_NAMES:
+                dtype = getattr(torch, dtype_name)
+                inputs = inputs_of(kind, world_size, dtype, args["count"])
+                outcomes = {wire: comm.all_reduce(inputs[rank], wire=wire) for wire in (*WIRES, "lossless")}
+                if rank != 0:
+                    continue
+                for wire, result in outcomes.items():
+                    within = "" if wire == "lossless" else str(bool((
+                        (result.double().flatten() - torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)).abs()
+                        <= error_bound(inputs, wire)
+                    ).all()))  # fmt: skip
+                    rows.append((kind, dtype_name, world_size, wire, *errors(result, inputs), within))
+                rows.append((kind, dtype_name, world_size, f"{dtype_name} accumulation", *errors(
+                    dtype_accumulation(inputs), inputs), ""))  # fmt: skip
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(rows)
+
+
+def run_wire_error(world_sizes: list[int], count: int, socket: str | None) -> str:
+    """The table, one run per world size (each a divisor of 8)."""
+    import platform
+
+    lines = [
+        f"# nodecomm bench --op wire-error: {count} elements per rank (Gaussian), minilm partials "
+        f"{PARTIALS.name}; host={platform.node()} cpus={os.cpu_count()}",
+        "# error against the exact (float64) sum of the same inputs; rms rel: RMS error / RMS of the sum",
+        "",
+        "| input | dtype | world | wire | max abs error | RMS relative error | within the bound |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for world_size in world_sizes:
+        for kind, dtype, world, wire, worst, rms, within in run_ranks(
+            _rank_main, world_size, {"count": count, "device": "cpu"}, socket
+        ):
+            lines.append(f"| {kind} | {dtype} | {world} | {wire} | {worst:.3g} | {rms:.3g} | {within} |")
+    return "\n".join(lines)
