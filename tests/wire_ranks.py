@@ -1,6 +1,6 @@
-"""Compressed wires: a reference written with torch alone (independent of native/wire.h), the
-bound on its error the docs state, inputs shaped like activations, and the rank programs of
-tests/test_wires.py (importable by spawned children)."""
+"""Compressed wires: a reference written with torch alone (independent of native/wire.h) and the
+rank programs of tests/test_wires.py (importable by spawned children); the error bound and the
+inputs are the error table's (client/wire_error.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import torch
 
 import nodecomm
+from nodecomm.client.wire_error import error_bound, gaussian_input
 from ranks import BITS, DTYPES
 
 BLOCK = 32
@@ -52,26 +53,6 @@ def reference(inputs: list[torch.Tensor], wire: str) -> torch.Tensor:
     return acc.view(inputs[0].shape).to(inputs[0].dtype)
 
 
-def error_bound(inputs: list[torch.Tensor], wire: str) -> torch.Tensor:
-    """The most a compressed sum may differ from the exact sum of the inputs, per element: per
-    rank half a code step (int8: absmax/254 of its block; E4M3: 1/16 of the value, or half its
-    smallest step, absmax/448 * 2^-10), then the one rounding to the dtype that the lossless
-    sum has too (half an ulp of the result, bounded by 2^-8 of it for bfloat16)."""
-    bound = torch.zeros(inputs[0].numel())
-    for x in inputs:
-        blocks, count = blocks_of(x)
-        finite = torch.isfinite(blocks)
-        absmax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
-        if wire == "int8":
-            step = (absmax / 254.0).expand_as(blocks)
-        else:
-            step = torch.maximum(blocks.abs() / 16.0, absmax / 448.0 * 2.0**-10)
-        bound += step.flatten()[:count] * 1.0001
-    exact = exact_sum(inputs).abs()
-    rounding = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[inputs[0].dtype]
-    return bound + (exact + bound) * rounding + 2.0**-24
-
-
 def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     """The lossless paths' sum: fp32 in rank order, rounded once."""
     acc = inputs[0].float().clone()
@@ -85,13 +66,8 @@ def exact_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def activations(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Gaussian values with rare large outliers (one in 1024 elements 20-100x), as hidden states
-    and their partial sums are: the outliers set their blocks' scales."""
-    generator = torch.Generator().manual_seed(seed * 131 + rank)
-    x = torch.randn(count, generator=generator)
-    outliers = torch.rand(count, generator=generator) < 1 / 1024
-    x = torch.where(outliers, x.sign() * (20 + 80 * torch.rand(count, generator=generator)), x)
-    return x.to(dtype)
+    """Gaussian values with rare large outliers, as the error table's (client/wire_error.py)."""
+    return gaussian_input(rank, count, seed).to(dtype)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
