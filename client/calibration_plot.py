@@ -8,6 +8,12 @@ from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
 
+def point_name(point: pb.CalibrationPoint) -> str:
+    """'oneshot', or 'oneshot+int8' for a point timed over a compressed wire."""
+    name = pb.Path.Name(point.path).lower()
+    return name if point.wire == pb.LOSSLESS else f"{name}+{pb.Wire.Name(point.wire).lower()}"
+
+
 def plot_calibration(reply: pb.CalibrateReply, table: DispatchTable, path: str) -> None:
     try:
         import matplotlib
@@ -18,7 +24,7 @@ def plot_calibration(reply: pb.CalibrateReply, table: DispatchTable, path: str) 
         raise ValueError("--plot needs matplotlib: pip install 'nodecomm[plot]'") from None
     series: dict[str, list[tuple[int, float]]] = {}
     for point in reply.points:
-        series.setdefault(pb.Path.Name(point.path).lower(), []).append((point.bytes, point.seconds * 1e6))
+        series.setdefault(point_name(point), []).append((point.bytes, point.seconds * 1e6))
     figure, axes = plt.subplots(figsize=(8, 5))
     for name, values in sorted(series.items()):
         sizes, micros = zip(*sorted(values), strict=True)

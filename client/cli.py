@@ -17,6 +17,7 @@ from nodecomm.thresholds import DispatchTable, Wire, range_end
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .calibration_plot import point_name
 from .descriptors import identify
 
 
@@ -148,6 +149,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         # Only operators may calibrate: this proves who runs the command.
         identity=identify(socket.removeprefix("unix:") + ".fd", 10.0, {}),
         pid=os.getpid(),
+        wires=[pb.Wire.Value(w.strip().upper()) for w in (args.wire or "").split(",") if w.strip()],
     )
     ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
     print(
@@ -161,7 +163,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                 reply = update.done
             elif not args.json:
                 point = update.point
-                name = pb.Path.Name(point.path).lower()
+                name = point_name(point)
                 print(
                     f"  measured {format_byte_size(point.bytes):>8} {name:<8} {point.seconds * 1e6:10.1f}us", flush=True
                 )
@@ -176,7 +178,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
         plot_calibration(reply, table, args.plot)
     if args.json:
-        points = [{"path": pb.Path.Name(p.path).lower(), "bytes": p.bytes, "seconds": p.seconds} for p in reply.points]
+        points = [
+            {
+                "path": pb.Path.Name(p.path).lower(),
+                "wire": pb.Wire.Name(p.wire).lower(),
+                "bytes": p.bytes,
+                "seconds": p.seconds,
+            }
+            for p in reply.points
+        ]
         document = {
             "fingerprint_key": reply.fingerprint_key,
             "stored_at": reply.stored_at,
@@ -188,13 +198,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(document, indent=2))
         return 1 if reply.warnings else 0
-    print(
-        f"{'size':>10} "
-        + " ".join(f"{name:>12}" for name in sorted({pb.Path.Name(p.path).lower() for p in reply.points}))
-    )
+    print(f"{'size':>10} " + " ".join(f"{name:>12}" for name in sorted({point_name(p) for p in reply.points})))
     by_size: dict[int, dict[str, float]] = {}
     for point in reply.points:
-        by_size.setdefault(point.bytes, {})[pb.Path.Name(point.path).lower()] = point.seconds
+        by_size.setdefault(point.bytes, {})[point_name(point)] = point.seconds
     for size, times in sorted(by_size.items()):
         cells = " ".join(f"{times[name] * 1e6:>10.1f}us" for name in sorted(times))
         print(f"{format_byte_size(size):>10} {cells}")
@@ -326,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--min-bytes", default="4KiB")
     calibrate.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
     calibrate.add_argument("--probe-timeout", type=float, default=3600.0, help="seconds to wait for the probe")
+    calibrate.add_argument(
+        "--wire",
+        choices=("int8", "fp8", "int8,fp8", "fp8,int8"),
+        help="also time these compressed wires, placing compressed_min_bytes for the groups that ask for them",
+    )
     calibrate.add_argument("--json", action="store_true")
     calibrate.add_argument("--plot", metavar="PNG", help="also draw latency against size per path (needs matplotlib)")
     calibrate.set_defaults(run=cmd_calibrate)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -34,6 +35,7 @@ from nodecomm.byte_size import format_byte_size
 from nodecomm.errors import InternalError
 from nodecomm.thresholds import Boundary, Source, build_table
 from nodecomm.thresholds import Path as ThresholdPath
+from nodecomm.v1 import control_pb2 as pb
 
 log = logging.getLogger("nodecomm.calibration")
 
@@ -105,6 +107,45 @@ def small_path_max(
     return None if first == 0 else ordered[first - 1]
 
 
+def compressed_min(
+    sizes: list[int],
+    lossless: dict[int, float],
+    compressed: dict[int, float],
+    margin: float = DEFAULT_MARGIN,
+    tail: int = DEFAULT_TAIL,
+) -> int | None:
+    """The smallest size from which a compressed wire beats the lossless one (each on the path the
+    table gives the size) by more than `margin` at every size to the end of the sweep, a tail of
+    at least `tail` sizes; None when it never does (the wire stays off)."""
+    ordered = sorted(sizes)
+    wins = [compressed[s] < lossless[s] * (1.0 - margin) for s in ordered]
+    first = len(ordered)
+    while first > 0 and wins[first - 1]:
+        first -= 1
+    return ordered[first] if len(ordered) - first >= tail else None
+
+
+def wire_boundaries(
+    boundaries: dict[str, int | None], fallback: str, medians: dict[str, dict[int, float]], wires: list[str]
+) -> dict[str, int | None]:
+    """compressed_min_bytes per wire timed ("oneshot+int8" rows beside "oneshot"), comparing each
+    size's compressed and lossless times on the path the calibrated `boundaries` give it (with
+    `fallback` past them; an NCCL range never carries a compressed wire)."""
+    table = build_table(
+        {n: Boundary(n, v, Source.CALIBRATED) for n, v in boundaries.items()}, ThresholdPath(fallback), 0
+    )
+    measured = sorted(set().union(*(by_size.keys() for by_size in medians.values())))
+    placed = {}
+    for wire in wires:
+        lossless, compressed = {}, {}
+        for size in measured:
+            path = table.path_for(size).value
+            if size in medians.get(path, {}) and size in medians.get(f"{path}+{wire}", {}):
+                lossless[size], compressed[size] = medians[path][size], medians[f"{path}+{wire}"][size]
+        placed[wire] = compressed_min(list(lossless), lossless, compressed) if lossless else None
+    return placed
+
+
 def cuda_boundaries(
     medians: dict[str, dict[int, float]], fallback: str, margin: float = DEFAULT_MARGIN
 ) -> dict[str, int | None]:
@@ -173,6 +214,11 @@ CALIBRATION_SCHEMA = {
         },
         "boundaries": _BOUNDARIES,
         "nccl_boundaries": {"anyOf": [{"type": "null"}, _BOUNDARIES]},
+        "wire_boundaries": {
+            "type": "object",
+            "propertyNames": {"enum": ["int8", "fp8"]},
+            "additionalProperties": _BOUNDARY,
+        },
         "medians": {
             "type": "object",
             "additionalProperties": {
@@ -211,6 +257,8 @@ class Calibration:
     nccl_boundaries: dict[str, int | None] | None = None
     # How a path moved each size where it has several forms: CUDA oneshot's "push" or "pull".
     forms: dict[str, dict[int, str]] = field(default_factory=dict)
+    # compressed_min_bytes per compressed wire the probe timed (None: it never won).
+    wire_boundaries: dict[str, int | None] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
@@ -238,7 +286,7 @@ class Calibration:
         }
         return cls(
             raw["key"], raw["fingerprint"], whole(raw["boundaries"]), medians, raw["measured_at"],
-            whole(raw.get("nccl_boundaries")), forms,
+            whole(raw.get("nccl_boundaries")), forms, whole(raw.get("wire_boundaries", {})),
         )  # fmt: skip
 
 
@@ -397,17 +445,19 @@ async def probe(
     timeout: float,
     on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
     sizes: list[int] | None = None,
+    wires: list[str] = (),
 ) -> Measured:
     """Run the bench's rank programs against the daemon at `socket`; the slowest rank's median
     seconds and spread per path and size (min_bytes .. max_bytes in powers of two, or `sizes`),
-    each median also passed to on_point as it is measured. Raises InternalError with the probe's
-    output when it fails."""
+    and per compressed wire in `wires` ("oneshot+int8" rows), each median also passed to on_point
+    as it is measured. Raises InternalError with the probe's output when it fails."""
     # The table comes back as the last line of the probe's output: no file or folder of its own
     # is left behind by a probe (or a daemon) that is killed.
     args = [
         # -X faulthandler: a probe that crashes prints every thread's stack into the error.
         sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
         *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
+        *(["--wire", ",".join(wires)] if wires else []),
         *(["--sizes", ",".join(map(str, sizes))] if sizes else ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]),
         "--json", "-",
     ]  # fmt: skip
@@ -471,10 +521,35 @@ async def probe(
     return Measured(medians, spreads, shares, forms)
 
 
+def calibration_point(label: str, size: int, seconds: float) -> pb.CalibrationPoint:
+    """A measured point of a row named "oneshot" or "oneshot+int8" (a path over a wire)."""
+    path, _, wire = label.partition("+")
+    return pb.CalibrationPoint(
+        path=ThresholdPath.parse(path).to_proto(),
+        bytes=size,
+        seconds=seconds,
+        wire=pb.Wire.Value((wire or "lossless").upper()),
+    )
+
+
 def calibration_from(
-    fingerprint: dict[str, object], medians: dict[str, dict[int, float]], forms: dict[str, dict[int, str]] | None = None
+    fingerprint: dict[str, object],
+    medians: dict[str, dict[int, float]],
+    forms: dict[str, dict[int, str]] | None = None,
+    wires: list[str] = (),
 ) -> Calibration:
-    """The boundaries the medians place, for the fingerprint's device kind; `forms` kept beside them."""
+    """The boundaries the medians place, for the fingerprint's device kind, and compressed_min_bytes
+    per compressed wire in `wires` (timed as "path+wire" rows); `forms` kept beside them."""
+    calibration = _lossless_calibration(fingerprint, medians, forms)
+    if not wires:
+        return calibration
+    placed = wire_boundaries(calibration.boundaries, "twoshot", medians, list(wires))
+    return dataclasses.replace(calibration, wire_boundaries=placed)
+
+
+def _lossless_calibration(
+    fingerprint: dict[str, object], medians: dict[str, dict[int, float]], forms: dict[str, dict[int, str]] | None
+) -> Calibration:
     key = fingerprint_key(fingerprint)
     if fingerprint["device_kind"] == "cuda":
         with_nccl = cuda_boundaries(medians, "nccl") if "nccl" in medians else None

@@ -35,7 +35,7 @@ from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .allocator import raise_descriptor_limit
-from .calibration import CalibrationStore
+from .calibration import CalibrationStore, calibration_point
 from .config import DaemonConfig, load_config, parse_ids
 from .groups import GroupRegistry
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
@@ -265,9 +265,8 @@ class ControlServicer(pb_grpc.ControlServicer):
             await self.refuse(context, "Calibrate", error)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
-        def on_point(path: str, size: int, seconds: float) -> None:
-            point = pb.CalibrationPoint(path=pb.Path.Value(path.upper()), bytes=size, seconds=seconds)
-            updates.put_nowait(pb.CalibrateUpdate(point=point))
+        def on_point(label: str, size: int, seconds: float) -> None:
+            updates.put_nowait(pb.CalibrateUpdate(point=calibration_point(label, size, seconds)))
 
         probe = asyncio.ensure_future(self.registry.tables.calibrate(request, self.config.socket, self.store, on_point))
         probe.add_done_callback(lambda _: updates.put_nowait(None))

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
@@ -27,6 +27,7 @@ from .calibration import (
     CalibrationStore,
     Measured,
     calibration_from,
+    calibration_point,
     cpu_fingerprint,
     cuda_fingerprint,
     probe,
@@ -58,16 +59,26 @@ class TableKeeper:
         # CUDA groups whose fallback is NCCL where the probe timed it.
         self.calibrated: dict[str, dict[str, int | None]] = {}
         self.calibrated_nccl: dict[str, dict[str, int | None]] = {}
+        # compressed_min_bytes per device kind and compressed wire, where the probe timed it.
+        self.calibrated_wires: dict[str, dict[str, int | None]] = {}
         self._calibrating = asyncio.Lock()
         self._publish_thresholds()
 
     def default_boundaries(
-        self, device_kind: str, group_overrides: dict[str, int | None] | None = None, nccl: bool = False
+        self,
+        device_kind: str,
+        group_overrides: dict[str, int | None] | None = None,
+        nccl: bool = False,
+        wire: Wire = Wire.LOSSLESS,
     ) -> dict[str, Boundary]:
-        """The boundaries for a new group of `device_kind` (whose fallback is NCCL if `nccl`): the
-        group's own override > the daemon's override > calibrated > built-in default. CPU groups
-        have no DMA path, so oneshot_max_bytes and service_min_bytes apply to them."""
+        """The boundaries for a new group of `device_kind` (whose fallback is NCCL if `nccl`, and
+        which asked for `wire`): the group's own override > the daemon's override > calibrated >
+        built-in default. CPU groups have no DMA path, so oneshot_max_bytes and service_min_bytes
+        apply to them; compressed_min_bytes is calibrated per wire."""
         calibrated = (nccl and self.calibrated_nccl.get(device_kind)) or self.calibrated.get(device_kind, {})
+        wires = self.calibrated_wires.get(device_kind, {})
+        if wire is not Wire.LOSSLESS and wire.value in wires:
+            calibrated = {**calibrated, "compressed_min_bytes": wires[wire.value]}
         group_overrides = group_overrides or {}
         boundaries = {}
         for name, default in DEFAULT_BOUNDARIES[device_kind].items():
@@ -95,6 +106,7 @@ class TableKeeper:
             self.calibrated_nccl[kind] = dict(calibration.nccl_boundaries)
         else:
             self.calibrated_nccl.pop(kind, None)
+        self.calibrated_wires[kind] = dict(calibration.wire_boundaries)
         self._publish_thresholds()
         log.info(
             "calibration in force",
@@ -148,19 +160,20 @@ class TableKeeper:
         max_bytes = request.max_bytes or (256 << 20 if kind == "cuda" else 64 << 20)
         if not 4 <= min_bytes <= max_bytes:
             raise InvalidArgumentError(f"sizes {min_bytes}..{max_bytes}: expected 4 <= min_bytes <= max_bytes")
+        wires = self._wires_to_time(kind, request.wires)
         if self._calibrating.locked():
             raise AlreadyExistsError("a calibration is already running on this daemon")
         async with self._calibrating:
             started = time.monotonic()
             try:
-                measured = await self._measure(kind, socket, world_size, min_bytes, max_bytes, on_point)
+                measured = await self._measure(kind, socket, world_size, min_bytes, max_bytes, on_point, wires)
                 noise = measured.noise()
                 if noise:
                     return self._refuse_noisy(kind, measured, noise)
                 medians = measured.medians
                 # The boundary search tries every assignment of boundaries: off the event loop.
                 calibration = await asyncio.to_thread(
-                    calibration_from, self.fingerprints[kind], medians, measured.forms
+                    calibration_from, self.fingerprints[kind], medians, measured.forms, wires
                 )
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
@@ -179,6 +192,7 @@ class TableKeeper:
                 "device_kind": kind,
                 "boundaries": calibration.boundaries,
                 "forms": calibration.forms,
+                "wire_boundaries": calibration.wire_boundaries,
                 "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
                 "seconds": round(time.monotonic() - started, 1),
                 "stored_at": stored,
@@ -192,13 +206,25 @@ class TableKeeper:
         )
         return _with_points(reply, medians)
 
+    @staticmethod
+    def _wires_to_time(kind: str, asked: Iterable[int]) -> list[str]:
+        """The compressed wires a calibration times, by name, checked."""
+        wires = []
+        for value in asked:
+            if value not in (pb.INT8, pb.FP8):
+                raise InvalidArgumentError(f"wires: {value} is not a compressed wire; expected int8 (1) or fp8 (2)")
+            wires.append(pb.Wire.Name(value).lower())
+        if wires and kind != "cpu":
+            raise UnsupportedError("compressed wires run on CPU groups so far; calibrate them with device_kind 'cpu'")
+        return sorted(set(wires))
+
     async def _measure(
-        self, kind: str, socket: str, world_size: int, min_bytes: int, max_bytes: int, on_point
+        self, kind: str, socket: str, world_size: int, min_bytes: int, max_bytes: int, on_point, wires: list[str]
     ) -> Measured:
         """The probe's measurements, noise measured again: a busy machine (noise at more than a
         quarter of the sizes) is probed whole once more, and left noisy if it stays busy; a few
         noisy sizes (a burst on a quiet machine) are measured again, up to NOISE_RETRIES times."""
-        measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+        measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point, wires=wires)
         sizes = len(next(iter(measured.medians.values()), {}))
 
         def busy(found: Measured) -> bool:
@@ -206,14 +232,16 @@ class TableKeeper:
 
         if busy(measured):
             log.warning("calibration measured noise at most sizes; probing again", extra={"noise": measured.noise()})
-            measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point)
+            measured = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point, wires=wires)
             if busy(measured):
                 return measured
         for _ in range(NOISE_RETRIES):
             if not measured.noise():
                 break
             log.warning("calibration measured noise; measuring those sizes again", extra={"noise": measured.noise()})
-            again = await probe(kind, socket, world_size, min_bytes, max_bytes, 3600, on_point, measured.noisy_sizes())
+            again = await probe(
+                kind, socket, world_size, min_bytes, max_bytes, 3600, on_point, measured.noisy_sizes(), wires
+            )
             measured = measured.remeasured(again)
         return measured
 
@@ -243,7 +271,7 @@ class TableKeeper:
         group_overrides: dict[str, int | None] | None = None,
         wire: Wire = Wire.LOSSLESS,
     ) -> DispatchTable:
-        boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback)
+        boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback, wire)
         return build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
 
     def _next_epoch(self) -> int:
@@ -294,7 +322,6 @@ class TableKeeper:
 
 def _with_points(reply: pb.CalibrateReply, medians: dict[str, dict[int, float]]) -> pb.CalibrateReply:
     """`reply` with every measured point, by path then size."""
-    for path, by_size in sorted(medians.items()):
-        for size, seconds in sorted(by_size.items()):
-            reply.points.add(path=Path(path).to_proto(), bytes=size, seconds=seconds)
+    for label, by_size in sorted(medians.items()):
+        reply.points.extend(calibration_point(label, size, seconds) for size, seconds in sorted(by_size.items()))
     return reply

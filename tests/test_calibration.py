@@ -1,6 +1,7 @@
 """Calibration: boundary placement from measurements, and the CPU probe end to end through the
 daemon, persisted and reused by a restarted daemon without probing again."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -17,8 +18,11 @@ from nodecomm.service.calibration import (
     InvalidCalibrationError,
     Measured,
     calibration_from,
+    compressed_min,
+    cpu_fingerprint,
     cuda_boundaries,
     small_path_max,
+    wire_boundaries,
 )  # fmt: skip
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
@@ -346,3 +350,55 @@ def test_a_stored_calibration_keeps_the_forms_the_probe_saw():
         type(calibration).from_json(json.dumps(wrong))
     again = Measured(medians, {}, forms={"oneshot": {1024: "pull"}})
     assert Measured(medians, {}, forms=forms).remeasured(again).forms["oneshot"][1024] == "pull"
+
+
+def test_compressed_min_is_where_a_wire_wins_to_the_end_of_the_sweep():
+    lossless = _times([1, 1, 1, 2, 4, 8, 16])
+    assert compressed_min(SIZES, lossless, _times([2, 2, 0.9, 1, 2, 4, 8])) == 4 << 10  # wins from 4 KiB on
+    assert compressed_min(SIZES, lossless, _times([2, 2, 2, 2, 2, 4, 8])) == 16 << 10
+    assert compressed_min(SIZES, lossless, _times([2, 2, 2, 2, 4, 8, 15])) is None  # a tail of one: no evidence
+    assert compressed_min(SIZES, lossless, _times([1.5, 1.5, 1.5, 3, 5, 9, 17])) is None  # never wins
+    # The wire is compared with the path the calibrated boundaries give each size.
+    medians = {"oneshot": _times([1] * 7), "twoshot": _times([5, 5, 5, 5, 2, 2, 2]),
+               "oneshot+int8": _times([9] * 7), "twoshot+int8": _times([9, 9, 9, 9, 1, 1, 1]),
+               "oneshot+fp8": _times([0.5] * 7), "twoshot+fp8": _times([9] * 7)}  # fmt: skip
+    placed = wire_boundaries({"oneshot_max_bytes": 8 << 10}, "twoshot", medians, ["int8", "fp8"])
+    assert placed == {"int8": 16 << 10, "fp8": None}
+
+
+def test_a_group_that_asked_for_a_wire_gets_its_calibrated_boundary_and_no_other_group_does(tmp_path):
+    from nodecomm.service.config import DaemonConfig
+    from nodecomm.service.metrics import DaemonMetrics
+    from nodecomm.service.tables import TableKeeper
+    from nodecomm.thresholds import Wire
+
+    keeper = TableKeeper(DaemonConfig(state_dir=str(tmp_path)), DaemonMetrics(), 16)
+    medians = {p: _times([1e-6 * (i + 1) for i in range(7)]) for p in ("oneshot", "twoshot")}
+    calibration = calibration_from(cpu_fingerprint(), medians)
+    keeper.use_calibration(dataclasses.replace(calibration, wire_boundaries={"int8": 16 << 10, "fp8": None}))
+    int8 = keeper.for_new_group("cpu", False, {}, Wire.INT8)
+    assert int8.boundary("compressed_min_bytes").describe() == "compressed_min_bytes=16KiB (calibrated)"
+    assert int8.wire_for(16 << 10) is Wire.INT8 and int8.wire_for((16 << 10) - 1) is Wire.LOSSLESS
+    fp8 = keeper.for_new_group("cpu", False, {}, Wire.FP8)
+    assert fp8.boundary("compressed_min_bytes").value_bytes is None and fp8.wire_for(1 << 30) is Wire.LOSSLESS
+    plain = keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS)
+    assert "compressed_min_bytes" not in {b.name for b in plain.boundaries} and not plain.range_wires
+
+
+def test_calibrating_a_wire_times_it_beside_lossless_and_stores_its_boundary(make_daemon, tmp_path):
+    state = tmp_path / "state"
+    daemon = make_daemon("--state-dir", str(state))
+    result = nodecomm_cli(
+        "--socket", daemon.socket, "calibrate", "--min-bytes", "4KiB", "--max-bytes", "64KiB", "--wire", "int8",
+        "--json",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr + result.stdout
+    document = json.loads(result.stdout[result.stdout.index("{") :])
+    rows = {(p["path"], p["wire"]) for p in document["points"]}
+    assert rows == {("oneshot", "lossless"), ("twoshot", "lossless"), ("oneshot", "int8"), ("twoshot", "int8")}
+    stored = json.loads((state / f"calibration-{document['fingerprint_key']}.json").read_text())
+    assert set(stored["wire_boundaries"]) == {"int8"}
+    assert {"oneshot+int8", "twoshot+int8"} <= set(stored["medians"])
+    assert [b["name"] for b in document["boundaries"]] == ["oneshot_max_bytes", "service_min_bytes"]  # lossless preview
+    refused = nodecomm_cli("--socket", daemon.socket, "calibrate", "--device", "cuda", "--wire", "int8")
+    assert refused.returncode != 0

@@ -399,30 +399,34 @@ class TopkExchangeReply(_message.Message):
     def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., blocks: _Optional[int] = ..., rows_per_owner: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
-    __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes", "identity", "pid")
+    __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes", "identity", "pid", "wires")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDENTITY_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
+    WIRES_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     world_size: int
     min_bytes: int
     max_bytes: int
     identity: bytes
     pid: int
-    def __init__(self, device_kind: _Optional[str] = ..., world_size: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., identity: _Optional[bytes] = ..., pid: _Optional[int] = ...) -> None: ...
+    wires: _containers.RepeatedScalarFieldContainer[Wire]
+    def __init__(self, device_kind: _Optional[str] = ..., world_size: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., identity: _Optional[bytes] = ..., pid: _Optional[int] = ..., wires: _Optional[_Iterable[_Union[Wire, str]]] = ...) -> None: ...
 
 class CalibrationPoint(_message.Message):
-    __slots__ = ("path", "bytes", "seconds")
+    __slots__ = ("path", "bytes", "seconds", "wire")
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     path: Path
     bytes: int
     seconds: float
-    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    wire: Wire
+    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class CalibrateReply(_message.Message):
     __slots__ = ("fingerprint_key", "stored_at", "thresholds", "points", "warnings")
