@@ -88,7 +88,7 @@ class Communicator:
         )  # fmt: skip
         self._sample_period = max(1, timing_sample_period)
         self._operation_timeout = operation_timeout
-        self._samples: list[tuple[Path, int, object, object]] = []  # started, not yet reported
+        self._samples: list[tuple[Path, int, Wire, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._lease = Lease(self._stub, membership, control.address, self._metadata)
@@ -145,16 +145,13 @@ class Communicator:
         except NodecommError as error:
             raise self._located(error) from None
         chosen, on_wire = decision.path, decision.wire
-        # Live timings are of the lossless wire: a compressed call is not sampled.
-        sampled = on_wire is Wire.LOSSLESS and (
-            decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
-        )
+        sampled = decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
         if chosen is Path.SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
             self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
             self._maybe_switch_table()
             return work if async_op else work.wait()
-        sample = (chosen, nbytes) if sampled else None
+        sample = (chosen, nbytes, on_wire) if sampled else None
         self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire, sample=sample)
         self._lease.count(
             pb.ALL_REDUCE, chosen, nbytes, on_wire, on_wire.encoded_bytes(tensor.numel(), tensor.element_size())
@@ -231,9 +228,9 @@ class Communicator:
             )
         self._run(self._transport.barrier, self._operation_timeout)
 
-    def _run(self, operation, *args, sample: tuple[Path, int] | None = None) -> None:
+    def _run(self, operation, *args, sample: tuple[Path, int, Wire] | None = None) -> None:
         """Run a transport operation under the lock that close() takes, errors located here; with
-        `sample` (path, bytes), timed and reported to the daemon."""
+        `sample` (path, bytes, wire), timed and reported to the daemon."""
         with self._lock:
             self._check_usable(call_follows=True)
             # Nothing is timed or queried while a CUDA graph is being captured.
@@ -251,12 +248,12 @@ class Communicator:
 
     def _report_samples(self) -> None:
         while self._samples:
-            path, nbytes, start, end = self._samples[0]
+            path, nbytes, wire, start, end = self._samples[0]
             seconds = self._transport.elapsed(start, end)
             if seconds is None:
                 return  # still running; reported on a later call
             self._samples.pop(0)
-            self._lease.report(path, nbytes, seconds)
+            self._lease.report(path, nbytes, seconds, wire)
 
     def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange | CudaTopkExchange:
         """Open a top-k owner exchange for up to `max_rows` rows of `topk` candidates per rank.

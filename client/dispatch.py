@@ -67,6 +67,12 @@ class Dispatcher:
         wire to `wire` unless None; counts the call. InvalidArgumentError where the rank cannot run
         the path or carry the wire on it."""
         self.calls += 1
+        explore = self._explore_period and self.calls % self._explore_period == 0 and not capturing
+        if explore and wire is None and forced is None:
+            # Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
+            other, path = self.table.wire_neighbour(nbytes), self.table.path_for(nbytes)
+            if other is not None and path in self._wire_paths and path in self.paths:
+                return Decision(path, explored=True, form=self._form_of(path, nbytes), wire=other)
         decision = self._path(nbytes, forced, capturing)
         wanted = self.table.wire_for(nbytes) if wire is None else self._parsed_wire(wire)
         if wanted is Wire.LOSSLESS:

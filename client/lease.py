@@ -129,9 +129,9 @@ class Lease:
                 )
             self._ready.set()
 
-    def report(self, path: Path, nbytes: int, seconds: float) -> None:
+    def report(self, path: Path, nbytes: int, seconds: float, wire: Wire = Wire.LOSSLESS) -> None:
         with self._batch_lock:
-            self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds))
+            self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds, wire=wire.to_proto()))
             due = len(self._pending) >= _BATCH
         if due or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()

@@ -10,6 +10,10 @@ dropped, so it has to build up again before anything moves back. The movable bou
 oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes; overrides and the service path never move.
 A path's samples come from the sizes the table sends it and from exploration, which only ever
 tries lossless paths: NCCL is timed where it carries sizes, never explored into.
+
+A group that asked for a compressed wire also times it (its compressed ranges, and exploration
+across compressed_min_bytes): where a bucket's path is faster on the other wire by the margin,
+compressed_min_bytes moves so that the bucket takes that wire.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, build_table
+from nodecomm.thresholds import WIRE_PATHS, Boundary, DispatchTable, Path, Source, Wire, build_table
 
 from .metrics import SIZE_BUCKETS
 
@@ -36,6 +40,7 @@ class BoundaryMove:
     winner: Path
     winner_seconds: float
     loser_seconds: float
+    winner_wire: Wire = Wire.LOSSLESS
 
 
 @dataclass
@@ -43,17 +48,18 @@ class LiveEstimates:
     world_size: int
     margin: float
     min_samples: int
-    # (path, bucket index) -> rank -> recent seconds
+    # (path, bucket index) -> rank -> recent seconds, on the lossless wire and on the group's own
     samples: dict[tuple[Path, int], dict[int, deque[float]]] = field(default_factory=dict)
+    compressed: dict[tuple[Path, int], dict[int, deque[float]]] = field(default_factory=dict)
 
-    def add(self, rank: int, path: Path, nbytes: int, seconds: float) -> None:
+    def add(self, rank: int, path: Path, nbytes: int, seconds: float, compressed: bool = False) -> None:
         key = (path, bucket_index(nbytes))
-        per_rank = self.samples.setdefault(key, {})
+        per_rank = (self.compressed if compressed else self.samples).setdefault(key, {})
         per_rank.setdefault(rank, deque(maxlen=SAMPLES_KEPT)).append(seconds)
 
-    def estimate(self, path: Path, bucket: int) -> float | None:
+    def estimate(self, path: Path, bucket: int, compressed: bool = False) -> float | None:
         """The slowest rank's median, once every rank has min_samples; else None."""
-        per_rank = self.samples.get((path, bucket), {})
+        per_rank = (self.compressed if compressed else self.samples).get((path, bucket), {})
         if len(per_rank) < self.world_size or any(len(s) < self.min_samples for s in per_rank.values()):
             return None
         return max(statistics.median(s) for s in per_rank.values())
@@ -88,6 +94,42 @@ class LiveEstimates:
                 values, new_table = moved
                 self._forget_changed(table, new_table)
                 return BoundaryMove(values, new_table, (low, high), winner, theirs, mine)
+        return None
+
+    def proposed_wire_move(
+        self, table: DispatchTable, fallback: Path, fixed: frozenset[str] = frozenset()
+    ) -> BoundaryMove | None:
+        """For a group that asked for a compressed wire: the first change of compressed_min_bytes,
+        bucket by bucket from the smallest, that the evidence demands of `table` (built with
+        `fallback`): a bucket faster on the other wire by the margin takes it, unless the boundary
+        is `fixed`. The bucket's evidence is dropped with the move. None where nothing moves."""
+        if table.wire is Wire.LOSSLESS or "compressed_min_bytes" in fixed:
+            return None
+        for bucket in sorted({b for _, b in self.compressed}):
+            low, high = bucket_range(bucket)
+            index = _range_of(table, low, high)
+            path = table.range_paths[index] if index is not None else None
+            if path not in WIRE_PATHS:
+                continue  # split by a boundary, or a path that carries no compressed wire
+            lossless, compressed = self.estimate(path, bucket), self.estimate(path, bucket, compressed=True)
+            if lossless is None or compressed is None:
+                continue
+            on_wire = table.wire_for(low) is not Wire.LOSSLESS
+            if not on_wire and compressed < lossless * (1.0 - self.margin):
+                value, winner, seconds, loser = low, table.wire, compressed, lossless
+            elif on_wire and lossless < compressed * (1.0 - self.margin):
+                value, winner, seconds, loser = high + 1, Wire.LOSSLESS, lossless, compressed
+            else:
+                continue
+            boundaries = {b.name: b for b in table.boundaries}
+            boundaries["compressed_min_bytes"] = Boundary("compressed_min_bytes", value, Source.CALIBRATED)
+            moved = build_table(boundaries, fallback, table.epoch, table.wire)
+            if moved.wire_for(low) is not winner or moved.wire_for(high) is not winner:
+                continue
+            for evidence in (self.samples, self.compressed):
+                for key in [k for k in evidence if k[1] == bucket]:
+                    del evidence[key]
+            return BoundaryMove({"compressed_min_bytes": value}, moved, (low, high), path, seconds, loser, winner)
         return None
 
     def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:

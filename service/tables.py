@@ -299,7 +299,8 @@ class TableKeeper:
         """A group's new table where its live timings move a boundary, else None. Overrides are
         never second-guessed."""
         fixed = frozenset(b.name for b in table.boundaries if b.source is Source.OVERRIDE)
-        move = live.proposed_move(table, fallback_path(nccl_fallback), fixed)
+        fallback = fallback_path(nccl_fallback)
+        move = live.proposed_move(table, fallback, fixed) or live.proposed_wire_move(table, fallback, fixed)
         if move is None:
             return None
         moved = dataclasses.replace(move.table, epoch=self._next_epoch())
@@ -313,6 +314,7 @@ class TableKeeper:
                 "epoch": moved.epoch,
                 "bucket": f"{format_byte_size(move.bucket[0])}..{format_byte_size(move.bucket[1])}",
                 "winner": move.winner.value,
+                "winner_wire": move.winner_wire.value,
                 "winner_us": round(move.winner_seconds * 1e6, 1),
                 "loser_us": round(move.loser_seconds * 1e6, 1),
             },

@@ -82,6 +82,12 @@ class TimingIntake:
             if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values() or not timing.path:
                 continue
             path = Path.from_proto(timing.path)
+            if timing.wire != pb.LOSSLESS:
+                # The group's own compressed wire feeds its live estimates only (the latency
+                # histograms are of lossless calls); any other wire is a call that forced one.
+                if group is not None and group.live is not None and timing.wire == group.args.wire:
+                    group.live.add(rank, path, timing.bytes, timing.seconds, compressed=True)
+                continue
             self.metrics.sampled_ops.labels("all_reduce", path.value).inc()
             self.metrics.op_seconds.labels("all_reduce", path.value, size_bucket(timing.bytes)).observe(timing.seconds)
             if group is not None and group.live is not None:

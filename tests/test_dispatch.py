@@ -5,7 +5,7 @@ import pytest
 
 from nodecomm.client.dispatch import Dispatcher
 from nodecomm.errors import InvalidArgumentError
-from nodecomm.thresholds import DispatchTable, Path
+from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 
 KIB = 1 << 10
 # <=32KiB oneshot, <=1MiB twoshot, <=64MiB dma, then service.
@@ -119,3 +119,25 @@ def test_a_decision_carries_the_form_of_the_path_it_chose():
     assert dispatcher.form("oneshot", 8 * KIB) == "push" and dispatcher.form("oneshot", 8 * KIB + 1) == "pull"
     assert dispatcher.calls == 3  # form() decides no call
     assert Dispatcher(TABLE, CUDA_PATHS, "cuda").decide(4, forced=None, capturing=False).form == ""
+
+
+def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():
+    """Within 4x of compressed_min_bytes every explore_period-th call takes the other wire on the
+    same path (so the daemon times both); beyond it, and in a group that did not ask, never."""
+    boundaries = {
+        "oneshot_max_bytes": Boundary("oneshot_max_bytes", 32 * KIB, Source.DEFAULT),
+        "compressed_min_bytes": Boundary("compressed_min_bytes", 1 << 20, Source.CALIBRATED),
+    }
+    table = build_table(boundaries, Path.TWOSHOT, 1, Wire.INT8)
+    paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.SERVICE})
+    dispatcher = Dispatcher(table, paths, "cpu", wire_paths=paths - {Path.SERVICE}, explore_period=2)
+    below = [dispatcher.decide(512 * KIB, forced=None, capturing=False) for _ in range(2)]
+    assert [(d.wire, d.explored) for d in below] == [(Wire.LOSSLESS, False), (Wire.INT8, True)]
+    above = [dispatcher.decide(2 << 20, forced=None, capturing=False) for _ in range(2)]
+    assert [(d.wire, d.explored) for d in above] == [(Wire.INT8, False), (Wire.LOSSLESS, True)]
+    far = [dispatcher.decide(64 << 20, forced=None, capturing=False) for _ in range(2)]
+    assert [d.wire for d in far] == [Wire.INT8, Wire.INT8] and not any(d.explored for d in far)
+    dispatcher.decide(512 * KIB, forced=None, capturing=False)  # the 7th call
+    assert dispatcher.decide(512 * KIB, forced=None, capturing=True).wire is Wire.LOSSLESS  # the 8th, in a capture
+    plain = Dispatcher(build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1)
+    assert all(plain.decide(512 * KIB, forced=None, capturing=False).wire is Wire.LOSSLESS for _ in range(4))

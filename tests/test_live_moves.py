@@ -2,8 +2,8 @@
 adjacent range that beats a bucket's path by the margin takes that bucket, overrides stay, and a
 move that cannot hand the winner the whole bucket is not made."""
 
-from nodecomm.service.live_thresholds import LiveEstimates
-from nodecomm.thresholds import Boundary, Path, Source, build_table
+from nodecomm.service.live_thresholds import LiveEstimates, bucket_index
+from nodecomm.thresholds import Boundary, Path, Source, Wire, build_table
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -155,3 +155,49 @@ def test_an_override_in_the_table_is_never_moved_by_the_keeper():
     assert keeper.follow_evidence("g", pinned, live, nccl_fallback=True) is None
     after = keeper.follow_evidence("g", table(Path.NCCL, **CUDA_DEFAULT), live, nccl_fallback=True)
     assert after.boundary("dma_min_bytes").describe() == "dma_min_bytes=1048577 (calibrated)"
+
+
+def wire_table(compressed_min: int | None, *, source: Source = Source.CALIBRATED, wire: Wire = Wire.INT8):
+    boundaries = {
+        "oneshot_max_bytes": Boundary("oneshot_max_bytes", 32 * KIB, Source.DEFAULT),
+        "compressed_min_bytes": Boundary("compressed_min_bytes", compressed_min, source),
+    }
+    return build_table(boundaries, Path.TWOSHOT, 1, wire)
+
+
+def wire_evidence(*timings: tuple[str, int, float, bool]) -> LiveEstimates:
+    live = LiveEstimates(2, margin=0.05, min_samples=4)
+    for path, nbytes, seconds, compressed in timings:
+        for rank in range(2):
+            for _ in range(4):
+                live.add(rank, Path(path), nbytes, seconds, compressed=compressed)
+    return live
+
+
+def test_a_bucket_faster_on_the_groups_wire_moves_compressed_min_down_to_it():
+    live = wire_evidence(("twoshot", 256 * KIB, 100e-6, False), ("twoshot", 256 * KIB, 60e-6, True))
+    move = live.proposed_wire_move(wire_table(MIB), Path.TWOSHOT)
+    # The bucket of 256 KiB is (64 KiB, 256 KiB]: it takes the wire from its first size.
+    assert move.values == {"compressed_min_bytes": 64 * KIB + 1} and move.winner_wire is Wire.INT8
+    assert move.table.wire_for(64 * KIB + 1) is Wire.INT8 and move.table.wire_for(64 * KIB) is Wire.LOSSLESS
+    assert live.estimate(Path.TWOSHOT, bucket_index(256 * KIB), compressed=True) is None  # its evidence went
+
+
+def test_a_compressed_bucket_faster_lossless_moves_compressed_min_up_past_it():
+    live = wire_evidence(("twoshot", 2 * MIB, 300e-6, False), ("twoshot", 2 * MIB, 500e-6, True))
+    move = live.proposed_wire_move(wire_table(MIB), Path.TWOSHOT)
+    assert move.values == {"compressed_min_bytes": 4 * MIB + 1} and move.winner_wire is Wire.LOSSLESS
+    assert move.table.wire_for(4 * MIB) is Wire.LOSSLESS and move.table.wire_for(4 * MIB + 1) is Wire.INT8
+
+
+def test_no_wire_moves_within_the_margin_under_an_override_or_in_a_lossless_group():
+    close = wire_evidence(("twoshot", 256 * KIB, 100e-6, False), ("twoshot", 256 * KIB, 97e-6, True))
+    assert close.proposed_wire_move(wire_table(MIB), Path.TWOSHOT) is None
+    faster = wire_evidence(("twoshot", 256 * KIB, 100e-6, False), ("twoshot", 256 * KIB, 60e-6, True))
+    assert (
+        faster.proposed_wire_move(
+            wire_table(MIB, source=Source.OVERRIDE), Path.TWOSHOT, frozenset({"compressed_min_bytes"})
+        )
+        is None
+    )
+    assert faster.proposed_wire_move(wire_table(MIB, wire=Wire.LOSSLESS), Path.TWOSHOT) is None

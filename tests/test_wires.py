@@ -2,12 +2,14 @@
 bits of a torch reference on every rank, within the error bound the docs state, non-finite and
 zero blocks, disagreement, and never a compressed wire for a group or call that did not ask."""
 
+import dataclasses
 import multiprocessing as mp
 import time
 
 import pytest
 
 import wire_ranks
+from nodecomm.service.calibration import CalibrationStore, calibration_from, cpu_fingerprint
 
 CASES = [
     (dtype, count)
@@ -83,3 +85,23 @@ def test_only_a_group_that_asked_gets_a_compressed_wire_from_its_table(daemon, s
     # Without a compressed_min_bytes (none calibrated or set), even a group that asked stays lossless.
     uncalibrated, counted = _held(daemon, spawn_ranks, "uncalibrated", {"wire": "fp8"}, sizes)
     assert set(uncalibrated["took"].values()) == {"lossless"} and counted == {"lossless": 2 * len(sizes)}
+
+
+def test_live_timings_move_a_calibrated_compressed_min_for_every_rank_at_once(make_daemon, spawn_ranks, tmp_path):
+    """A stored calibration gives int8 groups compressed_min_bytes=1MiB; the group's timings show
+    int8 10x faster at 16 KiB, so the boundary moves down to that bucket, on every rank at once."""
+    state = tmp_path / "state"
+    state.mkdir()
+    sizes = [1 << k for k in range(10, 17)]
+    medians = {"oneshot": dict.fromkeys(sizes, 1e-6), "twoshot": dict.fromkeys(sizes, 2e-6)}
+    calibration = calibration_from(cpu_fingerprint(), medians)
+    CalibrationStore(str(state)).save(dataclasses.replace(calibration, wire_boundaries={"int8": 1 << 20}))
+    daemon = make_daemon("--state-dir", str(state), "--table-switch-period", "16", "--live-min-samples", "4")
+    synthetic = [("oneshot", 16 << 10, 100e-6, "lossless")] * 6 + [("oneshot", 16 << 10, 10e-6, "int8")] * 6
+    results = spawn_ranks(wire_ranks.live_wire_switch, 2, 2, daemon.socket, synthetic, 200, timeout=120).values()
+    assert results[0] == results[1] and results[0]["switched_at"] % 16 == 15
+    assert results[0]["rows"] == [(0, 4096, "oneshot", "lossless"), (4097, 65536, "oneshot", "int8"),
+                                  (65537, None, "twoshot", "int8")]  # fmt: skip
+    assert results[0]["initial"] == "compressed_min_bytes=1MiB (calibrated)"
+    assert results[0]["boundary"] == "compressed_min_bytes=4097 (calibrated)"
+    assert 'nodecomm_threshold_changes_total{boundary="compressed_min_bytes"} 1.0' in daemon.metrics_text()

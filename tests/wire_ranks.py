@@ -5,6 +5,7 @@ inputs are the error table's (client/wire_error.py)."""
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -174,3 +175,27 @@ def disagree_on_wire(rank: int, world_size: int, socket: str) -> str:
             message = str(error)
         after = comm.all_reduce(torch.ones(1024), wire="fp8")[0].item()
         return f"{message} | after {after}"
+
+
+def live_wire_switch(rank: int, world_size: int, socket: str, synthetic: list, calls: int) -> dict:
+    """Join with wire="int8", stream synthetic timings (path, bytes, seconds, wire), then
+    all-reduce 16 KiB `calls` times: the call at which the table changed, its ranges and wires."""
+    from nodecomm.thresholds import Path, Wire
+
+    with nodecomm.connect("live-wire", rank, world_size, socket=socket, timeout=30, wire="int8") as comm:
+        first_epoch = comm.thresholds().epoch
+        initial = comm.thresholds().boundary("compressed_min_bytes").describe()
+        for path, nbytes, seconds, wire in synthetic:
+            comm._lease.report(Path(path), nbytes, seconds, Wire(wire))  # what sampled operations send
+        comm._lease.flush()
+        switched_at = None
+        x = torch.ones(4096)
+        for call in range(calls):
+            comm.all_reduce(x)
+            if switched_at is None and comm.thresholds().epoch != first_epoch:
+                switched_at = call
+            time.sleep(0.002)
+        table = comm.thresholds()
+        rows = [(lo, hi, p.value, w.value) for (lo, hi, p), w in zip(table.rows(), table.wires(), strict=True)]
+        boundary = table.boundary("compressed_min_bytes").describe()
+        return {"switched_at": switched_at, "rows": rows, "initial": initial, "boundary": boundary}

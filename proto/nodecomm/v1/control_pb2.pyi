@@ -197,14 +197,16 @@ class ThresholdTable(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("path", "bytes", "seconds")
+    __slots__ = ("path", "bytes", "seconds", "wire")
     PATH_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FIELD_NUMBER: _ClassVar[int]
     path: Path
     bytes: int
     seconds: float
-    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    wire: Wire
+    def __init__(self, path: _Optional[_Union[Path, str]] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class SessionUp(_message.Message):
     __slots__ = ("hello", "timings")
