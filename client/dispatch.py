@@ -13,8 +13,9 @@ calls in the same order, so every rank's Dispatcher decides the same; it needs n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nodecomm.errors import InvalidArgumentError
 from nodecomm.thresholds import DispatchTable, Path, Wire
@@ -32,15 +33,23 @@ def one_form(path: Path, nbytes: int) -> str:
 class Decision:
     path: Path
     explored: bool  # the table's neighbour, not its choice: time it for the daemon
-    form: str = ""  # how the path moves this size ("push" or "pull" for CUDA oneshot)
     wire: Wire = Wire.LOSSLESS
+    nbytes: int = 0
+    form_of: Callable[[Path, int], str] = field(default=one_form, repr=False, compare=False)
+
+    @property
+    def form(self) -> str:
+        """How the path moves this size ("push" or "pull" for CUDA oneshot): asked of the
+        transport only when someone reads it, not on every call."""
+        return self.form_of(self.path, self.nbytes)
 
 
 class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
     `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes)`: the transport's form of a
-    path at a size; `wire_paths`: the paths on which it runs compressed wires; every `explore_period`-th call explores, after every `switch_period`-th one the
-    ranks agree on the newest table (0: never)."""
+    path at a size; `wire_paths`: the paths on which it runs compressed wires; every
+    `explore_period`-th call explores, after every `switch_period`-th one the ranks agree on the
+    newest table (0: never)."""
 
     def __init__(
         self,
@@ -67,27 +76,27 @@ class Dispatcher:
         wire to `wire` unless None; counts the call. InvalidArgumentError where the rank cannot run
         the path or carry the wire on it."""
         self.calls += 1
-        explore = self._explore_period and self.calls % self._explore_period == 0 and not capturing
+        explore = bool(self._explore_period) and self.calls % self._explore_period == 0 and not capturing
+        wanted = self.table.wire_for(nbytes) if wire is None else self._parsed_wire(wire)
         if explore and wire is None and forced is None:
             # Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
             other, path = self.table.wire_neighbour(nbytes), self.table.path_for(nbytes)
             if other is not None and path in self._wire_paths and path in self.paths:
-                return Decision(path, explored=True, form=self._form_of(path, nbytes), wire=other)
-        decision = self._path(nbytes, forced, capturing)
-        wanted = self.table.wire_for(nbytes) if wire is None else self._parsed_wire(wire)
+                return Decision(path, True, other, nbytes, self._form_of)
+        # A compressed call is not explored onto another path: path moves compare lossless timings.
+        decision = self._path(nbytes, forced, capturing, explore and wanted is Wire.LOSSLESS)
         if wanted is Wire.LOSSLESS:
             return decision
-        # Compressed calls are not explored: the neighbour's timings are of the lossless wire.
-        path = self.table.path_for(nbytes) if decision.explored else decision.path
+        path = decision.path
         if path not in self._wire_paths:
             if wire is None:  # the table's wire on a path this rank carries losslessly only
-                return Decision(path, explored=False, form=self._form_of(path, nbytes))
+                return decision
             carriers = ", ".join(sorted(p.value for p in self._wire_paths)) or "no path"
             raise InvalidArgumentError(
                 f"wire {wanted.value!r} on the {path.value} path: a {self._kind.upper()} group carries compressed "
                 f"wires on {carriers}"
             )
-        return Decision(path, explored=False, form=self._form_of(path, nbytes), wire=wanted)
+        return dataclasses.replace(decision, wire=wanted)
 
     @staticmethod
     def _parsed_wire(name: str) -> Wire:
@@ -96,10 +105,10 @@ class Dispatcher:
         except (ValueError, AttributeError):
             raise InvalidArgumentError(f"wire {name!r}: expected one of lossless, int8, fp8") from None
 
-    def _path(self, nbytes: int, forced: str | None, capturing: bool) -> Decision:
+    def _path(self, nbytes: int, forced: str | None, capturing: bool, explore: bool) -> Decision:
         if forced is not None:
             path = self.forced_path(forced)
-            return Decision(path, explored=False, form=self._form_of(path, nbytes))
+            return Decision(path, False, Wire.LOSSLESS, nbytes, self._form_of)
         chosen = self.table.path_for(nbytes)
         if chosen not in self.paths:
             hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
@@ -111,13 +120,12 @@ class Dispatcher:
                 f"the dispatch table sends {nbytes} bytes to the service path (service_min_bytes), which a "
                 "CUDA graph cannot capture; pass path= for captured calls, or turn service_min_bytes off"
             )
-        explore = self._explore_period and self.calls % self._explore_period == 0
-        if explore and chosen in LOSSLESS and not capturing:
+        if explore and chosen in LOSSLESS:
             # Between lossless paths, so the result's bits are the same.
             neighbour = self.table.neighbour_path(nbytes)
             if neighbour in LOSSLESS and neighbour in self.paths:
-                return Decision(neighbour, explored=True, form=self._form_of(neighbour, nbytes))
-        return Decision(chosen, explored=False, form=self._form_of(chosen, nbytes))
+                return Decision(neighbour, True, Wire.LOSSLESS, nbytes, self._form_of)
+        return Decision(chosen, False, Wire.LOSSLESS, nbytes, self._form_of)
 
     def form(self, path: str, nbytes: int) -> str:
         """The form `path` takes for an all-reduce of `nbytes` on this rank, without deciding a call."""

@@ -48,6 +48,13 @@ def inputs_of(kind: str, world_size: int, dtype, count: int):
     return [minilm_input(r, world_size).to(dtype) for r in range(world_size)]
 
 
+def exact_sum(inputs: list):
+    """The inputs' sum in float64, element by element (flattened): what the errors are against."""
+    import torch
+
+    return torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
+
+
 def error_bound(inputs: list, wire: str):
     """The most a compressed sum may differ from the exact sum of `inputs`, per element (float64):
     each rank's half code step (int8: 1/254 of its block's largest finite magnitude; E4M3: 1/16
@@ -66,16 +73,13 @@ def error_bound(inputs: list, wire: str):
         else:
             step = torch.maximum(blocks.abs() / 16.0, absmax / 448.0 * 2.0**-10)
         bound += step.flatten()[: flat.numel()] * 1.0001
-    exact = torch.stack([x.double().flatten() for x in inputs]).sum(dim=0).abs()
+    exact = exact_sum(inputs).abs()
     rounding = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[inputs[0].dtype]
     return bound + (exact + bound) * rounding + 2.0**-24
 
 
-def errors(result, inputs: list) -> tuple[float, float]:
-    """(largest absolute error, RMS error / RMS of the exact sum) against the exact sum."""
-    import torch
-
-    exact = torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
+def errors(result, exact) -> tuple[float, float]:
+    """(largest absolute error, RMS error / RMS of the exact sum) against `exact` (exact_sum)."""
     error = result.double().flatten() - exact
     return float(error.abs().max()), float(error.pow(2).mean().sqrt() / exact.pow(2).mean().sqrt())
 
@@ -104,14 +108,16 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                 outcomes = {wire: comm.all_reduce(inputs[rank], wire=wire) for wire in (*WIRES, "lossless")}
                 if rank != 0:
                     continue
+                exact = exact_sum(inputs)
                 for wire, result in outcomes.items():
-                    within = "" if wire == "lossless" else str(bool((
-                        (result.double().flatten() - torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)).abs()
-                        <= error_bound(inputs, wire)
-                    ).all()))  # fmt: skip
-                    rows.append((kind, dtype_name, world_size, wire, *errors(result, inputs), within))
-                rows.append((kind, dtype_name, world_size, f"{dtype_name} accumulation", *errors(
-                    dtype_accumulation(inputs), inputs), ""))  # fmt: skip
+                    within = ""
+                    if wire != "lossless":
+                        within = str(
+                            bool(((result.double().flatten() - exact).abs() <= error_bound(inputs, wire)).all())
+                        )
+                    rows.append((kind, dtype_name, world_size, wire, *errors(result, exact), within))
+                accumulated = errors(dtype_accumulation(inputs), exact)
+                rows.append((kind, dtype_name, world_size, f"{dtype_name} accumulation", *accumulated, ""))
     dist.destroy_process_group()
     if rank == 0:
         results.put(rows)

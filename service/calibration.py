@@ -98,13 +98,21 @@ def small_path_max(
     a tail of at least `tail` sizes. None when the large path wins that way from the smallest size
     (the small path never wins); the largest size when it never does (no evidence beyond it)."""
     ordered = sorted(sizes)
-    wins = [large[s] < small[s] * (1.0 - margin) for s in ordered]
-    first = len(ordered)
-    while first > 0 and wins[first - 1]:
-        first -= 1
-    if len(ordered) - first < tail:
+    first = winning_tail(ordered, small, large, margin, tail)
+    if first is None:
         return ordered[-1]
     return None if first == 0 else ordered[first - 1]
+
+
+def winning_tail(
+    ordered: list[int], base: dict[int, float], rival: dict[int, float], margin: float, tail: int
+) -> int | None:
+    """The index in `ordered` from which `rival` is faster than `base` by more than `margin` at
+    every size to the end, where that run is at least `tail` sizes long; else None."""
+    first = len(ordered)
+    while first > 0 and rival[ordered[first - 1]] < base[ordered[first - 1]] * (1.0 - margin):
+        first -= 1
+    return first if len(ordered) - first >= tail else None
 
 
 def compressed_min(
@@ -118,11 +126,8 @@ def compressed_min(
     table gives the size) by more than `margin` at every size to the end of the sweep, a tail of
     at least `tail` sizes; None when it never does (the wire stays off)."""
     ordered = sorted(sizes)
-    wins = [compressed[s] < lossless[s] * (1.0 - margin) for s in ordered]
-    first = len(ordered)
-    while first > 0 and wins[first - 1]:
-        first -= 1
-    return ordered[first] if len(ordered) - first >= tail else None
+    first = winning_tail(ordered, lossless, compressed, margin, tail)
+    return None if first is None else ordered[first]
 
 
 def wire_boundaries(

@@ -10,7 +10,7 @@ import time
 import torch
 
 import nodecomm
-from nodecomm.client.wire_error import error_bound, gaussian_input
+from nodecomm.client.wire_error import error_bound, exact_sum, gaussian_input
 from ranks import BITS, DTYPES
 
 BLOCK = 32
@@ -60,10 +60,6 @@ def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     for x in inputs[1:]:
         acc += x.float()
     return acc.to(inputs[0].dtype)
-
-
-def exact_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
 
 
 def activations(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
