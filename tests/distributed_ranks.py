@@ -433,5 +433,9 @@ if __name__ == "__main__":
     found = mixed_backends() if mode == "mixed" else all_collectives(mode)
     daemon = [line for line in found if line.startswith("daemon ")]
     found = [line for line in found if not line.startswith("daemon ")][:20]
-    print(json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""}))
+    report = json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""})
+    # One write of the line and its newline (atomic on the pipe every rank of the job shares):
+    # print() may write the two apart, and another rank's line then lands between them.
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (report + "\n").encode())
     sys.exit(1 if found else 0)
