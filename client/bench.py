@@ -253,8 +253,8 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                 share = (time.process_time() - started[0]) / max(time.perf_counter() - started[1], 1e-9)
                 slowest, wrong, share = slowest_rank(times, _flaws(path, out, expected), world_size, share)
                 if rank == 0:
-                    base = path.partition("+")[0]
-                    form = comm.path_form(base, nbytes) if base in NODECOMM_PATHS else ""
+                    base, _, wire = path.partition("+")
+                    form = comm.path_form(base, nbytes, wire or None) if base in NODECOMM_PATHS else ""
                     rows.append((nbytes, count, path, slowest, wrong, share, form))
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}

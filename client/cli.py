@@ -222,7 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if any(w < 1 or 8 % w for w in worlds):
             print(f"nodecomm bench: --worlds {args.worlds}: expected divisors of 8", file=sys.stderr)
             return 2
-        print(run_wire_error(worlds, args.count, args.socket))
+        print(run_wire_error(worlds, args.count, args.socket, args.device))
         return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench

@@ -318,11 +318,11 @@ class Communicator:
         """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
         return self._dispatcher.paths
 
-    def path_form(self, path: str, nbytes: int) -> str:
-        """How `path` moves an all-reduce of `nbytes` here: "push" or "pull" for oneshot on a CUDA
-        group, "" where a path has one form (what the bench and calibration report)."""
+    def path_form(self, path: str, nbytes: int, wire: str | None = None) -> str:
+        """How `path` moves an all-reduce of `nbytes` (over `wire`) here: "push" or "pull" for
+        oneshot on a CUDA group, "" where a path has one form (what the bench and calibration report)."""
         try:
-            return self._dispatcher.form(path, nbytes)
+            return self._dispatcher.form(path, nbytes, wire)
         except NodecommError as error:
             raise self._located(error) from None
 

@@ -14,7 +14,7 @@ import time
 import torch
 
 from nodecomm import _native
-from nodecomm.errors import GroupMismatchError, InternalError, PeerLostError
+from nodecomm.errors import GroupMismatchError, PeerLostError
 from nodecomm.thresholds import Path, Wire
 
 from .dtypes import DTYPE_CODES
@@ -44,7 +44,7 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
 
 class CudaTransport:
     kind = "cuda"
-    wire_paths: frozenset[Path] = frozenset()  # compressed wires run on CPU groups so far
+    wire_paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})  # native/cuda/wire_codec.cuh
 
     def __init__(
         self,
@@ -94,12 +94,13 @@ class CudaTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.device == self.device
 
-    def form(self, path: Path, nbytes: int) -> str:
+    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
         """How `path` moves an all-reduce of `nbytes`: oneshot "push" (into peers' push slots) or
-        "pull" (from their staging slots), as the native group decides; "" for the other paths."""
+        "pull" (from their staging slots; always over a compressed wire), as the native group
+        decides; "" for the other paths."""
         if path is not Path.ONESHOT:
             return ""
-        return "push" if self._group.oneshot_pushes(nbytes) else "pull"
+        return "push" if wire is Wire.LOSSLESS and self._group.oneshot_pushes(nbytes) else "pull"
 
     @contextlib.contextmanager
     def _enqueueing(self):
@@ -116,9 +117,7 @@ class CudaTransport:
     def all_reduce(
         self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float, wire: Wire = Wire.LOSSLESS
     ) -> None:
-        if wire is not Wire.LOSSLESS:  # the Dispatcher gives CUDA groups none (wire_paths)
-            raise InternalError(f"a {wire.value} wire reached the CUDA transport, which carries lossless only")
-        if path is Path.NCCL:
+        if path is Path.NCCL:  # the Dispatcher gives it no compressed wire (wire_paths)
             if out.data_ptr() != tensor.data_ptr():
                 out.copy_(tensor)
             torch.distributed.all_reduce(out, group=self._nccl_group)
@@ -126,7 +125,7 @@ class CudaTransport:
         with self._enqueueing():  # the native group runs a call larger than a slot in pieces
             self._group.all_reduce(
                 tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout,
-                self._stream(),
+                self._stream(), wire.to_proto(),
             )  # fmt: skip
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:

@@ -24,7 +24,7 @@ from nodecomm.thresholds import DispatchTable, Path, Wire
 LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
 
 
-def one_form(path: Path, nbytes: int) -> str:
+def one_form(path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
     """The form of a transport whose paths have one each."""
     return ""
 
@@ -35,19 +35,19 @@ class Decision:
     explored: bool  # the table's neighbour, not its choice: time it for the daemon
     wire: Wire = Wire.LOSSLESS
     nbytes: int = 0
-    form_of: Callable[[Path, int], str] = field(default=one_form, repr=False, compare=False)
+    form_of: Callable[[Path, int, Wire], str] = field(default=one_form, repr=False, compare=False)
 
     @property
     def form(self) -> str:
         """How the path moves this size ("push" or "pull" for CUDA oneshot): asked of the
         transport only when someone reads it, not on every call."""
-        return self.form_of(self.path, self.nbytes)
+        return self.form_of(self.path, self.nbytes, self.wire)
 
 
 class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
-    `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes)`: the transport's form of a
-    path at a size; `wire_paths`: the paths on which it runs compressed wires; every
+    `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes, wire)`: the transport's form of
+    a path at a size; `wire_paths`: the paths on which it runs compressed wires; every
     `explore_period`-th call explores, after every `switch_period`-th one the ranks agree on the
     newest table (0: never)."""
 
@@ -57,7 +57,7 @@ class Dispatcher:
         paths: frozenset[Path],
         kind: str,
         *,
-        form_of: Callable[[Path, int], str] = one_form,
+        form_of: Callable[[Path, int, Wire], str] = one_form,
         wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
         switch_period: int = 0,
@@ -127,9 +127,10 @@ class Dispatcher:
                 return Decision(neighbour, True, Wire.LOSSLESS, nbytes, self._form_of)
         return Decision(chosen, False, Wire.LOSSLESS, nbytes, self._form_of)
 
-    def form(self, path: str, nbytes: int) -> str:
-        """The form `path` takes for an all-reduce of `nbytes` on this rank, without deciding a call."""
-        return self._form_of(self.forced_path(path), nbytes)
+    def form(self, path: str, nbytes: int, wire: str | None = None) -> str:
+        """The form `path` takes for an all-reduce of `nbytes` (over `wire`) on this rank, without
+        deciding a call."""
+        return self._form_of(self.forced_path(path), nbytes, Wire.LOSSLESS if wire is None else self._parsed_wire(wire))
 
     def accepts(self, nbytes: int) -> bool:
         """Whether the table gives `nbytes` a path this rank runs."""

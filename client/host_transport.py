@@ -29,7 +29,7 @@ class HostTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
-    def form(self, path: Path, nbytes: int) -> str:
+    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
         """Host paths have one form each."""
         return ""
 

@@ -93,19 +93,21 @@ def dtype_accumulation(inputs: list):
 
 
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
-    start_rank(rank, world_size, args, port)
+    device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
 
     import nodecomm
 
     rows = []
-    with nodecomm.connect("wire-error", rank, world_size, socket=args["socket"], timeout=120) as comm:
+    on_gpu = {"device": device} if device != "cpu" else {}
+    with nodecomm.connect("wire-error", rank, world_size, socket=args["socket"], timeout=120, **on_gpu) as comm:
         for kind in KINDS:
             for dtype_name in DTYPE_NAMES:
                 dtype = getattr(torch, dtype_name)
                 inputs = inputs_of(kind, world_size, dtype, args["count"])
-                outcomes = {wire: comm.all_reduce(inputs[rank], wire=wire) for wire in (*WIRES, "lossless")}
+                mine = inputs[rank].to(device)
+                outcomes = {wire: comm.all_reduce(mine, wire=wire).cpu() for wire in (*WIRES, "lossless")}
                 if rank != 0:
                     continue
                 exact = exact_sum(inputs)
@@ -123,21 +125,28 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
         results.put(rows)
 
 
-def run_wire_error(world_sizes: list[int], count: int, socket: str | None) -> str:
-    """The table, one run per world size (each a divisor of 8)."""
+def run_wire_error(world_sizes: list[int], count: int, socket: str | None, device: str = "cpu") -> str:
+    """The table, one run per world size (each a divisor of 8), on CPU or CUDA groups (ranks
+    spread over the visible GPUs, sharing them where there are fewer)."""
     import platform
+
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
 
     lines = [
         f"# nodecomm bench --op wire-error: {count} elements per rank (Gaussian), minilm partials "
-        f"{PARTIALS.name}; host={platform.node()} cpus={os.cpu_count()}",
+        f"{PARTIALS.name}; {device} groups; host={platform.node()} cpus={os.cpu_count()}",
         "# error against the exact (float64) sum of the same inputs; rms rel: RMS error / RMS of the sum",
         "",
         "| input | dtype | world | wire | max abs error | RMS relative error | within the bound |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for world_size in world_sizes:
+        # A private daemon lets CUDA ranks share a GPU where there are fewer than ranks.
+        shared_devices = ("--allow-shared-devices", "true") if device == "cuda" and world_size > gpus else ()
         for kind, dtype, world, wire, worst, rms, within in run_ranks(
-            _rank_main, world_size, {"count": count, "device": "cpu"}, socket
+            _rank_main, world_size, {"count": count, "device": device}, socket, shared_devices
         ):
             lines.append(f"| {kind} | {dtype} | {world} | {wire} | {worst:.3g} | {rms:.3g} | {within} |")
     return "\n".join(lines)

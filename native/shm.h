@@ -182,8 +182,7 @@ class ShmGroup {
     const Call call{Collective::kAllReduce, count, int(dtype), int(algorithm), int(format)};
     if (format != wire::Wire::kLossless) {
       // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
-      const std::size_t per_element = sizeof(T) + 2;
-      const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / per_element / 512 * 512};
+      const Chunking chunks{count, wire::elements_per_slot(std::min(slot_bytes_, kPipelineChunkBytes), sizeof(T))};
       NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(slot_bytes_) + " bytes holds no encoded chunk");
       return reduce_over_wire(src, dst, chunks, algorithm, format, call, timeout_s);
     }
@@ -271,7 +270,7 @@ class ShmGroup {
         continue;
       }
       const Segments seg{len, world_size_, wire::kWireBlock};
-      const auto reduced = [&](int r) { return reinterpret_cast<T*>(peer(r) + slot + wire::encoded_bytes(len)); };
+      const auto reduced = [&](int r) { return reinterpret_cast<T*>(peer(r) + slot + wire::reduced_offset(len)); };
       reduce_encoded(encoded, world_size_, len, format, dst + begin, seg.lo(rank_), seg.hi(rank_), reduced(rank_));
       barrier(timeout_s, call);
       for (int r = 0; r < world_size_; ++r) {

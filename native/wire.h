@@ -103,19 +103,35 @@ NODECOMM_HOST_DEVICE std::uint8_t encode(float x, float absmax, Wire wire) {
   return e4m3_of(y);
 }
 
+// a * b rounded once, never fused with the add that follows (nvcc contracts by default).
+NODECOMM_HOST_DEVICE float multiply(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
 // The value a code stands for under `scale`.
 NODECOMM_HOST_DEVICE float decode(std::uint8_t code, float scale, Wire wire) {
   if (wire == Wire::kInt8) {
-    return code == kInt8NaN ? float_of(0x7FC00000u) : float(std::int8_t(code)) * scale;
+    return code == kInt8NaN ? float_of(0x7FC00000u) : multiply(float(std::int8_t(code)), scale);
   }
-  return e4m3_value(code) * scale;
+  return multiply(e4m3_value(code), scale);
 }
 
 // Bytes a chunk of `count` elements takes on the wire: its codes (padded to 64 bytes), then one
 // fp32 scale per block.
-inline constexpr std::size_t blocks_of(std::size_t count) { return (count + kWireBlock - 1) / kWireBlock; }
-inline constexpr std::size_t scales_offset(std::size_t count) { return (count + 63) / 64 * 64; }
-inline constexpr std::size_t encoded_bytes(std::size_t count) { return scales_offset(count) + 4 * blocks_of(count); }
+NODECOMM_HOST_DEVICE constexpr std::size_t blocks_of(std::size_t count) { return (count + kWireBlock - 1) / kWireBlock; }
+NODECOMM_HOST_DEVICE constexpr std::size_t scales_offset(std::size_t count) { return (count + 63) / 64 * 64; }
+NODECOMM_HOST_DEVICE constexpr std::size_t encoded_bytes(std::size_t count) { return scales_offset(count) + 4 * blocks_of(count); }
+// Where a two-phase path keeps its reduced segment (in the element type) behind the encoding.
+NODECOMM_HOST_DEVICE constexpr std::size_t reduced_offset(std::size_t count) { return (encoded_bytes(count) + 255) / 256 * 256; }
+// The most elements of `element_bytes` one piece of a call takes where a slot has `slot_bytes`:
+// its encoding and, behind it, its reduced values fit, in whole multiples of 512.
+NODECOMM_HOST_DEVICE constexpr std::size_t elements_per_slot(std::size_t slot_bytes, std::size_t element_bytes) {
+  return slot_bytes / (element_bytes + 2) / 512 * 512;
+}
 
 inline Wire wire_of(int code) {
   NODECOMM_CHECK(code >= 0 && code <= 2, "unknown wire code " + std::to_string(code) +

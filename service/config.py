@@ -39,6 +39,7 @@ DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
         "twoshot_max_bytes": None,
         "dma_min_bytes": 6 << 20,
         "service_min_bytes": None,
+        "compressed_min_bytes": None,
     },
 }
 

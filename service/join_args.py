@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
-from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, UnsupportedError, shown
+from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
 from nodecomm.v1 import control_pb2 as pb
 
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
@@ -111,12 +111,6 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
         )
     if args.wire not in pb.Wire.values():
         raise InvalidArgumentError(f"geometry.wire {args.wire}: expected lossless, int8 or fp8", **where)
-    if args.wire != pb.LOSSLESS and args.device_kind == "cuda":
-        raise UnsupportedError(
-            f"geometry.wire {pb.Wire.Name(args.wire).lower()}: compressed wires run on CPU groups so far; "
-            "join a CUDA group with wire='lossless'",
-            **where,
-        )
     names = [name for name, _ in args.overrides]
     unknown = sorted(set(names) - set(DEFAULT_BOUNDARIES[args.device_kind]))
     if unknown or len(set(names)) != len(names):

@@ -400,5 +400,5 @@ def test_calibrating_a_wire_times_it_beside_lossless_and_stores_its_boundary(mak
     assert set(stored["wire_boundaries"]) == {"int8"}
     assert {"oneshot+int8", "twoshot+int8"} <= set(stored["medians"])
     assert [b["name"] for b in document["boundaries"]] == ["oneshot_max_bytes", "service_min_bytes"]  # lossless preview
-    refused = nodecomm_cli("--socket", daemon.socket, "calibrate", "--device", "cuda", "--wire", "int8")
-    assert refused.returncode != 0
+    wrong = nodecomm_cli("--socket", daemon.socket, "calibrate", "--wire", "int4")
+    assert wrong.returncode != 0 and "int4" in wrong.stderr + wrong.stdout

@@ -104,20 +104,22 @@ def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():
 
 def test_a_decision_carries_the_form_of_the_path_it_chose():
     """The transport's form of the path decided, forced, chosen or explored (here a stand-in for
-    CUDA oneshot's: pushed up to 8 KiB)."""
+    CUDA oneshot's: pushed up to 8 KiB, pulled over a compressed wire)."""
 
-    def form_of(path: Path, nbytes: int) -> str:
+    def form_of(path: Path, nbytes: int, wire: Wire) -> str:
         if path is not Path.ONESHOT:
             return ""
-        return "push" if nbytes <= 8 * KIB else "pull"
+        return "push" if nbytes <= 8 * KIB and wire is Wire.LOSSLESS else "pull"
 
-    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", form_of=form_of, explore_period=2)
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2)
     assert dispatcher.decide(4 * KIB, forced=None, capturing=False).form == "push"
     explored = dispatcher.decide(33 * KIB, forced=None, capturing=False)  # the second call explores
     assert (explored.path, explored.explored, explored.form) == (Path.ONESHOT, True, "pull")
     assert dispatcher.decide(16 * KIB, forced="twoshot", capturing=False).form == ""
     assert dispatcher.form("oneshot", 8 * KIB) == "push" and dispatcher.form("oneshot", 8 * KIB + 1) == "pull"
-    assert dispatcher.calls == 3  # form() decides no call
+    assert dispatcher.form("oneshot", 4 * KIB, "int8") == "pull"
+    assert dispatcher.decide(4 * KIB, forced="oneshot", capturing=False, wire="fp8").form == "pull"
+    assert dispatcher.calls == 4  # form() decides no call
     assert Dispatcher(TABLE, CUDA_PATHS, "cuda").decide(4, forced=None, capturing=False).form == ""
 
 

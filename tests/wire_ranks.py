@@ -75,51 +75,88 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(BITS[a.dtype])[~nan], b.view(BITS[b.dtype])[~nan])
 
 
-def compressed_cases(rank: int, world_size: int, socket: str, cases: list[tuple[str, int]]) -> list[str]:
-    """Every (dtype, count) case on both wires and both paths: the reference's bits (so every
-    rank's are the same) within the stated bound; the lossless call beside them unchanged."""
+def _device(rank: int, kind: str | None) -> str | None:
+    """None for a CPU group; "cuda": this rank's GPU (ranks share them where there are fewer)."""
+    return None if kind is None else f"cuda:{rank % torch.cuda.device_count()}"
+
+
+def _group(name: str, rank: int, world_size: int, socket: str, device: str | None):
+    """A CPU group, or a CUDA group on `device` (made current)."""
+    if device is None:
+        return nodecomm.connect(name, rank, world_size, socket=socket, timeout=60)
+    torch.cuda.set_device(device)
+    return nodecomm.connect(name, rank, world_size, socket=socket, timeout=120, device=device)
+
+
+def compressed_cases(
+    rank: int,
+    world_size: int,
+    socket: str,
+    cases: list[tuple[str, int]],
+    device: str | None = None,  # None: a CPU group; "cuda": a CUDA group
+    paths: tuple[str, ...] = ("oneshot", "twoshot"),
+) -> list[str]:
+    """Every (dtype, count) case on both wires and every path: the reference's bits (so every
+    rank's are the same) within the stated bound; the lossless call beside them unchanged. On a
+    CUDA group (`device`) also into an output one element past an aligned start."""
+    device = _device(rank, device)
     problems = []
-    with nodecomm.connect("wires", rank, world_size, socket=socket, timeout=60) as comm:
+    with _group("wires", rank, world_size, socket, device) as comm:
         for index, (dtype_name, count) in enumerate(cases):
             dtype = DTYPES[dtype_name]
             inputs = [activations(r, count, dtype, index) for r in range(world_size)]
+            mine, exact = inputs[rank].to(device or "cpu"), exact_sum(inputs)
             for wire in ("int8", "fp8"):
                 expected = reference(inputs, wire)
                 bound = error_bound(inputs, wire)
-                for path in ("oneshot", "twoshot"):
-                    y = comm.all_reduce(inputs[rank], path=path, wire=wire)
+                results = {path: comm.all_reduce(mine, path=path, wire=wire) for path in paths}
+                if device is not None:
+                    for path in paths:
+                        shifted = torch.empty(count + 1, dtype=dtype, device=device)[1:]
+                        comm.all_reduce(mine, out=shifted, path=path, wire=wire)
+                        results[f"{path} unaligned"] = shifted
+                for path, y in results.items():
+                    y = y.cpu()
                     if not same_bits(y, expected):
                         wrong = int((y.view(BITS[dtype]) != expected.view(BITS[dtype])).sum())
                         problems.append(f"{wire} {path} {dtype_name} count={count}: {wrong} elements differ")
-                    error = (y.double() - exact_sum(inputs)).abs()
+                    error = (y.double() - exact).abs()
                     if count and not bool((error <= bound).all()):
                         worst = int((error - bound).argmax())
                         problems.append(
                             f"{wire} {path} {dtype_name} count={count}: element {worst} is off by "
                             f"{float(error[worst]):.3g}, past the bound {float(bound[worst]):.3g}"
                         )
-            lossless = comm.all_reduce(inputs[rank], wire="lossless")
+            lossless = comm.all_reduce(mine, wire="lossless").cpu()
             if not same_bits(lossless, rank_order_sum(inputs)):
                 problems.append(f"lossless {dtype_name} count={count} differs from the rank-order sum")
     return problems
 
 
-def special_blocks(rank: int, world_size: int, socket: str) -> dict:
+def special_blocks(rank: int, world_size: int, socket: str, device: str | None = None) -> dict:
     """Blocks holding inf or NaN (on rank 0 only), an all-zero block, and E4M3's every code and
-    every midpoint between neighbours (blocks anchored by 448, so they are sent unscaled)."""
+    every midpoint between neighbours (blocks anchored by 448, so they are sent unscaled); on a
+    CUDA group (`device`) every path."""
+    device = _device(rank, device)
     seen = {}
-    with nodecomm.connect("special", rank, world_size, socket=socket, timeout=60) as comm:
+    paths = ("oneshot", "twoshot", "dma") if device else ("oneshot", "twoshot")
+    with _group("special", rank, world_size, socket, device) as comm:
         x = torch.ones(4 * BLOCK)
         x[BLOCK : 2 * BLOCK] = 0.0
         if rank == 0:
             x[5], x[2 * BLOCK + 7], x[3 * BLOCK + 1] = math.inf, -math.inf, math.nan
         for wire in ("int8", "fp8"):
-            y = comm.all_reduce(x, wire=wire)
-            seen[wire] = {
-                "nan": torch.isnan(y).nonzero().flatten().tolist(),
-                "zero_block": y[BLOCK : 2 * BLOCK].tolist(),
-                "block_rest": y[:5].tolist() + y[6:BLOCK].tolist(),
-            }
+            by_path = {}
+            for path in paths:
+                y = comm.all_reduce(x.to(device or "cpu"), wire=wire, path=path).cpu()
+                by_path[path] = {
+                    "nan": torch.isnan(y).nonzero().flatten().tolist(),
+                    "zero_block": y[BLOCK : 2 * BLOCK].tolist(),
+                    "block_rest": y[:5].tolist() + y[6:BLOCK].tolist(),
+                }
+            # One answer where every path gave it, else each path's (which the test shows).
+            same = all(found == by_path[paths[0]] for found in by_path.values())
+            seen[wire] = by_path[paths[0]] if same else by_path
         codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
         values = codes[torch.isfinite(codes)].unique()
         midpoints = (values[1:] + values[:-1]) / 2
@@ -127,9 +164,9 @@ def special_blocks(rank: int, world_size: int, socket: str) -> dict:
         probe = probe[probe.abs() <= 448]
         blocks = torch.nn.functional.pad(probe, (0, -probe.numel() % (BLOCK - 1))).view(-1, BLOCK - 1)
         anchored = torch.cat([torch.full((blocks.shape[0], 1), 448.0), blocks], dim=1).flatten()
-        mine = anchored if rank == 0 else torch.zeros_like(anchored)
-        got = comm.all_reduce(mine, wire="fp8", path="oneshot")
-        seen["e4m3"] = same_bits(got, reference([anchored] + [torch.zeros_like(anchored)] * (world_size - 1), "fp8"))
+        mine = (anchored if rank == 0 else torch.zeros_like(anchored)).to(device or "cpu")
+        expected = reference([anchored] + [torch.zeros_like(anchored)] * (world_size - 1), "fp8")
+        seen["e4m3"] = all(same_bits(comm.all_reduce(mine, wire="fp8", path=path).cpu(), expected) for path in paths)
         seen["e4m3_count"] = int(probe.numel())
     return seen
 
@@ -195,3 +232,47 @@ def live_wire_switch(rank: int, world_size: int, socket: str, synthetic: list, c
         rows = [(lo, hi, p.value, w.value) for (lo, hi, p), w in zip(table.rows(), table.wires(), strict=True)]
         boundary = table.boundary("compressed_min_bytes").describe()
         return {"switched_at": switched_at, "rows": rows, "initial": initial, "boundary": boundary}
+
+
+def compressed_in_graphs(rank: int, world_size: int, socket: str, device: str) -> list[str]:
+    """A CUDA group: every path on both wires captured in one graph, replayed with new inputs
+    without a host synchronisation between replays; then eager calls cycling lossless and
+    compressed paths back to back. Returns the problems found."""
+    device = _device(rank, device)
+    problems = []
+    count, dtype = 70_001, torch.bfloat16
+    calls = [(path, wire) for wire in ("int8", "fp8") for path in ("oneshot", "twoshot", "dma")]
+    with _group("wire-graphs", rank, world_size, socket, device) as comm:
+        inputs = [[activations(r, count, dtype, 200 + k) for r in range(world_size)] for k in range(4)]
+        static_in = torch.empty(count, dtype=dtype, device=device)
+        static_out = {call: torch.empty_like(static_in) for call in calls}
+        graph = torch.cuda.CUDAGraph()
+        capture_stream = torch.cuda.Stream()
+        with torch.cuda.stream(capture_stream), torch.cuda.graph(graph, stream=capture_stream):
+            for (path, wire), out in static_out.items():
+                comm.all_reduce(static_in, out=out, path=path, wire=wire)
+        history = []
+        for k in range(4):
+            static_in.copy_(inputs[k][rank])
+            graph.replay()
+            history.append({call: out.clone() for call, out in static_out.items()})
+        cycled = [
+            comm.all_reduce(inputs[k][rank].to(device), path=path, wire=wire)
+            for k in range(4)
+            for path in ("oneshot", "twoshot", "dma")
+            for wire in ("lossless", "int8")
+        ]
+        torch.cuda.synchronize()
+        for k in range(4):
+            for (path, wire), got in history[k].items():
+                if not same_bits(got.cpu(), reference(inputs[k], wire)):
+                    problems.append(f"graph replay {k}: {path} over {wire} differs from the reference")
+        expected = {
+            wire: [reference(inputs[k], wire) if wire != "lossless" else rank_order_sum(inputs[k]) for k in range(4)]
+            for wire in ("lossless", "int8")
+        }
+        for index, got in enumerate(cycled):
+            k, path, wire = index // 6, ("oneshot", "twoshot", "dma")[index // 2 % 3], ("lossless", "int8")[index % 2]
+            if not same_bits(got.cpu(), expected[wire][k]):
+                problems.append(f"back-to-back call {index} ({path} over {wire}) differs")
+    return problems

@@ -24,23 +24,30 @@
 namespace nodecomm::cuda {
 
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                std::size_t call_count, DType dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
-                const CopyPipeline& pipeline) {
+                std::size_t call_count, DType dtype, Algorithm algorithm, int wire, double timeout_s,
+                cudaStream_t stream, const CopyPipeline& pipeline) {
   check_group(group);
+  const wire::Wire format = wire::wire_of(wire);
   NODECOMM_CHECK(group.max_blocks >= 1 && group.max_blocks <= kMaxBlocks,
                  "max_blocks " + std::to_string(group.max_blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
   NODECOMM_CHECK(count * dtype_bytes(dtype) <= group.slot_bytes,
                  "payload of " + std::to_string(count * dtype_bytes(dtype)) + " bytes exceeds the slot of " +
                      std::to_string(group.slot_bytes));
+  NODECOMM_CHECK(format == wire::Wire::kLossless || count <= wire::elements_per_slot(group.slot_bytes, dtype_bytes(dtype)),
+                 "a piece of " + std::to_string(count) + " elements over a compressed wire exceeds the slot of " +
+                     std::to_string(group.slot_bytes) + " bytes");
   NODECOMM_CHECK(count <= call_count, "a piece of " + std::to_string(count) + " elements of a call of " +
                                           std::to_string(call_count));
-  const TaggedCall call = tagged(Call{Collective::kAllReduce, call_count, int(dtype), int(algorithm)}.packed());
+  const TaggedCall call = tagged(Call{Collective::kAllReduce, call_count, int(dtype), int(algorithm), wire}.packed());
   const std::uint64_t timeout = timeout_ns(timeout_s);
   if (count == 0) return meet_peers(group, call, timeout, stream);  // the calls still meet
   switch (algorithm) {
-    case Algorithm::kOneshot: return oneshot_all_reduce(group, input, output, count, dtype, call, timeout, stream);
-    case Algorithm::kTwoshot: return twoshot_all_reduce(group, input, output, count, dtype, call, timeout, stream);
-    case Algorithm::kDma: return dma_all_reduce(group, input, output, count, dtype, call, timeout, stream, pipeline);
+    case Algorithm::kOneshot:
+      return oneshot_all_reduce(group, input, output, count, dtype, format, call, timeout, stream);
+    case Algorithm::kTwoshot:
+      return twoshot_all_reduce(group, input, output, count, dtype, format, call, timeout, stream);
+    case Algorithm::kDma:
+      return dma_all_reduce(group, input, output, count, dtype, format, call, timeout, stream, pipeline);
   }
   NODECOMM_RAISE(kInvalidArgument, "unknown algorithm code " + std::to_string(int(algorithm)));
 }

@@ -47,12 +47,16 @@ struct CopyPipeline {
 //   dma      copy engines stage the input, pull this rank's segment of every peer's slot and
 //            gather the peers' sums into slot 1; SM kernels reduce, signal and copy the sums out;
 //            fixed slots, so four barriers order the reuse
-// count * element size must fit in one slot; call_count is the element count of the whole call
-// this piece belongs to, which the ranks compare (so a call in pieces disagrees at its first).
-// A count of 0 still meets the peers at one barrier.
+// Over a compressed wire (nodecomm.v1.Wire; ../wire.h) each rank's input is quantized once and
+// the paths sum the dequantized values the same way: oneshot pulls, twoshot and dma gather the
+// sums in the element type, so all three give the same bits.
+// count * element size (compressed: count at most wire::elements_per_slot) must fit in one slot;
+// call_count is the element count of the whole call this piece belongs to, which the ranks
+// compare (so a call in pieces disagrees at its first). A count of 0 still meets the peers at one
+// barrier.
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                std::size_t call_count, DType dtype, Algorithm algorithm, double timeout_s, cudaStream_t stream,
-                const CopyPipeline& pipeline);
+                std::size_t call_count, DType dtype, Algorithm algorithm, int wire, double timeout_s,
+                cudaStream_t stream, const CopyPipeline& pipeline);
 
 // Whether oneshot pushes a piece of `nbytes` (into peers' push slots) rather than pulling it
 // (from peers' staging slots): the form a call takes, for whoever times or reports it.

@@ -1,6 +1,6 @@
-// dma.cu — the copy paths: dma all-reduce and all_gather, whose bulk moves are copy-engine copies,
-// with small SM kernels between them: the signal (one block-pair barrier), the reduction, and the
-// copy out. They address fixed slots, since copies captured in a graph keep their addresses: a
+// dma.cu — the copy paths: dma all-reduce (lossless or over a compressed wire) and all_gather,
+// whose bulk moves are copy-engine copies, with small SM kernels between them: the signal (one
+// block-pair barrier), the reduction, and the copy out. They address fixed slots, since copies captured in a graph keep their addresses: a
 // signal before staging and one after the last read fence them off from whatever runs before and
 // after. Copies run whatever a kernel before them found, so the copy paths copy peers' data into
 // this rank's slot 1 and a kernel moves it to the output only if no barrier of this rank gave up
@@ -17,6 +17,7 @@
 #include "pack.cuh"
 #include "paths.h"
 #include "signal.cuh"
+#include "wire_codec.cuh"
 #include "world.h"
 
 namespace nodecomm::cuda {
@@ -68,6 +69,41 @@ __global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Signal<N> signal, 
         staged[i] = sum;
         output[i] = sum;
       });
+}
+
+// dma over a compressed wire: the input's encoding, into slot 0 (the grid strides over all of it).
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    wire_encode_kernel(const T* input, std::size_t count, std::uint8_t* to, wire::Wire format) {
+  encode_range(input, 0, count, count, to, format, std::size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+               std::size_t(gridDim.x) * blockDim.x);
+}
+
+// dma over a compressed wire: this rank's segment [lo, hi) summed from its own encoding in slot 0
+// and the peers' codes and scales pulled into slot 1 (peer p's codes at (p < rank ? p : p - 1) *
+// segment, every peer's scales behind all the codes). The sums go to the output and behind the
+// encoding in slot 0, where the peers gather them from.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    wire_dma_reduce_kernel(Signal<N> signal, std::size_t slot_stride, std::size_t count, std::size_t lo,
+                           std::size_t hi, std::size_t segment, T* output, wire::Wire format) {
+  const int rank = signal.rank;
+  const bool stopped = signal.gave_up();
+  const std::uint8_t* staged = signal.mine() + kSlotOffset;
+  const std::uint8_t* pulled = staged + slot_stride;
+  const float* pulled_scales = reinterpret_cast<const float*>(pulled + std::size_t(N - 1) * segment);
+  T* kept = reinterpret_cast<T*>(signal.mine() + kSlotOffset + wire::reduced_offset(count));
+  const auto encoded_of = [=](int r) {
+    if (r == rank) return encoded_at(staged, count);
+    const std::size_t j = std::size_t(r < rank ? r : r - 1);
+    return Encoded{pulled + j * segment, pulled_scales + j * (segment / wire::kWireBlock), lo};
+  };
+  reduce_encoded<T, N>(encoded_of, lo, hi, format, std::size_t(blockIdx.x) * blockDim.x + threadIdx.x,
+                       std::size_t(gridDim.x) * blockDim.x, [&](std::size_t i, T value) {
+                         if (stopped) return;
+                         kept[i] = value;
+                         output[i] = value;
+                       });
 }
 
 // What a copy path's last kernel moves from this rank's slot 1 to the output: piece p's bytes.
@@ -201,16 +237,75 @@ void dma_typed(const GroupView& group, const Signal<N>& signal, const T* input, 
   copy_out(signal, call, pieces, stream);  // nobody reads our slots any more
 }
 
+// dma's steps over a compressed wire: the copy engines pull codes and scales, not values, for the
+// reduction (one pull, no pipeline: the codes are a quarter to a half of the values), and gather
+// the sums in the element type, so nothing is quantized twice. Segments are whole multiples of 64
+// elements, so the pulled codes and the gathered sums of the peers fit slot 1.
+template <typename T, int N>
+void wire_dma_typed(const GroupView& group, const Signal<N>& signal, const T* input, T* output, std::size_t count,
+                    wire::Wire format, TaggedCall call, cudaStream_t stream) {
+  constexpr std::size_t kAlign = 64;
+  const int rank = group.rank;
+  std::uint8_t* const* buffers = signal.peers.rank;
+  const std::size_t stride = slot_stride(group.slot_bytes);
+  const std::size_t segment = ((count + N - 1) / N + kAlign - 1) / kAlign * kAlign;
+  NODECOMM_ASSERT((N - 1) * segment * sizeof(T) <= stride && wire::reduced_offset(count) + count * sizeof(T) <= stride,
+                  "compressed dma segments exceed the slots");
+  auto begin_of = [&](int r) { return std::min(count, std::size_t(r) * segment); };
+  auto end_of = [&](int r) { return std::min(count, begin_of(r) + segment); };
+  std::uint8_t* staged = buffers[rank] + kSlotOffset;
+  std::uint8_t* pulled = staged + stride;
+  const int blocks = int(std::clamp<std::size_t>((count + kThreads * kQuad - 1) / (kThreads * kQuad), 1, kReduceMaxBlocks));
+
+  signal_once(signal, call, stream);  // compares the calls; peers are done with our slots
+  wire_encode_kernel<T><<<blocks, kThreads, 0, stream>>>(input, count, staged, format);
+  NODECOMM_CUDA(cudaGetLastError());
+  signal_once(signal, call, stream);  // every rank has encoded
+  const std::size_t own_begin = begin_of(rank), own_end = end_of(rank);
+  if (own_end > own_begin) {
+    const std::size_t n = own_end - own_begin;
+    for (int p = 0; p < N; ++p) {
+      if (p == rank) continue;
+      const std::size_t j = std::size_t(p < rank ? p : p - 1);
+      const std::uint8_t* theirs = buffers[p] + kSlotOffset;
+      copy(pulled + j * segment, theirs + own_begin, n, stream);
+      copy(pulled + std::size_t(N - 1) * segment + j * (segment / wire::kWireBlock) * 4,
+           theirs + wire::scales_offset(count) + own_begin / wire::kWireBlock * 4, wire::blocks_of(n) * 4, stream);
+    }
+    wire_dma_reduce_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, stride, count, own_begin, own_end, segment,
+                                                                   output, format);
+    NODECOMM_CUDA(cudaGetLastError());
+  }
+  signal_once(signal, call, stream);  // every segment is reduced
+  Pieces pieces{};
+  T* gathered = reinterpret_cast<T*>(pulled);
+  for (int p = 0; p < N; ++p) {
+    if (p == rank) continue;
+    const std::size_t lo = begin_of(p), hi = end_of(p);
+    T* to = gathered + std::size_t(p < rank ? p : p - 1) * segment;
+    copy(to, reinterpret_cast<const T*>(buffers[p] + kSlotOffset + wire::reduced_offset(count)) + lo,
+         (hi - lo) * sizeof(T), stream);
+    pieces.from[pieces.count] = reinterpret_cast<const std::uint8_t*>(to);
+    pieces.to[pieces.count] = reinterpret_cast<std::uint8_t*>(output + lo);
+    pieces.bytes[pieces.count++] = (hi - lo) * sizeof(T);
+  }
+  copy_out(signal, call, pieces, stream);  // nobody reads our slots any more
+}
+
 }  // namespace
 
 void dma_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                    DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream,
+                    DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream,
                     const CopyPipeline& pipeline) {
   for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
-    dma_typed<T, N>(group, signal_of<N>(group, timeout_ns), reinterpret_cast<const T*>(input),
-                    reinterpret_cast<T*>(output), count, call, stream, pipeline);
+    const auto* in = reinterpret_cast<const T*>(input);
+    auto* out = reinterpret_cast<T*>(output);
+    if (format != wire::Wire::kLossless) {
+      return wire_dma_typed<T, N>(group, signal_of<N>(group, timeout_ns), in, out, count, format, call, stream);
+    }
+    dma_typed<T, N>(group, signal_of<N>(group, timeout_ns), in, out, count, call, stream, pipeline);
   });
 }
 

@@ -9,6 +9,8 @@
 // carries a digest of the call and the launch, so ranks in different calls see other flags.
 //
 // Pulled, past that: stage into this launch's slot, one barrier, every rank sums every slot.
+// Over a compressed wire always pulled: encode into this launch's slot, one barrier, every rank
+// sums every slot's values, dequantized (wire_codec.cuh).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "pack.cuh"
 #include "paths.h"
 #include "signal.cuh"
+#include "wire_codec.cuh"
 #include "world.h"
 
 namespace nodecomm::cuda {
@@ -148,6 +151,20 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(Signal<N> signal, std::s
       [&](std::size_t i) { output[i] = sum_element<T, N>(slots_at(i)); });
 }
 
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    wire_pull_kernel(Signal<N> signal, std::size_t slot_stride, const T* input, T* output, std::size_t count,
+                     wire::Wire format, TaggedCall call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
+  const BlockShare share = wire_share(count);
+  encode_range(input, share.begin, share.end, count, signal.mine() + slot, format, threadIdx.x, blockDim.x);
+  if (!signal.barrier(&failed, call, true)) return;
+  reduce_encoded<T, N>([&](int r) { return encoded_at(signal.peers.at(r) + slot, count); }, share.begin, share.end,
+                       format, threadIdx.x, blockDim.x, [&](std::size_t i, T value) { output[i] = value; });
+}
+
 }  // namespace
 
 // The push form while its lines fit a part and every thread of the grid carries at most one: past
@@ -159,16 +176,23 @@ bool oneshot_pushes(const GroupView& group, std::size_t nbytes) {
 }
 
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                        DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream) {
+                        DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
+                        cudaStream_t stream) {
   // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
-  const bool pushed = oneshot_pushes(group, count * dtype_bytes(dtype));
+  const bool compressed = format != wire::Wire::kLossless;
+  const bool pushed = !compressed && oneshot_pushes(group, count * dtype_bytes(dtype));
   for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     const Signal<N> signal = signal_of<N>(group, timeout_ns);
     const auto* in = reinterpret_cast<const T*>(input);
     auto* out = reinterpret_cast<T*>(output);
-    if (pushed) {
+    if (compressed) {
+      const int blocks = int(std::clamp<std::size_t>((count + kThreads * kQuad - 1) / (kThreads * kQuad), 1,
+                                                     std::size_t(group.max_blocks)));
+      wire_pull_kernel<T, N>
+          <<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, format, call);
+    } else if (pushed) {
       const std::size_t lines = (count * sizeof(T) + 7) / 8;
       const int blocks =
           int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
@@ -189,7 +213,7 @@ int oneshot_blocks_per_sm() {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     per_sm = std::min({per_sm, blocks_per_sm(push_kernel<T, N>, kThreads), blocks_per_sm(pull_kernel<T, N, true>, kThreads),
-                       blocks_per_sm(pull_kernel<T, N, false>, kThreads)});
+                       blocks_per_sm(pull_kernel<T, N, false>, kThreads), blocks_per_sm(wire_pull_kernel<T, N>, kThreads)});
   });
   return per_sm;
 }

@@ -10,25 +10,29 @@
 
 #include "../codes.h"
 #include "../errors.h"
+#include "../wire.h"
 #include "collectives.h"
 #include "sync.cuh"
 
 namespace nodecomm::cuda {
 
+// Each path's all-reduce runs over the lossless wire or a compressed one (../wire.h).
 // oneshot.cu: pushed while the payload fits the push slots (oneshot_pushes), pulled past that.
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                        DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream);
+                        DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
+                        cudaStream_t stream);
 int oneshot_blocks_per_sm();
 
 // twoshot.cu
 void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                        DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream);
+                        DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
+                        cudaStream_t stream);
 int twoshot_blocks_per_sm();
 
 // dma.cu: the copy paths (dma all-reduce, all_gather) and the signal between their steps, which
 // is also the group's barrier and what a call of nothing meets at.
 void dma_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                    DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream,
+                    DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream,
                     const CopyPipeline& pipeline);
 void meet_peers(const GroupView& group, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream);
 

@@ -1,6 +1,9 @@
 // twoshot.cu — twoshot all-reduce: stage into this launch's slot, barrier, rank r reduces segment
 // r of every block's share (into its slot and the output), barrier, every rank gathers the other
-// segments from their owners' slots.
+// segments from their owners' slots. Over a compressed wire the same steps on the encoding
+// (wire_codec.cuh): encode, barrier, rank r sums segment r dequantized and keeps it behind the
+// encoding in the element type, barrier, every rank gathers those sums: nothing is quantized twice,
+// so twoshot gives oneshot's bits.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,6 +13,7 @@
 #include "pack.cuh"
 #include "paths.h"
 #include "signal.cuh"
+#include "wire_codec.cuh"
 #include "world.h"
 
 namespace nodecomm::cuda {
@@ -56,10 +60,45 @@ __global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std
   }
 }
 
+template <typename T, int N, bool kVector>
+__global__ void __launch_bounds__(kThreads)
+    wire_twoshot_kernel(Signal<N> signal, std::size_t slot_stride, const T* input, T* output, std::size_t count,
+                        wire::Wire format, TaggedCall call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
+  const BlockShare share = wire_share(count);
+  encode_range(input, share.begin, share.end, count, signal.mine() + slot, format, threadIdx.x, blockDim.x);
+  if (!signal.barrier(&failed, call, true)) return;
+
+  const auto reduced_of = [&](int r) {
+    return reinterpret_cast<T*>(signal.peers.at(r) + slot + wire::reduced_offset(count));
+  };
+  const std::size_t segment = ((share.end - share.begin + N - 1) / N + wire::kWireBlock - 1) / wire::kWireBlock * wire::kWireBlock;
+  const auto segment_of = [&](int r) {
+    const std::size_t lo = min(share.end, share.begin + std::size_t(r) * segment);
+    return BlockShare{lo, min(share.end, lo + segment)};
+  };
+  const BlockShare own = segment_of(signal.rank);
+  T* kept = reduced_of(signal.rank);
+  reduce_encoded<T, N>([&](int r) { return encoded_at(signal.peers.at(r) + slot, count); }, own.begin, own.end, format,
+                       threadIdx.x, blockDim.x, [&](std::size_t i, T value) {
+                         kept[i] = value;
+                         output[i] = value;
+                       });
+  if (!signal.barrier(&failed, call, true)) return;
+  for (int r = 0; r < N; ++r) {
+    if (r == signal.rank) continue;
+    const BlockShare theirs = segment_of(r);
+    block_copy<T, kVector>(reduced_of(r), output, theirs.begin, theirs.end);
+  }
+}
+
 }  // namespace
 
 void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                        DType dtype, TaggedCall call, std::uint64_t timeout_ns, cudaStream_t stream) {
+                        DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
+                        cudaStream_t stream) {
   // Grids follow from the count alone, so every rank that agrees on the call launches the same one.
   const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
   const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
@@ -68,9 +107,15 @@ void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
     using T = typename decltype(element)::type;
     const auto* in = reinterpret_cast<const T*>(input);
     auto* out = reinterpret_cast<T*>(output);
-    const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
-    kernel<<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns), slot_stride(group.slot_bytes), in, out,
-                                            count, call);
+    const Signal<N> signal = signal_of<N>(group, timeout_ns);
+    if (format != wire::Wire::kLossless) {
+      // The gather reads packs from the peers' slots, which are aligned, so only the output matters.
+      const auto kernel = aligned(out) ? wire_twoshot_kernel<T, N, true> : wire_twoshot_kernel<T, N, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, format, call);
+    } else {
+      const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, call);
+    }
     NODECOMM_CUDA(cudaGetLastError());
   });
 }
@@ -81,7 +126,8 @@ int twoshot_blocks_per_sm() {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     per_sm = std::min(
-        {per_sm, blocks_per_sm(twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(twoshot_kernel<T, N, false>, kThreads)});
+        {per_sm, blocks_per_sm(twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(twoshot_kernel<T, N, false>, kThreads),
+         blocks_per_sm(wire_twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(wire_twoshot_kernel<T, N, false>, kThreads)});
   });
   return per_sm;
 }

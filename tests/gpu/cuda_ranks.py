@@ -334,9 +334,10 @@ def service_without_host_sync(rank: int, world_size: int, socket: str, calls: in
 def _disagreeing_call(comm, case: str, odd: bool, device: str):
     """(call, the sentinel-filled output it may write) of `case` for rank 1 (odd) or the others."""
 
-    def reduce(count: int, path: str | None, dtype: torch.dtype = torch.float32):
+    def reduce(count: int, path: str | None, dtype: torch.dtype = torch.float32, wire: str = "lossless"):
         out = torch.full((count,), -7.0, dtype=dtype, device=device)
-        return (lambda: comm.all_reduce(torch.ones(count, dtype=dtype, device=device), out=out, path=path)), out
+        x = torch.ones(count, dtype=dtype, device=device)
+        return (lambda: comm.all_reduce(x, out=out, path=path, wire=wire)), out
 
     def gather(nbytes: int):
         out = torch.full((comm.world_size, nbytes), 7, dtype=torch.uint8, device=device)
@@ -365,6 +366,12 @@ def _disagreeing_call(comm, case: str, odd: bool, device: str):
         "path_pushed_dma": (lambda: reduce(4096, "oneshot"), lambda: reduce(4096, "dma")),
         "path_pulled_twoshot": (lambda: reduce(pulled, "oneshot"), lambda: reduce(pulled, "twoshot")),
         "path_twoshot_dma": (lambda: reduce(pulled, "twoshot"), lambda: reduce(pulled, "dma")),
+        "wire_pushed": (lambda: reduce(4096, "oneshot"), lambda: reduce(4096, "oneshot", wire="int8")),
+        "wire_twoshot": (
+            lambda: reduce(pulled, "twoshot", wire="int8"),
+            lambda: reduce(pulled, "twoshot", wire="fp8"),
+        ),
+        "wire_dma": (lambda: reduce(large, "dma", wire="fp8"), lambda: reduce(large, "dma")),
         "collective": (lambda: reduce(16, "oneshot"), lambda: gather(64)),
         "barrier": (lambda: reduce(16, "oneshot"), lambda: (comm.barrier, None)),
         "gather_bytes": (lambda: gather(16), lambda: gather(20)),
