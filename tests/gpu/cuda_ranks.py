@@ -119,6 +119,34 @@ def reduce_until_error(rank: int, world_size: int, socket: str, report) -> tuple
     raise AssertionError("unreachable")
 
 
+def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, report) -> dict:
+    """Rank 1 joins and stays away; rank 0 enqueues `calls` all-reduces cycling every path, each
+    waiting for rank 1, and says so on `report`; the test then kills rank 1, which aborts the group.
+    Returns how long rank 0's stream took to drain after the abort was visible on the host."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    with nodecomm.connect("drain", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+        small, pulled = torch.ones(1024, device=device), torch.ones(1 << 18, device=device)
+        comm.all_reduce(small)
+        torch.cuda.synchronize()
+        if rank != 0:
+            report.put("away")
+            time.sleep(600)  # killed
+        cases = [(small, "oneshot"), (pulled, "oneshot"), (pulled, "twoshot"), (pulled, "dma")]
+        for call in range(calls):
+            x, path = cases[call % len(cases)]
+            comm.all_reduce(x, out=x, path=path)
+        report.put("queued")
+        stream = torch.cuda.current_stream()
+        while _native.abort_state(comm._control.address)[0] == 0:
+            if stream.query():
+                return {"error": "the stream drained before the abort"}
+        aborted = time.perf_counter()
+        stream.synchronize()
+        drained = time.perf_counter()
+        return {"drain_s": drained - aborted, "record": _native.error_record(comm._control.address, rank)[0]}
+
+
 def wait_alone(rank: int, world_size: int, socket: str) -> tuple[str, str]:
     """Rank 0 all-reduces; rank 1 joins but never calls. Rank 0's kernel must give up."""
     device = device_for(rank)
