@@ -224,6 +224,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 2
         print(run_wire_error(worlds, args.count, args.socket, args.device))
         return 0
+    if args.op == "across-nodes":
+        from nodecomm.client.across_nodes_bench import run_across_nodes_bench
+
+        nodes = [int(n) for n in args.nodes.split(",")]
+        sizes = [parse_byte_size(s) for s in (args.sizes or "1KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB").split(",")]
+        if len(nodes) < 2 or min(nodes) < 1:
+            print(f"nodecomm bench: --nodes {args.nodes}: expected two or more rank counts, e.g. 2,2", file=sys.stderr)
+            return 2
+        print(run_across_nodes_bench(nodes, sizes, args.iterations))
+        return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
 
@@ -348,12 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--op",
         default="all_reduce",
-        choices=("all_reduce", "topk", "wire-error"),
+        choices=("all_reduce", "topk", "wire-error", "across-nodes"),
         help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md)",
     )
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     bench.add_argument("--rows", default="64,256,1024,2048", help="topk: rows per stage")
     bench.add_argument("--worlds", default="2,4,8", help="wire-error: the world sizes, divisors of 8")
+    bench.add_argument("--nodes", default="2,2", help="across-nodes: ranks per stand-in node (a daemon each)")
     bench.add_argument("--count", type=int, default=1 << 18, help="wire-error: Gaussian elements per rank")
     bench.add_argument("--topk", type=int, default=2048, help="topk: candidates per row and rank")
     bench.add_argument("--iterations", type=int, default=10, help="topk: timed stages per size")

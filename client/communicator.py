@@ -314,6 +314,11 @@ class Communicator:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
 
     @property
+    def operation_timeout(self) -> float:
+        """Seconds any wait of a collective lasts at most (the daemon's operation timeout)."""
+        return self._operation_timeout
+
+    @property
     def paths(self) -> frozenset[Path]:
         """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
         return self._dispatcher.paths

@@ -11,6 +11,11 @@ group's name. The daemon is the node's ($NODECOMM_SOCKET or the default path, or
 `Options(socket=...)` passed as `pg_options`) when it answers, else one private to the job that
 its ranks start and that leaves with them (`Options(daemon=...)`, $NODECOMM_DAEMON: "auto",
 "node", "private").
+
+A group whose ranks sit on several nodes (torchrun's LOCAL_WORLD_SIZE below WORLD_SIZE; here: ranks
+whose host or daemon socket differ) runs across nodes: each node's ranks through that node's
+daemon, the nodes through gloo (CPU tensors) or NCCL (CUDA) groups built on the group's store
+(nodecomm.client.hierarchical).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from nodecomm.client import daemon_choice
-from nodecomm.errors import InvalidArgumentError
+from nodecomm.client.hierarchical import node_name
+from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
 
 from .process_group import NodecommProcessGroup
 
@@ -77,24 +83,40 @@ def _leave_at_exit() -> None:
 _job_token: str | None = None
 
 
+def _node_names(store: dist.Store, rank: int, size: int, generation: int, timeout: timedelta, options: Options):
+    """Every rank's node name (its host and its node daemon's socket), through the store."""
+    keys = [f"nodecomm/node/{generation}/{r}" for r in range(size)]
+    store.set(keys[rank], node_name(options.socket))
+    try:
+        store.wait(keys, timeout)
+    except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
+        raise DeadlineExceededError(f"not every rank of {size} came within {timeout}: {error}") from None
+    return [store.get(key).decode() for key in keys]
+
+
 def _shared_daemon(
-    store: dist.Store, rank: int, generation: int, timeout: timedelta, options: Options
+    store: dist.Store, rank: int, generation: int, timeout: timedelta, options: Options, names: list[str]
 ) -> tuple[str, str, daemon_choice.DaemonChoice, daemon_choice.JobLeaseHandle | None]:
     """The group's token, group key and daemon, drawn by its rank 0 and shared through the store
     (the key admits the job's ranks, and no other process, to the nodecomm groups); a private
-    daemon is started by the first rank to claim it, and this process holds a lease on it."""
+    daemon is started by the first rank to claim it, and this process holds a lease on it. Across
+    nodes (`names` differ) each rank takes its own node's daemon, a private one per node."""
     global _job_token
     entry = f"nodecomm/group/{generation}"
+    mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
+    across = len(set(names)) > 1
     if rank == 0:
         token, group_key = secrets.token_hex(6), secrets.token_hex(16)
         _job_token = _job_token or token
-        mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
-        kind, socket = daemon_choice.decide(mode, options.socket, _job_token)
+        kind, socket = daemon_choice.decide(mode, options.socket, _job_token) if not across else ("-", "-")
         store.set(entry, f"{token} {group_key} {kind} {socket}")
     else:
         store.wait([entry], timeout)
         token, group_key, kind, socket = store.get(entry).decode().split(" ", 3)
         _job_token = _job_token or token
+    if across:
+        node = names[rank]
+        kind, socket = daemon_choice.decide(mode, options.socket, f"{_job_token}.{names.index(node)}")
     if kind == "node":
         return token, group_key, daemon_choice.DaemonChoice("node", socket), None
     choice, lease = daemon_choice.attach_private(socket, timeout.total_seconds(), {"rank": rank})
@@ -124,8 +146,9 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
+    names = _node_names(backend_options.store, rank, size, _creations[group_name], timeout, options)
     token, group_key, daemon, lease = _shared_daemon(
-        backend_options.store, rank, _creations[group_name], timeout, options
+        backend_options.store, rank, _creations[group_name], timeout, options, names
     )
     log.info(f"process group {group_name!r} uses {daemon}", extra={"rank": rank, "socket": daemon.socket})
     safe_name = "".join(c if c.isalnum() or c in "._-" else "_" for c in group_name)[:48]
@@ -143,6 +166,7 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         },
         daemon=daemon,
         daemon_lease=lease,
+        node_names=names if len(set(names)) > 1 else None,
     )
     _open_groups.add(group)
     return group

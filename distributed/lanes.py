@@ -32,6 +32,7 @@ class Lane:
         rank: int,
         world_size: int,
         connect_options: Mapping[str, object],
+        joiner: Callable[..., object] | None = None,
         *,
         background: bool = False,
     ):
@@ -39,6 +40,7 @@ class Lane:
         self.rank = rank
         self.world_size = world_size
         self._connect_options = dict(connect_options)
+        self._joiner = joiner  # nodecomm.connect unless the group spans nodes
         self._background = background
         self._comm = None
         self._joining = threading.Lock()
@@ -65,9 +67,8 @@ class Lane:
                 import nodecomm
 
                 target = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
-                self._comm = nodecomm.connect(
-                    self.group, self.rank, self.world_size, device=target, **self._connect_options
-                )
+                join = self._joiner or nodecomm.connect
+                self._comm = join(self.group, self.rank, self.world_size, device=target, **self._connect_options)
             return self._comm
 
     def run(self, operation: Operation, result: list[torch.Tensor], device: torch.device, async_op: bool) -> Work:

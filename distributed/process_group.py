@@ -7,6 +7,7 @@ through nodecomm.distributed.collectives and returns a Work.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from datetime import timedelta
@@ -69,6 +70,7 @@ class NodecommProcessGroup(dist.ProcessGroup):
         connect_options: Mapping[str, object],
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
+        node_names: list[str] | None = None,
     ):
         super().__init__(rank, size)
         self._store = store
@@ -79,6 +81,8 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self.daemon = daemon  # the node's or the job's own, as the group's rank 0 chose
         self._daemon_lease = daemon_lease
         self._options = {**connect_options, "timeout": timeout.total_seconds()}
+        # Across nodes: every rank's node name; each lane's group then spans the nodes.
+        self._node_names = node_names
         self._collective_lanes: dict[str, Lane] = {}
         self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
         self._shut_down = False
@@ -117,7 +121,9 @@ class NodecommProcessGroup(dist.ProcessGroup):
         lane = self._collective_lanes.get(device_type)
         if lane is None:
             self._check_open()
-            lane = Lane(f"{self.nodecomm_name}/{device_type}", self._rank, self._size, self._options)
+            lane = Lane(
+                f"{self.nodecomm_name}/{device_type}", self._rank, self._size, self._options, self._joiner(self._rank)
+            )
             self._collective_lanes[device_type] = lane
         return lane
 
@@ -127,9 +133,20 @@ class NodecommProcessGroup(dist.ProcessGroup):
         if lane is None:
             self._check_open()
             name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
-            lane = Lane(name, 0 if self._rank == source else 1, 2, self._options, background=True)
+            lane = Lane(
+                name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True
+            )
             self._pair_lanes[key] = lane
         return lane
+
+    def _joiner(self, rank: int) -> Callable | None:
+        """How a lane joins its group: None (nodecomm.connect) on one node; across nodes,
+        connect_across_nodes on the group's store, naming this rank's node."""
+        if self._node_names is None:
+            return None
+        from nodecomm.client.hierarchical import connect_across_nodes
+
+        return functools.partial(connect_across_nodes, store=self._store, node=self._node_names[rank])
 
     def _run(self, tensors: list[torch.Tensor], operation: Callable, result: list, async_op: bool) -> Work:
         device = _device_of(tensors)

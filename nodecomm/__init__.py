@@ -21,11 +21,13 @@ __all__ = [
     "DaemonUnavailableError",
     "DeadlineExceededError",
     "GroupMismatchError",
+    "HierarchicalCommunicator",
     "InvalidArgumentError",
     "NodecommError",
     "PeerLostError",
     "UnsupportedError",
     "connect",
+    "connect_across_nodes",
     "parse_byte_size",
     "row_topk",
 ]
@@ -33,7 +35,7 @@ __all__ = [
 
 def __getattr__(name: str):
     # The client needs torch; the daemon imports this package without it.
-    if name in ("connect", "Communicator"):
+    if name in ("connect", "Communicator", "connect_across_nodes", "HierarchicalCommunicator"):
         from nodecomm import client
 
         return getattr(client, name)

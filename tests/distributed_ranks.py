@@ -415,6 +415,53 @@ def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]
     return seen
 
 
+def across_nodes() -> list[str]:
+    """torchrun entry for a job over stand-in nodes (one torchrun per node, each naming its node's
+    daemon in NODECOMM_SOCKET): the default group spans them; every collective checked exactly,
+    lossless sums against the hierarchical reference."""
+    from node_ranks import hierarchical_sum
+
+    dist.init_process_group("nodecomm")
+    world, me = dist.get_world_size(), dist.get_rank()
+    problems: list[str] = []
+    node_of = [None] * world
+    dist.all_gather_object(node_of, os.environ["GROUP_RANK"])
+    nodes = [[r for r in range(world) if node_of[r] == n] for n in dict.fromkeys(node_of)]
+    layout = [list(ranks) for ranks in nodecomm.distributed.communicator().layout.nodes]
+    if layout != nodes:
+        problems.append(f"layout {layout}, expected {nodes}")
+
+    def expect(name: str, got, want) -> None:
+        if not same_bits(got, want):
+            problems.append(f"{name}: got {got.flatten()[:6].tolist()}, expected {want.flatten()[:6].tolist()}")
+
+    for seed, (dtype, count) in enumerate(
+        [(torch.float32, 1), (torch.float32, 1001), (torch.float16, 40_003), (torch.bfloat16, 300_001)]
+    ):
+        inputs = [rank_input(r, count, dtype, seed) for r in range(world)]
+        x = inputs[me].clone()
+        dist.all_reduce(x)
+        expect(f"all_reduce {dtype} {count}", x, hierarchical_sum(inputs, nodes))
+        stacked = [torch.cat([rank_input(r, count, dtype, seed + 100 + k) for k in range(world)]) for r in range(world)]
+        out = torch.empty(count, dtype=dtype)
+        dist.reduce_scatter_tensor(out, stacked[me])
+        expect(f"reduce_scatter {dtype} {count}", out, hierarchical_sum(stacked, nodes)[me * count : (me + 1) * count])
+        gathered = torch.empty(world * count, dtype=dtype)
+        dist.all_gather_into_tensor(gathered, inputs[me])
+        expect(f"all_gather {dtype} {count}", gathered, torch.cat(inputs))
+        y = inputs[me].clone()
+        dist.broadcast(y, src=world - 1)
+        expect(f"broadcast {dtype} {count}", y, inputs[world - 1])
+    for dtype, op in ((torch.float32, Op.MAX), (torch.int32, Op.SUM), (torch.float64, Op.SUM)):
+        inputs = [rank_input(r, 999, dtype, 7) for r in range(world)]
+        z = inputs[me].clone()
+        dist.all_reduce(z, op=op)
+        expect(f"all_reduce {dtype} {op}", z, reference(inputs, op))
+    dist.barrier()
+    dist.destroy_process_group()
+    return problems
+
+
 def mixed_backends() -> list[str]:
     """'cpu:gloo,cuda:nodecomm': the Python process group serves CPU tensors too, and says so."""
     dist.init_process_group("cpu:gloo,cuda:nodecomm")
@@ -430,7 +477,7 @@ def mixed_backends() -> list[str]:
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    found = mixed_backends() if mode == "mixed" else all_collectives(mode)
+    found = {"mixed": mixed_backends, "across": across_nodes}.get(mode, lambda: all_collectives(mode))()
     daemon = [line for line in found if line.startswith("daemon ")]
     found = [line for line in found if not line.startswith("daemon ")][:20]
     report = json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""})

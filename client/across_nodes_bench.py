@@ -1,0 +1,99 @@
+"""nodecomm bench --op across-nodes: a group across stand-in nodes (a private daemon each, on this
+machine) beside a flat gloo all-reduce over all its ranks, in one run. Rows per size: the
+HierarchicalCommunicator as its flat_max_bytes decides ("auto"), forced to send each node's whole
+sum between nodes ("flat") and forced to shard it ("sharded"), and gloo over every rank. Time: the
+slowest rank's per iteration, each after a gloo barrier; p50."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+
+from .bench import PrivateDaemon, _free_port, _wait_for_rows, slowest_rank
+
+
+def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import nodecomm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    rows = []
+    comm = nodecomm.connect_across_nodes("across-bench", socket=args["sockets"][rank], timeout=60)
+    with comm:
+        automatic = comm.flat_max_bytes
+        for nbytes in args["sizes"]:
+            x = torch.randn(max(1, nbytes // 4), generator=torch.Generator().manual_seed(rank))
+            hierarchical = functools.partial(comm.all_reduce, x)
+            runs = {
+                "auto": (automatic, hierarchical),
+                "flat": (1 << 62, hierarchical),
+                "sharded": (0, hierarchical),
+                "gloo": (automatic, functools.partial(dist.all_reduce, x.clone())),
+            }
+            for name, (flat_max, run) in runs.items():
+                comm.flat_max_bytes = flat_max
+                for _ in range(3):
+                    run()
+                times = []
+                for _ in range(args["iterations"]):
+                    dist.barrier()
+                    started = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - started)
+                slowest, _, _ = slowest_rank(times, 0, world_size)
+                if rank == 0:
+                    rows.append((nbytes, name, statistics.median(slowest)))
+        comm.flat_max_bytes = automatic
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(rows)
+
+
+def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) -> str:
+    """`nodes[k]`: how many ranks stand-in node k has (ranks numbered node by node)."""
+    import multiprocessing as mp
+
+    daemons = [PrivateDaemon() for _ in nodes]
+    try:
+        sockets = [daemons[k].socket for k, ranks in enumerate(nodes) for _ in range(ranks)]
+        world_size = len(sockets)
+        args = {"sockets": sockets, "sizes": sizes, "iterations": iterations}
+        context = mp.get_context("spawn")
+        results = context.Queue()
+        port = _free_port()
+        ranks = [
+            context.Process(target=_rank_main, args=(r, world_size, args, port, results)) for r in range(world_size)
+        ]
+        for process in ranks:
+            process.start()
+        try:
+            raw = _wait_for_rows(results, ranks)
+        finally:
+            for process in ranks:
+                process.join(timeout=60)
+                if process.is_alive():
+                    process.kill()
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+    p50 = {(nbytes, name): seconds * 1e6 for nbytes, name, seconds in raw}
+    shape = "x".join(map(str, nodes)) if len(set(nodes)) > 1 else f"{len(nodes)}x{nodes[0]}"
+    lines = [
+        f"# nodecomm bench --op across-nodes: nodes={shape} (a daemon each, this machine) world_size={world_size} "
+        f"float32 iterations={iterations} host={platform.node()} cpus={os.cpu_count()}",
+        "# time: slowest rank per iteration, p50 in us; gloo = one flat all-reduce over every rank",
+        "#",
+        f"# {'size':>10} {'auto':>10} {'flat':>10} {'sharded':>10} {'gloo':>10} {'auto/gloo':>10}",
+    ]
+    for nbytes in sizes:
+        auto, flat, sharded, gloo = (p50[(nbytes, name)] for name in ("auto", "flat", "sharded", "gloo"))
+        lines.append(f"  {nbytes:>10} {auto:>10.1f} {flat:>10.1f} {sharded:>10.1f} {gloo:>10.1f} {auto / gloo:>10.3f}")
+    return "\n".join(lines)
