@@ -170,10 +170,11 @@ class HierarchicalCommunicator:
         self._check_usable()
         values = tensor.contiguous().view(-1)
         partial = self._inside(lambda: self.node.all_reduce(values))
-        sums = self._across(partial, partial.element_size(), self._sum_of).view(tensor.shape)
-        result = out if out is not None else torch.empty_like(tensor)
-        result.copy_(sums)
-        return result
+        sums = self._across(partial, partial.element_size(), self._sum_of).reshape(tensor.shape)
+        if out is None:
+            return sums
+        out.copy_(sums)
+        return out
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`: [world_size, *shape], row r from rank r."""
@@ -209,12 +210,15 @@ class HierarchicalCommunicator:
             combined = [combine(self._cross_gather(s, local)) for s in self._owned]
             return combined[0].view(scale, count)
         bounds = shard_bounds(count, self.layout.shards)
-        mine = torch.cat([combine(self._cross_gather(s, local[slice(*bounds[s])])).view(-1) for s in self._owned])
+        pieces = [combine(self._cross_gather(s, local[slice(*bounds[s])])).view(-1) for s in self._owned]
         owned_by = [self.layout.owned(rank) for rank in self.layout.nodes[self._node_index]]
         longest = max(sum(bounds[s][1] - bounds[s][0] for s in shards) for shards in owned_by)
-        padded = torch.zeros(longest * scale, dtype=mine.dtype, device=mine.device)
-        padded[: mine.numel()] = mine
-        rows = self._inside(lambda: self.node.all_gather(padded))
+        mine = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        if mine.numel() < longest * scale:
+            mine = torch.cat([mine, mine.new_zeros(longest * scale - mine.numel())])
+        rows = self._inside(lambda: self.node.all_gather(mine))
+        if scale == 1 and all(shards == [local] for local, shards in enumerate(owned_by)):
+            return rows.view(1, -1)[:, :count]  # row i is shard i: the rows are the whole
         whole = torch.empty(scale, count, dtype=mine.dtype, device=mine.device)
         for row, shards in zip(rows, owned_by, strict=True):
             offset = 0
