@@ -90,20 +90,22 @@ def test_a_killed_daemon_makes_every_rank_raise_naming_it(make_daemon, spawn_ran
         assert seconds < 20 and again in ("PeerLostError", "DaemonUnavailableError"), (rank, seconds, again)
 
 
-def test_torchrun_over_two_stand_in_nodes_spans_them_through_dist(make_daemon):
-    """Two torchruns (--nnodes 2), one per stand-in node, each naming its own daemon: the "nodecomm"
-    backend's default group spans both, and every collective through dist.* is exact."""
-    daemons = [make_daemon(), make_daemon()]
+@pytest.mark.parametrize("per_node", [(2, 2), (3, 1), (2, 2, 2)], ids=["2+2", "3+1", "2+2+2"])
+def test_torchrun_over_stand_in_nodes_spans_them_through_dist(make_daemon, per_node):
+    """A torchrun per stand-in node (--nnodes), each naming its own daemon: the "nodecomm"
+    backend's default group spans them, and every collective through dist.* is exact."""
+    daemons = [make_daemon() for _ in per_node]
     port = free_port()
     jobs = []
-    for node, daemon in enumerate(daemons):
+    for node, (daemon, ranks) in enumerate(zip(daemons, per_node, strict=True)):
         command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-            "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(RANKS), "across",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(per_node)), "--node-rank", str(node),
+            "--nproc-per-node", str(ranks), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), str(RANKS), "across",
         ]  # fmt: skip
         env = {**os.environ, "NODECOMM_SOCKET": daemon.socket, "OMP_NUM_THREADS": "1"}
         jobs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     found = {}
     for job in jobs:
         found.update(reports(job))
-    assert found == {r: [] for r in range(4)}
+    assert found == {r: [] for r in range(sum(per_node))}
