@@ -119,10 +119,11 @@ def reduce_until_error(rank: int, world_size: int, socket: str, report) -> tuple
     raise AssertionError("unreachable")
 
 
-def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, report) -> dict:
-    """Rank 1 joins and stays away; rank 0 enqueues `calls` all-reduces cycling every path, each
-    waiting for rank 1, and says so on `report`; the test then kills rank 1, which aborts the group.
-    Returns how long rank 0's stream took to drain after the abort was visible on the host."""
+def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, paths: list[str], report) -> dict:
+    """Rank 1 joins and stays away; rank 0 enqueues `calls` all-reduces cycling `paths` ("oneshot"
+    is pushed, "oneshot/pull" a size it pulls), each waiting for rank 1, and says so on `report`;
+    the test then kills rank 1, which aborts the group. Returns how long rank 0's stream took to
+    drain after the abort was visible on the host."""
     device = device_for(rank)
     torch.cuda.set_device(device)
     with nodecomm.connect("drain", rank, world_size, device=device, socket=socket, timeout=120) as comm:
@@ -132,7 +133,7 @@ def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, repor
         if rank != 0:
             report.put("away")
             time.sleep(600)  # killed
-        cases = [(small, "oneshot"), (pulled, "oneshot"), (pulled, "twoshot"), (pulled, "dma")]
+        cases = [(small if path == "oneshot" else pulled, path.split("/")[0]) for path in paths]
         for call in range(calls):
             x, path = cases[call % len(cases)]
             comm.all_reduce(x, out=x, path=path)

@@ -186,15 +186,20 @@ def test_ranks_that_disagree_all_get_group_mismatch_and_nothing_is_written(cuda_
             assert untouched and again, (rank, case, untouched, again)
 
 
-def test_an_abort_drains_a_stream_of_queued_collectives(cuda_daemon, spawn_ranks):
+@pytest.mark.parametrize(
+    "paths",
+    [["oneshot", "oneshot/pull", "twoshot"], ["oneshot", "oneshot/pull", "twoshot", "dma"]],
+    ids=["kernels", "every-path"],
+)
+def test_an_abort_drains_a_stream_of_queued_collectives(cuda_daemon, spawn_ranks, paths):
     """200 all-reduces queued on rank 0's stream wait for rank 1, which is then killed: the stream
     drains once the group is aborted, every queued kernel giving up (the time is printed, for the
     record: a bench figure, not an assertion)."""
     report = mp.get_context("spawn").Queue()
-    group = spawn_ranks(cuda_ranks.drain_after_abort, 2, 2, cuda_daemon.socket, 200, report, timeout=180)
+    group = spawn_ranks(cuda_ranks.drain_after_abort, 2, 2, cuda_daemon.socket, 200, paths, report, timeout=180)
     assert sorted(report.get(timeout=120) for _ in range(2)) == ["away", "queued"]
     group.kill(1, signal.SIGKILL)
     status, outcome = group.results()[0]
     assert status == "ok" and "drain_s" in outcome, outcome
     assert outcome["record"] != 0  # the first kernel recorded why it gave up
-    print(f"\n200 queued all-reduces drained {outcome['drain_s'] * 1e3:.3f} ms after the abort")
+    print(f"\n200 queued all-reduces over {paths} drained {outcome['drain_s'] * 1e3:.3f} ms after the abort")
