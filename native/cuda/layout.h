@@ -5,9 +5,11 @@
 //   flags                         kMaxBlocks x kMaxRanks arrival words: block b of rank p stores
 //                                 its barrier's epoch and a digest of its call (sync.cuh) into
 //                                 flags[b][p] of every rank's buffer
-//   gave up                       one word, set once a barrier of this rank failed (a timeout, an
-//                                 abort, a mismatch): the copy paths, whose copies run whatever
-//                                 came before them on the stream, write outputs only while it is 0
+//   gave up                       one word, set once a wait of this rank failed (a barrier or a
+//                                 pushed line: a timeout, an abort, a mismatch) and never cleared:
+//                                 every kernel queued after it returns at its start or first
+//                                 barrier, and the copy paths, whose copies run whatever came
+//                                 before them on the stream, write outputs only while it is 0
 //   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
 //                                 once, when the group's peer memory is checked at connect
 //   slots                         two staging slots of slot_stride bytes each; the copy paths stage

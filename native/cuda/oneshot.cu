@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(kThreads)
       };
       if (!wait_until(arrived, launch, signal.control, signal.rank, r, signal.timeout_ns, call.call,
                       PeerElsewhere{signal.mine(), at, flag, r})) {
+        signal.give_up();
         return;
       }
       store_line(at, PushLine{});

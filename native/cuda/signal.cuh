@@ -85,6 +85,9 @@ struct Signal {
   // Whether a barrier of this rank failed (layout.h): the copy paths then write no output, a push
   // launch sends nothing.
   __device__ __forceinline__ bool gave_up() const { return load_volatile(word(mine(), kGaveUpOffset)) != 0; }
+  // Sticky: every kernel of this rank queued after a failed wait returns at its start or first
+  // barrier, writing nothing, instead of waiting out an abort poll of its own.
+  __device__ __forceinline__ void give_up() const { store_volatile(word(mine(), kGaveUpOffset), 1); }
 
   // This launch's number, the same in every block: each block advances its own counter and block 0
   // those of the blocks this grid lacks, so every block of every launch picks the same slot
@@ -134,7 +137,7 @@ struct Signal {
       const std::uint64_t* flag = word(mine(), flag_offset(block, peer));
       if (!wait_arrival(flag, epoch, call, control, rank, peer, timeout_ns, PeerPushes{mine(), push, counted, peer})) {
         *failed = 1;
-        store_volatile(word(mine(), kGaveUpOffset), 1);
+        give_up();
       }
     }
     __syncthreads();
