@@ -1,6 +1,6 @@
 """nodecomm bench --op across-nodes: a group across stand-in nodes (a private daemon each, on this
 machine) beside a flat gloo all-reduce over all its ranks, in one run. Rows per size: the
-HierarchicalCommunicator as its flat_max_bytes decides ("auto"), forced to send each node's whole
+HierarchicalCommunicator as its table (the probe's at connect) decides ("auto"), forced to send each node's whole
 sum between nodes ("flat") and forced to shard it ("sharded"), and gloo over every rank. Time: the
 slowest rank's per iteration, each after a gloo barrier; p50."""
 
@@ -28,18 +28,17 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
     rows = []
     comm = nodecomm.connect_across_nodes("across-bench", socket=args["sockets"][rank], timeout=60)
     with comm:
-        automatic = comm.flat_max_bytes
+        table = str(comm.table)  # the probe's, before any live move
+        comm.forms.live = False  # every row times what it names
         for nbytes in args["sizes"]:
             x = torch.randn(max(1, nbytes // 4), generator=torch.Generator().manual_seed(rank))
-            hierarchical = functools.partial(comm.all_reduce, x)
             runs = {
-                "auto": (automatic, hierarchical),
-                "flat": (1 << 62, hierarchical),
-                "sharded": (0, hierarchical),
-                "gloo": (automatic, functools.partial(dist.all_reduce, x.clone())),
+                "auto": functools.partial(comm.all_reduce, x),
+                "flat": functools.partial(comm.all_reduce, x, form="flat"),
+                "sharded": functools.partial(comm.all_reduce, x, form="sharded"),
+                "gloo": functools.partial(dist.all_reduce, x.clone()),
             }
-            for name, (flat_max, run) in runs.items():
-                comm.flat_max_bytes = flat_max
+            for name, run in runs.items():
                 for _ in range(3):
                     run()
                 times = []
@@ -51,10 +50,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                 slowest, _, _ = slowest_rank(times, 0, world_size)
                 if rank == 0:
                     rows.append((nbytes, name, statistics.median(slowest)))
-        comm.flat_max_bytes = automatic
     dist.destroy_process_group()
     if rank == 0:
-        results.put(rows)
+        results.put({"table": table, "rows": rows})
 
 
 def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) -> str:
@@ -75,7 +73,7 @@ def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) 
         for process in ranks:
             process.start()
         try:
-            raw = _wait_for_rows(results, ranks)
+            measured = _wait_for_rows(results, ranks)
         finally:
             for process in ranks:
                 process.join(timeout=60)
@@ -84,11 +82,13 @@ def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) 
     finally:
         for daemon in daemons:
             daemon.stop()
-    p50 = {(nbytes, name): seconds * 1e6 for nbytes, name, seconds in raw}
+    table = measured["table"]
+    p50 = {(nbytes, name): seconds * 1e6 for nbytes, name, seconds in measured["rows"]}
     shape = "x".join(map(str, nodes)) if len(set(nodes)) > 1 else f"{len(nodes)}x{nodes[0]}"
     lines = [
         f"# nodecomm bench --op across-nodes: nodes={shape} (a daemon each, this machine) world_size={world_size} "
         f"float32 iterations={iterations} host={platform.node()} cpus={os.cpu_count()}",
+        f"# table: {table}",
         "# time: slowest rank per iteration, p50 in us; gloo = one flat all-reduce over every rank",
         "#",
         f"# {'size':>10} {'auto':>10} {'flat':>10} {'sharded':>10} {'gloo':>10} {'auto/gloo':>10}",

@@ -15,8 +15,9 @@ l owns the shards s with s % L == l, and shard s's owners on every node form its
     all_gather(x)   the same three steps on bytes: the node's rows, then shards of them across
                     nodes, then inside the node
 
-Up to flat_max_bytes, step 2 exchanges the whole node sum and step 3 is skipped. Every rank gets
-the same bits either way. They are not the single-node lossless sum's: each node's sum is rounded
+Up to the table's flat_max_bytes, step 2 exchanges the whole node sum and step 3 is skipped (the
+"flat" form; across_nodes_forms.py says how the boundary is probed and follows live timings). Every
+rank gets the same bits either way. They are not the single-node lossless sum's: each node's sum is rounded
 to the dtype before the nodes' sums are added (docs/multi-node.md states the bound).
 
 A failure anywhere is put on record in the store, so that every rank waiting elsewhere (inside its
@@ -46,13 +47,14 @@ from nodecomm.errors import (
 )
 from nodecomm.socket_path import default_socket_path
 
+from .across_nodes_forms import AcrossNodesForms, AcrossNodesTable, Form, probe_boundary
 from .communicator import Communicator
 
 Result = TypeVar("Result")
 
-# Up to this many bytes an all-reduce sends each node's whole sum between nodes and skips the last
-# step (docs/multi-node.md: on the 2-core VM, flat won up to 64 KiB at 2x2).
-DEFAULT_FLAT_MAX_BYTES = 64 << 10
+# The sizes the probe at connect times both forms at (float32 zeros), and how often each.
+PROBE_SIZES = tuple(1 << shift for shift in range(10, 23, 2))  # 1 KiB .. 4 MiB
+_PROBE_RUNS = 3
 # How often a rank waiting between nodes looks for a failure on record.
 _FAILURE_POLL_SECONDS = 0.05
 # How long a rank whose inter-node step broke waits for the failure behind it to be put on record.
@@ -147,7 +149,9 @@ class HierarchicalCommunicator:
         rank: int,
         cross_groups: dict[int, dist.ProcessGroup],
         failures: FailureRecord,
-        flat_max_bytes: int,
+        forms: AcrossNodesForms,
+        store: dist.Store,
+        prefix: str,
         timeout: float,
     ):
         self.node = node  # this node's nodecomm group
@@ -155,7 +159,9 @@ class HierarchicalCommunicator:
         self.rank, self.world_size = rank, sum(len(ranks) for ranks in layout.nodes)
         self.group = node.group
         self.device = node.device
-        self.flat_max_bytes = flat_max_bytes
+        self.forms = forms
+        self._store, self._prefix = store, prefix
+        self._timed: list[tuple[Form, int, Callable[[], float]]] = []  # rank 0's calls not yet read
         self._node_index = layout.node_of(rank)
         self._cross_groups = cross_groups
         self._owned = layout.owned(rank)
@@ -165,12 +171,24 @@ class HierarchicalCommunicator:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The sum over every rank (float32 / float16 / bfloat16), the same bits on every rank."""
+    def all_reduce(
+        self, tensor: torch.Tensor, *, out: torch.Tensor | None = None, form: str | None = None
+    ) -> torch.Tensor:
+        """The sum over every rank (float32 / float16 / bfloat16), the same bits on every rank.
+        form: "flat" or "sharded" to force one (every rank alike); default: the table's."""
         self._check_usable()
         values = tensor.contiguous().view(-1)
+        if form is None:
+            chosen, _ = self.forms.decide(values.numel() * values.element_size())
+        else:
+            chosen = _parsed_form(form)
+        stopwatch = _Stopwatch(values.device) if self.rank == 0 and self.forms.live and form is None else None
         partial = self._inside(lambda: self.node.all_reduce(values))
-        sums = self._across(partial, partial.element_size(), self._sum_of).reshape(tensor.shape)
+        sums = self._across(partial, partial.element_size(), self._sum_of, form=chosen).reshape(tensor.shape)
+        if stopwatch is not None:
+            self._timed.append((chosen, values.numel() * values.element_size(), stopwatch.stop()))
+        if form is None and self.forms.switch_due():
+            self._switch_table()
         if out is None:
             return sums
         out.copy_(sums)
@@ -185,7 +203,8 @@ class HierarchicalCommunicator:
         block = torch.zeros(width, row.numel(), dtype=row.dtype, device=row.device)
         block[: node_rows.shape[0]] = node_rows.view(node_rows.shape[0], -1)
         nodes = len(self.layout.nodes)
-        blocks = self._across(block.view(-1).view(torch.uint8), 1, self._stacked, nodes)
+        flat = block.view(-1).view(torch.uint8)
+        blocks = self._across(flat, 1, self._stacked, nodes, form=self.forms.table.form_for(flat.numel()))
         blocks = blocks.view(row.dtype).view(nodes, width, row.numel())
         out = torch.empty(self.world_size, row.numel(), dtype=row.dtype, device=row.device)
         for k, ranks in enumerate(self.layout.nodes):
@@ -197,16 +216,28 @@ class HierarchicalCommunicator:
 
     # -- the steps -----------------------------------------------------------------------------
 
+    @property
+    def table(self) -> AcrossNodesTable:
+        """Which form carries each size between nodes, as every rank holds it now."""
+        return self.forms.table
+
     def _across(
-        self, local: torch.Tensor, unit: int, combine: Callable[[list[torch.Tensor]], torch.Tensor], scale: int = 1
+        self,
+        local: torch.Tensor,
+        unit: int,
+        combine: Callable[[list[torch.Tensor]], torch.Tensor],
+        scale: int = 1,
+        *,
+        form: Form,
     ) -> torch.Tensor:
         """Steps 2 and 3 on this node's `local` (1-D, `unit` bytes an element): per shard this rank
         owns, combine(every node's part), which holds `scale` rows of the part's length; then the
-        node's ranks gather the shards. Returns the combined whole, [scale, local.numel()]."""
+        node's ranks gather the shards (the sharded form), or each node's whole `local` crosses
+        (flat). Returns the combined whole, [scale, local.numel()]."""
         count = local.numel()
         if count == 0:  # every rank passed nothing: nothing to exchange
             return local.new_empty(scale, 0)
-        if count * unit <= self.flat_max_bytes or count < self.layout.shards:
+        if form is Form.FLAT or count < self.layout.shards:
             combined = [combine(self._cross_gather(s, local)) for s in self._owned]
             return combined[0].view(scale, count)
         bounds = shard_bounds(count, self.layout.shards)
@@ -249,6 +280,53 @@ class HierarchicalCommunicator:
         members = self.layout.cross_group(shard)
         self._wait(group.allgather([gathered], [raw]), f"the inter-node step among ranks {list(members)}")
         return [g.view(part.dtype) for g in gathered]
+
+    # -- the table -----------------------------------------------------------------------------
+
+    def _switch_table(self) -> None:
+        """Every rank takes the table rank 0 holds after this call: rank 0 reads its timings,
+        moves the boundary where they demand it and puts the table in the store."""
+        key = f"{self._prefix}/table/{self.forms.calls // self.forms.switch_period}"
+        if self.rank == 0:
+            for form, nbytes, seconds in self._timed:
+                self.forms.record(form, nbytes, seconds())
+            self._timed.clear()
+            self.forms.table = self.forms.proposed()
+            self._store.set(key, self.forms.table.encoded())
+            previous = f"{self._prefix}/table/{self.forms.calls // self.forms.switch_period - 1}"
+            self._store.delete_key(previous)  # every rank read it before the call just made
+        else:
+            self.forms.table = AcrossNodesTable.decoded(self._read(key))
+
+    def _read(self, key: str) -> bytes:
+        """A key rank 0 sets, within the operation timeout."""
+        try:
+            self._store.wait([key], timedelta(seconds=self._timeout))
+        except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
+            self._fail(f"rank {self.rank} waited {self._timeout:.0f} s for rank 0's table ({key}): {error}")
+            raise self._failure_error(DeadlineExceededError) from None
+        return self._store.get(key)
+
+    def probe(self) -> AcrossNodesTable:
+        """Time both forms at PROBE_SIZES on every rank; the boundary rank 0 measured becomes every
+        rank's table. Every rank of the group calls it at once."""
+        timings: dict[Form, dict[int, float]] = {Form.FLAT: {}, Form.SHARDED: {}}
+        for nbytes in PROBE_SIZES:
+            values = torch.zeros(nbytes // 4, device=self.device)
+            for form in Form:
+                self.all_reduce(values, form=form.value)  # warm-up, and the ranks line up
+                seconds = []
+                for _ in range(_PROBE_RUNS):
+                    stopwatch = _Stopwatch(values.device)
+                    self.all_reduce(values, form=form.value)
+                    seconds.append(stopwatch.stop())
+                timings[form][nbytes] = sorted(read() for read in seconds)[_PROBE_RUNS // 2]
+        key = f"{self._prefix}/table/probe"
+        if self.rank == 0:
+            boundary = probe_boundary(timings[Form.FLAT], timings[Form.SHARDED])
+            self._store.set(key, AcrossNodesTable(boundary, "probe").encoded())
+        self.forms.table = AcrossNodesTable.decoded(self._read(key))
+        return self.forms.table
 
     # -- failures ------------------------------------------------------------------------------
 
@@ -319,6 +397,40 @@ class HierarchicalCommunicator:
         self.close()
 
 
+class _Stopwatch:
+    """A call's time: the wall clock on CPU, events on the current stream on CUDA (read later, so
+    timing never waits for the GPU)."""
+
+    def __init__(self, device: torch.device):
+        if device.type == "cuda":
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self) -> Callable[[], float]:
+        """Ends the timing; returns what reads it in seconds."""
+        if isinstance(self._start, float):
+            seconds = time.perf_counter() - self._start
+            return lambda: seconds
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        start = self._start
+
+        def read() -> float:
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+
+        return read
+
+
+def _parsed_form(name: str) -> Form:
+    try:
+        return Form(name)
+    except ValueError:
+        raise InvalidArgumentError(f"form {name!r}: expected 'flat' or 'sharded'") from None
+
+
 def node_name(socket: str | None) -> str:
     """What a rank calls its node: the host and the daemon it uses (two daemons on one host stand
     for two nodes)."""
@@ -335,7 +447,8 @@ def connect_across_nodes(
     device: str | torch.device = "cpu",
     socket: str | None = None,
     timeout: float = 60.0,
-    flat_max_bytes: int = DEFAULT_FLAT_MAX_BYTES,
+    flat_max_bytes: int | None = None,
+    recalibrate: bool = True,
     **connect_options,
 ) -> HierarchicalCommunicator:
     """Join `group` as `rank` of `world_size` across nodes: this node's ranks through this node's
@@ -343,8 +456,10 @@ def connect_across_nodes(
 
     store, rank, world_size: the job's c10d store and this rank's place in the group (default: the
     default process group's store, rank and size). node: what this rank calls its node (default:
-    the host and the daemon socket); ranks with the same name share a node. The other options are
-    `nodecomm.connect`'s, for the node's group. Every rank of the group makes this call.
+    the host and the daemon socket); ranks with the same name share a node. flat_max_bytes: up to
+    what size an all-reduce sends each node's whole sum between nodes (default: what a probe of
+    both forms at connect shows); recalibrate: whether live timings move that boundary. The other
+    options are `nodecomm.connect`'s, for the node's group. Every rank of the group makes this call.
     """
     import nodecomm
 
@@ -373,11 +488,24 @@ def connect_across_nodes(
     except Exception:
         local.close()
         raise
-    return HierarchicalCommunicator(
+    one_shard = layout.shards == 1 or len(layout.nodes) == 1  # the two forms are the same
+    if flat_max_bytes is not None and flat_max_bytes < 0:
+        local.close()
+        raise InvalidArgumentError(f"flat_max_bytes {flat_max_bytes}: expected 0 or more bytes")
+    table = AcrossNodesTable(0, "one shard") if one_shard else AcrossNodesTable(flat_max_bytes or 0, "caller")
+    comm = HierarchicalCommunicator(
         node=local, layout=layout, rank=rank, cross_groups=cross,
-        failures=FailureRecord(store, prefix, rank, world_size), flat_max_bytes=flat_max_bytes,
+        failures=FailureRecord(store, prefix, rank, world_size),
+        forms=AcrossNodesForms(table, live=recalibrate and not one_shard), store=store, prefix=prefix,
         timeout=operation_timeout,
     )  # fmt: skip
+    if flat_max_bytes is None and not one_shard:
+        try:
+            comm.probe()
+        except Exception:
+            comm.close()
+            raise
+    return comm
 
 
 def _exchange_names(store: dist.Store, prefix: str, rank: int, world_size: int, name: str, timeout: float) -> list[str]:

@@ -62,20 +62,23 @@ def _store(port: int) -> dist.TCPStore:
 
 
 def exact_across_nodes(rank: int, world_size: int, sockets: list[str], port: int, cases: list[tuple[str, int]]) -> dict:
-    """Every case's all_reduce and all_gather: the hierarchical reference's bits, within the bound
-    of the exact sum; returns the problems found and a digest of every result's bits."""
+    """Every case's all_reduce (in the table's form, and forced flat and sharded) and all_gather:
+    the hierarchical reference's bits, within the bound of the exact sum; returns the problems
+    found, a digest of every result's bits and the table the probe gave."""
     nodes = nodes_of(sockets)
     problems, digest = [], hashlib.sha256()
     store = _store(port)
     with nodecomm.connect_across_nodes("span", rank, world_size, store=store, socket=sockets[rank], timeout=60) as comm:
+        table = comm.table
         for seed, (dtype_name, count) in enumerate(cases):
             dtype = DTYPES[dtype_name]
             inputs = [rank_input(r, count, dtype, seed) for r in range(world_size)]
-            y = comm.all_reduce(inputs[rank])
             expected = hierarchical_sum(inputs, nodes)
-            if not torch.equal(y.view(BITS[dtype]), expected.view(BITS[dtype])):
-                wrong = int((y.view(BITS[dtype]) != expected.view(BITS[dtype])).sum())
-                problems.append(f"all_reduce {dtype_name} count={count}: {wrong} elements differ")
+            for form in (None, "flat", "sharded"):
+                y = comm.all_reduce(inputs[rank], form=form)
+                if not torch.equal(y.view(BITS[dtype]), expected.view(BITS[dtype])):
+                    wrong = int((y.view(BITS[dtype]) != expected.view(BITS[dtype])).sum())
+                    problems.append(f"all_reduce {dtype_name} count={count} form={form}: {wrong} elements differ")
             exact = torch.stack([x.double() for x in inputs]).sum(0)
             if count and not bool(((y.double() - exact).abs() <= error_bound(inputs, nodes)).all()):
                 problems.append(f"all_reduce {dtype_name} count={count}: past the bound")
@@ -87,9 +90,35 @@ def exact_across_nodes(rank: int, world_size: int, sockets: list[str], port: int
         comm.all_reduce(torch.full((3,), float(rank)), out=out)
         if out.tolist() != [float(sum(range(world_size)))] * 3:
             problems.append(f"all_reduce into out: {out.tolist()}")
+        try:
+            comm.all_reduce(out, form="ring")
+            problems.append("form='ring' was accepted")
+        except nodecomm.InvalidArgumentError as error:
+            if "expected 'flat' or 'sharded'" not in str(error):
+                problems.append(f"form='ring': {error}")
         comm.barrier()
         layout = [list(ranks) for ranks in comm.layout.nodes]
-    return {"problems": problems, "digest": digest.hexdigest(), "layout": layout}
+    return {"problems": problems, "digest": digest.hexdigest(), "layout": layout, "table": table}
+
+
+def live_table_across_nodes(rank: int, world_size: int, sockets: list[str], port: int, count: int) -> dict:
+    """Start with every size flat (up to 64 MiB) and all-reduce `count` float32s until the live
+    timings move the boundary, exploring every 2nd call and agreeing every 8th; returns the tables
+    every rank held after each agreement and a digest of every result's bits."""
+    store = _store(port)
+    tables, digest = [], hashlib.sha256()
+    with nodecomm.connect_across_nodes(
+        "moving", rank, world_size, store=store, socket=sockets[rank], timeout=60, flat_max_bytes=64 << 20
+    ) as comm:
+        comm.forms.explore_period, comm.forms.switch_period, comm.forms.min_samples = 2, 8, 3
+        x = rank_input(rank, count, torch.float32, 0)
+        for call in range(1, 65):
+            digest.update(comm.all_reduce(x).view(torch.uint8).numpy().tobytes())
+            if call % 8 == 0:
+                tables.append(comm.table)
+            if comm.table.epoch and call % 8 == 0:
+                break
+    return {"tables": tables, "digest": digest.hexdigest()}
 
 
 def reduce_until_error(rank: int, world_size: int, sockets: list[str], port: int, count: int, report) -> tuple:
