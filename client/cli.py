@@ -56,6 +56,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "live_ranks": list(g.live_ranks),
                             "reserved_bytes": g.reserved_bytes,
                             "service_bytes": g.service_bytes,
+                            "service_ordering": _ORDERING_NAMES.get(g.service_ordering),
                             "topk_exchanges": g.topk_exchanges,
                             "capacity_bytes": g.geometry.capacity_bytes,
                             "paths": _paths_summary(g.thresholds) if g.thresholds.ranges else None,
@@ -70,18 +71,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"daemon: {status} ({args.socket or default_socket_path()})")
     print(
         f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10} "
-        f"{'service':>9} {'topk':>4}  paths"
+        f"{'service':>9} {'ordering':<12} {'topk':>4}  paths"
     )
     for g in groups:
         live = ",".join(map(str, g.live_ranks)) or "-"
         print(
             f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} "
-            f"{format_byte_size(g.reserved_bytes):>10} {format_byte_size(g.service_bytes):>9} {g.topk_exchanges:>4}  "
+            f"{format_byte_size(g.reserved_bytes):>10} {format_byte_size(g.service_bytes):>9} "
+            f"{_ORDERING_NAMES.get(g.service_ordering, '-'):<12} {g.topk_exchanges:>4}  "
             f"{_paths_summary(g.thresholds) if g.thresholds.ranges else '-'}"
         )
     if not groups:
         print("(no groups)")
     return code
+
+
+# How a CUDA group's service path orders its streams (DaemonConfig.cuda_service_ordering's names).
+_ORDERING_NAMES = {pb.STREAM_WORDS: "stream-words", pb.IPC_EVENTS: "ipc-events"}
 
 
 def _paths_summary(table: pb.ThresholdTable) -> str:

@@ -66,6 +66,7 @@ class Communicator:
         rank_secret: bytes = b"",
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
+        service_ordering: int = pb.SERVICE_ORDERING_UNSPECIFIED,
     ):
         self.membership = membership
         self.group, self.rank = membership.group, membership.rank
@@ -92,9 +93,13 @@ class Communicator:
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._lease = Lease(self._stub, membership, control.address, self._metadata)
-        # Collectives the daemon runs (path="service").
+        if isinstance(transport, CudaTransport):
+            self._lease.on_daemon_lost = transport.release_after_daemon_lost
+        # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
+        # words in this rank's buffer, or by IPC events.
+        words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
         self._service = ServiceClient(
-            self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device,
+            self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device, words,
         )  # fmt: skip
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it.

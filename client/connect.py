@@ -327,6 +327,7 @@ def _join(
             rank_secret=reply.rank_secret,
             daemon=chosen,
             daemon_lease=lease,
+            service_ordering=reply.service_ordering,
         )
     except BaseException:
         if transport is not None:

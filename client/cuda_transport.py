@@ -186,6 +186,21 @@ class CudaTransport:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
+    @property
+    def service_words(self) -> tuple[int, int]:
+        """This rank's service-path words in its own buffer: (input ready, done) addresses."""
+        mine = self._buffers[self.rank].address
+        return mine + _native.CUDA_SERVICE_READY_OFFSET, mine + _native.CUDA_SERVICE_DONE_OFFSET
+
+    def release_after_daemon_lost(self) -> None:
+        """The daemon is gone (the lease's thread calls this): stop this rank's kernels at once,
+        and let its stream past any wait for the daemon's "done" word, which will never come."""
+        if self._group is None:
+            return
+        mine = self._buffers[self.rank].address
+        _native.cuda_ask_to_stop(self.device.index, mine)
+        _native.cuda_write_word_now(self.device.index, mine + _native.CUDA_SERVICE_DONE_OFFSET, (1 << 64) - 1)
+
     def close(self) -> None:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
         self._group = None

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -61,6 +61,9 @@ class Lease:
         self.lost_reason: str | None = None  # why the daemon is unusable, once it is
         self.refusal: NodecommError | None = None  # the daemon's answer if it refused the session
         self.event_message: str | None = None  # the last group event's message
+        # Run once the daemon is lost, after the abort is on the control segment: what the daemon
+        # would have done for this rank's memory (a CUDA rank's stop word and service words).
+        self.on_daemon_lost: Callable[[], None] | None = None
         self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
         self._call = None
         self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{membership.rank}", daemon=True)
@@ -122,6 +125,11 @@ class Lease:
         finally:
             if not self._closing and self.refusal is None:
                 _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
+                if self.on_daemon_lost is not None:
+                    try:
+                        self.on_daemon_lost()
+                    except Exception as error:  # noqa: BLE001 (the kernels still see the abort word)
+                        log.error(f"releasing this rank's kernels after the daemon was lost failed: {error}")
                 # The message names everything: under Python's default logging only it is printed.
                 log.warning(
                     f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}",

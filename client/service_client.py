@@ -7,10 +7,14 @@ submit, the result copied out when the work is waited on. Submits are numbered p
 in call order, which is how the daemon pairs the ranks' parts of one collective; every rank must
 submit its collectives in the same order.
 
-On CUDA groups nothing synchronises the host with the GPU: a submit records an interprocess
-event on the current stream once the input is written (the daemon's stream waits on it), and
-wait() makes the current stream wait on the daemon's "done" event, which the daemon's answer
-carries as soon as the collective is enqueued; the output is ready when the stream gets there.
+On CUDA groups nothing synchronises the host with the GPU. As the daemon chose when the group
+formed (JoinReply.service_ordering), either the current stream raises this rank's "input ready"
+word (in its group buffer) to the submit's sequence + 1 once the input is written, and wait()
+makes it wait until the "done" word holds the value the daemon's answer names (stream words); or
+a submit records an interprocess event on the current stream, and wait() makes it wait on the
+daemon's "done" event, whose handle the answer carries (IPC events). The answer comes as soon as
+the collective is enqueued; the output is ready when the stream gets there. Submits from several
+streams are chained in submit order, so that the words only grow.
 """
 
 from __future__ import annotations
@@ -172,8 +176,13 @@ class ServiceClient:
         operation_timeout: float,
         metadata: tuple[tuple[str, bytes], ...] = (),
         device: torch.device = _HOST,
+        words: tuple[int, int] | None = None,
     ):
+        """words: this rank's (input ready, done) word addresses where the group's service path is
+        ordered by stream words; None: by IPC events (CUDA) or not at all (CPU)."""
         self._stub = stub
+        self._words = words
+        self._last_stream: torch.cuda.Stream | None = None  # the stream of the last submit
         self.device = device
         self._ids = dict(group=membership.group, group_id=membership.group_id, rank=membership.rank)
         self._where = membership.where
@@ -257,7 +266,11 @@ class ServiceClient:
         """The work's answer is in (None: it failed): on CUDA groups the current stream waits for
         the daemon's done event; staged outputs are copied out and the staging buffer goes back."""
         if reply is not None and self.device.type == "cuda":
-            self._done_event(reply.done_event).wait(torch.cuda.current_stream(self.device))
+            stream = torch.cuda.current_stream(self.device)
+            if self._words is not None:
+                _native.cuda_wait_word(stream.cuda_stream, self._words[1], reply.done_value)
+            else:
+                self._done_event(reply.done_event).wait(stream)
         if staged is None:
             return
         if reply is None:
@@ -333,12 +346,15 @@ class ServiceClient:
                 copy_to.append((tensor, offset))
                 offset += tensor.numel() * tensor.element_size()
             staged = _Staged(buffer, copy_to)
-        ready = self._record_ready() if self.device.type == "cuda" else None
+        ready = self._record_ready() if self.device.type == "cuda" and self._words is None else None
         with self._lock:
             sequence = self._sequence
             self._sequence += 1
+            if self._words is not None:
+                self._raise_ready_word(sequence + 1)
         request = pb.SubmitRequest(
             ready_event=ready[1] if ready is not None else b"",
+            ready_value=sequence + 1 if self._words is not None else 0,
             **self._ids,
             sequence=sequence,
             op=op,
@@ -353,6 +369,16 @@ class ServiceClient:
         if ready is not None:
             future.add_done_callback(lambda _: self._release_ready(ready))
         return ServiceWork(future, lambda reply: self._finish(staged, reply), self._where, self._timeout + 10.0, result)
+
+    def _raise_ready_word(self, value: int) -> None:
+        """Enqueue on the current stream: this rank's "input ready" word := value. A stream other
+        than the last submit's first waits for that one's work, so the word never goes down.
+        Called with the lock held, so that values are written in sequence order."""
+        stream = torch.cuda.current_stream(self.device)
+        if self._last_stream is not None and self._last_stream != stream:
+            stream.wait_stream(self._last_stream)
+        self._last_stream = stream
+        _native.cuda_write_word(stream.cuda_stream, self._words[0], value)
 
     def _record_ready(self) -> tuple[torch.cuda.Event, bytes]:
         """Record a free "input ready" event on the current stream: (event, its IPC handle)."""

@@ -68,6 +68,7 @@ class DeviceMapping:
 
     address: int
     size_bytes: int
+    device: int  # the daemon's CUDA index of the GPU it is on
 
 
 @dataclass
@@ -81,6 +82,9 @@ class GroupMemory:
     # CUDA_IPC_LEGACY: (device, address, cudaIpcMemHandle bytes) per rank, no descriptors.
     legacy_buffers: list[tuple[int, int, bytes]] = field(default_factory=list)
     closed: bool = field(default=False)
+    # Set where a stream of the daemon's may still wait on words in the buffers (the CUDA service
+    # path's stream words): it unmaps them once that stream is idle, not at close.
+    unmap_later: Callable[[int, int], None] | None = None
 
     @property
     def buffer_count(self) -> int:
@@ -103,9 +107,24 @@ class GroupMemory:
         """What a rank claims: the control segment, then every rank's buffer in rank order."""
         return [self.control_fd, *self.buffer_fds]
 
+    @property
+    def rank_buffers(self) -> list[tuple[int, int]]:
+        """CUDA groups: (daemon CUDA index, the daemon's address) of every rank's buffer, in rank order."""
+        if self.legacy_buffers:
+            return [(device, address) for device, address, _ in self.legacy_buffers]
+        return [(mapping.device, mapping.address) for mapping in self.device_mappings]
+
     def abort(self, reason: int, detail: int) -> None:
-        if not self.closed:
-            _native.abort_group(self.control_address, reason, detail)
+        """Put the abort on the group's control segment, then set every rank's stop word (CUDA
+        groups), so that their kernels stop at once rather than at their next poll of the abort word."""
+        if self.closed:
+            return
+        _native.abort_group(self.control_address, reason, detail)
+        for device, address in self.rank_buffers:
+            try:
+                _native.cuda_ask_to_stop(device, address)
+            except NodecommError as error:  # the kernels still see the abort word, within 1 ms
+                log.error("setting a rank's stop word failed", extra={"device": device, "error": str(error)})
 
     def close(self) -> None:
         """Drop the daemon's references; ranks' mappings keep the memory until they unmap it."""
@@ -115,7 +134,10 @@ class GroupMemory:
         try:
             host_memory.unmap_segment(self.control_address, self.control_bytes)
             for mapping in self.device_mappings:
-                _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
+                if self.unmap_later is not None:
+                    self.unmap_later(mapping.address, mapping.size_bytes)
+                else:
+                    _native.cuda_vmm_unmap(mapping.address, mapping.size_bytes)
             # Called once no rank is left (a legacy import does not keep the memory alive). On a
             # thread: cudaFree waits for the whole device, whose service streams may wait on ranks.
             if self.legacy_buffers:
@@ -135,7 +157,7 @@ def allocate_on_gpus(devices: list[int], nbytes: int, fds: list[int], mappings: 
     for device in devices:
         fd, address, made = _native.cuda_vmm_allocate(device, size)
         fds.append(fd)
-        mappings.append(DeviceMapping(address, made))
+        mappings.append(DeviceMapping(address, made, device))
         if made != size:
             raise ResourceExhaustedError(
                 f"GPU {device} rounded a {size}-byte allocation to {made}; every rank's must have one size"

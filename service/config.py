@@ -144,6 +144,12 @@ class DaemonConfig:
     # (cudaIpcMemHandle bytes in the reply), or "auto": vmm, and legacy where the driver cannot
     # export VMM allocations.
     cuda_memory: str = "auto"
+    # How a CUDA group's service path orders the daemon's stream after the ranks' inputs and the
+    # ranks' streams after its sums: "stream-words" (counters in the group's buffers, written and
+    # waited on by stream memory operations: nothing beyond the buffers' descriptors), "ipc-events"
+    # (cudaIpcEventHandle: needs a /dev/shm shared with the ranks), or "auto": stream words where
+    # every GPU of the group runs 64-bit stream memory operations, else IPC events.
+    cuda_service_ordering: str = "auto"
     log_level: str = "INFO"
     log_format: str = "json"
     # Boundary overrides: absent means "not overridden"; None means "switched off".
@@ -212,6 +218,10 @@ class DaemonConfig:
             raise ValueError(f"unknown threshold overrides {sorted(unknown)}: expected {list(BOUNDARY_NAMES)}")
         if self.cuda_memory not in ("auto", "vmm", "legacy"):
             raise ValueError(f"cuda_memory: expected 'auto', 'vmm' or 'legacy', got {self.cuda_memory!r}")
+        if self.cuda_service_ordering not in ("auto", "stream-words", "ipc-events"):
+            raise ValueError(
+                f"cuda_service_ordering: expected 'auto', 'stream-words' or 'ipc-events', got {self.cuda_service_ordering!r}"
+            )
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format: expected 'json' or 'text', got {self.log_format!r}")
         object.__setattr__(self, "overrides", dict(self.overrides))
@@ -297,6 +307,7 @@ HELP = {
     "private": "a job's own daemon, started by its ranks: exits when the job's leases end, writes no state",
     "private_grace_seconds": "how long a private daemon outlives its job's last lease",
     "cuda_memory": "how CUDA buffers cross to the ranks: auto, vmm or legacy",
+    "cuda_service_ordering": "how the CUDA service path orders streams: auto, stream-words or ipc-events",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "log_format": "json or text",
 }

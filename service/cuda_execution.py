@@ -1,7 +1,19 @@
 """The service path on CUDA groups: the memory is on the ranks' GPUs and nothing waits on the
-host. Each submit carries an event the rank recorded once its input was written; the daemon's
-stream on the group's executing GPU waits on every rank's, runs the collective, and records a
-"done" event whose handle answers every rank once it is enqueued; the ranks' streams wait on it.
+host. The daemon's stream on the group's executing GPU waits until every rank's input is written,
+runs the collective, and marks it done; the ranks' streams wait for that. Two orderings, chosen
+when the group forms:
+
+    stream words  each rank's stream raises the "input ready" word in its own group buffer to the
+                  submit's sequence + 1; the daemon's stream waits for every rank's word, and after
+                  the collective raises every rank's "done" word, which the rank's stream waits on
+                  (native/cuda/stream_words.h). Nothing but the buffers' descriptors is shared.
+    IPC events    each submit carries an event the rank recorded; the daemon's stream waits on
+                  every rank's and records a "done" event whose handle answers the ranks. The
+                  handles need a /dev/shm shared between the daemon and the ranks.
+
+An abort raises every rank's "input ready" word to the largest value, so that the daemon's stream
+runs out what it was given instead of waiting on a rank that is gone; the group's buffers are
+unmapped only once the stream is idle.
 """
 
 from __future__ import annotations
@@ -19,6 +31,9 @@ from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import RankAllocation
 
+# What an abort raises the "input ready" words to: past any sequence.
+_RELEASED = (1 << 64) - 1
+
 if TYPE_CHECKING:
     from .submissions import Part
 
@@ -31,8 +46,12 @@ class CudaExecution:
     call runs on the group's one worker thread, so enqueueing, unmapping and closing stay in order
     and a stream waiting on a rank never holds up the event loop."""
 
-    def __init__(self, device: int, ring: int, timeout: float):
+    def __init__(self, device: int, ring: int, timeout: float, rank_buffers: list[int] | None = None):
+        """rank_buffers: the daemon's address of every rank's group buffer, for stream words;
+        None: IPC events."""
         self.device = device
+        self.ordering = pb.STREAM_WORDS if rank_buffers is not None else pb.IPC_EVENTS
+        self._rank_buffers = rank_buffers or []
         self.timeout = timeout  # how long unmapping waits for the stream before it gives up
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="nodecomm-cuda-service")
         self._stream: int | None = None
@@ -44,21 +63,16 @@ class CudaExecution:
         self._closing = False
         self._closed = False
 
-    def run(self, sequence: int, parts: list[Part]) -> bytes:
-        """Enqueue collective `sequence` after every part's ready event; the done event's handle."""
+    def run(self, sequence: int, parts: list[Part]) -> pb.SubmitReply:
+        """Enqueue collective `sequence` after every part's input is ready; the reply that tells the
+        ranks what to wait for."""
         if self._stream is None:
-            stream = _native.cuda_stream_create(self.device)
-            done: list[tuple[int, bytes]] = []
-            try:
-                for _ in range(self._ring):
-                    done.append(_native.cuda_ipc_event_create(self.device))
-            except NodecommError:
-                for event, _ in done:
-                    _native.cuda_event_destroy(event)
-                _native.cuda_stream_destroy(stream)
-                raise
-            self._stream, self._done = stream, done
-        for part in parts:
+            self._start()
+        ready = _native.CUDA_SERVICE_READY_OFFSET
+        for rank, part in enumerate(parts):
+            if self.ordering == pb.STREAM_WORDS:
+                _native.cuda_wait_word(self._stream, self._rank_buffers[rank] + ready, part.request.ready_value)
+                continue
             handle = part.request.ready_event
             if handle not in self._opened:
                 self._opened[handle] = _native.cuda_ipc_event_open(self.device, handle)
@@ -73,20 +87,49 @@ class CudaExecution:
                 _native.cuda_service_all_gather(self.device, inputs, outputs, first.count, self._stream)
             else:
                 _native.cuda_service_topk_stage(self.device, inputs, outputs, first.count, first.topk, self._stream)
+        if self.ordering == pb.STREAM_WORDS:
+            for buffer in self._rank_buffers:
+                _native.cuda_write_word(self._stream, buffer + _native.CUDA_SERVICE_DONE_OFFSET, sequence + 1)
+            return pb.SubmitReply(sequence=sequence, done_value=sequence + 1)
         event, handle = self._done[sequence % self._ring]
         _native.cuda_event_record(self.device, event, self._stream)
-        return handle
+        return pb.SubmitReply(sequence=sequence, done_event=handle)
+
+    def _start(self) -> None:
+        stream = _native.cuda_stream_create(self.device)
+        done: list[tuple[int, bytes]] = []
+        try:
+            for _ in range(self._ring if self.ordering == pb.IPC_EVENTS else 0):
+                done.append(_native.cuda_ipc_event_create(self.device))
+        except NodecommError:
+            for event, _ in done:
+                _native.cuda_event_destroy(event)
+            _native.cuda_stream_destroy(stream)
+            raise
+        self._stream, self._done = stream, done
+
+    def release(self) -> None:
+        """The group aborted: raise every rank's "input ready" word past any sequence, so that the
+        stream runs out what it was given (ranks whose streams never get there are gone)."""
+        for buffer in self._rank_buffers:
+            try:
+                _native.cuda_write_word_now(self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _RELEASED)
+            except NodecommError as error:
+                log.error("releasing a CUDA service stream's wait failed", extra={"error": str(error)})
+
+    def unmap_later(self, address: int, size_bytes: int) -> None:
+        """Unmap memory the stream may still wait on (a group buffer) once it is idle."""
+        with self._lock:
+            self._unmaps.append((address, size_bytes))
+            if self._closed:
+                self._unmap_freed()
+            elif not self._closing:
+                self.thread.submit(self._sync_and_unmap)
 
     def unmap(self, allocation: RankAllocation) -> None:
         """Unmap a freed allocation once the stream has run everything enqueued before now."""
         os.close(allocation.fd)
-        with self._lock:
-            self._unmaps.append((allocation.address, allocation.size_bytes))
-            if self._closed:  # the stream is gone, and with it all work on this memory
-                self._unmap_freed()
-            elif not self._closing:
-                self.thread.submit(self._sync_and_unmap)
-            # else: the queued _close unmaps it
+        self.unmap_later(allocation.address, allocation.size_bytes)
 
     def _idle(self) -> bool:
         """Whether the stream has run all it was given, polled up to `timeout`: it may wait on a

@@ -91,7 +91,14 @@ class Group:
             thresholds=self.table.to_proto(),
             topk_exchanges=len(self.topk_slabs),
             service_bytes=self.service.reserved_bytes if self.service is not None else 0,
+            service_ordering=self.service_ordering,
         )
+
+    @property
+    def service_ordering(self) -> int:
+        """pb.ServiceOrdering of the service path: how a CUDA group orders its streams."""
+        cuda = self.service.cuda if self.service is not None else None
+        return cuda.ordering if cuda is not None else pb.SERVICE_ORDERING_UNSPECIFIED
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():

@@ -29,12 +29,14 @@ from nodecomm.errors import (
     PeerLostError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    UnsupportedError,
     shown,
 )
 from nodecomm.thresholds import DispatchTable, Wire
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import (
+    GroupMemory,
     allocate_group,
     max_blocks_for,
 )
@@ -212,11 +214,19 @@ class GroupRegistry:
         )
         depth = self.config.service_queue_depth
         # CUDA groups run the service path on rank 0's GPU, reading the others' over peer access.
-        cuda = (
-            CudaExecution(self._device_indices(group)[0], depth + 2, self.config.operation_timeout_seconds)
-            if first.device_kind == "cuda"
-            else None
-        )
+        cuda = None
+        if first.device_kind == "cuda":
+            executing = self._device_indices(group)[0]
+            try:
+                words = self._stream_word_buffers(memory, executing)
+            except NodecommError as error:
+                memory.close()
+                self._fail_forming(forming, error)
+                del self._forming[forming.name]
+                return
+            cuda = CudaExecution(executing, depth + 2, self.config.operation_timeout_seconds, words)
+            if words is not None:
+                memory.unmap_later = cuda.unmap_later  # its stream waits on words in the buffers
         group.service = SubmissionQueue(
             group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
         )
@@ -278,6 +288,35 @@ class GroupRegistry:
             raise NotFoundError(f"the group is {group.state}", group=request.group or None, rank=request.rank)
         devices = self._device_indices(group) if group.args.device_kind == "cuda" else []
         return await self.topk_openings.open(group, request, devices)
+
+    def _stream_word_buffers(self, memory: GroupMemory, executing: int) -> list[int] | None:
+        """The daemon's address of every rank's buffer where the service path orders its streams by
+        stream words (config cuda_service_ordering), None for IPC events. Stream words need 64-bit
+        stream memory operations on every GPU, and the executing GPU's access to every buffer:
+        granted here for VMM buffers on other GPUs; legacy buffers on other GPUs use IPC events."""
+        setting = self.config.cuda_service_ordering
+        if setting == "ipc-events":
+            return None
+        buffers = memory.rank_buffers
+        devices = {device for device, _ in buffers} | {executing}
+        lacking = sorted(d for d in devices if not _native.cuda_stream_words_supported(d))
+        legacy_across = bool(memory.legacy_buffers) and len(devices) > 1
+        if lacking or legacy_across:
+            if setting == "stream-words":
+                why = (
+                    f"GPU {lacking} lacks 64-bit stream memory operations"
+                    if lacking
+                    else "legacy (cudaIpcMemHandle) buffers on several GPUs"
+                )
+                raise UnsupportedError(
+                    f"cuda_service_ordering 'stream-words' cannot order this group's service path: {why}; "
+                    "use 'auto' or 'ipc-events'"
+                )
+            return None
+        for device, address in buffers:
+            if device != executing:
+                _native.cuda_vmm_grant(executing, address, memory.buffer_bytes)
+        return [address for _, address in buffers]
 
     def _device_indices(self, group: Group) -> list[int]:
         """The daemon's CUDA index of each rank's GPU, in rank order."""
@@ -408,6 +447,8 @@ class GroupRegistry:
         group.memory.abort(reason, rank)
         if group.service is not None:
             group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
+            if group.service.cuda is not None and group.state == "active":
+                group.service.cuda.release()
         # Meetings still under way end with the group: top-k openings and peer checks.
         for meeting in [*group.exchanges.values(), *group.peer_checks.values()]:
             if meeting.failure is None and meeting.waiting():
@@ -439,6 +480,8 @@ class GroupRegistry:
             for kind, device, use, nbytes in group.placement():
                 self.metrics.reserve(kind, device, use, -nbytes)
             self.claims.drop_group(group.group_id)
+            if group.service is not None and group.service.cuda is not None:
+                group.service.cuda.release()  # a stream waiting on a rank that left runs out
             group.memory.close()
             for slabs in group.topk_slabs:
                 slabs.close()

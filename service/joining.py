@@ -147,6 +147,7 @@ def join_replies(
             table_switch_period=config.table_switch_period,
             explore_period=config.explore_period,
             rank_secret=group.members[rank].secret,
+            service_ordering=group.service_ordering,
         )
         for owner in range(group.args.world_size):
             reply.buffers.add(

@@ -287,10 +287,27 @@ class SubmissionQueue:
         return Part(request, read, written, in_bytes)
 
     def _check_ready_event(self, request: pb.SubmitRequest, where: dict) -> None:
-        handle = request.ready_event
-        if self.cuda is None:
-            if handle:
-                raise InvalidArgumentError("ready_event is for CUDA groups; leave it empty", **where)
+        """How the submit says its input is ready: nothing (CPU groups), the sequence + 1 its stream
+        writes (stream words), or an event's IPC handle (IPC events)."""
+        handle, value = request.ready_event, request.ready_value
+        ordering = self.cuda.ordering if self.cuda is not None else pb.SERVICE_ORDERING_UNSPECIFIED
+        if ordering != pb.IPC_EVENTS and handle:
+            raise InvalidArgumentError(
+                "ready_event is for CUDA groups ordered by IPC events; leave it empty (see JoinReply.service_ordering)",
+                **where,
+            )
+        if ordering != pb.STREAM_WORDS and value:
+            raise InvalidArgumentError(
+                "ready_value is for CUDA groups ordered by stream words; leave it 0 (see JoinReply.service_ordering)",
+                **where,
+            )
+        if ordering == pb.STREAM_WORDS and value != request.sequence + 1:
+            raise InvalidArgumentError(
+                f"ready_value {value}: a CUDA group ordered by stream words expects the submit's sequence + 1 "
+                f"({request.sequence + 1}), the value the rank's stream writes once its input is written",
+                **where,
+            )
+        if ordering != pb.IPC_EVENTS:
             return
         if len(handle) != _EVENT_HANDLE_BYTES:
             raise InvalidArgumentError(
@@ -346,29 +363,29 @@ class SubmissionQueue:
                 inline = self.cuda is None and collective.parts[0].in_bytes <= _INLINE_BYTES
                 try:
                     if inline:
-                        done_event = self._execute(collective)
+                        reply = self._execute(collective)
                     else:
-                        done_event = await loop.run_in_executor(self._executor, self._execute, collective)
+                        reply = await loop.run_in_executor(self._executor, self._execute, collective)
                 except NodecommError as error:
                     self._fail(collective, error)
                 except Exception as error:  # a crashed runner would leave the group's queue stuck
                     self._fail(collective, InternalError(f"collective {collective.sequence} failed: {error!r}"))
                 else:
-                    self._succeed(collective, done_event)
+                    self._succeed(collective, reply)
                 finally:
                     collective.running = False
             self._next += 1
             if collective.failure is not None and len(collective.answered) == self.world_size:
                 self._collectives.pop(collective.sequence, None)
 
-    def _execute(self, collective: Collective) -> bytes:
-        """Run it (CPU) or enqueue it (CUDA: returns the done event's handle)."""
+    def _execute(self, collective: Collective) -> pb.SubmitReply:
+        """Run it (CPU) or enqueue it (CUDA: the reply says what the ranks' streams wait for)."""
         parts = [collective.parts[r] for r in range(self.world_size)]
         if self.cuda is not None:
             return self.cuda.run(collective.sequence, parts)
         first = parts[0].request
         if first.count == 0:
-            return b""
+            return pb.SubmitReply(sequence=collective.sequence)
         inputs = [p.input[1] for p in parts]
         outputs = [p.output[1] if p.output is not None else 0 for p in parts]
         if first.op == pb.ALL_REDUCE:
@@ -377,12 +394,11 @@ class SubmissionQueue:
             _native.service_all_gather(inputs, outputs, first.count)
         else:
             _native.service_topk_stage(inputs, outputs, first.count, first.topk)
-        return b""
+        return pb.SubmitReply(sequence=collective.sequence)
 
-    def _succeed(self, collective: Collective, done_event: bytes) -> None:
+    def _succeed(self, collective: Collective, reply: pb.SubmitReply) -> None:
         first = collective.parts[0]
         self._on_done(OP_NAMES[first.request.op], "ok", first.in_bytes)
-        reply = pb.SubmitReply(sequence=collective.sequence, done_event=done_event)
         collective.meeting.succeed(dict.fromkeys(collective.parts, reply))
         self._retire(collective)
         del self._collectives[collective.sequence]

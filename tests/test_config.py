@@ -29,6 +29,7 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
         ([], {"NODECOMM_MAX_CAPACITY_BYTES": "lots"}, "lots"),
         (["--log-format", "xml"], {}, "log_format"),
         ([], {"NODECOMM_ALLOW_SHARED_DEVICES": "maybe"}, "expected true/false"),
+        (["--cuda-service-ordering", "shm"], {}, "cuda_service_ordering: expected 'auto', 'stream-words'"),
     ],
 )
 def test_bad_values_name_the_setting(argv, env, message):

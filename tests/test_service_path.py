@@ -96,11 +96,11 @@ def _join_alone(stub, group: str):
     return reply.group_id
 
 
-def _submit(stub, group, group_id, sequence, allocation_id, offset=0, count=16):
+def _submit(stub, group, group_id, sequence, allocation_id, offset=0, count=16, **fields):
     ref = pb.MemoryRef(allocation_id=allocation_id, offset_bytes=offset)
     request = pb.SubmitRequest(
         group=group, group_id=group_id, rank=0, sequence=sequence, op=pb.ALL_REDUCE, dtype=pb.FLOAT32,
-        count=count, input=ref, output=ref, timeout_seconds=5,
+        count=count, input=ref, output=ref, timeout_seconds=5, **fields,
     )  # fmt: skip
     return stub.Submit(request, timeout=10)
 
@@ -125,6 +125,9 @@ def test_the_daemon_refuses_ranges_it_does_not_own(daemon):
             (dict(offset=4096 - 32), grpc.StatusCode.INVALID_ARGUMENT, "run past allocation"),
             (dict(offset=2), grpc.StatusCode.INVALID_ARGUMENT, "not a multiple of the 4-byte element"),
             (dict(count=1 << 62), grpc.StatusCode.INVALID_ARGUMENT, "run past allocation"),
+            # How a CUDA rank's stream says its input is ready: nothing a CPU group takes.
+            (dict(ready_value=2), grpc.StatusCode.INVALID_ARGUMENT, "ready_value is for CUDA groups ordered by stream"),
+            (dict(ready_event=bytes(64)), grpc.StatusCode.INVALID_ARGUMENT, "ready_event is for CUDA groups ordered"),
         ]
         sequence = 1
         for kwargs, code, text in cases:

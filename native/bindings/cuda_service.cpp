@@ -1,10 +1,13 @@
 // cuda_service.cpp — the service path's CUDA executor (../cuda/service.h): the daemon's stream,
-// events the ranks' streams and its own wait on, and the collectives it enqueues.
+// the events or stream words (../cuda/stream_words.h) the ranks' streams and its own wait on, and
+// the collectives it enqueues.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "codes.h"
+#include "cuda/layout.h"
 #include "cuda/service.h"
+#include "cuda/stream_words.h"
 
 #include "bindings.h"
 
@@ -13,6 +16,7 @@ namespace py = pybind11;
 namespace nodecomm::bindings {
 
 void bind_cuda_service(py::module_& m) {
+  namespace cuda = nodecomm::cuda;
   namespace executor = nodecomm::cuda::service;
   using Addresses = std::vector<std::uintptr_t>;
   m.def("cuda_stream_create", &executor::stream_create, py::arg("device"));
@@ -33,6 +37,18 @@ void bind_cuda_service(py::module_& m) {
   m.def("cuda_event_destroy", &executor::event_destroy, py::arg("event"));
   m.def("cuda_stream_wait_event", &executor::wait_event, py::arg("device"), py::arg("stream"), py::arg("event"));
   m.def("cuda_event_record", &executor::record_event, py::arg("device"), py::arg("event"), py::arg("stream"));
+  m.attr("CUDA_SERVICE_READY_OFFSET") = cuda::kServiceReadyOffset;
+  m.attr("CUDA_SERVICE_DONE_OFFSET") = cuda::kServiceDoneOffset;
+  m.def("cuda_stream_words_supported", &cuda::stream_words_supported, py::arg("device"),
+        "Whether `device` runs 64-bit stream memory operations (the service path's stream words).");
+  m.def("cuda_write_word", &cuda::write_word, py::arg("stream"), py::arg("address"), py::arg("value"),
+        "Enqueue on `stream`: write `value` to the 64-bit word at `address` once the work before it ran.");
+  m.def("cuda_wait_word", &cuda::wait_word, py::arg("stream"), py::arg("address"), py::arg("value"),
+        "Enqueue on `stream`: what follows starts once the word at `address` is at least `value`.");
+  m.def("cuda_write_word_now", &cuda::write_word_now, py::arg("device"), py::arg("address"), py::arg("value"),
+        "Write `value` to the word at `address` on `device` from a stream of its own, ordered after nothing.");
+  m.def("cuda_ask_to_stop", &cuda::ask_to_stop, py::arg("device"), py::arg("buffer"),
+        "Set the stop word of the rank buffer at `buffer`: its kernels stop at once (the group aborted).");
   m.def(
       "cuda_service_all_reduce",
       [](int device, Addresses inputs, Addresses outputs, std::size_t count, int dtype, std::uintptr_t stream) {

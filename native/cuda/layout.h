@@ -5,13 +5,25 @@
 //   flags                         kMaxBlocks x kMaxRanks arrival words: block b of rank p stores
 //                                 its barrier's epoch and a digest of its call (sync.cuh) into
 //                                 flags[b][p] of every rank's buffer
-//   gave up                       one word, set once a wait of this rank failed (a barrier or a
-//                                 pushed line: a timeout, an abort, a mismatch) and never cleared:
-//                                 every kernel queued after it returns at its start or first
-//                                 barrier, and the copy paths, whose copies run whatever came
-//                                 before them on the stream, write outputs only while it is 0
+//   stop                          two words, 0 while the group runs and never cleared after:
+//                                 gave up (+0), kGaveUp once a wait of this rank failed (a barrier
+//                                 or a pushed line: a timeout, an abort, a mismatch), written by
+//                                 this rank only; the copy paths, whose copies run whatever came
+//                                 before them on the stream, write outputs only while it is 0.
+//                                 Asked to stop (+128), 1 + r once rank r's kernel gave up (it
+//                                 writes every rank's), 1 + kMaxRanks once the daemon or the
+//                                 rank's host saw the group abort. Both are local memory, so waits
+//                                 read the second at every clock check: a running wait ends within
+//                                 microseconds of the abort, and every kernel queued after returns
+//                                 at its start or first barrier, writing nothing. A kernel past its
+//                                 last wait finishes: its peers' data is all there.
 //   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
 //                                 once, when the group's peer memory is checked at connect
+//   service words                 the service path's counters (stream_words.h), 128 bytes apart:
+//                                 "input ready", which this rank's stream raises to its submit's
+//                                 sequence + 1 once the input is written and the daemon's stream
+//                                 waits on; "done", which the daemon's stream raises after the
+//                                 collective and this rank's stream waits on
 //   slots                         two staging slots of slot_stride bytes each; the copy paths stage
 //                                 in slot 0 and pull peers' data into slot 1, from where a kernel
 //                                 copies it to the output unless this rank gave up
@@ -32,8 +44,15 @@ constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
 constexpr std::size_t kGaveUpOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
+constexpr std::size_t kStopAskedOffset = kGaveUpOffset + 128;
+constexpr std::uint64_t kGaveUp = 1;  // this rank's wait failed; it recorded why
+// The asked word holds 1 + the rank whose kernel asked, or 1 + kAskedByHost (the daemon, or the
+// rank's own host when the daemon is gone).
+constexpr int kAskedByHost = kMaxRanks;
 constexpr std::size_t kProbeOffset = kGaveUpOffset + 256;
-constexpr std::size_t kSlotOffset = kProbeOffset + 256;
+constexpr std::size_t kServiceReadyOffset = kProbeOffset + 256;
+constexpr std::size_t kServiceDoneOffset = kServiceReadyOffset + 128;
+constexpr std::size_t kSlotOffset = kServiceReadyOffset + 256;
 // dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.
 constexpr std::size_t kSegmentAlign = 256;
 constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;

@@ -85,9 +85,12 @@ template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
     push_kernel(Signal<N> signal, const T* input, T* output, std::size_t count, TaggedCall call) {
   constexpr int kPerLine = 8 / sizeof(T);
-  const bool stopped = signal.gave_up();  // loaded while the launch is counted
+  const bool stopped = signal.stopped();  // loaded while the launch is counted
   const std::uint64_t launch = signal.next_launch();
-  if (stopped) return;  // as at a barrier: nothing of this launch reaches the peers
+  if (stopped) {  // as at a barrier: nothing of this launch reaches the peers
+    if (blockIdx.x == 0 && threadIdx.x == 0) signal.note_asked(launch, call.call);
+    return;
+  }
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) {
     return pushed_lines(signal.peers.at(owner), signal.push, launch, source);
@@ -117,7 +120,7 @@ __global__ void __launch_bounds__(kThreads)
         return got[r].low_flag == flag && got[r].high_flag == flag;
       };
       if (!wait_until(arrived, launch, signal.control, signal.rank, r, signal.timeout_ns, call.call,
-                      PeerElsewhere{signal.mine(), at, flag, r})) {
+                      PeerElsewhere{signal.mine(), at, flag, r}, signal.stop_word())) {
         signal.give_up();
         return;
       }

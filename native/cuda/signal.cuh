@@ -6,8 +6,8 @@
 // scope) and waits until flags[b][q] holds that epoch for every q (acquire), then compares the
 // digests. Block b only reads what block b of each peer wrote, so block pairs suffice. Waits are
 // bounded by the timeout and the group's abort word; a rank that gives up records why, aborts the
-// group and arrives nowhere any more (the gave-up word), so every peer stops too and none takes
-// a later arrival for an agreeing one.
+// group, arrives nowhere any more and sets every rank's stop word (layout.h), so every peer stops
+// too, at once, and none takes a later arrival for an agreeing one.
 //
 // The kernel paths pick their slot from ++launches[b], so consecutive launches and graph replays
 // alternate slots without host patching; every launch advances all kMaxBlocks counters, so all
@@ -82,12 +82,32 @@ struct Signal {
 
   __device__ __forceinline__ std::uint8_t* mine() const { return peers.at(rank); }
 
-  // Whether a barrier of this rank failed (layout.h): the copy paths then write no output, a push
-  // launch sends nothing.
+  __device__ __forceinline__ const std::uint64_t* stop_word() const {
+    return reinterpret_cast<const std::uint64_t*>(mine() + kStopAskedOffset);
+  }
+  // Whether a wait of this rank failed (layout.h): the copy paths then write no output.
   __device__ __forceinline__ bool gave_up() const { return load_volatile(word(mine(), kGaveUpOffset)) != 0; }
+  // Whether this rank must not start anything more: it gave up, or was asked to stop.
+  __device__ __forceinline__ bool stopped() const { return gave_up() || load_volatile(stop_word()) != 0; }
   // Sticky: every kernel of this rank queued after a failed wait returns at its start or first
-  // barrier, writing nothing, instead of waiting out an abort poll of its own.
-  __device__ __forceinline__ void give_up() const { store_volatile(word(mine(), kGaveUpOffset), 1); }
+  // barrier, writing nothing, and every rank's running waits (this one's other blocks too) end at
+  // their next clock check instead of at their next abort poll. Called after the failure is on record.
+  __device__ __forceinline__ void give_up() const {
+    store_volatile(word(mine(), kGaveUpOffset), kGaveUp);
+#pragma unroll
+    for (int p = 0; p < N; ++p) store_volatile(word(peers.at(p), kStopAskedOffset), 1 + std::uint64_t(rank));
+    __threadfence_system();
+  }
+  // A kernel that finds this rank asked to stop but not yet given up puts the reason on record,
+  // as a wait that saw the abort would (a mismatch needs every rank's call), and gives up.
+  __device__ __noinline__ void note_asked(std::uint64_t epoch, std::uint64_t call) const {
+    if (gave_up()) return;
+    const std::uint64_t asker = load_volatile(stop_word()) - 1;
+    const Stop found = look_for_stop(control, NoEvidence{}, false);
+    record_stop(found == Stop::kNone ? Stop::kAborted : found, control, rank, asker < N ? int(asker) : rank, epoch,
+                call);
+    store_volatile(word(mine(), kGaveUpOffset), kGaveUp);
+  }
 
   // This launch's number, the same in every block: each block advances its own counter and block 0
   // those of the blocks this grid lacks, so every block of every launch picks the same slot
@@ -122,11 +142,14 @@ struct Signal {
     __syncthreads();
     if (threadIdx.x == 0) {
       // Loaded before the counter, so that the two loads overlap.
-      const bool stopped = gave_up();
+      const bool stop = stopped();
       std::uint64_t* barriers = word(mine(), kCounterOffset + std::size_t(block) * 16 + 8);
       epoch_shared = *barriers + 1;
       *barriers = epoch_shared;
-      if (stopped) *failed = 1;
+      if (stop) {
+        note_asked(epoch_shared, call.call);
+        *failed = 1;
+      }
     }
     __syncthreads();
     if (*failed) return false;
@@ -135,7 +158,8 @@ struct Signal {
       const int peer = threadIdx.x;
       store_release(word(peers.at(peer), flag_offset(block, rank)), arrival(epoch, call));
       const std::uint64_t* flag = word(mine(), flag_offset(block, peer));
-      if (!wait_arrival(flag, epoch, call, control, rank, peer, timeout_ns, PeerPushes{mine(), push, counted, peer})) {
+      if (!wait_arrival(flag, epoch, call, control, rank, peer, timeout_ns, PeerPushes{mine(), push, counted, peer},
+                        stop_word())) {
         *failed = 1;
         give_up();
       }

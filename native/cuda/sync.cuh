@@ -94,13 +94,14 @@ struct NoEvidence {
   __device__ bool operator()() const { return false; }
 };
 
-// How often a wait looks at the abort word. It is host memory, so every read crosses PCIe. With
+// How often a wait looks at the abort word unless its stop word says to look now (layout.h: whoever
+// aborts a group also sets the stop word in every rank's device memory, which waits read at every
+// clock check at no cost). The abort word is host memory, so every read crosses PCIe. With
 // a read every 32 spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us
 // slower per barrier; the likely cause is that a read delays this rank's next arrival, its peers
 // then wait long enough to read in turn, and the two ranks settle into paying a read per barrier.
-// An interval far longer than a read lets one late arrival be absorbed at the next barrier. The
-// cost: a wait notices an abort up to this late, so a stream with many collectives queued after
-// an abort drains at up to one interval per wait.
+// An interval far longer than a read lets one late arrival be absorbed at the next barrier. It
+// bounds how late a wait notices an abort whose stop word was not set (the host's write failed).
 constexpr std::uint64_t kAbortPollNs = 1000000;
 
 // What a wait's look found that ends it, unless what it waits for came meanwhile.
@@ -129,25 +130,29 @@ __device__ inline __noinline__ void record_stop(Stop stop, std::uint8_t* control
   }
 }
 
-// Wait until ready() holds. The clock is read every 32 spins; the abort word and `elsewhere`
-// (the peer runs another kernel: see NoEvidence) every kAbortPollNs, and once more before a
-// timeout is declared, so that an abort or a mismatch is reported as one. False (after recording
-// why, against `peer`) on an abort, a mismatch (this rank's call is `call`), or once timeout_ns
-// have passed; true if ready() holds at the look that found any of them (a peer that arrived and
-// then left aborts the group after its arrival).
+// Wait until ready() holds. The clock and `stop_word` (this rank's stop word, in its own device
+// memory: layout.h; null for none) are read every 32 spins; the abort word and `elsewhere` (the
+// peer runs another kernel: see NoEvidence) every kAbortPollNs, at once when the stop word is
+// set, and once more before a timeout is declared, so that an abort or a mismatch is reported as
+// one. False (after recording why, against `peer`) on an abort, a mismatch (this rank's call is
+// `call`), or once timeout_ns have passed; true if ready() holds at the look that found any of
+// them (a peer that arrived and then left aborts the group after its arrival).
 template <typename Ready, typename Elsewhere = NoEvidence>
 __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std::uint8_t* control, int rank, int peer,
                                            std::uint64_t timeout_ns, std::uint64_t call = 0,
-                                           Elsewhere elsewhere = {}) {
+                                           Elsewhere elsewhere = {}, const std::uint64_t* stop_word = nullptr) {
   std::uint64_t started = 0, polled = 0;
   for (unsigned spins = 1; !ready(); ++spins) {
     if (spins % 32 != 0) continue;
     const std::uint64_t now = now_ns();
     if (started == 0) started = polled = now;
     const bool timed_out = now - started > timeout_ns;
-    if (!timed_out && now - polled < kAbortPollNs) continue;
+    const bool asked = stop_word != nullptr && load_volatile(stop_word) != 0;
+    if (!timed_out && !asked && now - polled < kAbortPollNs) continue;
     polled = now;
-    if (const Stop stop = look_for_stop(control, elsewhere, timed_out); stop != Stop::kNone) {
+    Stop stop = look_for_stop(control, elsewhere, timed_out);
+    if (stop == Stop::kNone && asked) stop = Stop::kAborted;  // the word is only set after the abort
+    if (stop != Stop::kNone) {
       if (ready()) return true;
       record_stop(stop, control, rank, peer, epoch, call);
       return false;
@@ -189,13 +194,13 @@ __device__ __forceinline__ std::int32_t epochs_past(std::uint64_t word, std::uin
 template <typename Elsewhere = NoEvidence>
 __device__ inline bool wait_arrival(const std::uint64_t* flag, std::uint64_t epoch, TaggedCall call,
                                     std::uint8_t* control, int rank, int peer, std::uint64_t timeout_ns,
-                                    Elsewhere elsewhere = {}) {
+                                    Elsewhere elsewhere = {}, const std::uint64_t* stop_word = nullptr) {
   std::uint64_t seen = 0;
   const auto arrived = [&] {
     seen = load_acquire(flag);
     return epochs_past(seen, epoch) >= 0;
   };
-  if (!wait_until(arrived, epoch, control, rank, peer, timeout_ns, call.call, elsewhere)) return false;
+  if (!wait_until(arrived, epoch, control, rank, peer, timeout_ns, call.call, elsewhere, stop_word)) return false;
   if (epochs_past(seen, epoch) == 0 && std::uint32_t(seen) != call.digest) {
     disagree(control, rank, peer, epoch, call.call);
     return false;

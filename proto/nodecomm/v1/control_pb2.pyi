@@ -36,6 +36,12 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CUDA_VMM_FD: _ClassVar[MemoryKind]
     CUDA_IPC_LEGACY: _ClassVar[MemoryKind]
 
+class ServiceOrdering(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SERVICE_ORDERING_UNSPECIFIED: _ClassVar[ServiceOrdering]
+    STREAM_WORDS: _ClassVar[ServiceOrdering]
+    IPC_EVENTS: _ClassVar[ServiceOrdering]
+
 class BoundarySource(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     BOUNDARY_SOURCE_UNSPECIFIED: _ClassVar[BoundarySource]
@@ -73,6 +79,9 @@ MEMORY_KIND_UNSPECIFIED: MemoryKind
 HOST_MEMFD: MemoryKind
 CUDA_VMM_FD: MemoryKind
 CUDA_IPC_LEGACY: MemoryKind
+SERVICE_ORDERING_UNSPECIFIED: ServiceOrdering
+STREAM_WORDS: ServiceOrdering
+IPC_EVENTS: ServiceOrdering
 BOUNDARY_SOURCE_UNSPECIFIED: BoundarySource
 DEFAULT: BoundarySource
 CALIBRATED: BoundarySource
@@ -133,7 +142,7 @@ class Segment(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret")
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +156,7 @@ class JoinReply(_message.Message):
     TABLE_SWITCH_PERIOD_FIELD_NUMBER: _ClassVar[int]
     EXPLORE_PERIOD_FIELD_NUMBER: _ClassVar[int]
     RANK_SECRET_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     claim_token: bytes
     descriptor_socket: str
@@ -160,7 +170,8 @@ class JoinReply(_message.Message):
     table_switch_period: int
     explore_period: int
     rank_secret: bytes
-    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ...) -> None: ...
+    service_ordering: ServiceOrdering
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("name", "value_bytes", "source")
@@ -315,7 +326,7 @@ class MemoryRef(_message.Message):
     def __init__(self, allocation_id: _Optional[int] = ..., offset_bytes: _Optional[int] = ...) -> None: ...
 
 class SubmitRequest(_message.Message):
-    __slots__ = ("group", "group_id", "rank", "sequence", "op", "dtype", "count", "topk", "input", "output", "timeout_seconds", "ready_event")
+    __slots__ = ("group", "group_id", "rank", "sequence", "op", "dtype", "count", "topk", "input", "output", "timeout_seconds", "ready_event", "ready_value")
     GROUP_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +339,7 @@ class SubmitRequest(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    READY_VALUE_FIELD_NUMBER: _ClassVar[int]
     group: str
     group_id: int
     rank: int
@@ -340,15 +352,18 @@ class SubmitRequest(_message.Message):
     output: MemoryRef
     timeout_seconds: float
     ready_event: bytes
-    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., op: _Optional[_Union[Op, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., topk: _Optional[int] = ..., input: _Optional[_Union[MemoryRef, _Mapping]] = ..., output: _Optional[_Union[MemoryRef, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    ready_value: int
+    def __init__(self, group: _Optional[str] = ..., group_id: _Optional[int] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., op: _Optional[_Union[Op, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., count: _Optional[int] = ..., topk: _Optional[int] = ..., input: _Optional[_Union[MemoryRef, _Mapping]] = ..., output: _Optional[_Union[MemoryRef, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., ready_event: _Optional[bytes] = ..., ready_value: _Optional[int] = ...) -> None: ...
 
 class SubmitReply(_message.Message):
-    __slots__ = ("sequence", "done_event")
+    __slots__ = ("sequence", "done_event", "done_value")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     DONE_EVENT_FIELD_NUMBER: _ClassVar[int]
+    DONE_VALUE_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     done_event: bytes
-    def __init__(self, sequence: _Optional[int] = ..., done_event: _Optional[bytes] = ...) -> None: ...
+    done_value: int
+    def __init__(self, sequence: _Optional[int] = ..., done_event: _Optional[bytes] = ..., done_value: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("group", "group_id", "rank")
@@ -499,7 +514,7 @@ class ListGroupsRequest(_message.Message):
     def __init__(self, identity: _Optional[bytes] = ..., pid: _Optional[int] = ..., group_key: _Optional[bytes] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes")
+    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes", "service_ordering")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -512,6 +527,7 @@ class GroupInfo(_message.Message):
     THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
     TOPK_EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     SERVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_id: int
     world_size: int
@@ -524,7 +540,8 @@ class GroupInfo(_message.Message):
     thresholds: ThresholdTable
     topk_exchanges: int
     service_bytes: int
-    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ...) -> None: ...
+    service_ordering: ServiceOrdering
+    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ...) -> None: ...
 
 class ListGroupsReply(_message.Message):
     __slots__ = ("groups",)
