@@ -436,3 +436,46 @@ def disagree(rank: int, world_size: int, socket: str, cases: list[str]) -> dict:
             name, message = (type(error).__name__, str(error)) if error else ("no error", "")
             outcome[case] = (name, message, untouched, again)
     return outcome
+
+
+def isolated_rank(rank: int, world_size: int, socket: str) -> dict:
+    """A rank in mount and IPC namespaces of its own (tests/gpu/test_isolated_cuda.py): every
+    kernel path and the service path, against the reference. Returns the kernel paths' problems,
+    the service path's outcome ("exact", "wrong: ...", or the error), and, from rank 0, the
+    group's service ordering as `nodecomm status --json` shows it."""
+    import contextlib
+    import io
+    import json
+
+    from nodecomm.client.cli import main as nodecomm_cli
+
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    problems, service, shown = [], "exact", None
+    with nodecomm.connect("isolated", rank, world_size, device=device, socket=socket, timeout=60) as comm:
+        for seed, (dtype_name, count) in enumerate([("float32", 4096), ("bfloat16", 70_001), ("float32", 1 << 20)]):
+            dtype = DTYPES[dtype_name]
+            x = rank_input(rank, count, dtype, seed).to(device)
+            expected = reference_sum(world_size, count, dtype, seed)
+            for path in PATHS:
+                if not _same_bits(comm.all_reduce(x, path=path), expected):
+                    problems.append(f"{path} {dtype_name} count={count} differs from the reference")
+            if service != "exact":
+                continue
+            try:
+                y = comm.all_reduce(x, path="service")
+                torch.cuda.synchronize()
+            except nodecomm.NodecommError as error:
+                service = f"{type(error).__name__}: {error}"
+                continue
+            if not _same_bits(y, expected):
+                service = f"wrong: service {dtype_name} count={count} differs from the reference"
+        if rank == 0:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                nodecomm_cli(["--socket", socket, "status", "--json"])
+            groups = json.loads(printed.getvalue())["groups"]
+            shown = next(g["service_ordering"] for g in groups if g["name"] == "isolated")
+        comm.barrier()
+        torch.cuda.synchronize()
+    return {"problems": problems, "service": service, "ordering": shown}

@@ -1,5 +1,6 @@
 """The service path on CUDA groups: rank processes (sharing the GPU where there is one) submit
-collectives that the daemon runs on its own stream, ordered by events in both directions.
+collectives that the daemon runs on its own stream, ordered in both directions by stream words
+or by IPC events (every test runs under both).
 The rank programs are the CPU service tests' (tests/service_ranks.py), run with device="cuda"."""
 
 import pytest
@@ -11,9 +12,9 @@ from test_service_path import kill_a_rank_with_submits_pending
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture
-def cuda_daemon(make_daemon):
-    return make_daemon("--allow-shared-devices", "true")
+@pytest.fixture(params=["stream-words", "ipc-events"])
+def cuda_daemon(make_daemon, request):
+    return make_daemon("--allow-shared-devices", "true", "--cuda-service-ordering", request.param)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
