@@ -143,9 +143,16 @@ def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, paths
             if stream.query():
                 return {"error": "the stream drained before the abort"}
         aborted = time.perf_counter()
+        while _native.error_record(comm._control.address, rank)[0] == 0 and not stream.query():
+            pass
+        noticed = time.perf_counter()  # the waiting kernel put why it stopped on record
         stream.synchronize()
         drained = time.perf_counter()
-        return {"drain_s": drained - aborted, "record": _native.error_record(comm._control.address, rank)[0]}
+        return {
+            "drain_s": drained - aborted,
+            "noticed_s": noticed - aborted,
+            "record": _native.error_record(comm._control.address, rank)[0],
+        }
 
 
 def wait_alone(rank: int, world_size: int, socket: str) -> tuple[str, str]:
