@@ -66,6 +66,7 @@ class CudaTransport:
         self._group = _native.CudaGroup(
             rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
         )
+        _native.cuda_prepare_write_now(device_index)  # for release_after_daemon_lost
 
     # -- the checks connect() runs before the group is used ----------------------------------
 

@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <map>
+#include <mutex>
+
 #include "driver.h"
 #include "layout.h"
 
@@ -32,6 +35,17 @@ const StreamWordApi& stream_word_api() {
 
 CUstream as_stream(std::uintptr_t stream) { return reinterpret_cast<CUstream>(stream); }
 
+// One non-blocking stream per device for write_word_now, kept for the process's life: an abort
+// should not pay for creating one (the caller makes it current).
+CUstream side_stream(int device) {
+  static std::mutex lock;
+  static std::map<int, cudaStream_t> streams;
+  const std::lock_guard<std::mutex> held(lock);
+  cudaStream_t& stream = streams[device];
+  if (stream == nullptr) NODECOMM_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  return reinterpret_cast<CUstream>(stream);
+}
+
 }  // namespace
 
 bool stream_words_supported(int device) {
@@ -53,14 +67,15 @@ void wait_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t valu
   NODECOMM_CU(stream_word_api().wait(as_stream(stream), CUdeviceptr(address), value, CU_STREAM_WAIT_VALUE_GEQ));
 }
 
+void prepare_write_now(int device) {
+  DeviceScope scope(device);
+  side_stream(device);
+  stream_word_api();
+}
+
 void write_word_now(int device, std::uintptr_t address, std::uint64_t value) {
   DeviceScope scope(device);
-  cudaStream_t stream = nullptr;
-  NODECOMM_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const CUresult status = stream_word_api().write(reinterpret_cast<CUstream>(stream), CUdeviceptr(address), value,
-                                                  CU_STREAM_WRITE_VALUE_DEFAULT);
-  cudaStreamDestroy(stream);  // returns at once; the write still runs
-  NODECOMM_CU(status);
+  NODECOMM_CU(stream_word_api().write(side_stream(device), CUdeviceptr(address), value, CU_STREAM_WRITE_VALUE_DEFAULT));
 }
 
 void ask_to_stop(int device, std::uintptr_t buffer) {

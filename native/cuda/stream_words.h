@@ -21,10 +21,12 @@ void write_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t val
 // (unsigned; the words only grow).
 void wait_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t value);
 
-// Write `value` to the word at `address`, mapped in this process on `device`, now: on a stream of
-// its own, ordered after nothing, not waited for (a stream already waiting on that device may wait
-// for this very word).
+// Write `value` to the word at `address`, mapped in this process on `device`, now: on a side
+// stream of the device's, ordered after nothing, not waited for (a stream already waiting on that
+// device may wait for this very word).
 void write_word_now(int device, std::uintptr_t address, std::uint64_t value);
+// Make the side stream (and the driver calls) ready before an abort needs them.
+void prepare_write_now(int device);
 
 // The "asked to stop" word of the rank buffer at `buffer` (layout.h), set to "the host asked": the
 // rank's running waits end at their next clock check and its queued kernels return at their start.
