@@ -1,8 +1,8 @@
 """nodecomm bench --op across-nodes: a group across stand-in nodes (a private daemon each, on this
 machine) beside a flat gloo all-reduce over all its ranks, in one run. Rows per size: the
-HierarchicalCommunicator as its table (the probe's at connect) decides ("auto"), forced to send each node's whole
-sum between nodes ("flat") and forced to shard it ("sharded"), and gloo over every rank. Time: the
-slowest rank's per iteration, each after a gloo barrier; p50."""
+HierarchicalCommunicator as its table (the probe's at connect) decides ("auto"), forced to send
+each node's whole sum between nodes ("flat") and forced to shard it ("sharded"), and gloo over
+every rank. Time: the slowest rank's per iteration, each after a gloo barrier; p50."""
 
 from __future__ import annotations
 

@@ -16,9 +16,9 @@ l owns the shards s with s % L == l, and shard s's owners on every node form its
                     nodes, then inside the node
 
 Up to the table's flat_max_bytes, step 2 exchanges the whole node sum and step 3 is skipped (the
-"flat" form; across_nodes_forms.py says how the boundary is probed and follows live timings). Every
-rank gets the same bits either way. They are not the single-node lossless sum's: each node's sum is rounded
-to the dtype before the nodes' sums are added (docs/multi-node.md states the bound).
+"flat" form; across_nodes_forms.py says how the boundary is probed and follows live timings).
+Every rank gets the same bits either way. They are not the single-node lossless sum's: each node's
+sum is rounded to the dtype before the nodes' sums are added (docs/multi-node.md states the bound).
 
 A failure anywhere is put on record in the store, so that every rank waiting elsewhere (inside its
 node, or between nodes) raises naming it within its timeout; the communicator then refuses further
@@ -178,15 +178,13 @@ class HierarchicalCommunicator:
         form: "flat" or "sharded" to force one (every rank alike); default: the table's."""
         self._check_usable()
         values = tensor.contiguous().view(-1)
-        if form is None:
-            chosen, _ = self.forms.decide(values.numel() * values.element_size())
-        else:
-            chosen = _parsed_form(form)
+        nbytes = values.numel() * values.element_size()
+        chosen = self.forms.decide(nbytes)[0] if form is None else _parsed_form(form)
         stopwatch = _Stopwatch(values.device) if self.rank == 0 and self.forms.live and form is None else None
         partial = self._inside(lambda: self.node.all_reduce(values))
         sums = self._across(partial, partial.element_size(), self._sum_of, form=chosen).reshape(tensor.shape)
         if stopwatch is not None:
-            self._timed.append((chosen, values.numel() * values.element_size(), stopwatch.stop()))
+            self._timed.append((chosen, nbytes, stopwatch.stop()))
         if form is None and self.forms.switch_due():
             self._switch_table()
         if out is None:
@@ -308,7 +306,7 @@ class HierarchicalCommunicator:
         return self._store.get(key)
 
     def probe(self) -> AcrossNodesTable:
-        """Time both forms at PROBE_SIZES on every rank; the boundary rank 0 measured becomes every
+        """Run both forms at PROBE_SIZES on every rank; the boundary rank 0 timed becomes every
         rank's table. Every rank of the group calls it at once."""
         timings: dict[Form, dict[int, float]] = {Form.FLAT: {}, Form.SHARDED: {}}
         for nbytes in PROBE_SIZES:
@@ -317,10 +315,12 @@ class HierarchicalCommunicator:
                 self.all_reduce(values, form=form.value)  # warm-up, and the ranks line up
                 seconds = []
                 for _ in range(_PROBE_RUNS):
-                    stopwatch = _Stopwatch(values.device)
+                    stopwatch = _Stopwatch(values.device) if self.rank == 0 else None
                     self.all_reduce(values, form=form.value)
-                    seconds.append(stopwatch.stop())
-                timings[form][nbytes] = sorted(read() for read in seconds)[_PROBE_RUNS // 2]
+                    if stopwatch is not None:
+                        seconds.append(stopwatch.stop())
+                if seconds:
+                    timings[form][nbytes] = sorted(read() for read in seconds)[_PROBE_RUNS // 2]
         key = f"{self._prefix}/table/probe"
         if self.rank == 0:
             boundary = probe_boundary(timings[Form.FLAT], timings[Form.SHARDED])
