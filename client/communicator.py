@@ -93,9 +93,6 @@ class Communicator:
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._lease = Lease(self._stub, membership, control.address, self._metadata)
-        if isinstance(transport, CudaTransport):
-            self._lease.on_group_aborted = transport.stop_kernels
-            self._lease.on_daemon_lost = transport.release_after_daemon_lost
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None

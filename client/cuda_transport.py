@@ -9,7 +9,6 @@ collective can be captured in a CUDA graph; a captured graph keeps the path it w
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 
 import torch
@@ -67,8 +66,6 @@ class CudaTransport:
         self._group = _native.CudaGroup(
             rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
         )
-        _native.cuda_prepare_write_now(device_index)  # for stop_kernels
-        self._stopping = threading.Lock()
 
     # -- the checks connect() runs before the group is used ----------------------------------
 
@@ -195,26 +192,8 @@ class CudaTransport:
         mine = self._buffers[self.rank].address
         return mine + _native.CUDA_SERVICE_READY_OFFSET, mine + _native.CUDA_SERVICE_DONE_OFFSET
 
-    def stop_kernels(self) -> None:
-        """The group aborted (the lease's thread calls this): this rank's running waits end at
-        their next clock check and its queued kernels return at their start."""
-        with self._stopping:  # close() syncs the device after this, and only then unmaps
-            if self._group is not None:
-                _native.cuda_ask_to_stop(self.device.index, self._buffers[self.rank].address)
-
-    def release_after_daemon_lost(self) -> None:
-        """The daemon is gone: stop this rank's kernels, and let its stream past any wait for the
-        daemon's "done" word, which will never come."""
-        self.stop_kernels()
-        with self._stopping:
-            if self._group is not None:
-                done = self._buffers[self.rank].address + _native.CUDA_SERVICE_DONE_OFFSET
-                _native.cuda_write_word_now(self.device.index, done, (1 << 64) - 1)
-
     def close(self) -> None:
-        with self._stopping:
-            group, self._group = self._group, None
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
-        del group  # the native group goes once its work has run
+        self._group = None  # its abort watch stops, and waits for what it wrote
         for mapping in self._buffers:
             mapping.unmap()

@@ -13,7 +13,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 
@@ -61,12 +61,6 @@ class Lease:
         self.lost_reason: str | None = None  # why the daemon is unusable, once it is
         self.refusal: NodecommError | None = None  # the daemon's answer if it refused the session
         self.event_message: str | None = None  # the last group event's message
-        # Run by the session's thread once the daemon says the group aborted (the daemon sets the
-        # stop words too, but its writes wait for its context's turn on a GPU this rank keeps busy),
-        # and once the daemon is lost, after the abort is on the control segment (what the daemon
-        # would have done for this rank's memory): a CUDA rank's stop word and service words.
-        self.on_group_aborted: Callable[[], None] | None = None
-        self.on_daemon_lost: Callable[[], None] | None = None
         self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
         self._call = None
         self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{membership.rank}", daemon=True)
@@ -111,7 +105,6 @@ class Lease:
                     self.event_message = message.event.message
                     if message.event.kind == pb.DRAINING:
                         self.lost_reason = "the daemon is shutting down"
-                    self._run_hook(self.on_group_aborted, "after the group aborted")
             if not self._closing and self.lost_reason is None:
                 self.lost_reason = "the daemon ended this rank's session"
         except grpc.RpcError as error:
@@ -129,23 +122,12 @@ class Lease:
         finally:
             if not self._closing and self.refusal is None:
                 _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
-                self._run_hook(self.on_daemon_lost, "after the daemon was lost")
                 # The message names everything: under Python's default logging only it is printed.
                 log.warning(
                     f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}",
                     extra={"group": self._group, "rank": self._rank, "reason": self.lost_reason},
                 )
             self._ready.set()
-
-    def _run_hook(self, hook: Callable[[], None] | None, when: str) -> None:
-        if hook is None or self._closing:
-            return
-        try:
-            hook()
-        except Exception as error:  # noqa: BLE001 (the kernels still see the abort word within 1 ms)
-            log.error(
-                f"[group {shown(self._group)}, rank {self._rank}] stopping this rank's kernels {when} failed: {error}"
-            )
 
     def report(self, path: Path, nbytes: int, seconds: float, wire: Wire = Wire.LOSSLESS) -> None:
         with self._batch_lock:

@@ -9,6 +9,12 @@
 //                                  records its own); the host reads it without a device sync
 #pragma once
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <climits>
+#include <ctime>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -36,12 +42,32 @@ inline constexpr std::uint64_t abort_word(std::uint64_t reason, std::uint64_t de
   return (reason << 32) | (detail & 0xFFFFFFFFu);
 }
 
+// The abort word's upper half, the reason: what threads waiting for an abort sleep on (a futex on
+// the shared page, so a waiter in any process that maps it is woken).
+inline std::uint32_t* abort_reason_word(std::uintptr_t control) {
+  return reinterpret_cast<std::uint32_t*>(control) + 1;  // little-endian: the upper 32 bits
+}
+
 // One compare-and-swap publishes reason and detail together; the first reason wins, since later
-// failures are consequences of it.
+// failures are consequences of it. Then every thread sleeping in wait_for_abort wakes.
 inline void abort_group(std::uintptr_t control, std::uint64_t reason, std::uint64_t detail) {
   std::uint64_t expected = 0;
   __atomic_compare_exchange_n(reinterpret_cast<std::uint64_t*>(control), &expected, abort_word(reason, detail), false,
                               __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+  syscall(SYS_futex, abort_reason_word(control), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+// Sleep until the group aborts, wake_abort_waiters is called, a signal interrupts or `timeout`
+// passes (null: no limit); returns the abort reason, 0 if none yet. Callers loop.
+inline std::uint32_t wait_for_abort(std::uintptr_t control, const timespec* timeout = nullptr) {
+  std::uint32_t* reason = abort_reason_word(control);
+  if (const std::uint32_t now = __atomic_load_n(reason, __ATOMIC_ACQUIRE); now != 0) return now;
+  syscall(SYS_futex, reason, FUTEX_WAIT, 0, timeout, nullptr, 0);  // returns at once if no longer 0
+  return __atomic_load_n(reason, __ATOMIC_ACQUIRE);
+}
+
+inline void wake_abort_waiters(std::uintptr_t control) {
+  syscall(SYS_futex, abort_reason_word(control), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t control) {

@@ -115,16 +115,10 @@ class GroupMemory:
         return [(mapping.device, mapping.address) for mapping in self.device_mappings]
 
     def abort(self, reason: int, detail: int) -> None:
-        """Put the abort on the group's control segment, then set every rank's stop word (CUDA
-        groups), so that their kernels stop at once rather than at their next poll of the abort word."""
-        if self.closed:
-            return
-        _native.abort_group(self.control_address, reason, detail)
-        for device, address in self.rank_buffers:
-            try:
-                _native.cuda_ask_to_stop(device, address)
-            except NodecommError as error:  # the kernels still see the abort word, within 1 ms
-                log.error("setting a rank's stop word failed", extra={"device": device, "error": str(error)})
+        """Put the abort on the control segment, which wakes every rank's abort watch (CUDA
+        groups: native/cuda/abort_watch.h), so that the ranks' kernels stop at once."""
+        if not self.closed:
+            _native.abort_group(self.control_address, reason, detail)
 
     def close(self) -> None:
         """Drop the daemon's references; ranks' mappings keep the memory until they unmap it."""

@@ -218,8 +218,6 @@ class GroupRegistry:
         if first.device_kind == "cuda":
             executing = self._device_indices(group)[0]
             try:
-                for device in {device for device, _ in memory.rank_buffers}:
-                    _native.cuda_prepare_write_now(device)  # an abort sets the stop words from it
                 words = self._stream_word_buffers(memory, executing)
             except NodecommError as error:
                 memory.close()

@@ -354,3 +354,18 @@ def legitimate_traffic(
             times.append(time.perf_counter() - begin)
             assert out.tolist() == expected
     return connected, sorted(times)[len(times) // 2]
+
+
+def wait_for_the_abort(rank: int, world_size: int, socket: str, report) -> tuple[int, int] | None:
+    """Rank 0 sleeps on its group's abort word (the futex a CUDA rank's abort watch sleeps on) and
+    returns (reason, detail) once woken; the others wait to be killed, or the daemon is."""
+    from nodecomm import _native
+
+    with nodecomm.connect("watched", rank, world_size, socket=socket, timeout=30) as comm:
+        comm.all_reduce(torch.ones(8))
+        report.put(rank)
+        if rank != 0:
+            time.sleep(120)  # killed
+            return None
+        reason = _native.wait_for_abort(comm._control.address, 30.0)  # 0 if nothing woke it by then
+        return int(reason), int(_native.abort_state(comm._control.address)[1])

@@ -5,8 +5,10 @@ import signal
 import time
 
 import grpc
+import pytest
 
 import ranks
+from nodecomm import _native
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -31,6 +33,27 @@ def test_killed_rank_makes_peers_raise_and_the_name_forms_again(daemon, spawn_ra
     again = spawn_ranks(ranks.join_only, 3, 3, daemon.socket, "victim", {}).values()
     assert set(again.values()) == {"ok [3.0, 3.0, 3.0, 3.0]"}
     assert "session ended without Leave" in daemon.log()
+
+
+@pytest.mark.parametrize("lost", ["rank", "daemon"])
+def test_whoever_aborts_a_group_wakes_the_ranks_sleeping_on_it(make_daemon, spawn_ranks, lost):
+    # What a CUDA rank's abort watch sleeps on (native/cuda/abort_watch.h): the daemon's abort of
+    # a group whose peer died, from its process, and the rank's own lease's when the daemon died.
+    daemon = make_daemon()
+    report = mp.get_context("spawn").Queue()
+    group = spawn_ranks(ranks.wait_for_the_abort, 2, 2, daemon.socket, report, timeout=120)
+    assert sorted(report.get(timeout=60) for _ in range(2)) == [0, 1]
+    time.sleep(0.2)  # rank 0 asleep on the word
+    if lost == "rank":
+        group.kill(1)
+        expected = {(_native.AbortReason.PEER_LOST, 1)}
+    else:
+        daemon.stop(signal.SIGKILL)
+        # Either rank's lease may put it on the shared segment first, naming itself.
+        expected = {(_native.AbortReason.DAEMON_LOST, 0), (_native.AbortReason.DAEMON_LOST, 1)}
+        group.kill(1)
+    status, woken = group.results()[0]
+    assert status == "ok" and tuple(woken) in expected, woken
 
 
 def test_stalled_peer_times_out_with_who_and_where(make_daemon, spawn_ranks):

@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
+#include <ctime>
+
 #include "control.h"
 
 #include "bindings.h"
@@ -32,6 +35,22 @@ void bind_control(py::module_& m) {
       .finalize();
   m.def("abort_group", &control::abort_group, py::arg("control"), py::arg("reason"), py::arg("detail"),
         "Set the group's abort word at `control` unless it is already set (the first reason wins).");
+  m.def(
+      "wait_for_abort",
+      [](std::uintptr_t address, double timeout_s) {
+        py::gil_scoped_release release;
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+        while (true) {
+          const auto left = deadline - std::chrono::steady_clock::now();
+          if (left <= std::chrono::nanoseconds(0)) return std::uint64_t(0);  // not woken in time
+          const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(left).count();
+          const timespec wait{time_t(ns / 1000000000), long(ns % 1000000000)};
+          if (control::wait_for_abort(address, &wait) != 0) return std::uint64_t(control::abort_state(address).first);
+        }
+      },
+      py::arg("control"), py::arg("timeout_s"),
+      "Sleep until the group at `control` aborts (a futex on its abort word, woken by whoever aborts it, "
+      "in any process) or `timeout_s` passes; returns the abort reason, or 0 if not woken by then.");
   m.def("abort_state", &control::abort_state, py::arg("control"), "(reason, detail) of the abort word.");
   m.def(
       "error_record",

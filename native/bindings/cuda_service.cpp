@@ -47,10 +47,6 @@ void bind_cuda_service(py::module_& m) {
         "Enqueue on `stream`: what follows starts once the word at `address` is at least `value`.");
   m.def("cuda_write_word_now", &cuda::write_word_now, py::arg("device"), py::arg("address"), py::arg("value"),
         "Write `value` to the word at `address` on `device` from a stream of its own, ordered after nothing.");
-  m.def("cuda_prepare_write_now", &cuda::prepare_write_now, py::arg("device"),
-        "Create the side stream cuda_write_word_now and cuda_ask_to_stop use on `device`, ahead of an abort.");
-  m.def("cuda_ask_to_stop", &cuda::ask_to_stop, py::arg("device"), py::arg("buffer"),
-        "Set the stop word of the rank buffer at `buffer`: its kernels stop at once (the group aborted).");
   m.def(
       "cuda_service_all_reduce",
       [](int device, Addresses inputs, Addresses outputs, std::size_t count, int dtype, std::uintptr_t stream) {

@@ -1,5 +1,6 @@
 // group.h — one rank's membership in a CUDA group: the peers' buffers as mapped here, the
-// control segment registered with the device, and the dma path's copy stream. The Python
+// control segment registered with the device, the dma path's copy stream, and the thread that
+// stops this rank's kernels when the group aborts (abort_watch.h). The Python
 // Communicator holds one and calls it with the caller's stream.
 #pragma once
 
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <thread>
 #include <utility>
@@ -15,6 +17,7 @@
 
 #include "../control.h"
 #include "../wire.h"
+#include "abort_watch.h"
 #include "collectives.h"
 #include "driver.h"
 #include "layout.h"
@@ -48,6 +51,7 @@ class CudaGroup {
       NODECOMM_CUDA(cudaEventCreateWithFlags(&pipeline_.ready, cudaEventDisableTiming));
       view_ = GroupView{buffers_.data(), world_size, rank, slot_bytes,
                         reinterpret_cast<std::uintptr_t>(device_control), max_blocks};
+      watch_ = std::make_unique<AbortWatch>(control, device, buffers_[rank]);
     } catch (...) {
       release();
       throw;
@@ -178,6 +182,7 @@ class CudaGroup {
 
   // Frees what the constructor made; the caller must have synchronised work that uses it.
   void release() {
+    watch_.reset();
     if (pipeline_.ready != nullptr) cudaEventDestroy(pipeline_.ready);
     if (pipeline_.fork != nullptr) cudaEventDestroy(pipeline_.fork);
     if (pipeline_.copy_stream != nullptr) cudaStreamDestroy(pipeline_.copy_stream);
@@ -191,6 +196,7 @@ class CudaGroup {
   std::uintptr_t control_host_ = 0;
   CopyPipeline pipeline_{};
   GroupView view_{};
+  std::unique_ptr<AbortWatch> watch_;  // stops this rank's kernels the moment the group aborts
 };
 
 }  // namespace nodecomm::cuda

@@ -73,6 +73,11 @@ void prepare_write_now(int device) {
   stream_word_api();
 }
 
+void finish_writes_now(int device) {
+  DeviceScope scope(device);
+  NODECOMM_CUDA(cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(side_stream(device))));
+}
+
 void write_word_now(int device, std::uintptr_t address, std::uint64_t value) {
   DeviceScope scope(device);
   NODECOMM_CU(stream_word_api().write(side_stream(device), CUdeviceptr(address), value, CU_STREAM_WRITE_VALUE_DEFAULT));

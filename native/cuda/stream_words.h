@@ -27,6 +27,8 @@ void wait_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t valu
 void write_word_now(int device, std::uintptr_t address, std::uint64_t value);
 // Make the side stream (and the driver calls) ready before an abort needs them.
 void prepare_write_now(int device);
+// Wait until every write_word_now on `device` so far has landed.
+void finish_writes_now(int device);
 
 // The "asked to stop" word of the rank buffer at `buffer` (layout.h), set to "the host asked": the
 // rank's running waits end at their next clock check and its queued kernels return at their start.
