@@ -28,6 +28,10 @@ struct DriverApi {
   PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
   PFN_cuMemGetAllocationGranularity_v10020 granularity = nullptr;
   PFN_cuGetErrorString_v6000 error_string = nullptr;
+  PFN_cuStreamWriteValue64_v11070 stream_write_value = nullptr;
+  PFN_cuStreamWaitValue64_v11070 stream_wait_value = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_attribute = nullptr;
 };
 
 [[noreturn]] inline void raise_runtime(cudaError_t status, const char* what, const char* file, int line) {
@@ -67,6 +71,10 @@ inline const DriverApi& driver() {
     resolve("cuMemSetAccess", 10020, d.mem_set_access);
     resolve("cuMemGetAllocationGranularity", 10020, d.granularity);
     resolve("cuGetErrorString", 6000, d.error_string);
+    resolve("cuStreamWriteValue64", 11070, d.stream_write_value);
+    resolve("cuStreamWaitValue64", 11070, d.stream_wait_value);
+    resolve("cuDeviceGet", 2000, d.device_get);
+    resolve("cuDeviceGetAttribute", 2000, d.device_attribute);
     return d;
   }();
   return api;
