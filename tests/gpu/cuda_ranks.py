@@ -119,40 +119,51 @@ def reduce_until_error(rank: int, world_size: int, socket: str, report) -> tuple
     raise AssertionError("unreachable")
 
 
-def drain_after_abort(rank: int, world_size: int, socket: str, calls: int, paths: list[str], report) -> dict:
+def drain_after_abort(
+    rank: int, world_size: int, socket: str, calls: int, paths: list[str], report, leave=None
+) -> dict:
     """Rank 1 joins and stays away; rank 0 enqueues `calls` all-reduces cycling `paths` ("oneshot"
     is pushed, "oneshot/pull" a size it pulls), each waiting for rank 1, and says so on `report`;
-    the test then kills rank 1, which aborts the group. Returns how long rank 0's stream took to
-    drain after the abort was visible on the host."""
+    the test then kills rank 1 or, given the `leave` event, sets it and rank 1 leaves (its process
+    lives on): either aborts the group. Returns how long rank 0's stream took to drain after the
+    abort was visible on the host."""
     device = device_for(rank)
     torch.cuda.set_device(device)
     with nodecomm.connect("drain", rank, world_size, device=device, socket=socket, timeout=120) as comm:
         small, pulled = torch.ones(1024, device=device), torch.ones(1 << 18, device=device)
         comm.all_reduce(small)
         torch.cuda.synchronize()
-        if rank != 0:
-            report.put("away")
+        if rank == 0:
+            return _time_the_drain(comm, calls, [(small if p == "oneshot" else pulled, p.split("/")[0]) for p in paths],
+                                   report)  # fmt: skip
+        report.put("away")
+        if leave is None:
             time.sleep(600)  # killed
-        cases = [(small if path == "oneshot" else pulled, path.split("/")[0]) for path in paths]
-        for call in range(calls):
-            x, path = cases[call % len(cases)]
-            comm.all_reduce(x, out=x, path=path)
-        report.put("queued")
-        stream = torch.cuda.current_stream()
-        while _native.abort_state(comm._control.address)[0] == 0:
-            if stream.query():
-                return {"error": "the stream drained before the abort"}
-        aborted = time.perf_counter()
-        while _native.error_record(comm._control.address, rank)[0] == 0 and not stream.query():
-            pass
-        noticed = time.perf_counter()  # the waiting kernel put why it stopped on record
-        stream.synchronize()
-        drained = time.perf_counter()
-        return {
-            "drain_s": drained - aborted,
-            "noticed_s": noticed - aborted,
-            "record": _native.error_record(comm._control.address, rank)[0],
-        }
+        leave.wait(120)
+    time.sleep(5)  # alive while rank 0 drains: no context of this process is torn down meanwhile
+    return {}
+
+
+def _time_the_drain(comm: nodecomm.Communicator, calls: int, cases: list, report) -> dict:
+    for call in range(calls):
+        x, path = cases[call % len(cases)]
+        comm.all_reduce(x, out=x, path=path)
+    report.put("queued")
+    stream = torch.cuda.current_stream()
+    while _native.abort_state(comm._control.address)[0] == 0:
+        if stream.query():
+            return {"error": "the stream drained before the abort"}
+    aborted = time.perf_counter()
+    while _native.error_record(comm._control.address, 0)[0] == 0 and not stream.query():
+        pass
+    noticed = time.perf_counter()  # the waiting kernel put why it stopped on record
+    stream.synchronize()
+    drained = time.perf_counter()
+    return {
+        "drain_s": drained - aborted,
+        "noticed_s": noticed - aborted,
+        "record": _native.error_record(comm._control.address, 0)[0],
+    }
 
 
 def wait_alone(rank: int, world_size: int, socket: str) -> tuple[str, str]:
