@@ -150,11 +150,15 @@ def _time_the_drain(comm: nodecomm.Communicator, calls: int, cases: list, report
         comm.all_reduce(x, out=x, path=path)
     report.put("queued")
     stream = torch.cuda.current_stream()
-    while _native.abort_state(comm._control.address)[0] == 0:
-        if stream.query():
-            return {"error": "the stream drained before the abort"}
+    # The waits below read host memory only: a CUDA call in a tight loop here would contend for
+    # the driver's locks with the abort watch's write, which a real caller would not.
+    deadline = time.monotonic() + 60
+    while _native.abort_state(comm._control.address)[0] == 0 and time.monotonic() < deadline:
+        pass
+    if stream.query():
+        return {"error": "the stream drained before the abort"}
     aborted = time.perf_counter()
-    while _native.error_record(comm._control.address, 0)[0] == 0 and not stream.query():
+    while _native.error_record(comm._control.address, 0)[0] == 0 and time.perf_counter() - aborted < 5:
         pass
     noticed = time.perf_counter()  # the waiting kernel put why it stopped on record
     stream.synchronize()
