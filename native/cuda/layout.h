@@ -11,11 +11,11 @@
 //                                 this rank only; the copy paths, whose copies run whatever came
 //                                 before them on the stream, write outputs only while it is 0.
 //                                 Asked to stop (+128), 1 + r once rank r's kernel gave up (it
-//                                 writes every rank's), 1 + kMaxRanks once the daemon or the
-//                                 rank's host saw the group abort. Both are local memory, so waits
-//                                 read the second at every clock check: a running wait ends within
-//                                 microseconds of the abort, and every kernel queued after returns
-//                                 at its start or first barrier, writing nothing. A kernel past its
+//                                 writes every rank's), 1 + kMaxRanks once the rank's abort watch
+//                                 saw the group abort (abort_watch.h). Both are local memory, so
+//                                 waits read the second at every clock check: a running wait ends
+//                                 once the word lands, and every kernel queued after returns at
+//                                 its start or first barrier, writing nothing. A kernel past its
 //                                 last wait finishes: its peers' data is all there.
 //   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
 //                                 once, when the group's peer memory is checked at connect
@@ -46,8 +46,8 @@ constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
 constexpr std::size_t kGaveUpOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
 constexpr std::size_t kStopAskedOffset = kGaveUpOffset + 128;
 constexpr std::uint64_t kGaveUp = 1;  // this rank's wait failed; it recorded why
-// The asked word holds 1 + the rank whose kernel asked, or 1 + kAskedByHost (the daemon, or the
-// rank's own host when the daemon is gone).
+// The asked word holds 1 + the rank whose kernel asked, or 1 + kAskedByHost (the rank's abort
+// watch, for whoever aborted the group).
 constexpr int kAskedByHost = kMaxRanks;
 constexpr std::size_t kProbeOffset = kGaveUpOffset + 256;
 constexpr std::size_t kServiceReadyOffset = kProbeOffset + 256;
