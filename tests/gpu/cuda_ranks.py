@@ -166,6 +166,7 @@ def _time_the_drain(comm: nodecomm.Communicator, calls: int, cases: list, report
     return {
         "drain_s": drained - aborted,
         "noticed_s": noticed - aborted,
+        "reason": _native.abort_state(comm._control.address)[0],
         "record": _native.error_record(comm._control.address, 0)[0],
     }
 

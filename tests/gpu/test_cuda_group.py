@@ -10,6 +10,7 @@ import pytest
 
 import cuda_ranks
 from conftest import free_port
+from nodecomm import _native
 
 pytestmark = pytest.mark.gpu
 
@@ -207,7 +208,10 @@ def test_an_abort_drains_a_stream_of_queued_collectives(cuda_daemon, spawn_ranks
         leave.set()
     status, outcome = group.results()[0]
     assert status == "ok" and "drain_s" in outcome, outcome
-    assert outcome["record"] != 0  # the first kernel recorded why it gave up
+    # The abort is rank 1's doing, and the first kernel recorded that it gave up for it (a kernel
+    # that took rank 1's absence for another call would abort the group itself, as a mismatch).
+    expected = _native.AbortReason.PEER_LOST if ending == "killed" else _native.AbortReason.PEER_LEFT
+    assert (outcome["reason"], outcome["record"]) == (expected, _native.KernelError.ABORTED), outcome
     print(
         f"\n200 queued all-reduces over {paths}, rank 1 {ending}: drained {outcome['drain_s'] * 1e3:.3f} ms after "
         f"the abort (the waiting kernel noticed it after {outcome['noticed_s'] * 1e3:.3f} ms)"
