@@ -264,7 +264,8 @@ class ServiceClient:
 
     def _finish(self, staged: _Staged | None, reply: pb.SubmitReply | None) -> None:
         """The work's answer is in (None: it failed): on CUDA groups the current stream waits for
-        the daemon's done event; staged outputs are copied out and the staging buffer goes back."""
+        the daemon's "done" word or event; staged outputs are copied out and the staging buffer
+        goes back."""
         if reply is not None and self.device.type == "cuda":
             stream = torch.cuda.current_stream(self.device)
             if self._words is not None:

@@ -232,7 +232,7 @@ class SubmissionQueue:
     def _resolve(self, request: pb.SubmitRequest) -> Part:
         """Check the request against the op's shape and the rank's allocations; the addresses."""
         where = dict(group=self.group, rank=request.rank)
-        self._check_ready_event(request, where)
+        self._check_readiness(request, where)
         op, count = request.op, request.count
         if op == pb.ALL_REDUCE:
             if request.dtype not in self.dtypes:
@@ -286,7 +286,7 @@ class SubmissionQueue:
                     )
         return Part(request, read, written, in_bytes)
 
-    def _check_ready_event(self, request: pb.SubmitRequest, where: dict) -> None:
+    def _check_readiness(self, request: pb.SubmitRequest, where: dict) -> None:
         """How the submit says its input is ready: nothing (CPU groups), the sequence + 1 its stream
         writes (stream words), or an event's IPC handle (IPC events)."""
         handle, value = request.ready_event, request.ready_value

@@ -139,7 +139,8 @@ def drain_after_abort(
         report.put("away")
         if leave is None:
             time.sleep(600)  # killed
-        leave.wait(120)
+        else:
+            leave.wait(120)
     time.sleep(5)  # alive while rank 0 drains: no context of this process is torn down meanwhile
     return {}
 
