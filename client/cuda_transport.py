@@ -25,7 +25,7 @@ _RECORDS_WAIT_SECONDS = 0.5
 
 def mismatch_error(control_address: int, world_size: int, **where) -> GroupMismatchError:
     """What a group aborted on a mismatch raises: the ranks' records name the field and values.
-    Ranks record their calls as their kernels notice the abort (within a poll interval, 1 ms, of
+    Ranks record their calls as their kernels notice the abort (within an abort poll, 0.1 ms, of
     running), so a record still missing is waited for, briefly."""
     deadline = time.monotonic() + _RECORDS_WAIT_SECONDS
     while True:

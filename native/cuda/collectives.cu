@@ -5,8 +5,8 @@
 // is in beside its epoch (signal.cuh), and every pushed line a digest of the call and the launch
 // in its flags (oneshot.cu), so ranks compare calls with what they exchange anyway, at no store
 // more. Ranks in different kernels for one launch (one pushes, another meets at barriers) never
-// see each other's arrivals; their waits look, once a poll interval, for the other kind's: a
-// pushed line where a barrier was expected, a barrier where lines were. A rank that finds a
+// see each other's arrivals; their waits look, from a millisecond in (sync.cuh), for the other
+// kind's: a pushed line where a barrier was expected, a barrier where lines were. A rank that finds a
 // mismatch, or that a peer's mismatch stops, records its own call and the group is aborted before
 // anything is written to an output (a kernel cannot raise; the host's next call does).
 #include <cuda_runtime.h>

@@ -103,7 +103,7 @@ struct Signal {
   __device__ __noinline__ void note_asked(std::uint64_t epoch, std::uint64_t call) const {
     if (gave_up()) return;
     const std::uint64_t asker = load_volatile(stop_word()) - 1;
-    const Stop found = look_for_stop(control, NoEvidence{}, false);
+    const Stop found = look_for_stop(control, NoEvidence{}, false, false);
     record_stop(found == Stop::kNone ? Stop::kAborted : found, control, rank, asker < N ? int(asker) : rank, epoch,
                 call);
     store_volatile(word(mine(), kGaveUpOffset), kGaveUp);

@@ -94,25 +94,30 @@ struct NoEvidence {
   __device__ bool operator()() const { return false; }
 };
 
-// How often a wait looks at the abort word unless its stop word says to look now (layout.h: whoever
-// aborts a group also sets the stop word in every rank's device memory, which waits read at every
-// clock check at no cost). The abort word is host memory, so every read crosses PCIe. With
-// a read every 32 spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us
-// slower per barrier; the likely cause is that a read delays this rank's next arrival, its peers
-// then wait long enough to read in turn, and the two ranks settle into paying a read per barrier.
-// An interval far longer than a read lets one late arrival be absorbed at the next barrier. It
-// bounds how late a wait notices an abort whose stop word was not set (the host's write failed).
-constexpr std::uint64_t kAbortPollNs = 1000000;
+// How often a wait looks at the abort word (host memory: every read crosses PCIe), besides at once
+// when its stop word is set (layout.h; read at every clock check at no cost). With a read every 32
+// spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us slower per barrier:
+// a read delays this rank's next arrival, its peers then wait long enough to read in turn, and the
+// ranks settle into paying a read per barrier. At 100 us a healthy barrier never reads (it is over
+// sooner) and one read's delay cannot push a peer's wait past the interval. It bounds how late an
+// abort is noticed when the stop word's write is late: on one H200 a write queued beside a busy
+// stream landed up to 0.94 ms late, and 200 queued collectives drained in 1.7 ms with a 1 ms
+// interval against 0.76 ms with this one (tests/gpu/test_cuda_group.py, the drain test).
+constexpr std::uint64_t kAbortPollNs = 100000;
+
+// How long a wait lasts before it looks for a sign that a peer runs another kernel: a peer that
+// finished this launch has long made its arrivals visible by then, so the sign is of another kernel.
+constexpr std::uint64_t kEvidenceAfterNs = 1000000;
 
 // What a wait's look found that ends it, unless what it waits for came meanwhile.
 enum class Stop { kNone, kElsewhere, kAbortedByMismatch, kAborted, kTimedOut };
 
-// The look: `elsewhere` (evidence is looked for a poll interval after the wait began: a peer that
-// finished this launch has long made its arrivals visible by then, so the evidence is of another
-// kernel), then the abort word, then the clock.
+// The look: `elsewhere` when `with_evidence` (see kEvidenceAfterNs), then the abort word, then
+// the clock.
 template <typename Elsewhere>
-__device__ __noinline__ Stop look_for_stop(std::uint8_t* control, Elsewhere elsewhere, bool timed_out) {
-  if (elsewhere()) return Stop::kElsewhere;
+__device__ __noinline__ Stop look_for_stop(std::uint8_t* control, Elsewhere elsewhere, bool with_evidence,
+                                           bool timed_out) {
+  if (with_evidence && elsewhere()) return Stop::kElsewhere;
   if (const std::uint64_t abort = load_acquire(word(control, 0)); abort != 0) {
     return abort >> 32 == control::kMismatch ? Stop::kAbortedByMismatch : Stop::kAborted;
   }
@@ -131,10 +136,10 @@ __device__ inline __noinline__ void record_stop(Stop stop, std::uint8_t* control
 }
 
 // Wait until ready() holds. The clock and `stop_word` (this rank's stop word, in its own device
-// memory: layout.h; null for none) are read every 32 spins; the abort word and `elsewhere` (the
-// peer runs another kernel: see NoEvidence) every kAbortPollNs, at once when the stop word is
-// set, and once more before a timeout is declared, so that an abort or a mismatch is reported as
-// one. False (after recording why, against `peer`) on an abort, a mismatch (this rank's call is
+// memory: layout.h; null for none) are read every 32 spins; the abort word every kAbortPollNs, and
+// `elsewhere` (the peer runs another kernel: see NoEvidence) with it once kEvidenceAfterNs have
+// passed; both at once when the stop word is set, and once more before a timeout is declared, so
+// that an abort or a mismatch is reported as one. False (after recording why, against `peer`) on an abort, a mismatch (this rank's call is
 // `call`), or once timeout_ns have passed; true if ready() holds at the look that found any of
 // them (a peer that arrived and then left aborts the group after its arrival).
 template <typename Ready, typename Elsewhere = NoEvidence>
@@ -150,7 +155,7 @@ __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std
     const bool asked = stop_word != nullptr && load_volatile(stop_word) != 0;
     if (!timed_out && !asked && now - polled < kAbortPollNs) continue;
     polled = now;
-    Stop stop = look_for_stop(control, elsewhere, timed_out);
+    Stop stop = look_for_stop(control, elsewhere, timed_out || asked || now - started >= kEvidenceAfterNs, timed_out);
     if (stop == Stop::kNone && asked) stop = Stop::kAborted;  // the word is only set after the abort
     if (stop != Stop::kNone) {
       if (ready()) return true;
