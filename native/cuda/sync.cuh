@@ -101,8 +101,8 @@ struct NoEvidence {
 // ranks settle into paying a read per barrier. At 100 us a healthy barrier never reads (it is over
 // sooner) and one read's delay cannot push a peer's wait past the interval. It bounds how late an
 // abort is noticed when the stop word's write is late: on one H200 a write queued beside a busy
-// stream landed up to 0.94 ms late, and 200 queued collectives drained in 1.7 ms with a 1 ms
-// interval against 0.76 ms with this one (tests/gpu/test_cuda_group.py, the drain test).
+// stream landed up to 0.94 ms late, and 200 queued collectives drained in 1.0-1.7 ms with a 1 ms
+// interval against 0.74-0.78 ms with this one (tests/gpu/test_cuda_group.py, the drain test).
 constexpr std::uint64_t kAbortPollNs = 100000;
 
 // How long a wait lasts before it looks for a sign that a peer runs another kernel: a peer that
