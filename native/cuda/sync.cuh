@@ -139,9 +139,10 @@ __device__ inline __noinline__ void record_stop(Stop stop, std::uint8_t* control
 // memory: layout.h; null for none) are read every 32 spins; the abort word every kAbortPollNs, and
 // `elsewhere` (the peer runs another kernel: see NoEvidence) with it once kEvidenceAfterNs have
 // passed; both at once when the stop word is set, and once more before a timeout is declared, so
-// that an abort or a mismatch is reported as one. False (after recording why, against `peer`) on an abort, a mismatch (this rank's call is
-// `call`), or once timeout_ns have passed; true if ready() holds at the look that found any of
-// them (a peer that arrived and then left aborts the group after its arrival).
+// that an abort or a mismatch is reported as one. False (after recording why, against `peer`) on
+// an abort, a mismatch (this rank's call is `call`), or once timeout_ns have passed; true if
+// ready() holds at the look that found any of them (a peer that arrived and then left aborts the
+// group after its arrival).
 template <typename Ready, typename Elsewhere = NoEvidence>
 __device__ __forceinline__ bool wait_until(Ready ready, std::uint64_t epoch, std::uint8_t* control, int rank, int peer,
                                            std::uint64_t timeout_ns, std::uint64_t call = 0,
