@@ -6,12 +6,13 @@ every rank. Time: the slowest rank's per iteration, each after a gloo barrier; p
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
 import statistics
 
-from .bench import PrivateDaemon, _free_port, _wait_for_rows, slowest_rank
+from .bench import PrivateDaemon, slowest_rank, spawn_ranks
 
 
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
@@ -57,31 +58,11 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
 
 def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) -> str:
     """`nodes[k]`: how many ranks stand-in node k has (ranks numbered node by node)."""
-    import multiprocessing as mp
-
-    daemons = [PrivateDaemon() for _ in nodes]
-    try:
+    with contextlib.ExitStack() as stack:
+        daemons = [stack.enter_context(PrivateDaemon()) for _ in nodes]
         sockets = [daemons[k].socket for k, ranks in enumerate(nodes) for _ in range(ranks)]
         world_size = len(sockets)
-        args = {"sockets": sockets, "sizes": sizes, "iterations": iterations}
-        context = mp.get_context("spawn")
-        results = context.Queue()
-        port = _free_port()
-        ranks = [
-            context.Process(target=_rank_main, args=(r, world_size, args, port, results)) for r in range(world_size)
-        ]
-        for process in ranks:
-            process.start()
-        try:
-            measured = _wait_for_rows(results, ranks)
-        finally:
-            for process in ranks:
-                process.join(timeout=60)
-                if process.is_alive():
-                    process.kill()
-    finally:
-        for daemon in daemons:
-            daemon.stop()
+        measured = spawn_ranks(_rank_main, world_size, {"sockets": sockets, "sizes": sizes, "iterations": iterations})
     table = measured["table"]
     p50 = {(nbytes, name): seconds * 1e6 for nbytes, name, seconds in measured["rows"]}
     shape = "x".join(map(str, nodes)) if len(set(nodes)) > 1 else f"{len(nodes)}x{nodes[0]}"

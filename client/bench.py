@@ -343,6 +343,12 @@ class PrivateDaemon:
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
+    def __enter__(self) -> PrivateDaemon:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         self.process.terminate()
         try:
@@ -376,28 +382,31 @@ class BenchSetup:
         return " ".join(parts)
 
 
+def spawn_ranks(target, world_size: int, args: dict, on_part=None):
+    """Run target(rank, world_size, args, port, results) in `world_size` spawned processes; returns
+    what rank 0 puts on `results` (its (PART, payload) messages before that go to on_part)."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    ranks = [context.Process(target=target, args=(r, world_size, args, port, results)) for r in range(world_size)]
+    for process in ranks:
+        process.start()
+    try:
+        return _wait_for_rows(results, ranks, on_part)
+    finally:
+        for process in ranks:
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+
+
 def run_ranks(
     target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = (), on_part=None
 ):
-    """Run target(rank, world_size, args, port, results) in `world_size` spawned processes, against
-    `socket` or a private daemon (args["socket"] is set); returns what rank 0 puts on `results`
-    (its (PART, payload) messages before that go to on_part)."""
+    """spawn_ranks against `socket`, or a private daemon when None (args["socket"] is set)."""
     daemon = None if socket else PrivateDaemon(*daemon_flags)
     try:
-        args = {**args, "socket": socket or daemon.socket}
-        context = mp.get_context("spawn")
-        results = context.Queue()
-        port = _free_port()
-        ranks = [context.Process(target=target, args=(r, world_size, args, port, results)) for r in range(world_size)]
-        for process in ranks:
-            process.start()
-        try:
-            return _wait_for_rows(results, ranks, on_part)
-        finally:
-            for process in ranks:
-                process.join(timeout=60)
-                if process.is_alive():
-                    process.kill()
+        return spawn_ranks(target, world_size, {**args, "socket": socket or daemon.socket}, on_part)
     finally:
         if daemon is not None:
             daemon.stop()

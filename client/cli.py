@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -224,27 +224,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "wire-error":
         from nodecomm.client.wire_error import run_wire_error
 
-        worlds = [int(w) for w in args.worlds.split(",")]
-        if any(w < 1 or 8 % w for w in worlds):
-            print(f"nodecomm bench: --worlds {args.worlds}: expected divisors of 8", file=sys.stderr)
+        if any(8 % world for world in args.worlds):
+            print(
+                f"nodecomm bench: --worlds {','.join(map(str, args.worlds))}: expected divisors of 8", file=sys.stderr
+            )
             return 2
-        print(run_wire_error(worlds, args.count, args.socket, args.device))
+        print(run_wire_error(args.worlds, args.count, args.socket, args.device))
         return 0
     if args.op == "across-nodes":
         from nodecomm.client.across_nodes_bench import run_across_nodes_bench
 
-        nodes = [int(n) for n in args.nodes.split(",")]
         sizes = [parse_byte_size(s) for s in (args.sizes or "1KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB").split(",")]
-        if len(nodes) < 2 or min(nodes) < 1:
-            print(f"nodecomm bench: --nodes {args.nodes}: expected two or more rank counts, e.g. 2,2", file=sys.stderr)
+        if len(args.nodes) < 2:
+            print(
+                f"nodecomm bench: --nodes {args.nodes[0]}: expected two or more rank counts, e.g. 2,2", file=sys.stderr
+            )
             return 2
-        print(run_across_nodes_bench(nodes, sizes, args.iterations))
+        print(run_across_nodes_bench(args.nodes, sizes, args.iterations))
         return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
 
-        rows = [int(r) for r in args.rows.split(",")]
-        print(run_topk_bench(args.world_size, rows, args.topk, args.iterations, args.socket, args.device))
+        print(run_topk_bench(args.world_size, args.rows, args.topk, args.iterations, args.socket, args.device))
         return 0
     from nodecomm.client.bench import (
         BASELINES,
@@ -322,6 +323,21 @@ DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,service,auto", "cuda": "oneshot,t
 DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
 
 
+def whole_numbers(minimum: int) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated whole numbers, each at least `minimum`."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(value) for value in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated whole numbers, e.g. 2,2") from None
+        if min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected every number to be {minimum} or more")
+        return values
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodecomm", description="Inspect and measure the node's nodecomm daemon.")
     parser.add_argument("--socket", help="daemon socket (default: $NODECOMM_SOCKET or the daemon's default path)")
@@ -368,9 +384,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md)",
     )
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    bench.add_argument("--rows", default="64,256,1024,2048", help="topk: rows per stage")
-    bench.add_argument("--worlds", default="2,4,8", help="wire-error: the world sizes, divisors of 8")
-    bench.add_argument("--nodes", default="2,2", help="across-nodes: ranks per stand-in node (a daemon each)")
+    bench.add_argument("--rows", type=whole_numbers(0), default="64,256,1024,2048", help="topk: rows per stage")
+    bench.add_argument(
+        "--worlds", type=whole_numbers(1), default="2,4,8", help="wire-error: the world sizes, divisors of 8"
+    )
+    bench.add_argument(
+        "--nodes", type=whole_numbers(1), default="2,2", help="across-nodes: ranks per stand-in node (a daemon each)"
+    )
     bench.add_argument("--count", type=int, default=1 << 18, help="wire-error: Gaussian elements per rank")
     bench.add_argument("--topk", type=int, default=2048, help="topk: candidates per row and rank")
     bench.add_argument("--iterations", type=int, default=10, help="topk: timed stages per size")

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import urllib.request
 
+import pytest
+
 import ranks
 
 
@@ -130,6 +132,34 @@ def test_topk_bench_compares_tables_with_the_baseline():
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
     assert [r[0] for r in rows] == ["0", "5", "64"] and all(r[-1] == "yes" for r in rows)
+
+
+def test_across_nodes_bench_times_every_form_beside_gloo():
+    """Two stand-in nodes (a private daemon each) of 2 and 1 ranks: a row per size with auto, flat,
+    sharded and gloo, and the table the group's probe chose."""
+    result = nodecomm_cli(
+        "bench", "--op", "across-nodes", "--nodes", "2,1", "--sizes", "1KiB,64KiB", "--iterations", "3"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "nodes=2x1" in result.stdout and "world_size=3" in result.stdout
+    assert any(line.startswith("# table: ") and "(probe" in line for line in result.stdout.splitlines())
+    rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert [row[0] for row in rows] == ["1024", "65536"]
+    assert all(float(cell) > 0 for row in rows for cell in row[1:]), rows
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--op", "across-nodes", "--nodes", "2"), "--nodes 2: expected two or more rank counts"),
+        (("--op", "across-nodes", "--nodes", "2,0"), "argument --nodes: '2,0': expected every number to be 1 or more"),
+        (("--op", "topk", "--rows", "64,many"), "argument --rows: '64,many': expected comma-separated whole numbers"),
+        (("--op", "wire-error", "--worlds", "2,3"), "--worlds 2,3: expected divisors of 8"),
+    ],
+)
+def test_bench_refuses_bad_counts_and_says_what_it_expected(flags, says):
+    result = nodecomm_cli("bench", *flags)
+    assert result.returncode == 2 and says in result.stderr, result.stderr
 
 
 def test_reflection_and_tcp_listener_on_loopback(make_daemon):
