@@ -404,12 +404,10 @@ def run_ranks(
     target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = (), on_part=None
 ):
     """spawn_ranks against `socket`, or a private daemon when None (args["socket"] is set)."""
-    daemon = None if socket else PrivateDaemon(*daemon_flags)
-    try:
-        return spawn_ranks(target, world_size, {**args, "socket": socket or daemon.socket}, on_part)
-    finally:
-        if daemon is not None:
-            daemon.stop()
+    if socket:
+        return spawn_ranks(target, world_size, {**args, "socket": socket}, on_part)
+    with PrivateDaemon(*daemon_flags) as daemon:
+        return spawn_ranks(target, world_size, {**args, "socket": daemon.socket}, on_part)
 
 
 def run_bench(setup: BenchSetup, socket: str | None, on_rows=None) -> tuple[list[Row], list[str]]:
