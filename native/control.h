@@ -48,18 +48,13 @@ inline std::uint32_t* abort_reason_word(std::uintptr_t control) {
   return reinterpret_cast<std::uint32_t*>(control) + 1;  // little-endian: the upper 32 bits
 }
 
-// Wake every thread sleeping in wait_for_abort on this group, in any process.
-inline void wake_abort_waiters(std::uintptr_t control) {
-  syscall(SYS_futex, abort_reason_word(control), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
 // One compare-and-swap publishes reason and detail together; the first reason wins, since later
 // failures are consequences of it. Then every thread sleeping in wait_for_abort wakes.
 inline void abort_group(std::uintptr_t control, std::uint64_t reason, std::uint64_t detail) {
   std::uint64_t expected = 0;
   __atomic_compare_exchange_n(reinterpret_cast<std::uint64_t*>(control), &expected, abort_word(reason, detail), false,
                               __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
-  wake_abort_waiters(control);
+  syscall(SYS_futex, abort_reason_word(control), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 // Sleep until the group aborts, wake_abort_waiters is called, a signal interrupts or `timeout`
@@ -69,6 +64,10 @@ inline std::uint32_t wait_for_abort(std::uintptr_t control, const timespec* time
   if (const std::uint32_t now = __atomic_load_n(reason, __ATOMIC_ACQUIRE); now != 0) return now;
   syscall(SYS_futex, reason, FUTEX_WAIT, 0, timeout, nullptr, 0);  // returns at once if no longer 0
   return __atomic_load_n(reason, __ATOMIC_ACQUIRE);
+}
+
+inline void wake_abort_waiters(std::uintptr_t control) {
+  syscall(SYS_futex, abort_reason_word(control), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
 }
 
 inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t control) {
