@@ -11,32 +11,36 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
-from nodecomm.errors import NodecommError, from_rpc_error
-from nodecomm.socket_path import default_socket_path, grpc_target
+from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
+from nodecomm.socket_path import default_socket_path
 from nodecomm.thresholds import DispatchTable, Wire, range_end
+from nodecomm.trust import checked_target, node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .calibration_plot import point_name
-from .descriptors import identify
 
 
-def _stub(socket: str | None) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
-    channel = grpc.insecure_channel(grpc_target(socket or default_socket_path()))
+def _stub(socket: str | None, timeout: float) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
+    """A channel to the node daemon at `socket` (default: its default path), its socket and
+    process checked first (nodecomm.trust)."""
+    path = socket or default_socket_path()
+    try:
+        target = checked_target(path, node_daemon_uids(path), timeout)
+    except (FileNotFoundError, ConnectionRefusedError) as error:
+        raise DaemonUnavailableError(f"no daemon serves at {path}: {error.strerror}") from None
+    channel = grpc.insecure_channel(target)
     return channel, pb_grpc.ControlStub(channel)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    socket = args.socket or default_socket_path()
-    # An operator's identity shows forming groups' world sizes and joined ranks, hidden from others.
-    identity = identify(socket.removeprefix("unix:") + ".fd", args.timeout, {})
-    channel, stub = _stub(socket)
+    channel, stub = _stub(args.socket, args.timeout)
     with channel:
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
-        request = pb.ListGroupsRequest(identity=identity, pid=os.getpid())
-        groups = stub.ListGroups(request, timeout=args.timeout).groups
+        # The daemon shows a caller its own groups, and an operator every group.
+        groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
     # Non-zero unless serving, so that probes and scripts can use the exit status alone.
     code = 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
@@ -101,14 +105,11 @@ def _paths_summary(table: pb.ThresholdTable) -> str:
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:
-    channel, stub = _stub(args.socket)
+    channel, stub = _stub(args.socket, args.timeout)
     with channel:
-        table = DispatchTable.from_proto(
-            stub.GetThresholds(
-                pb.GetThresholdsRequest(group=args.group or "", device_kind=args.device, nccl_fallback=args.nccl),
-                timeout=args.timeout,
-            )
-        )
+        # A group's name is looked up among the caller's own groups.
+        request = pb.GetThresholdsRequest(group=args.group or "", device_kind=args.device, nccl_fallback=args.nccl)
+        table = DispatchTable.from_proto(stub.GetThresholds(request, timeout=args.timeout))
     if args.json:
         print(
             json.dumps(
@@ -146,22 +147,18 @@ def _print_table(table: DispatchTable) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    socket = args.socket or default_socket_path()
+    channel, stub = _stub(args.socket, args.timeout)
     request = pb.CalibrateRequest(
         device_kind=args.device,
         world_size=args.world_size,
         min_bytes=parse_byte_size(args.min_bytes),
         max_bytes=parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device]),
-        # Only operators may calibrate: this proves who runs the command.
-        identity=identify(socket.removeprefix("unix:") + ".fd", 10.0, {}),
-        pid=os.getpid(),
         wires=[pb.Wire.Value(w.strip().upper()) for w in (args.wire or "").split(",") if w.strip()],
     )
     ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
     print(
         f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes or DEFAULT_MAX[args.device]}, {ranks} ..."
     )
-    channel, stub = _stub(args.socket)
     reply = None
     with channel:
         for update in stub.Calibrate(request, timeout=args.probe_timeout):

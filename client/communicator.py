@@ -26,6 +26,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
+from .descriptors import DescriptorSocket
 from .dispatch import Dispatcher
 from .host_transport import HostTransport
 from .lease import Lease
@@ -55,7 +56,7 @@ class Communicator:
         membership: Membership,
         channel: grpc.Channel,
         control: SegmentMapping,
-        descriptor_socket: str,
+        descriptor_socket: DescriptorSocket,
         transport: Transport,
         dtypes: frozenset[torch.dtype],
         table: DispatchTable,

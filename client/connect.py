@@ -13,16 +13,16 @@ import torch
 from nodecomm import _native
 from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
-from nodecomm.socket_path import grpc_target
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, from_rpc_error
 from nodecomm.thresholds import DispatchTable, Path, Wire
+from nodecomm.trust import checked_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from . import daemon_choice
 from .communicator import Communicator, Transport
 from .cuda_transport import CudaTransport
-from .descriptors import claim, identify
+from .descriptors import DescriptorSocket
 from .dtypes import DTYPE_CODES, DTYPE_NAMES
 from .host_transport import HostTransport
 from .mapping import SegmentMapping, map_descriptors
@@ -36,12 +36,12 @@ SELF_TEST_TIMEOUT_SECONDS = 5.0
 DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
 
-def _descriptor_socket_path(socket: str, announced: str) -> str:
+def _descriptor_socket_path(target: str, announced: str) -> str:
     """The daemon names its descriptor socket by its own path; a container that mounts the socket
     directory elsewhere finds it beside the control socket it dialled."""
-    if os.path.exists(announced) or socket.startswith(("ipv4:", "ipv6:", "dns:", "unix-abstract:")):
+    if os.path.exists(announced) or not target.startswith("unix:"):
         return announced
-    directory = os.path.dirname(socket.removeprefix("unix:"))
+    directory = os.path.dirname(target.removeprefix("unix:"))
     return os.path.join(directory, os.path.basename(announced))
 
 
@@ -237,10 +237,19 @@ def _join(
     where: dict,
 ) -> Communicator:
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
-    socket = chosen.socket
-    # Proves this process's pid, uid and groups (SO_PEERCRED) to a daemon that admits only some.
-    identity = identify(socket.removeprefix("unix:") + ".fd", timeout, where)
-    channel = grpc.insecure_channel(grpc_target(socket), options=[("grpc.enable_retries", 0)])
+    # Only a daemon whose socket and process pass the checks (nodecomm.trust) gets this rank's data.
+    try:
+        target = checked_target(chosen.socket, chosen.daemon_uids, timeout)
+    except FileNotFoundError as error:
+        raise DaemonUnavailableError(f"no daemon serves at {chosen.socket}: {error.strerror}", **where) from None
+    except NodecommError as error:
+        raise type(error)(error.detail, **where) from None
+    # Proves this process's pid and uid (SO_PEERCRED) to the daemon: a Join over its Unix socket
+    # must carry it; over TCP the group key admits.
+    identity = b""
+    if target.startswith("unix:"):
+        identity = DescriptorSocket(target.removeprefix("unix:") + ".fd", chosen.daemon_uids).identify(timeout, where)
+    channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
     request = pb.JoinRequest(
         group=group,
@@ -284,9 +293,11 @@ def _join(
                 "client are different versions of nodecomm",
                 **where,
             )
-        descriptor_socket = _descriptor_socket_path(socket, reply.descriptor_socket)
+        descriptor_socket = DescriptorSocket(
+            _descriptor_socket_path(target, reply.descriptor_socket), chosen.daemon_uids
+        )
         # Legacy buffers come as handles in the reply: only the control page crosses as a descriptor.
-        fds = claim(descriptor_socket, reply.claim_token, 1 if legacy else len(sizes), timeout, where)
+        fds = descriptor_socket.claim(reply.claim_token, 1 if legacy else len(sizes), timeout, where)
         try:
             control = SegmentMapping.from_descriptor(fds[0], sizes[0], None, where)
             if legacy:

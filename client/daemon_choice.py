@@ -6,10 +6,13 @@
                       is gone (they each hold its lease socket open; see service/job_lease.py)
     daemon="auto"     the node daemon if it answers, else the job's own
 
-A private daemon lives in a directory of its own, 0700, under the user's runtime directory:
-<runtime>/nodecomm-jobs/<hash of the job's key>/ holds its sockets (nodecomm.sock, .fd, .lease),
-the lock file its ranks and it decide under, and its log. It reads the node's calibrations (the
-node daemon's state directory, where there is one) and writes nothing; its metrics are off unless
+A private daemon lives in a directory of its own, 0700, under the user's runtime directory
+($XDG_RUNTIME_DIR, else /tmp/nodecomm-<uid>): <runtime>/nodecomm-jobs/<hash of the job's key>/
+holds its sockets (nodecomm.sock, .fd, .lease), the lock file its ranks and it decide under, and
+its log. Every directory on the way is made 0700 or checked to be the user's own, writable by no
+one else and no link (nodecomm.trust): one that another user made first is refused, by name, and
+so is a daemon that does not run as the user. It reads the node's calibrations (the node daemon's
+state directory, where there is one) and writes nothing; its metrics are off unless
 NODECOMM_METRICS_ADDRESS asks for them.
 """
 
@@ -24,7 +27,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError
+from nodecomm import trust
+from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError, NodecommError
 from nodecomm.socket_path import (
     PRIVATE_LOCK_NAME,
     PRIVATE_LOG_NAME,
@@ -50,6 +54,13 @@ class DaemonChoice:
     socket: str
     started_here: bool = False
 
+    @property
+    def daemon_uids(self) -> frozenset[int]:
+        """Who the daemon may run as (nodecomm.trust): the caller for a private one."""
+        if self.kind == "private":
+            return trust.private_daemon_uids()
+        return trust.node_daemon_uids(self.socket)
+
     def __str__(self) -> str:
         if self.kind == "node":
             return f"the node daemon at {self.socket}"
@@ -68,7 +79,7 @@ def resolve_mode(mode: str | None, default: str, where: dict) -> str:
 def decide(mode: str, socket: str | None, job: str) -> tuple[str, str]:
     """The kind ("node" or "private") and socket of the daemon `mode` picks, attaching to none."""
     node = socket or default_socket_path()
-    if mode == "node" or (mode == "auto" and answers(node)):
+    if mode == "node" or (mode == "auto" and answers(node, daemon_uids=trust.node_daemon_uids(node))):
         return "node", node
     return "private", socket if mode == "private" and socket else private_socket_path(job)
 
@@ -85,12 +96,15 @@ def choose(
 
 def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoice, JobLeaseHandle]:
     """Take a lease on the private daemon at `socket`, starting it first if none serves there."""
-    directory = os.path.dirname(socket)
     deadline = time.monotonic() + timeout
-    lock = _lock_job_directory(directory, deadline, where)
+    try:
+        lock, directory = _lock_job_directory(socket, deadline, where)
+    except NodecommError as error:
+        raise type(error)(error.detail, **where) from None
+    socket = os.path.join(directory, os.path.basename(socket))
     try:
         started = False
-        if not answers(socket):
+        if not answers(socket, daemon_uids=trust.private_daemon_uids()):
             _start_private_daemon(socket, deadline, where)
             started = True
         lease = JobLeaseHandle.take(socket + ".lease", where)
@@ -101,15 +115,16 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
     return choice, lease
 
 
-def _lock_job_directory(directory: str, deadline: float, where: dict) -> int:
-    """The job directory's lock file, locked; made if missing. A daemon that leaves removes the
-    file while holding the lock: a lock taken on a removed file is dropped and taken again."""
-    path = os.path.join(directory, PRIVATE_LOCK_NAME)
-    os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)  # the user's jobs, closed to others
+def _lock_job_directory(socket: str, deadline: float, where: dict) -> tuple[int, str]:
+    """The job directory's lock file, locked, and the directory's real path; both made if missing,
+    and with them what is missing above (each 0700, each checked: nodecomm.trust). A daemon that
+    leaves removes the file while holding the lock: a lock taken on a removed file is dropped and
+    taken again."""
     while True:
-        os.makedirs(directory, mode=0o700, exist_ok=True)
+        directory = _make_job_directory(os.path.dirname(os.path.abspath(socket)))
+        path = os.path.join(directory, PRIVATE_LOCK_NAME)
         try:
-            descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+            descriptor = trust.open_private_file(path)
         except FileNotFoundError:
             continue  # the directory went with a leaving daemon
         while True:
@@ -125,16 +140,28 @@ def _lock_job_directory(directory: str, deadline: float, where: dict) -> int:
                     ) from None
                 time.sleep(0.02)
         try:
-            if os.stat(path).st_ino == os.fstat(descriptor).st_ino:
-                return descriptor
+            if os.stat(path, follow_symlinks=False).st_ino == os.fstat(descriptor).st_ino:
+                return descriptor, directory
         except FileNotFoundError:
             pass
         os.close(descriptor)
 
 
+def _make_job_directory(directory: str) -> str:
+    """`directory` made, with every missing directory above it, each 0700 and checked to be this
+    user's own (an existing one too); its real path."""
+    missing = []
+    probe = directory
+    while not os.path.lexists(probe) and probe != os.path.dirname(probe):
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    for path in reversed(missing[1:]):
+        trust.make_private_directory(path)
+    return trust.make_private_directory(directory)
+
+
 def _start_private_daemon(socket: str, deadline: float, where: dict) -> None:
     directory = os.path.dirname(socket)
-    os.chmod(directory, 0o700)
     flags = ["--private", "true"]
     if "NODECOMM_METRICS_ADDRESS" not in os.environ:
         flags += ["--metrics-address", "off"]
@@ -152,6 +179,7 @@ def _start_private_daemon(socket: str, deadline: float, where: dict) -> None:
         own_session=True,
         timeout=max(0.0, deadline - time.monotonic()),
         where=where,
+        daemon_uids=trust.private_daemon_uids(),
     )
 
 
@@ -171,12 +199,13 @@ class JobLeaseHandle:
         with cls._guard:
             held = cls._connections.get(path)
             if held is None:
-                connection = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
                 try:
-                    connection.connect(path)
+                    connection = trust.connect_checked(path, trust.private_daemon_uids(), 5.0)
+                except NodecommError as error:
+                    raise type(error)(error.detail, **where) from None
                 except OSError as error:
-                    connection.close()
                     raise DaemonUnavailableError(f"could not take the lease at {path}: {error}", **where) from None
+                connection.settimeout(None)
                 held = (connection, 0)
             cls._connections[path] = (held[0], held[1] + 1)
         return cls(path)

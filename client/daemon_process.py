@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from nodecomm.errors import DaemonUnavailableError
 from nodecomm.socket_path import grpc_target
+from nodecomm.trust import checked_target
 
 
 def daemon_command(socket: str, *flags: str) -> list[str]:
@@ -25,12 +26,20 @@ def daemon_command(socket: str, *flags: str) -> list[str]:
     return [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, *flags]
 
 
-def answers(socket: str, timeout: float = 1.0) -> bool:
-    """Whether a daemon serves on `socket` (its health service says SERVING)."""
-    if socket.startswith("unix:") or "/" in socket:
-        if not os.path.exists(socket.removeprefix("unix:")):
+def answers(socket: str, timeout: float = 1.0, daemon_uids: frozenset[int] | None = None) -> bool:
+    """Whether a daemon serves on `socket` (its health service says SERVING). With `daemon_uids`,
+    only one whose socket and process pass the checks of nodecomm.trust counts, and one that
+    fails them raises PermissionDeniedError."""
+    target = grpc_target(socket)
+    if target.startswith("unix:"):
+        if not os.path.exists(target.removeprefix("unix:")):
             return False
-    with grpc.insecure_channel(grpc_target(socket)) as channel:
+        if daemon_uids is not None:
+            try:
+                target = checked_target(target, daemon_uids, timeout)
+            except OSError:  # gone, stale, or not ours to open: nobody to talk to
+                return False
+    with grpc.insecure_channel(target) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:
@@ -46,10 +55,12 @@ def start_daemon(
     own_session: bool = False,
     timeout: float = 30.0,
     where: Mapping[str, object] | None = None,
+    daemon_uids: frozenset[int] | None = None,
 ) -> subprocess.Popen:
     """Start nodecommd on `socket` and return once it serves. Its output goes to `log_path`
     (appended; else this process's), its environment is `env` (else this one's); `own_session`
-    keeps signals to this process group from reaching it. Raises DaemonUnavailableError, with the
+    keeps signals to this process group from reaching it; `daemon_uids` are who the daemon that
+    answers may run as (answers()). Raises DaemonUnavailableError, with the
     end of the log, when it exits first or does not serve within `timeout` (it is killed then)."""
     where = dict(where or {})
     command = daemon_command(socket, *flags)
@@ -61,7 +72,7 @@ def start_daemon(
                 command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=own_session
             )
     deadline = time.monotonic() + timeout
-    while not answers(socket, timeout=0.5):
+    while not answers(socket, timeout=0.5, daemon_uids=daemon_uids):
         if process.poll() is not None:
             raise DaemonUnavailableError(
                 f"nodecommd exited with {process.returncode} before serving on {socket}: {log_tail(log_path)}", **where

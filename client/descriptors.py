@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 
+from nodecomm import trust
 from nodecomm.credentials import IDENTIFY
-from nodecomm.errors import DaemonUnavailableError, PermissionDeniedError
+from nodecomm.errors import DaemonUnavailableError, NodecommError, PermissionDeniedError
 
 
-def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> list[int]:
+def claim_descriptors(
+    path: str, token: bytes, max_fds: int, timeout: float, daemon_uids: frozenset[int] | None = None
+) -> list[int]:
     """Present the one-time `token` on the descriptor socket at `path`; returns the descriptors.
-
-    Raises PermissionError with the daemon's reason when the claim is refused.
-    """
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(timeout)
-        sock.connect(path)
+    With `daemon_uids`, the socket and the process answering on it are checked first
+    (nodecomm.trust). Raises PermissionError with the daemon's reason when the claim is refused."""
+    with _connect(path, timeout, daemon_uids) as sock:
         sock.sendall(token)
         message, fds, _, _ = socket.recv_fds(sock, 4096, max_fds)
     if not message:
@@ -28,38 +29,60 @@ def claim_descriptors(path: str, token: bytes, max_fds: int, timeout: float) -> 
     return list(fds)
 
 
-def identify(path: str, timeout: float, where: dict) -> bytes:
-    """An identity token for this process from the descriptor socket at `path` (b"" when there is
-    no descriptor socket there); raises PermissionDeniedError with the daemon's reason when it does
-    not admit this process's uid and groups, DaemonUnavailableError when the socket is there but
-    this process may not open it (its mode or group)."""
+def _connect(path: str, timeout: float, daemon_uids: frozenset[int] | None) -> socket.socket:
+    if daemon_uids is not None:
+        return trust.connect_checked(path, daemon_uids, timeout)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(timeout)
-            sock.connect(path)
-            sock.sendall(IDENTIFY)
-            answer = b""
-            while chunk := sock.recv(4096):
-                answer += chunk
-    except (FileNotFoundError, ConnectionRefusedError):
-        return b""  # then the Join goes without one, and the daemon says if it needs one
-    except OSError as error:
-        raise DaemonUnavailableError(f"descriptor socket {path}: {error}", **where) from None
-    if answer[:1] == b"\x00" and len(answer) == 17:
-        return answer[1:]
-    raise PermissionDeniedError(f"the daemon refused this process: {answer[1:].decode(errors='replace')}", **where)
+        sock.settimeout(timeout)
+        sock.connect(path)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
-def claim(path: str, token: bytes, expected: int, timeout: float, where: dict) -> list[int]:
-    """claim_descriptors, with failures as nodecomm errors and the count checked."""
-    try:
-        fds = claim_descriptors(path, token, expected, timeout)
-    except PermissionError as error:
-        raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
-    except OSError as error:
-        raise DaemonUnavailableError(f"descriptor socket {path}: {error}", **where) from None
-    if len(fds) != expected:
-        for fd in fds:
-            os.close(fd)
-        raise DaemonUnavailableError(f"expected {expected} descriptors, received {len(fds)}", **where)
-    return fds
+@dataclass(frozen=True)
+class DescriptorSocket:
+    """A daemon's descriptor socket, at `path`, served by one of `daemon_uids`: every exchange
+    checks the socket and its peer before it sends anything (nodecomm.trust)."""
+
+    path: str
+    daemon_uids: frozenset[int]
+
+    def identify(self, timeout: float, where: dict) -> bytes:
+        """An identity token for this process (b"" when there is no descriptor socket there);
+        raises PermissionDeniedError with the daemon's reason when it does not admit this
+        process's uid and groups, or when the socket or its daemon fails the checks,
+        DaemonUnavailableError when the socket is there but this process may not open it."""
+        try:
+            with _connect(self.path, timeout, self.daemon_uids) as sock:
+                sock.sendall(IDENTIFY)
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+        except (FileNotFoundError, ConnectionRefusedError):
+            return b""  # then the Join goes without one, and the daemon says if it needs one
+        except NodecommError as error:
+            raise type(error)(error.detail, **where) from None
+        except OSError as error:
+            raise DaemonUnavailableError(f"descriptor socket {self.path}: {error}", **where) from None
+        if answer[:1] == b"\x00" and len(answer) == 17:
+            return answer[1:]
+        raise PermissionDeniedError(f"the daemon refused this process: {answer[1:].decode(errors='replace')}", **where)
+
+    def claim(self, token: bytes, expected: int, timeout: float, where: dict) -> list[int]:
+        """claim_descriptors, with failures as nodecomm errors and the count checked."""
+        try:
+            fds = claim_descriptors(self.path, token, expected, timeout, self.daemon_uids)
+        except NodecommError as error:
+            raise type(error)(error.detail, **where) from None
+        except PermissionError as error:
+            raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
+        except OSError as error:
+            raise DaemonUnavailableError(f"descriptor socket {self.path}: {error}", **where) from None
+        if len(fds) != expected:
+            for fd in fds:
+                os.close(fd)
+            raise DaemonUnavailableError(f"expected {expected} descriptors, received {len(fds)}", **where)
+        return fds

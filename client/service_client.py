@@ -39,7 +39,7 @@ from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .descriptors import claim
+from .descriptors import DescriptorSocket
 from .dtypes import DTYPE_CODES
 from .membership import Membership
 
@@ -172,7 +172,7 @@ class ServiceClient:
         self,
         stub: pb_grpc.ControlStub,
         membership: Membership,
-        descriptor_socket: str,
+        descriptor_socket: DescriptorSocket,
         operation_timeout: float,
         metadata: tuple[tuple[str, bytes], ...] = (),
         device: torch.device = _HOST,
@@ -212,7 +212,7 @@ class ServiceClient:
             )
         except grpc.RpcError as error:
             raise from_rpc_error(error, **self._where) from None
-        (fd,) = claim(self._descriptor_socket, reply.claim_token, 1, self._timeout, self._where)
+        (fd,) = self._descriptor_socket.claim(reply.claim_token, 1, self._timeout, self._where)
         try:
             if self.device.type == "cuda":
                 address = _native.cuda_vmm_import(self.device.index, fd, reply.size_bytes)

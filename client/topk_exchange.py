@@ -22,7 +22,7 @@ from nodecomm.topk_layout import LAYOUT_VERSION, SLOTS, TopkLayout, owned_rows
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .descriptors import claim
+from .descriptors import DescriptorSocket
 from .mapping import SegmentMapping, map_descriptors
 from .membership import Membership
 
@@ -31,7 +31,7 @@ def open_slabs(
     stub: pb_grpc.ControlStub,
     membership: Membership,
     metadata: tuple[tuple[str, bytes], ...],
-    descriptor_socket: str,
+    descriptor_socket: DescriptorSocket,
     sequence: int,
     max_rows: int,
     topk: int,
@@ -64,7 +64,7 @@ def open_slabs(
         fits = reply.memory_kind == pb.CUDA_VMM_FD and reply.rows_per_owner == layout.rows_per_owner
     else:
         needed, fits = layout.slab_bytes, reply.memory_kind == pb.HOST_MEMFD
-    fds = claim(descriptor_socket, reply.claim_token, len(reply.slabs), timeout, where)
+    fds = descriptor_socket.claim(reply.claim_token, len(reply.slabs), timeout, where)
     try:
         sizes = [slab.size_bytes for slab in reply.slabs]
         if (

@@ -31,10 +31,15 @@ PRIVATE_LOCK_NAME = "lock"
 PRIVATE_LOG_NAME = "daemon.log"
 
 
+def job_digest(job: str) -> str:
+    """The name of the job's directory: a hash of its name."""
+    return hashlib.sha256(job.encode()).hexdigest()[:16]
+
+
 def private_socket_path(job: str) -> str:
     """Where the private daemon of the job named `job` listens, for this user on this machine:
-    $XDG_RUNTIME_DIR (else /tmp/nodecomm-<uid>) /nodecomm-jobs/<hash of job>/nodecomm.sock."""
-    digest = hashlib.sha256(job.encode()).hexdigest()[:16]
+    $XDG_RUNTIME_DIR (else /tmp/nodecomm-<uid>) /nodecomm-jobs/<job_digest(job)>/nodecomm.sock."""
+    digest = job_digest(job)
     runtimes = [r for r in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}") if r]
     paths = [str(Path(r) / "nodecomm-jobs" / digest / "nodecomm.sock") for r in runtimes]
     # A runtime directory too deep for a Unix socket's path gives way to the short one.

@@ -120,11 +120,24 @@ class DaemonConfig:
     # The same, over every group one caller (the first joiner's uid) formed: its service-path
     # allocations and top-k exchanges together, so that many small groups cannot add up past it.
     max_allocations_per_caller: int = 1024
-    # Groups one caller (uid; callers without an identity share one count) may have forming at once.
+    # A caller is a uid (TCP callers the daemon cannot attribute to one share one): every global
+    # limit has a share no single caller may pass. Groups one caller may have forming at once,
+    # and formed and forming together; bytes of buffers its groups may reserve.
     max_forming_groups_per_caller: int = 32
+    max_groups_per_caller: int = 64
+    max_reserved_bytes_per_caller: int = 4 << 30
+    # Connections to the control socket (and the TCP listener) at once, in all and per caller;
+    # past either, a new one is told why (HTTP/2 GOAWAY) and closed. Each holds three descriptors.
+    # gRPC closes a connection with no call in flight for connection_idle_seconds.
+    max_connections: int = 4096
+    max_connections_per_caller: int = 256
+    connection_idle_seconds: float = 60.0
     # Timings one rank's session may report per second (a burst of as many); past it they are
     # dropped, so that one rank's stream costs the daemon a bounded share of its time.
     timing_rate_per_rank: int = 1000
+    # Timings all of one caller's ranks may report per second together: its sessions' messages
+    # are read at a shared pace, so that many one-rank groups cost the daemon one caller's share.
+    timing_rate_per_caller: int = 16000
     max_topk_exchanges_per_group: int = 32
     drain_grace_seconds: float = 5.0
     # The service path: collectives a group may have queued past the next one to run (a submit
@@ -185,7 +198,11 @@ class DaemonConfig:
             "max_allocations_per_caller",
             "max_topk_exchanges_per_group",
             "max_forming_groups_per_caller",
+            "max_groups_per_caller",
+            "max_connections",
+            "max_connections_per_caller",
             "timing_rate_per_rank",
+            "timing_rate_per_caller",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
@@ -198,6 +215,7 @@ class DaemonConfig:
             "claim_token_ttl_seconds",
             "drain_grace_seconds",
             "private_grace_seconds",
+            "connection_idle_seconds",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
@@ -210,7 +228,7 @@ class DaemonConfig:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
         if self.timing_sample_period < 1:
             raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
-        for name in ("max_capacity_bytes", "max_reserved_bytes", "max_bytes_per_gpu"):
+        for name in ("max_capacity_bytes", "max_reserved_bytes", "max_reserved_bytes_per_caller", "max_bytes_per_gpu"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 64:
                 raise ValueError(f"{name}: expected a byte size of at least 64, got {getattr(self, name)!r}")
         unknown = set(self.overrides) - set(BOUNDARY_NAMES)
@@ -294,7 +312,13 @@ HELP = {
     "max_allocations_per_rank": "service-path allocations one rank may hold open",
     "max_allocations_per_caller": "service-path allocations and top-k exchanges one uid's groups may hold open",
     "max_forming_groups_per_caller": "groups one uid may have forming at once",
+    "max_groups_per_caller": "groups one uid may have formed and forming at once",
+    "max_reserved_bytes_per_caller": "bytes of buffers one uid's groups may reserve",
+    "max_connections": "connections to the control socket and TCP listener at once",
+    "max_connections_per_caller": "of those, connections one uid may hold",
+    "connection_idle_seconds": "a connection with no call in flight this long is closed",
     "timing_rate_per_rank": "timings per second one rank may report; more are dropped",
+    "timing_rate_per_caller": "timings per second all of one uid's ranks may report together",
     "allow_mixed_uids": "let ranks of several uids form one group",
     "require_group_key": "refuse joins that carry no group key",
     "max_topk_exchanges_per_group": "top-k exchanges one group may hold open",

@@ -11,6 +11,7 @@ from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import GroupMemory, TopkSlabs
+from .callers import TCP_CALLER, Caller
 from .join_args import JoinArgs
 from .live_thresholds import LiveEstimates
 from .rendezvous import Rendezvous
@@ -22,6 +23,7 @@ from .timings import TokenBucket
 class Member:
     rank: int
     pid: int = 0
+    caller: Caller = TCP_CALLER  # whose Join it was: its sessions read at that caller's shared pace
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False
@@ -53,7 +55,7 @@ class Group:
     counted: set[tuple[str, str]] = field(default_factory=set)  # (op, path) series of its operation counts
     wires: set[str] = field(default_factory=set)  # wire series of its all-reduce counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
-    creator: int | None = None  # the first joiner's uid; None: it presented no identity
+    creator: Caller = TCP_CALLER  # the first joiner: the group's name is in its namespace
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's

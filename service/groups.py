@@ -40,6 +40,7 @@ from .allocator import (
     allocate_group,
     max_blocks_for,
 )
+from .callers import Caller
 from .config import DaemonConfig
 from .cuda_execution import CudaExecution
 from .group import Group, Member
@@ -74,8 +75,9 @@ class GroupRegistry:
         self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
         self.metrics = metrics
         self.claims = claims
-        self._forming: dict[str, FormingGroup] = {}
-        self._active: dict[str, Group] = {}  # by name: the group that owns the name now
+        # Forming and formed groups by (namespace, name): a name is its caller's (callers.py).
+        self._forming: dict[tuple[Caller | None, str], FormingGroup] = {}
+        self._active: dict[tuple[Caller | None, str], Group] = {}  # the group that owns the name now
         self._groups: dict[int, Group] = {}  # by id: every group not yet released
         self.quotas = Quotas(config, self._groups)
         self.topk_openings = TopkOpenings(config, metrics, claims, self.quotas)
@@ -87,21 +89,27 @@ class GroupRegistry:
 
     # -- thresholds ----------------------------------------------------------------------------
 
-    def table_for(self, name: str, device_kind: str = "cpu", nccl_fallback: bool = False) -> DispatchTable:
-        """A formed group's table, or (no name) the table a new group of device_kind would get."""
+    def _key(self, caller: Caller, name: str) -> tuple[Caller | None, str]:
+        """Where a caller's group of this name lives: the caller's namespace, or the one every
+        caller shares where groups may mix uids."""
+        return (None if self.config.allow_mixed_uids else caller, name)
+
+    def table_for(
+        self, caller: Caller, name: str, device_kind: str = "cpu", nccl_fallback: bool = False
+    ) -> DispatchTable:
+        """The table of `caller`'s formed group `name`, or (no name) the table a new group of
+        device_kind would get."""
         if not name:
             return self.tables.preview(device_kind, nccl_fallback)
-        group = self._active.get(name)
+        group = self._active.get(self._key(caller, name))
         if group is None:
-            raise NotFoundError(f"no active group named {shown(name)}", group=name)
+            raise NotFoundError(f"{caller} has no active group named {shown(name)}", group=name)
         return group.table
 
     # -- join ----------------------------------------------------------------------------------
 
-    async def join(
-        self, args: JoinArgs, timeout: float, caller: int | None = None, group_key: bytes = b""
-    ) -> pb.JoinReply:
-        """Join `args.group` as the caller of uid `caller` (None: not identified) with `group_key`."""
+    async def join(self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes = b"") -> pb.JoinReply:
+        """Join `caller`'s group `args.group` with `group_key`."""
         try:
             reply = await self._join(args, timeout, caller, group_key)
         except NodecommError as error:
@@ -110,13 +118,14 @@ class GroupRegistry:
         self.metrics.joins.labels("ok").inc()
         return reply
 
-    async def _join(self, args: JoinArgs, timeout: float, caller: int | None, group_key: bytes) -> pb.JoinReply:
+    async def _join(self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes) -> pb.JoinReply:
         if self._draining:
             raise DaemonUnavailableError(
                 "the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank
             )
         validate_join(args, self.config, self.gpus)
-        active = self._active.get(args.group)
+        key = self._key(caller, args.group)
+        active = self._active.get(key)
         if active is not None:
             raise AlreadyExistsError(
                 f"a group with this name is already formed (id {active.group_id}, world_size "
@@ -124,7 +133,7 @@ class GroupRegistry:
                 group=args.group,
                 rank=args.rank,
             )
-        forming = self._forming.get(args.group)
+        forming = self._forming.get(key)
         if forming is not None and forming.failure is not None:
             expired = time.monotonic() - forming.failed_at > self.config.join_timeout_seconds
             if args.rank in forming.failed_ranks or expired:
@@ -134,11 +143,12 @@ class GroupRegistry:
                 raise forming.failure
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         if forming is None:
-            check_new_forming(self.config, len(self._groups), self._forming, args, caller, group_key)
+            creators = (group.creator for group in self._groups.values())
+            check_new_forming(self.config, creators, self._forming.values(), args, caller, group_key)
             joins = Rendezvous(args.world_size, JoinArgs.AGREED, lambda joined, name: joined.shown(name))
-            forming = self._forming[args.group] = FormingGroup(args.group, joins, caller, key_digest)
+            forming = self._forming[key] = FormingGroup(args.group, joins, caller, key_digest)
         elif forming.arrivals:
-            check_admission(self.config, forming, args, caller, key_digest)
+            check_admission(forming, args, key_digest)
         other = forming.arrivals.get(args.rank)
         duplicate = (
             f"rank {args.rank} is already joining this group (pid {other.pid}); each rank joins once" if other else ""
@@ -150,6 +160,7 @@ class GroupRegistry:
             self._fail_forming(forming, mismatch)
             forming.failed_ranks.add(args.rank)
             raise mismatch
+        forming.callers[args.rank] = caller
         self._update_gauges()
         if forming.joins.complete:
             self._form(forming)
@@ -178,21 +189,22 @@ class GroupRegistry:
 
     def _forget_if_empty(self, forming: FormingGroup) -> None:
         """After a rank withdrew: a forming group that no rank waits in any more goes."""
-        if not forming.arrivals and forming.failure is None and self._forming.get(forming.name) is forming:
-            del self._forming[forming.name]
+        key = self._key(forming.creator, forming.name)
+        if not forming.arrivals and forming.failure is None and self._forming.get(key) is forming:
+            del self._forming[key]
         self._update_gauges()
 
     def _form(self, forming: FormingGroup) -> None:
         first = forming.arrivals[0]
         joined = [forming.arrivals[rank] for rank in range(first.world_size)]
         try:
-            self.quotas.check_group(first, [a.device for a in joined])
+            self.quotas.check_group(first, [a.device for a in joined], forming.creator)
             devices = [None if a.device == "cpu" else self.gpus.index(a.device) for a in joined]
             max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
             memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
         except NodecommError as error:
             self._fail_forming(forming, error)
-            del self._forming[forming.name]
+            del self._forming[self._key(forming.creator, forming.name)]
             return
         group_id = secrets.randbits(63)
         group = Group(
@@ -203,7 +215,7 @@ class GroupRegistry:
             table=self.tables.for_new_group(
                 first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire)
             ),
-            members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
+            members={r: Member(r, pid=a.pid, caller=forming.callers[r]) for r, a in enumerate(joined)},
             devices=[a.device for a in joined],
             creator=forming.creator,
             live=(
@@ -222,7 +234,7 @@ class GroupRegistry:
             except NodecommError as error:
                 memory.close()
                 self._fail_forming(forming, error)
-                del self._forming[forming.name]
+                del self._forming[self._key(forming.creator, forming.name)]
                 return
             cuda = CudaExecution(executing, depth + 2, self.config.operation_timeout_seconds, words)
             if words is not None:
@@ -247,10 +259,10 @@ class GroupRegistry:
                     group=first.group,
                 ),
             )
-            del self._forming[forming.name]
+            del self._forming[self._key(forming.creator, forming.name)]
             return
-        del self._forming[forming.name]
-        self._active[group.name] = group
+        del self._forming[self._key(forming.creator, forming.name)]
+        self._active[self._key(group.creator, group.name)] = group
         self._groups[group_id] = group
         replies = join_replies(self.config, group, tokens, max_blocks)
         forming.joins.succeed(replies)
@@ -455,8 +467,8 @@ class GroupRegistry:
                 meeting.fail(PeerLostError(f"group aborted: {message}", group=group.name))
         if group.state == "active":
             group.state = "aborted"
-            if self._active.get(group.name) is group:
-                del self._active[group.name]
+            if self._active.get(self._key(group.creator, group.name)) is group:
+                del self._active[self._key(group.creator, group.name)]
             reason_name = {
                 _native.AbortReason.PEER_LOST: "peer_lost",
                 _native.AbortReason.PEER_LEFT: "peer_left",
@@ -474,8 +486,8 @@ class GroupRegistry:
         if group.group_id not in self._groups:
             return
         if all(m.gone and m.session is None for m in group.members.values()):
-            if self._active.get(group.name) is group:
-                del self._active[group.name]
+            if self._active.get(self._key(group.creator, group.name)) is group:
+                del self._active[self._key(group.creator, group.name)]
             del self._groups[group.group_id]
             for kind, device, use, nbytes in group.placement():
                 self.metrics.reserve(kind, device, use, -nbytes)
@@ -500,24 +512,35 @@ class GroupRegistry:
 
     # -- operator views and shutdown -------------------------------------------------------------
 
-    def list_groups(self, forming_details: bool = False, group_key: bytes = b"") -> list[pb.GroupInfo]:
-        """Every group; forming ones with their world size and joined ranks only if
-        `forming_details` (an operator asks) or `group_key` is theirs (a member asks): to anyone
-        else those say which rank to pose as."""
+    def list_groups(self, caller: Caller, operator: bool = False, group_key: bytes = b"") -> list[pb.GroupInfo]:
+        """`caller`'s groups, or every group (with its owner) for an `operator`; forming ones with
+        their world size and joined ranks only for an operator or where `group_key` is theirs (a
+        member asks): to anyone else those say which rank to pose as."""
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
-        infos = [
-            forming.info(forming_details or (bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest)))
+        owned = [
+            (
+                forming.creator,
+                forming.info(operator or (bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest))),
+            )
             for forming in self._forming.values()
             if forming.arrivals
         ]
-        return infos + [group.info() for group in self._groups.values()]
+        owned += [(group.creator, group.info()) for group in self._groups.values()]
+        infos = []
+        for owner, info in owned:
+            if operator:
+                info.owner = str(owner)
+                infos.append(info)
+            elif owner == caller:
+                infos.append(info)
+        return infos
 
     def sweep(self) -> None:
         """Forget failed join attempts whose ranks did not come back within a join timeout."""
         now = time.monotonic()
-        for name, forming in list(self._forming.items()):
+        for key, forming in list(self._forming.items()):
             if forming.failure is not None and now - forming.failed_at > self.config.join_timeout_seconds:
-                del self._forming[name]
+                del self._forming[key]
 
     def drain(self) -> None:
         """Refuse new joins, tell every rank, abort every group, end every session."""

@@ -20,18 +20,20 @@ import logging
 import os
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodecomm.credentials import IDENTIFY
+from nodecomm.trust import peer_credentials
 
 TOKEN_BYTES = 16
 _CLAIM_IO_TIMEOUT = 2.0
-# Connections waiting for their 16 bytes at once; past it the oldest is closed.
+# Connections waiting for their 16 bytes at once; past it the oldest is closed. One uid's share:
+# past it, that uid's new connection is closed, so no one evicts everyone else's claims.
 _MAX_PENDING = 1024
+_MAX_PENDING_PER_UID = 64
 log = logging.getLogger("nodecomm.handles")
 
 
@@ -181,12 +183,6 @@ def process_groups(pid: int, gid: int) -> frozenset[int]:
     return frozenset([gid])
 
 
-def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
-    """(pid, uid, gid) of the process at the other end of a Unix socket."""
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", raw)
-
-
 def namespace_pids(pid: int) -> list[int]:
     """The pids of `pid` in every PID namespace it belongs to, outermost first (NSpid)."""
     try:
@@ -256,11 +252,11 @@ class DescriptorServer:
         selector = selectors.DefaultSelector()
         self._sock.setblocking(False)
         selector.register(self._sock, selectors.EVENT_READ)
-        pending: dict[socket.socket, tuple[float, bytearray]] = {}  # in arrival order
+        pending: dict[socket.socket, tuple[float, bytearray, int]] = {}  # in arrival order; the uid last
         try:
             while not self._stopping:
                 now = time.monotonic()
-                wait = min((deadline for deadline, _ in pending.values()), default=now + 1.0) - now
+                wait = min((deadline for deadline, _, _ in pending.values()), default=now + 1.0) - now
                 try:
                     events = selector.select(max(wait, 0.0))
                 except OSError:
@@ -271,7 +267,7 @@ class DescriptorServer:
                     else:
                         self._receive(selector, pending, key.fileobj)
                 now = time.monotonic()
-                for conn in [c for c, (deadline, _) in pending.items() if deadline <= now]:
+                for conn in [c for c, (deadline, _, _) in pending.items() if deadline <= now]:
                     self._drop(selector, pending, conn, "too_slow", "sent no claim token within the deadline")
         finally:
             for conn in list(pending):
@@ -289,15 +285,20 @@ class DescriptorServer:
                 if not self._stopping:
                     self._log_limited("descriptor socket accept failed", str(error))
                 return  # EMFILE and friends: the expiring connections free descriptors
+            uid = peer_credentials(conn)[1]
+            if sum(1 for _, _, waiting in pending.values() if waiting == uid) >= _MAX_PENDING_PER_UID:
+                conn.close()
+                self._on_claim("too_slow", f"uid {uid} already has {_MAX_PENDING_PER_UID} connections waiting")
+                continue
             if len(pending) >= _MAX_PENDING:
                 oldest = next(iter(pending))
                 self._drop(selector, pending, oldest, "too_slow", "evicted: too many connections waiting")
             conn.setblocking(False)
             selector.register(conn, selectors.EVENT_READ)
-            pending[conn] = (time.monotonic() + _CLAIM_IO_TIMEOUT, bytearray())
+            pending[conn] = (time.monotonic() + _CLAIM_IO_TIMEOUT, bytearray(), uid)
 
     def _receive(self, selector: selectors.BaseSelector, pending: dict, conn: socket.socket) -> None:
-        _, token = pending[conn]
+        _, token, _ = pending[conn]
         try:
             chunk = conn.recv(TOKEN_BYTES - len(token))
         except BlockingIOError:

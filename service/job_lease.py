@@ -6,7 +6,8 @@ open for the grace period the daemon stops. It decides under the lock file of th
 directory, which a rank holds while it looks for the daemon, starts one and takes its lease
 (client/daemon_choice.py): so no rank attaches to a daemon that is leaving, and no two ranks
 start two. On the way out the daemon removes the lock file and the directory, still holding the
-lock; a rank that was waiting on it sees the file gone and starts over.
+lock; a rank that was waiting on it sees the file gone and starts over. It removes only names in
+the very directory it started in (held open, compared by inode), never through a link.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ class JobLease:
         self._timer: asyncio.TimerHandle | None = None
         self._server: asyncio.AbstractServer | None = None
         self._lock: int | None = None  # the lock file, held from the decision to leave to the end
+        self._directory: int | None = None  # the job's directory, held open from the start
 
     async def start(self) -> None:
+        self._directory = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # left by a daemon that was killed; the lock keeps out a live one
         self._server = await asyncio.start_unix_server(self._hold, path=self.path)
@@ -64,8 +67,8 @@ class JobLease:
     async def _leave(self) -> None:
         self._timer = None
         try:
-            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
-        except FileNotFoundError:
+            descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except (FileNotFoundError, OSError):
             # The job's directory is gone (a cleaned-up runtime directory): no rank finds this
             # daemon any more, since attaching goes through the lock file there.
             self._server.close()
@@ -96,10 +99,20 @@ class JobLease:
             os.unlink(self.path)
         if self._lock is None:
             return  # stopped by a signal, not for want of holders: ranks may still come
-        for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.directory, name))
-        with contextlib.suppress(OSError):
-            os.rmdir(self.directory)  # only if nothing else was put there
+        if self._same_directory():
+            for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=self._directory)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.directory)  # only if nothing else was put there
         os.close(self._lock)
         self._lock = None
+
+    def _same_directory(self) -> bool:
+        """Whether the job's directory path still names the directory the daemon started in."""
+        try:
+            now = os.stat(self.directory, follow_symlinks=False)
+        except OSError:
+            return False
+        held = os.fstat(self._directory)
+        return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)

@@ -1,15 +1,18 @@
-"""Joining a forming group: who may arrive (the group key, the first joiner's uid, the daemon's
-group limits) and what makes a Join disagree with the ranks already there. The ranks meet in a
-Rendezvous; GroupRegistry forms the group once all agree."""
+"""Joining a forming group: who may arrive (the group key; the caller's and the daemon's group
+limits) and what makes a Join disagree with the ranks already there. The ranks meet in a
+Rendezvous; GroupRegistry forms the group once all agree. A Join reaches only groups of its own
+caller's namespace (callers.py), so another uid's Join never meets, or learns of, this group."""
 
 from __future__ import annotations
 
 import hmac
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nodecomm.errors import GroupMismatchError, NodecommError, PermissionDeniedError, ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
+from .callers import Caller
 from .config import DaemonConfig
 from .group import Group
 from .join_args import JoinArgs
@@ -18,14 +21,15 @@ from .rendezvous import Rendezvous
 
 @dataclass
 class FormingGroup:
-    """Ranks that have arrived for a name that is not formed yet, meeting in `joins`: admitted only
-    with the first joiner's uid (unless mixed uids are allowed) and group key (its digest, compared
-    in constant time). Once the attempt failed, every rank of it gets the same error."""
+    """Ranks that have arrived for a name that is not formed yet in its creator's namespace,
+    meeting in `joins`: admitted only with the first joiner's group key (its digest, compared in
+    constant time). Once the attempt failed, every rank of it gets the same error."""
 
     name: str
     joins: Rendezvous[JoinArgs, pb.JoinReply]
-    creator: int | None = None  # the first joiner's uid; None: it presented no identity
+    creator: Caller  # the first joiner
     key_digest: bytes = b""
+    callers: dict[int, Caller] = field(default_factory=dict)  # each rank's, for its timing share
     failed_ranks: set[int] = field(default_factory=set)
     failed_at: float = 0.0
 
@@ -54,14 +58,15 @@ class FormingGroup:
 
 def check_new_forming(
     config: DaemonConfig,
-    formed: int,
-    forming: dict[str, FormingGroup],
+    formed: Iterable[Caller],
+    forming: Iterable[FormingGroup],
     args: JoinArgs,
-    caller: int | None,
+    caller: Caller,
     group_key: bytes,
 ) -> None:
-    """A Join that starts a forming group: refused past the daemon's group limits or without a
-    key where one is required. `formed`: the groups formed and not yet released."""
+    """A Join that starts a forming group: refused past the daemon's group limits and the caller's
+    shares of them, or without a key where one is required. `formed`: the creator of every group
+    formed and not yet released."""
     where = dict(group=args.group, rank=args.rank)
     if config.require_group_key and not group_key:
         raise PermissionDeniedError(
@@ -69,40 +74,38 @@ def check_new_forming(
             "pass connect(group_key=...) or set NODECOMM_GROUP_KEY, the same on every rank",
             **where,
         )
-    groups = formed + sum(1 for f in forming.values() if f.arrivals)
+    formed = list(formed)
+    starting = [f.creator for f in forming if f.arrivals]
+    groups = len(formed) + len(starting)
     if groups >= config.max_groups:
         raise ResourceExhaustedError(
             f"this daemon holds {groups} groups, its max_groups; a new one can form once one is released", **where
         )
-    mine = sum(1 for f in forming.values() if f.arrivals and f.creator == caller)
+    mine = starting.count(caller)
     if mine >= config.max_forming_groups_per_caller:
-        who = f"uid {caller}" if caller is not None else "callers without an identity"
         raise ResourceExhaustedError(
-            f"{who} already started {mine} groups that are still forming, this daemon's "
+            f"{caller} already started {mine} groups that are still forming, this daemon's "
             "max_forming_groups_per_caller; one more can start once one forms or times out",
+            **where,
+        )
+    held = mine + formed.count(caller)
+    if held >= config.max_groups_per_caller:
+        raise ResourceExhaustedError(
+            f"{caller} holds {held} groups formed or forming, this daemon's max_groups_per_caller; one more can "
+            "start once one of them is released",
             **where,
         )
 
 
-def check_admission(
-    config: DaemonConfig, forming: FormingGroup, args: JoinArgs, caller: int | None, key_digest: bytes
-) -> None:
+def check_admission(forming: FormingGroup, args: JoinArgs, key_digest: bytes) -> None:
     """A later Join to a forming group: refused, before it can change anything there, unless it
-    carries the group's key and (unless allowed otherwise) comes from the first joiner's uid."""
-    where = dict(group=args.group, rank=args.rank)
+    carries the group's key."""
     if not hmac.compare_digest(forming.key_digest, key_digest):
         raise PermissionDeniedError(
             "this Join's group key is not the one the group's first Join carried (or one of them carried "
             "none); every rank must pass the same connect(group_key=...) or NODECOMM_GROUP_KEY",
-            **where,
-        )
-    if caller != forming.creator and not config.allow_mixed_uids:
-        who = f"uid {caller}" if caller is not None else "a caller without an identity"
-        first = f"uid {forming.creator}" if forming.creator is not None else "a caller without an identity"
-        raise PermissionDeniedError(
-            f"this group is forming among the ranks of {first}; a Join from {who} is refused (the daemon's "
-            "allow_mixed_uids lets ranks of several uids form one group)",
-            **where,
+            group=args.group,
+            rank=args.rank,
         )
 
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 
 import grpc
+
+from nodecomm.trust import resolve_directory, who
 
 from .config import DaemonConfig, parse_ids
 
@@ -38,14 +41,23 @@ def tls_credentials(config: DaemonConfig) -> grpc.ServerCredentials:
 
 
 def prepare_socket_path(path: str, group: str = "") -> None:
-    """Create the socket's directory (0750, the socket group's); remove a stale socket, but never
-    take over a live one."""
-    directory = os.path.dirname(path) or "."
-    if not os.path.isdir(directory):
-        os.makedirs(directory, mode=0o750, exist_ok=True)
+    """Make the socket's directory if it is missing (0750, the socket group's; what is missing
+    above it 0700), refuse one this daemon's clients could not trust (nodecomm.trust: this uid's
+    or root's, writable by no one else), and remove a stale socket of this uid: never a live one,
+    another uid's, or anything but a socket."""
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.lexists(directory):
+        os.makedirs(os.path.dirname(directory), mode=0o700, exist_ok=True)
+        os.mkdir(directory, 0o750)
         restrict_socket_file(directory, 0o750, group)
-    if not os.path.exists(path):
+    resolve_directory(directory, frozenset({os.geteuid()}))
+    if not os.path.lexists(path):
         return
+    info = os.lstat(path)
+    if not stat.S_ISSOCK(info.st_mode):
+        raise OSError(f"{path} is not a socket; refusing to remove it: remove it yourself or pick another --socket")
+    if info.st_uid != os.geteuid():
+        raise OSError(f"{path} belongs to {who(info.st_uid)}; refusing to remove it: pick another --socket")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
             probe.connect(path)
@@ -53,3 +65,18 @@ def prepare_socket_path(path: str, group: str = "") -> None:
             os.unlink(path)  # nobody listens: left behind by a daemon that died
             return
     raise OSError(f"{path}: another process is serving on this socket; stop it or pick another --socket")
+
+
+def listen_unix(path: str, group: str) -> socket.socket:
+    """A listening Unix socket at `path` (prepared by prepare_socket_path), 0660 in `group`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(path)
+        restrict_socket_file(path, 0o660, group)
+        # The kernel's most: a burst of connections queues instead of being turned away.
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock

@@ -1,7 +1,8 @@
 """The daemon's Prometheus metrics: prefix nodecomm_, base units, label sets bounded by design
 (paths, ops, size buckets, error kinds and outcome names are fixed lists; devices are the GPUs the
-daemon sees; a group's name labels only its own operation counts, which are removed when the group
-is released, so those series are bounded by the groups alive)."""
+daemon sees; a group's name labels only its own operation counts, removed when the group is
+released, so those series are bounded by the groups alive; a uid labels the latency its groups'
+ranks report, for at most timings.MAX_REPORTING_UIDS uids)."""
 
 from __future__ import annotations
 
@@ -101,12 +102,16 @@ class DaemonMetrics:
             "nodecomm_calibrations_total", "Calibration probes run, by result.", ["result"], registry=r
         )
         self.sampled_ops = Counter(
-            "nodecomm_sampled_operations_total", "Operations timed by ranks and reported.", ["op", "path"], registry=r
+            "nodecomm_sampled_operations_total",
+            "Operations timed by ranks and reported, by the uid whose group reported them.",
+            ["op", "path", "uid"],
+            registry=r,
         )
         self.op_seconds = Histogram(
             "nodecomm_operation_seconds",
-            "Sampled operation latency as seen by a rank.",
-            ["op", "path", "size_bucket"],
+            "Sampled operation latency as seen by a rank, by the uid whose group reported it (ranks time "
+            "their own calls: one uid's reports never enter another's series).",
+            ["op", "path", "size_bucket", "uid"],
             registry=r,
             buckets=(2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.5, 1.0),
         )
@@ -138,6 +143,18 @@ class DaemonMetrics:
             ["reason"],
             registry=r,
         )
+        self.connections = Gauge(
+            "nodecomm_connections", "Client connections open to the control socket and TCP listener.", registry=r
+        )
+        self.connections_refused = Counter(
+            "nodecomm_connections_refused_total",
+            "Connections closed as they arrived, by reason: not_admitted (allowed_uids/gids), per_caller "
+            "(max_connections_per_caller), total (max_connections).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("not_admitted", "per_caller", "total"):
+            self.connections_refused.labels(reason)
         for reason in ("batch", "rate"):
             self.timings_dropped.labels(reason)
         for state in ("joining", "active", "aborted"):

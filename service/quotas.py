@@ -1,6 +1,7 @@
 """What the daemon may still hand out, checked before anything is allocated: descriptors, the bytes
-counted against max_reserved_bytes, each GPU's bytes, and the open allocations per rank and per
-caller. Every refusal is a ResourceExhaustedError that says which bound and what is held."""
+counted against max_reserved_bytes and the caller's share of them, each GPU's bytes, and the open
+allocations per rank and per caller. Every refusal is a ResourceExhaustedError that says which
+bound and what is held."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from nodecomm import _native
 from nodecomm.errors import ResourceExhaustedError
 
 from .allocator import accounted_bytes, check_descriptors
+from .callers import Caller
 from .config import DaemonConfig
 
 if TYPE_CHECKING:
@@ -30,9 +32,13 @@ class Quotas:
         """Bytes every group not yet released holds, counted against max_reserved_bytes."""
         return sum(group.reserved_bytes for group in self._groups.values())
 
-    def check_group(self, args: JoinArgs, devices: list[str]) -> None:
-        """A group about to form on `devices` (each rank's): its descriptors, every GPU's bytes and
-        the daemon's."""
+    def reserved_by(self, caller: Caller) -> int:
+        """Bytes the groups `caller` formed hold, counted against max_reserved_bytes_per_caller."""
+        return sum(group.reserved_bytes for group in self._groups.values() if group.creator == caller)
+
+    def check_group(self, args: JoinArgs, devices: list[str], creator: Caller) -> None:
+        """A group `creator` is about to form on `devices` (each rank's): its descriptors, every
+        GPU's bytes, the daemon's and the creator's share."""
         where = dict(group=args.group)
         # The segments, each rank's claim of all of them, and one claiming connection.
         segments = args.world_size + 1
@@ -53,7 +59,7 @@ class Quotas:
                         f"this daemon's max_bytes_per_gpu {self.config.max_bytes_per_gpu}; nothing was allocated",
                         **where,
                     )
-        self._check_bytes(_native.CONTROL_BYTES + args.world_size * buffer_bytes, "the group", where)
+        self._check_bytes(_native.CONTROL_BYTES + args.world_size * buffer_bytes, "the group", creator, where)
 
     def check_allocation(self, group: Group, held_by_rank: int, size_bytes: int, where: dict) -> None:
         """One more service-path allocation of `size_bytes` for a rank that holds `held_by_rank`."""
@@ -65,19 +71,15 @@ class Quotas:
                 **where,
             )
         self.check_caller(group, where)
-        reserved, counted = self.reserved_bytes(), accounted_bytes(size_bytes)
-        if reserved + counted > self.config.max_reserved_bytes:
-            raise ResourceExhaustedError(
-                f"allocating {size_bytes} bytes (counted as {counted}, whole pages) would pass this daemon's "
-                f"max_reserved_bytes {self.config.max_reserved_bytes} ({reserved} reserved); free some first",
-                **where,
-            )
+        self._check_bytes(
+            accounted_bytes(size_bytes), f"allocating {size_bytes} bytes (whole pages)", group.creator, where
+        )
 
     def check_exchange(self, group: Group, needed_bytes: int) -> None:
         """The slabs of a top-k exchange that every rank agreed on: `needed_bytes` in all."""
         where = dict(group=group.name)
         check_descriptors(3 * group.args.world_size, "the exchange", **where)
-        self._check_bytes(needed_bytes, "the exchange", where)
+        self._check_bytes(needed_bytes, "the exchange", group.creator, where)
 
     def check_caller(self, group: Group, where: dict) -> None:
         """One more allocation or exchange where the groups of `group`'s creator hold
@@ -91,18 +93,24 @@ class Quotas:
             if other.service is not None:
                 held += sum(1 for allocation in other.service.allocations.values() if not allocation.freed)
         if held >= self.config.max_allocations_per_caller:
-            who = f"uid {group.creator}" if group.creator is not None else "callers without an identity"
             raise ResourceExhaustedError(
-                f"the groups of {who} hold {held} allocations and top-k exchanges, this daemon's "
+                f"the groups of {group.creator} hold {held} allocations and top-k exchanges, this daemon's "
                 "max_allocations_per_caller; free one or close a group first",
                 **where,
             )
 
-    def _check_bytes(self, needed: int, what: str, where: dict) -> None:
+    def _check_bytes(self, needed: int, what: str, caller: Caller, where: dict) -> None:
         reserved = self.reserved_bytes()
         if reserved + needed > self.config.max_reserved_bytes:
             raise ResourceExhaustedError(
                 f"{what} needs {needed} bytes but the daemon already reserves {reserved} of its "
                 f"max_reserved_bytes {self.config.max_reserved_bytes}; nothing was allocated",
+                **where,
+            )
+        mine = self.reserved_by(caller)
+        if mine + needed > self.config.max_reserved_bytes_per_caller:
+            raise ResourceExhaustedError(
+                f"{what} needs {needed} bytes but the groups of {caller} already reserve {mine} of this daemon's "
+                f"max_reserved_bytes_per_caller {self.config.max_reserved_bytes_per_caller}; nothing was allocated",
                 **where,
             )

@@ -20,7 +20,6 @@ import uvloop
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from nodecomm import _native
 from nodecomm.credentials import RANK_SECRET_KEY
@@ -36,15 +35,18 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .allocator import raise_descriptor_limit
 from .calibration import CalibrationStore, calibration_point
+from .callers import Caller
 from .config import DaemonConfig, load_config, parse_ids
+from .connections import Gate, GateInterceptor
 from .groups import GroupRegistry
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .job_lease import JobLease
 from .join_args import JoinArgs
-from .listening import prepare_socket_path, restrict_socket_file, tls_credentials
+from .listening import listen_unix, prepare_socket_path, restrict_socket_file, tls_credentials
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
-from .timings import TokenBucket
+from .metrics_endpoint import MetricsEndpoint
+from .timings import CallerBuckets, TokenBucket
 
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -130,6 +132,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         store: CalibrationStore,
         identities: IdentityTable,
         admission: Admission,
+        gate: Gate,
     ):
         self.registry = registry
         self.metrics = metrics
@@ -137,6 +140,9 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.store = store
         self.identities = identities
         self.admission = admission
+        self.gate = gate
+        # What every caller's sessions share: one caller's many sessions are read at one pace.
+        self.session_paces = CallerBuckets(session_messages_per_second(config.timing_rate_per_caller))
 
     async def refuse(self, context: grpc.aio.ServicerContext, method: str, error: NodecommError) -> None:
         """End the call with the error's status code and message, counted by method and by error."""
@@ -154,8 +160,16 @@ class ControlServicer(pb_grpc.ControlServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        caller = self._check_identity(request)
+        caller = self._check_identity(request, *self._caller(context))
         return await self.registry.join(JoinArgs.from_request(request), timeout, caller, request.group_key)
+
+    def _caller(self, context: grpc.aio.ServicerContext) -> tuple[Caller, str]:
+        """Who makes this call, and over which transport ("unix" or "tcp"), as the gate read it
+        when the connection arrived (connections.py)."""
+        found = self.gate.caller_of(context.peer())
+        if found is None:
+            raise PermissionDeniedError("this call did not come through the daemon's sockets; connect to its socket")
+        return found
 
     def _identified_uid(self, token: bytes, pid: int, **where) -> int:
         """The uid an identity from the descriptor socket proves, for the process that declares `pid`."""
@@ -168,36 +182,42 @@ class ControlServicer(pb_grpc.ControlServicer):
             )
         return identity.uid
 
-    def _check_operator(self, request: pb.CalibrateRequest) -> None:
-        """Calibrate changes the boundaries of every new group on the node: operator uids only,
-        proven as a Join's identity is."""
-        who = sorted(self.admission.operators) or "root and the daemon's own uid"
-        if not request.identity:
+    def _check_operator(self, caller: Caller) -> None:
+        """Calibrate changes the boundaries of every new group on the node: operator uids only."""
+        if caller.uid is None or not self.admission.operates(caller.uid):
+            who = sorted(self.admission.operators) or "root and the daemon's own uid"
             raise PermissionDeniedError(
-                f"calibrating changes every new group's boundaries, which only operator uids ({who}) may; the "
-                "request must carry the identity the descriptor socket issues (nodecomm calibrate sends it)"
-            )
-        uid = self._identified_uid(request.identity, request.pid)
-        if not self.admission.operates(uid):
-            raise PermissionDeniedError(
-                f"uid {uid} may not calibrate: calibrating changes every new group's boundaries, which "
+                f"{caller} may not calibrate: calibrating changes every new group's boundaries, which "
                 f"only operator uids ({who}) may (the daemon's operator_uids)"
             )
 
-    def _check_identity(self, request: pb.JoinRequest) -> int | None:
-        """A Join's identity, where the daemon admits only some callers (or one is presented
-        anyway): issued on the descriptor socket to the very process that declares its pid.
-        Returns the caller's uid, None where it presented none."""
+    def _check_identity(self, request: pb.JoinRequest, caller: Caller, transport: str) -> Caller:
+        """The Join's caller: the connection's, which an identity presented with it (issued on the
+        descriptor socket to the very process that declares its pid) must agree with; over TCP,
+        an identity names a caller the connection could not, and is required where the daemon
+        admits only some uids (the gate checked Unix callers as they connected). A Join over TCP
+        also needs a group key: whoever reaches the port may be anyone."""
         where = dict(group=request.group or None, rank=request.rank)
+        if transport == "tcp" and not request.group_key:
+            raise PermissionDeniedError(
+                "a Join over TCP must carry a group key: pass connect(group_key=...) or set NODECOMM_GROUP_KEY, "
+                "the same on every rank (or connect through the daemon's Unix socket)",
+                **where,
+            )
         if not request.identity:
-            if self.admission.required:
+            if transport == "tcp" and self.admission.required:
                 raise PermissionDeniedError(
-                    "this daemon admits only some uids and groups: a Join must carry the identity the "
+                    "this daemon admits only some uids and groups: a Join over TCP must carry the identity the "
                     "descriptor socket issues (send IDENTIFY there first; nodecomm.connect does)",
                     **where,
                 )
-            return None
-        return self._identified_uid(request.identity, request.pid, **where)
+            return caller
+        uid = self._identified_uid(request.identity, request.pid, **where)
+        if caller.uid is not None and uid != caller.uid:
+            raise PermissionDeniedError(
+                f"the identity was issued to uid {uid}, but this Join comes from {caller}", **where
+            )
+        return Caller(uid)
 
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
         try:
@@ -212,6 +232,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             )
         group_id, rank = first.hello.group_id, first.hello.rank
         try:
+            caller, _ = self._caller(context)
             self.registry.authenticate(group_id, rank, _rank_secret(context))
             queue = self.registry.open_session(group_id, rank)
         except NodecommError as error:
@@ -219,12 +240,17 @@ class ControlServicer(pb_grpc.ControlServicer):
 
         undecodable: list[UndecodableRequest] = []
 
-        pace = TokenBucket(session_messages_per_second(self.config.timing_rate_per_rank))
+        # This session's pace, and its caller's, which all of that caller's sessions share.
+        paces = (
+            TokenBucket(session_messages_per_second(self.config.timing_rate_per_rank)),
+            self.session_paces.of(caller),
+        )
 
         async def pump_up() -> None:
             async for message in request_iterator:
-                while not pace.take(1):
-                    await asyncio.sleep(1 / pace.rate)
+                for pace in paces:
+                    while not pace.take(1):
+                        await asyncio.sleep(1 / pace.rate)
                 if isinstance(message, UndecodableRequest):
                     undecodable.append(message)  # the stream ends: the rank is lost
                     return
@@ -260,7 +286,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         if isinstance(request, UndecodableRequest):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         try:
-            self._check_operator(request)
+            self._check_operator(self._caller(context)[0])
         except NodecommError as error:
             await self.refuse(context, "Calibrate", error)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
@@ -305,15 +331,15 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
-        return self.registry.table_for(request.group, request.device_kind or "cpu", request.nccl_fallback).to_proto()
+        caller, _ = self._caller(context)
+        table = self.registry.table_for(caller, request.group, request.device_kind or "cpu", request.nccl_fallback)
+        return table.to_proto()
 
     @rpc
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
-        operator = bool(request.identity) and self.admission.operates(
-            self._identified_uid(request.identity, request.pid)
-        )
-        groups = self.registry.list_groups(forming_details=operator, group_key=request.group_key)
-        return pb.ListGroupsReply(groups=groups)
+        caller, _ = self._caller(context)
+        operator = caller.uid is not None and self.admission.operates(caller.uid)
+        return pb.ListGroupsReply(groups=self.registry.list_groups(caller, operator, request.group_key))
 
 
 async def _calibrate_on_start(
@@ -339,6 +365,9 @@ def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
 
 
 async def serve(config: DaemonConfig) -> int:
+    # What the daemon makes is its own unless it says otherwise (the sockets are restricted one by
+    # one): the socket gRPC binds for the gate is nobody else's to open from its first moment.
+    os.umask(0o077)
     # Every group, allocation and connection costs descriptors: take all the system allows.
     raise_descriptor_limit()
     metrics = DaemonMetrics()
@@ -355,8 +384,12 @@ async def serve(config: DaemonConfig) -> int:
             extra={"state_dir": config.state_dir, "device_kinds": uncalibrated},
         )
 
-    prepare_socket_path(config.socket, config.socket_group)
-    prepare_socket_path(config.descriptor_socket, config.socket_group)
+    # gRPC listens where only this uid can connect: every client comes through the gate.
+    upstreams = {"unix": config.socket + ".grpc", "tcp": config.socket + ".grpc"}
+    if config.tcp_address and config.tls_cert:
+        upstreams["tcp"] = config.socket + ".grpc-tls"  # TLS ends at gRPC: the gate passes bytes
+    for path in (config.socket, config.descriptor_socket, *set(upstreams.values())):
+        prepare_socket_path(path, config.socket_group)
     identities = IdentityTable()
     admission = Admission(
         parse_ids("allowed_uids", config.allowed_uids),
@@ -383,7 +416,16 @@ async def serve(config: DaemonConfig) -> int:
     )
     restrict_socket_file(config.descriptor_socket, 0o660, config.socket_group)
 
+    gate = Gate(
+        upstreams,
+        admission,
+        config.max_connections,
+        config.max_connections_per_caller,
+        on_refusal=lambda reason: metrics.connections_refused.labels(reason).inc(),
+        on_count=metrics.connections.set,
+    )
     server = grpc.aio.server(
+        interceptors=[GateInterceptor(gate)],
         options=[
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 5_000),
@@ -392,29 +434,31 @@ async def serve(config: DaemonConfig) -> int:
             # Every control message is small (the largest a client sends is a batch of 32 timings):
             # a bigger one ends its call before the daemon spends time parsing it.
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # A connection that has not finished its HTTP/2 handshake in 3 s is closed: silent
-            # connections cannot pile up to the descriptor limit.
+            # A connection that has not finished its HTTP/2 handshake in 3 s is closed, and one with
+            # no call in flight for connection_idle_seconds: connections that only answer pings
+            # cannot pile up to the descriptor limit.
             ("grpc.server_handshake_timeout_ms", 3000),
-        ]
+            ("grpc.max_connection_idle_ms", int(config.connection_idle_seconds * 1000)),
+        ],
     )
-    add_control_servicer(ControlServicer(registry, metrics, config, store, identities, admission), server)
+    add_control_servicer(ControlServicer(registry, metrics, config, store, identities, admission, gate), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"unix:{config.socket}")
-    if config.tcp_address and config.tls_cert:
-        server.add_secure_port(config.tcp_address, tls_credentials(config))
-    elif config.tcp_address:
-        server.add_insecure_port(config.tcp_address)
+    server.add_insecure_port(f"unix:{upstreams['unix']}")
+    if upstreams["tcp"] != upstreams["unix"]:
+        server.add_secure_port(f"unix:{upstreams['tcp']}", tls_credentials(config))
 
-    metrics_server = None
-    metrics_address = config.metrics_host_port
-    if metrics_address is not None:
-        metrics_server, _ = start_http_server(metrics_address[1], addr=metrics_address[0], registry=metrics.registry)
-        metrics_address = (metrics_address[0], metrics_server.server_port)
+    endpoint = None
+    if config.metrics_host_port is not None:
+        endpoint = MetricsEndpoint(metrics.registry, *config.metrics_host_port)
+        await endpoint.start()
 
     await server.start()
-    restrict_socket_file(config.socket, 0o660, config.socket_group)
+    await gate.listen_unix(listen_unix(config.socket, config.socket_group))
+    if config.tcp_address:
+        host, port = config.tcp_address.rsplit(":", 1)
+        await gate.listen_tcp(host.strip("[]"), int(port))
     descriptors.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -442,7 +486,9 @@ async def serve(config: DaemonConfig) -> int:
             "socket": config.socket,
             "descriptor_socket": config.descriptor_socket,
             "tcp_address": config.tcp_address or None,
-            "metrics_address": f"{metrics_address[0]}:{metrics_address[1]}" if metrics_address else None,
+            "metrics_address": (
+                f"{endpoint.address[0]}:{endpoint.address[1]}" if endpoint and endpoint.address else None
+            ),
             "pid": os.getpid(),
             "private": config.private,
             "gpus": gpus,
@@ -463,12 +509,13 @@ async def serve(config: DaemonConfig) -> int:
     await health_servicer.enter_graceful_shutdown()
     registry.drain()
     await server.stop(config.drain_grace_seconds)
+    await gate.close()
     sweeper.cancel()
     descriptors.stop()
     executor.shutdown(wait=True)
-    if metrics_server is not None:
-        metrics_server.shutdown()
-    for path in (config.socket,):
+    if endpoint is not None:
+        await endpoint.close()
+    for path in (config.socket, *set(upstreams.values())):
         if os.path.exists(path):
             os.unlink(path)
     if lease is not None:
@@ -482,7 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = load_config(argv)
         configure_logging(config.log_level, config.log_format)
         return uvloop.run(serve(config))
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, NodecommError) as error:
         print(f"nodecommd: {error}", file=sys.stderr)
         return 2
 

@@ -1,17 +1,22 @@
 """What ranks report on their sessions: sampled timings (the latency histograms, and a group's live
 recalibration) and operation counts, within bounds: a batch far past what a client sends is
 dropped whole, and past its rank's rate the rest of a batch is, so that one rank's stream cannot
-take the daemon's time from everyone else's calls."""
+take the daemon's time from everyone else's calls. What ranks report is theirs to make up: the
+latency series are labelled by the uid whose group reported them, so that one user's timings never
+move another's series; the series of at most MAX_REPORTING_UIDS uids are kept, the least recent
+one's removed to make room."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from nodecomm.thresholds import Path
 from nodecomm.v1 import control_pb2 as pb
 
+from .callers import Caller
 from .config import DaemonConfig
 from .metrics import DaemonMetrics, size_bucket
 from .tables import TableKeeper
@@ -21,6 +26,8 @@ if TYPE_CHECKING:
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
 MAX_TIMINGS_PER_BATCH = 256
+# Uids whose latency series the metrics keep at once.
+MAX_REPORTING_UIDS = 32
 
 _OP_NAMES = {v: pb.Op.Name(v).lower() for v in pb.Op.values() if v}
 
@@ -43,6 +50,26 @@ class TokenBucket:
         return granted
 
 
+class CallerBuckets:
+    """One TokenBucket of `rate` a second per caller, made on first use: what all of a caller's
+    sessions share, so that many of them cost the daemon no more than one caller's share."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self._buckets: dict[Caller, TokenBucket] = {}
+
+    def of(self, caller: Caller) -> TokenBucket:
+        bucket = self._buckets.get(caller)
+        if bucket is None:
+            bucket = self._buckets[caller] = TokenBucket(self.rate)
+        return bucket
+
+
+def uid_label(caller: Caller) -> str:
+    """The `uid` label of a caller's series: its uid, or "tcp"."""
+    return "tcp" if caller.uid is None else str(caller.uid)
+
+
 class TimingIntake:
     """The daemon's use of what sessions report, over the metrics and the groups' tables."""
 
@@ -50,6 +77,24 @@ class TimingIntake:
         self.config = config
         self.metrics = metrics
         self.tables = tables
+        # (path, size bucket) each caller reported, the least recent caller first.
+        self._series: OrderedDict[Caller, set[tuple[str, str]]] = OrderedDict()
+
+    def _series_of(self, caller: Caller) -> set[tuple[str, str]]:
+        series = self._series.get(caller)
+        if series is None:
+            if len(self._series) >= MAX_REPORTING_UIDS:
+                self._forget(next(iter(self._series)))
+            series = self._series[caller] = set()
+        self._series.move_to_end(caller)
+        return series
+
+    def _forget(self, caller: Caller) -> None:
+        uid, series = uid_label(caller), self._series.pop(caller, set())
+        for path, bucket in series:
+            self.metrics.op_seconds.remove("all_reduce", path, bucket, uid)
+        for path in {path for path, _ in series}:
+            self.metrics.sampled_ops.remove("all_reduce", path, uid)
 
     def record_counts(self, group: Group, counts: Sequence[pb.OperationCount]) -> None:
         for count in counts:
@@ -66,18 +111,21 @@ class TimingIntake:
                 self.metrics.wire_bytes.labels(group.name, wire).inc(count.wire_bytes or count.bytes)
 
     def record_timings(self, group: Group | None, rank: int, timings: Sequence[pb.Timing]) -> None:
-        """Use `rank`'s timings (of `group`, None once it is released: the metrics still take them)."""
+        """Use `rank`'s timings (of `group`; none once it is released)."""
         if len(timings) > MAX_TIMINGS_PER_BATCH:
             self.metrics.timings_dropped.labels("batch").inc(len(timings))
             return
         member = group.members.get(rank) if group is not None else None
-        if member is not None:
-            if member.timing_budget is None:
-                member.timing_budget = TokenBucket(self.config.timing_rate_per_rank)
-            allowed = member.timing_budget.take(len(timings))
-            if allowed < len(timings):
-                self.metrics.timings_dropped.labels("rate").inc(len(timings) - allowed)
-                timings = timings[:allowed]
+        if member is None:
+            return
+        if member.timing_budget is None:
+            member.timing_budget = TokenBucket(self.config.timing_rate_per_rank)
+        allowed = member.timing_budget.take(len(timings))
+        if allowed < len(timings):
+            self.metrics.timings_dropped.labels("rate").inc(len(timings) - allowed)
+            timings = timings[:allowed]
+        uid = uid_label(group.creator)
+        series = self._series_of(group.creator)
         for timing in timings:
             if not 0 <= timing.seconds < 3600 or timing.path not in pb.Path.values() or not timing.path:
                 continue
@@ -85,14 +133,16 @@ class TimingIntake:
             if timing.wire != pb.LOSSLESS:
                 # The group's own compressed wire feeds its live estimates only (the latency
                 # histograms are of lossless calls); any other wire is a call that forced one.
-                if group is not None and group.live is not None and timing.wire == group.args.wire:
+                if group.live is not None and timing.wire == group.args.wire:
                     group.live.add(rank, path, timing.bytes, timing.seconds, compressed=True)
                 continue
-            self.metrics.sampled_ops.labels("all_reduce", path.value).inc()
-            self.metrics.op_seconds.labels("all_reduce", path.value, size_bucket(timing.bytes)).observe(timing.seconds)
-            if group is not None and group.live is not None:
+            bucket = size_bucket(timing.bytes)
+            series.add((path.value, bucket))
+            self.metrics.sampled_ops.labels("all_reduce", path.value, uid).inc()
+            self.metrics.op_seconds.labels("all_reduce", path.value, bucket, uid).observe(timing.seconds)
+            if group.live is not None:
                 group.live.add(rank, path, timing.bytes, timing.seconds)
-        if group is not None and group.live is not None and group.state == "active":
+        if group.live is not None and group.state == "active":
             self._follow_evidence(group)
 
     def _follow_evidence(self, group: Group) -> None:

@@ -8,6 +8,7 @@ has gRPC's and torch's threads: a fork there can stop for good in a handler of t
 Questions:
   identify  send IDENTIFY, write the raw answer (b"\\x02": none; b"\\x03" + the error: no connection)
   connect   what nodecomm.connect's first step (identify) raises: "no error" or "Class message"
+  health    a health check on the control socket at PATH: "SERVING", or the gRPC status and details
 """
 
 from __future__ import annotations
@@ -16,9 +17,13 @@ import os
 import socket
 import sys
 
-from nodecomm.client.descriptors import identify
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from nodecomm.client.descriptors import DescriptorSocket
 from nodecomm.credentials import IDENTIFY
 from nodecomm.errors import NodecommError
+from nodecomm.trust import node_daemon_uids
 
 
 def raw_identify(path: str) -> bytes:
@@ -37,13 +42,22 @@ def raw_identify(path: str) -> bytes:
 
 def connect_identify(path: str) -> bytes:
     try:
-        identify(path, 5.0, {})
+        DescriptorSocket(path, node_daemon_uids(path)).identify(5.0, {})
         return b"no error"
     except NodecommError as error:
         return f"{type(error).__name__} {error}".encode()
 
 
-QUESTIONS = {"identify": raw_identify, "connect": connect_identify}
+def health(path: str) -> bytes:
+    try:
+        with grpc.insecure_channel(f"unix:{path}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status).encode()
+    except grpc.RpcError as error:
+        return f"{error.code().name} {error.details()}".encode()
+
+
+QUESTIONS = {"identify": raw_identify, "connect": connect_identify, "health": health}
 
 if __name__ == "__main__":
     uid, gid, question, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

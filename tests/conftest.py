@@ -230,13 +230,6 @@ def as_user(uid: int, gid: int, question: str, path: str) -> bytes:
 # -- raw control-plane helpers -------------------------------------------------------------------
 
 
-def operator_identity(socket: str) -> dict:
-    """The identity and pid fields of a Calibrate request from this (operator) process."""
-    from nodecomm.client.descriptors import identify
-
-    return {"identity": identify(socket + ".fd", 10.0, {}), "pid": os.getpid()}
-
-
 class _CallDetails(
     collections.namedtuple(
         "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
@@ -323,3 +316,125 @@ def reserved_bytes(daemon) -> float:
         row for row in daemon.metrics_text().splitlines() if row.startswith('nodecomm_reserved_bytes{kind="host"}')
     )
     return float(line.split()[-1])
+
+
+# -- other local users ----------------------------------------------------------------------------
+
+# Uids and a socket group that no one on a test machine has: the tests act as these users.
+SOCKET_GID = 41000
+USER_UIDS = (41001, 41002, 41003)
+
+
+@dataclass(frozen=True)
+class User:
+    """A local user the test acts as (it runs as root): a uid without a name, its own home (0700),
+    its groups. Its processes run this Python with nothing of the test's environment but what
+    `env` adds (no XDG_RUNTIME_DIR unless given)."""
+
+    uid: int
+    home: Path
+    groups: tuple[int, ...] = ()
+
+    def environment(self, **extra: str) -> dict[str, str]:
+        base = {"HOME": str(self.home), "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "LANG": "C.UTF-8"}
+        base.update({"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        return {**base, **extra}
+
+    def popen(self, args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(
+            args, user=self.uid, group=self.uid, extra_groups=list(self.groups), cwd=self.home,
+            env=self.environment(**(env or {})), **kwargs,
+        )  # fmt: skip
+
+    def run(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+        with self.popen(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
+            try:
+                out, err = process.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                out, err = process.communicate()
+                raise AssertionError(f"uid {self.uid}: {args} did not end within {timeout} s: {out}{err}") from None
+        return subprocess.CompletedProcess(args, process.returncode, out, err)
+
+    def python(self, code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 180):
+        """`code` run by this Python as this user, with tests/ importable."""
+        return self.run([sys.executable, "-c", code, *args], {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
+
+    def ranks(self, function: str, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 180):
+        """ranks.`function` run by `world_size` processes of this user (tests/user_ranks.py): each
+        rank's return value, or AssertionError with every failing rank's error."""
+        import json
+
+        command = [sys.executable, str(TESTS / "user_ranks.py"), function, str(world_size), json.dumps(list(args))]
+        finished = self.run(command, {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
+        lines = finished.stdout.strip().splitlines()
+        outcome = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"errors": [finished.stderr[-3000:]]}
+        if "errors" in outcome:
+            raise RankErrors(outcome["errors"])
+        return outcome["results"]
+
+
+class RankErrors(AssertionError):
+    """Ranks run as another user failed: `errors` holds each failing rank's "rank N: Class: message"."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def _open_for_traversal(paths: list[str]) -> list[tuple[str, int]]:
+    """Give others search (x) permission on every directory above `paths` that lacks it; returns
+    what was changed, to restore."""
+    changed = []
+    for path in paths:
+        parts = Path(os.path.realpath(path)).parents
+        for directory in parts:
+            mode = os.stat(directory).st_mode
+            if not mode & 0o001:
+                os.chmod(directory, mode | 0o001)
+                changed.append((str(directory), mode))
+    return changed
+
+
+@pytest.fixture(scope="session")
+def python_for_everyone():
+    """Other uids must run this Python and import this checkout: where a directory above them
+    keeps them out (root's home is 0700 on the CI machine, and pyenv lives there), it is opened
+    for traversal only (o+x, not listing) for the session, and restored after."""
+    if os.geteuid() != 0:
+        pytest.skip("acts as other users: needs root (CI runs as root)")
+    changed = _open_for_traversal([sys.executable, sys.base_prefix, sys.prefix, str(TESTS)])
+    try:
+        yield
+    finally:
+        for directory, mode in reversed(changed):
+            os.chmod(directory, mode)
+
+
+@pytest.fixture
+def users(python_for_everyone):
+    """Three local users, A, B and C: A and B in the socket group SOCKET_GID, C outside it. What
+    they leave (processes, /tmp/nodecomm-<uid>) is removed afterwards."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="nodecomm-users-"))
+    root.chmod(0o755)
+    made = []
+    for uid, groups in zip(USER_UIDS, ((SOCKET_GID,), (SOCKET_GID,), ()), strict=True):
+        home = root / str(uid)
+        home.mkdir(mode=0o700)
+        os.chown(home, uid, uid)
+        made.append(User(uid, home, groups))
+    try:
+        yield tuple(made)
+    finally:
+        for uid in USER_UIDS:
+            subprocess.run(["pkill", "-KILL", "-U", str(uid)], check=False)
+        time.sleep(0.2)
+        for uid in USER_UIDS:
+            shutil.rmtree(f"/tmp/nodecomm-{uid}", ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import operator_identity, stub_for
+from conftest import stub_for
 from nodecomm.errors import InternalError
 from nodecomm.service.calibration import (
     InvalidCalibrationError,
@@ -201,9 +201,7 @@ def test_a_cancelled_calibration_stops_its_probe_and_its_ranks(make_daemon):
     pid = daemon.process.pid
     channel, stub = stub_for(daemon)
     with channel:
-        request = pb.CalibrateRequest(
-            device_kind="cpu", world_size=2, min_bytes=1024, max_bytes=64 << 20, **operator_identity(daemon.socket)
-        )
+        request = pb.CalibrateRequest(device_kind="cpu", world_size=2, min_bytes=1024, max_bytes=64 << 20)
         call = stub.Calibrate(request, timeout=300)
         assert next(call).WhichOneof("kind") == "point"  # the probe and its ranks are running
         probe = _descendants(pid)

@@ -1,7 +1,9 @@
-"""One local user against another's groups: each test is an attack on a running daemon, which
-must fail with a clear error while an ordinary 2-rank group beside it still connects and runs 100
-all-reduces (its connect time and p50 printed beside the same without the attack). The threat
-model and these figures are in docs/security.md."""
+"""One local user against another's groups and against the daemon everyone shares. Each test is an
+attack as the issue that asked for these defences tried it, with real processes of other uids
+(tests/conftest.py's users: A and B in the socket group, C outside it) against a real daemon: it
+must be refused or bounded with a clear error, while an ordinary 2-rank group beside it still
+connects and runs 100 checked all-reduces (its connect time and p50 printed beside the same
+without the attack). The threat model and these figures are in docs/security.md."""
 
 import json
 import os
@@ -9,6 +11,7 @@ import resource
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -20,13 +23,177 @@ import pytest
 
 import nodecomm
 import ranks
-from conftest import Daemon, as_user, join_request, operator_identity, stub_for
-from nodecomm.errors import ResourceExhaustedError
+from conftest import TESTS, Daemon, User, as_user, free_port, join_request, stub_for
+from nodecomm.client.daemon_process import daemon_command
+from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
 from nodecomm.service.config import DaemonConfig
 from nodecomm.service.server import session_messages_per_second
+from nodecomm.socket_path import job_digest
+from nodecomm.trust import checked_target, node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
+
+# -- 1. a rank never talks to a daemon another user controls -------------------------------------
+
+
+def quick_start_script() -> str:
+    """The README's quick start train.py, as the README has it."""
+    readme = (TESTS.parent / "README.md").read_text()
+    return readme.split("cat > train.py <<'PY'\n", 1)[1].split("\nPY\n", 1)[0] + "\n"
+
+
+def quick_start(user: User, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node 2 train.py` in `user`'s home, as the README's quick start runs it."""
+    (user.home / "train.py").write_text(quick_start_script())
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    command += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), "train.py"]
+    return user.run(command, env=env, timeout=300)
+
+
+def start_as(user: User, socket: str, *flags: str) -> subprocess.Popen:
+    """nodecommd on `socket`, run by `user`; returns once it serves (its socket made 0666, as a
+    hostile user would leave it)."""
+    daemon = user.popen(
+        [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, "--metrics-address", "off", *flags],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not os.path.exists(socket + ".fd") or not os.path.exists(socket):
+        assert daemon.poll() is None, daemon.stdout.read().decode()
+        assert time.monotonic() < deadline, "the other user's daemon did not start"
+        time.sleep(0.1)
+    for path in (socket, socket + ".fd"):
+        os.chmod(path, 0o666)
+    return daemon
+
+
+def what_it_saw(daemon: subprocess.Popen) -> str:
+    daemon.kill()
+    return daemon.communicate()[0].decode()
+
+
+def test_a_daemon_another_user_placed_at_the_default_paths_gets_nothing(users):
+    """1: with no XDG_RUNTIME_DIR, user B makes /tmp/nodecomm-<A>/nodecomm (0755) and serves a
+    daemon there, sockets 0666, and one at A's private daemon path of a predictable job name. A's
+    quick start, A's connect(daemon="private") and `nodecomm status` refuse, naming the directory,
+    its owner and what to do; B's daemons never hear from A. With XDG_RUNTIME_DIR set, or once B's
+    directory is gone, the same quick start runs on a private daemon of A's own."""
+    a, b, _ = users
+    planted = Path(f"/tmp/nodecomm-{a.uid}")
+    b.run(["mkdir", "-p", "-m", "755", str(planted / "nodecomm"), str(planted / "nodecomm-jobs")])
+    node = start_as(b, str(planted / "nodecomm" / "nodecomm.sock"))
+    job = planted / "nodecomm-jobs" / job_digest("tp0") / "nodecomm.sock"
+    b.run(["mkdir", "-m", "755", str(job.parent)])
+    private = start_as(b, str(job))
+    try:
+        refused = quick_start(a)
+        expected = f"{planted} belongs to uid {b.uid}, not to you (uid {a.uid}) or root"
+        assert refused.returncode != 0 and expected in refused.stdout + refused.stderr, refused.stderr[-3000:]
+        assert "export XDG_RUNTIME_DIR=$(mktemp -d)" in refused.stderr
+        direct = a.python(
+            "import nodecomm\n"
+            "try:\n    nodecomm.connect('tp0', 0, 1, daemon='private', timeout=10)\n"
+            "except nodecomm.NodecommError as error:\n    print(type(error).__name__, error)\n"
+        )
+        assert direct.stdout.startswith("PermissionDeniedError") and expected in direct.stdout, direct
+        status = a.run([sys.executable, "-m", "nodecomm.client.cli", "status"])
+        assert status.returncode == 1 and expected in status.stderr, status.stderr
+        own_runtime = a.home / "run"
+        own_runtime.mkdir(mode=0o700)
+        os.chown(own_runtime, a.uid, a.uid)
+        ran = quick_start(a, env={"XDG_RUNTIME_DIR": str(own_runtime)})
+        assert ran.returncode == 0 and f"a private daemon at {own_runtime}/nodecomm-jobs/" in ran.stdout, ran.stderr
+    finally:
+        seen = what_it_saw(node) + what_it_saw(private)
+    assert "descriptor claim" not in seen and "group formed" not in seen, seen[-3000:]
+    shutil.rmtree(planted)
+    ran = quick_start(a)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert ran.stdout.count("3.0") == 2, ran.stdout  # each rank's sum (their lines may interleave)
+    assert f"a private daemon at {planted}/nodecomm-jobs/" in ran.stdout, ran.stdout
+    info = planted.stat()
+    assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (a.uid, 0o700)
+
+
+def test_a_runtime_directory_another_user_made_first_is_refused_with_what_to_do(users):
+    """1: B's `mkdir -m700 /tmp/nodecomm-<A>` (A cannot even look inside) fails A's private job
+    with a PermissionDeniedError that names the directory, its owner and what to do, not a bare
+    PermissionError; nothing of A's is made or changed."""
+    a, b, _ = users
+    b.run(["mkdir", "-m", "700", f"/tmp/nodecomm-{a.uid}"])
+    refused = a.python(
+        "import nodecomm\n"
+        "try:\n    nodecomm.connect('g', 0, 1, daemon='auto', timeout=10)\n"
+        "except Exception as error:\n    print(type(error).__name__, error)\n"
+    )
+    assert refused.stdout.startswith("PermissionDeniedError"), refused
+    assert f"/tmp/nodecomm-{a.uid} belongs to uid {b.uid}" in refused.stdout
+    assert "Set XDG_RUNTIME_DIR" in refused.stdout
+    assert Path(f"/tmp/nodecomm-{a.uid}").stat().st_uid == b.uid
+
+
+def test_a_job_directory_that_is_a_link_is_refused_and_what_it_points_at_left_alone(users):
+    """1: A's job directory is a symbolic link into a folder of A's (0755) holding files named
+    lock, daemon.log and nodecomm.sock: connect refuses the link, and the folder's mode and files
+    are as they were (no chmod, no unlink)."""
+    a, _, _ = users
+    runtime = a.home / "run"
+    target = a.home / "precious"
+    a.run(["mkdir", "-m", "700", str(runtime)])
+    a.run(["mkdir", "-m", "755", str(target)])
+    for name in ("lock", "daemon.log", "nodecomm.sock"):
+        a.run(["sh", "-c", f"echo keep > {target / name}"])
+    a.run(["mkdir", "-m", "700", str(runtime / "nodecomm-jobs")])
+    a.run(["ln", "-s", str(target), str(runtime / "nodecomm-jobs" / job_digest("tp0"))])
+    refused = a.python(
+        "import nodecomm\n"
+        "try:\n    nodecomm.connect('tp0', 0, 1, daemon='private', timeout=10)\n"
+        "except Exception as error:\n    print(type(error).__name__, error)\n",
+        env={"XDG_RUNTIME_DIR": str(runtime)},
+    )
+    assert refused.stdout.startswith("PermissionDeniedError") and "is a symbolic link" in refused.stdout, refused
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+    assert sorted(p.name for p in target.iterdir()) == ["daemon.log", "lock", "nodecomm.sock"]
+    assert all((target / name).read_text() == "keep\n" for name in ("lock", "daemon.log", "nodecomm.sock"))
+
+
+def test_a_daemon_removes_no_file_it_cannot_serve_from(tmp_path):
+    """1: a regular file where the socket should be is left alone: the daemon refuses to start
+    (exit 2) and says why, instead of unlinking it."""
+    socket_path = tmp_path / "nodecomm.sock"
+    socket_path.write_text("not a socket\n")
+    refused = subprocess.run(
+        daemon_command(str(socket_path), "--metrics-address", "off"), capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode == 2 and "is not a socket; refusing to remove it" in refused.stderr, refused.stderr
+    assert socket_path.read_text() == "not a socket\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="changes uids: needs root (CI runs as root)")
+def test_a_socket_served_by_another_uid_is_refused_whoever_owns_the_file(tmp_path):
+    """1: a socket file root owns, in a directory root owns, listened on by a process that then
+    runs as uid 41002 (SO_PEERCRED gives the listener's credentials): the client refuses it after
+    connecting, before sending a byte, naming the pid and uid."""
+    path = tmp_path / "nodecomm.sock"
+    listener = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, socket, sys, time\n"
+         "s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1]); os.setresuid(41002, 41002, 41002)\n"
+         "s.listen(); print('ready', flush=True)\n"
+         "c, _ = s.accept(); print('received', len(c.recv(64)), flush=True)\n",
+         str(path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        with pytest.raises(PermissionDeniedError) as refused:
+            checked_target(str(path), node_daemon_uids(str(path)))
+        assert f"(pid {listener.pid}) runs as uid 41002" in str(refused.value)
+        assert listener.stdout.readline().strip() == "received 0"  # nothing was sent
+    finally:
+        listener.kill()
+        listener.wait()
 
 
 def legitimate_group(spawn_ranks, socket: str, name: str) -> tuple[float, float]:
@@ -110,7 +277,9 @@ def test_only_operator_uids_calibrate(make_daemon, spawn_ranks, tmp_path):
     before = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
     refused = nodecomm_cli("--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "4KiB")
     assert refused.returncode != 0
-    assert f"uid {os.getuid()} may not calibrate" in refused.stderr and "operator uids ([54321])" in refused.stderr
+    assert (
+        f"uid {os.getuid()} (root) may not calibrate" in refused.stderr and "operator uids ([54321])" in refused.stderr
+    )
     attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
     assert nodecomm_cli("--socket", daemon.socket, "thresholds").stdout == before
     assert not list(state.glob("calibration-*.json"))
@@ -249,7 +418,7 @@ def test_a_forming_group_cannot_be_taken_over(daemon, spawn_ranks):
         (shown,) = [g for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups if g.name == "victim"]
         assert shown.state == "joining" and shown.world_size == 0 and not shown.joined_ranks
         (operator_view,) = [
-            g for g in stub.ListGroups(pb.ListGroupsRequest(**operator_identity(daemon.socket)), timeout=5).groups
+            g for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups
             if g.name == "victim"
         ]  # fmt: skip
         assert operator_view.world_size == 2 and list(operator_view.joined_ranks) == [0]

@@ -416,22 +416,18 @@ class TopkExchangeReply(_message.Message):
     def __init__(self, exchange_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., slabs: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., blocks: _Optional[int] = ..., rows_per_owner: _Optional[int] = ...) -> None: ...
 
 class CalibrateRequest(_message.Message):
-    __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes", "identity", "pid", "wires")
+    __slots__ = ("device_kind", "world_size", "min_bytes", "max_bytes", "wires")
     DEVICE_KIND_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MIN_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
-    IDENTITY_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
     WIRES_FIELD_NUMBER: _ClassVar[int]
     device_kind: str
     world_size: int
     min_bytes: int
     max_bytes: int
-    identity: bytes
-    pid: int
     wires: _containers.RepeatedScalarFieldContainer[Wire]
-    def __init__(self, device_kind: _Optional[str] = ..., world_size: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., identity: _Optional[bytes] = ..., pid: _Optional[int] = ..., wires: _Optional[_Iterable[_Union[Wire, str]]] = ...) -> None: ...
+    def __init__(self, device_kind: _Optional[str] = ..., world_size: _Optional[int] = ..., min_bytes: _Optional[int] = ..., max_bytes: _Optional[int] = ..., wires: _Optional[_Iterable[_Union[Wire, str]]] = ...) -> None: ...
 
 class CalibrationPoint(_message.Message):
     __slots__ = ("path", "bytes", "seconds", "wire")
@@ -504,17 +500,13 @@ class GetThresholdsRequest(_message.Message):
     def __init__(self, group: _Optional[str] = ..., device_kind: _Optional[str] = ..., nccl_fallback: _Optional[bool] = ...) -> None: ...
 
 class ListGroupsRequest(_message.Message):
-    __slots__ = ("identity", "pid", "group_key")
-    IDENTITY_FIELD_NUMBER: _ClassVar[int]
-    PID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("group_key",)
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
-    identity: bytes
-    pid: int
     group_key: bytes
-    def __init__(self, identity: _Optional[bytes] = ..., pid: _Optional[int] = ..., group_key: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, group_key: _Optional[bytes] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes", "service_ordering")
+    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes", "service_ordering", "owner")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -528,6 +520,7 @@ class GroupInfo(_message.Message):
     TOPK_EXCHANGES_FIELD_NUMBER: _ClassVar[int]
     SERVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_id: int
     world_size: int
@@ -541,7 +534,8 @@ class GroupInfo(_message.Message):
     topk_exchanges: int
     service_bytes: int
     service_ordering: ServiceOrdering
-    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ...) -> None: ...
+    owner: str
+    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., owner: _Optional[str] = ...) -> None: ...
 
 class ListGroupsReply(_message.Message):
     __slots__ = ("groups",)
