@@ -83,12 +83,16 @@ class Gate:
         self._refusal_log = RateLimitedLog(log)
 
     async def listen_unix(self, sock: socket.socket) -> None:
-        server = await asyncio.get_running_loop().create_unix_server(lambda: _Splice(self, "unix"), sock=sock)
+        server = await asyncio.get_running_loop().create_unix_server(
+            lambda: _Splice(self, "unix"), sock=sock, backlog=socket.SOMAXCONN
+        )
         self._servers.append(server)
 
     async def listen_tcp(self, host: str, port: int) -> int:
         """Listen on host:port; returns the port (0 picks one)."""
-        server = await asyncio.get_running_loop().create_server(lambda: _Splice(self, "tcp"), host, port)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: _Splice(self, "tcp"), host, port, backlog=socket.SOMAXCONN
+        )
         self._servers.append(server)
         return server.sockets[0].getsockname()[1]
 
@@ -248,10 +252,13 @@ class _Splice(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.client = transport
         transport.set_write_buffer_limits(high=_HIGH_WATER)
-        admitted = self.gate.admit(transport.get_extra_info("socket"), self.kind)
+        try:
+            admitted = self.gate.admit(transport.get_extra_info("socket"), self.kind)
+        except OSError:  # gone before it could be looked at
+            admitted = None
         if admitted is None:
             self.closed = True
-            transport.close()
+            asyncio.get_running_loop().call_soon(transport.close)
             return
         self.caller, self.address, refusal = admitted
         self.gate._links.add(self)
@@ -266,12 +273,18 @@ class _Splice(asyncio.Protocol):
         try:
             sock.setblocking(False)
             sock.bind(self.address)
-            await loop.sock_connect(sock, self.gate.upstreams[self.kind])
-            await loop.create_unix_connection(lambda: _Upstream(self), sock=sock)
+            # A Unix socket connects at once or not at all (EAGAIN: gRPC's backlog is full).
+            sock.connect(self.gate.upstreams[self.kind])
         except OSError as error:
             sock.close()
             log.warning("could not reach the gRPC server", extra={"error": str(error)})
             self.close()
+            return
+        # The transport owns the socket from here on, and is attached (or closed, when the client
+        # went meanwhile) only once it is made: closing it while uvloop is still making it closes
+        # its descriptor twice, the second time whatever another thread opened under that number.
+        upstream, _ = await loop.create_unix_connection(lambda: _Upstream(self), sock=sock)
+        self.attach(upstream)
 
     def data_received(self, data: bytes) -> None:
         if self.upstream is None:
@@ -325,11 +338,9 @@ class _Upstream(asyncio.Protocol):
     def __init__(self, link: _Splice):
         self.link = link
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.link.attach(transport)
-
     def data_received(self, data: bytes) -> None:
-        self.link.client.write(data)
+        if not self.link.closed:
+            self.link.client.write(data)
 
     def eof_received(self) -> bool:
         return False

@@ -31,7 +31,7 @@ from nodecomm.trust import peer_credentials
 TOKEN_BYTES = 16
 _CLAIM_IO_TIMEOUT = 2.0
 # Connections waiting for their 16 bytes at once; past it the oldest is closed. One uid's share:
-# past it, that uid's new connection is closed, so no one evicts everyone else's claims.
+# past it, that uid's oldest is, so that one user's flood evicts no one else's claims.
 _MAX_PENDING = 1024
 _MAX_PENDING_PER_UID = 64
 log = logging.getLogger("nodecomm.handles")
@@ -286,11 +286,12 @@ class DescriptorServer:
                     self._log_limited("descriptor socket accept failed", str(error))
                 return  # EMFILE and friends: the expiring connections free descriptors
             uid = peer_credentials(conn)[1]
-            if sum(1 for _, _, waiting in pending.values() if waiting == uid) >= _MAX_PENDING_PER_UID:
-                conn.close()
-                self._on_claim("too_slow", f"uid {uid} already has {_MAX_PENDING_PER_UID} connections waiting")
-                continue
-            if len(pending) >= _MAX_PENDING:
+            same = [waiting for waiting, (_, _, owner) in pending.items() if owner == uid]
+            if len(same) >= _MAX_PENDING_PER_UID:
+                self._drop(
+                    selector, pending, same[0], "too_slow", f"evicted: uid {uid} has too many connections waiting"
+                )
+            elif len(pending) >= _MAX_PENDING:
                 oldest = next(iter(pending))
                 self._drop(selector, pending, oldest, "too_slow", "evicted: too many connections waiting")
             conn.setblocking(False)

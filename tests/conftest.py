@@ -346,7 +346,9 @@ class User:
             env=self.environment(**(env or {})), **kwargs,
         )  # fmt: skip
 
-    def run(self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180) -> subprocess.CompletedProcess:
+    def run(
+        self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180
+    ) -> subprocess.CompletedProcess:
         with self.popen(args, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as process:
             try:
                 out, err = process.communicate(timeout=timeout)
@@ -368,7 +370,9 @@ class User:
         command = [sys.executable, str(TESTS / "user_ranks.py"), function, str(world_size), json.dumps(list(args))]
         finished = self.run(command, {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
         lines = finished.stdout.strip().splitlines()
-        outcome = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"errors": [finished.stderr[-3000:]]}
+        outcome = (
+            json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"errors": [finished.stderr[-3000:]]}
+        )
         if "errors" in outcome:
             raise RankErrors(outcome["errors"])
         return outcome["results"]

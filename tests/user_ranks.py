@@ -23,7 +23,9 @@ def main() -> None:
     function, world_size, args = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     context = mp.get_context("spawn")
     results = context.Queue()
-    processes = [context.Process(target=_entry, args=(function, r, world_size, args, results)) for r in range(world_size)]
+    processes = [
+        context.Process(target=_entry, args=(function, r, world_size, args, results)) for r in range(world_size)
+    ]
     for process in processes:
         process.start()
     answers = dict((rank, (status, value)) for rank, status, value in (results.get() for _ in processes))

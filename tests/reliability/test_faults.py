@@ -121,8 +121,9 @@ def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
     try:
         pid = daemon.process.pid
         baseline = daemon_resources(pid)
-        # Room for a few more descriptors: a group of 8 (9 memfds) fails part of the way through.
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + 12, baseline["fds"] + 12))
+        # Room for a few more descriptors (each connection holds three: the gate's two and gRPC's):
+        # a group of 8 (9 memfds) fails part of the way through, a group of 2 forms.
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + 24, baseline["fds"] + 24))
         channel, stub = stub_for(daemon)
         with channel:
             futures = [
