@@ -52,6 +52,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                     "groups": [
                         {
                             "name": g.name,
+                            "owner": g.owner or None,  # shown to operators
                             "group_id": g.group_id,
                             "state": g.state,
                             "world_size": g.world_size,
@@ -79,8 +80,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     )
     for g in groups:
         live = ",".join(map(str, g.live_ranks)) or "-"
+        owner = f" [{g.owner}]" if g.owner else ""  # shown to operators
         print(
-            f"{g.name:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} "
+            f"{g.name + owner:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} "
             f"{format_byte_size(g.reserved_bytes):>10} {format_byte_size(g.service_bytes):>9} "
             f"{_ORDERING_NAMES.get(g.service_ordering, '-'):<12} {g.topk_exchanges:>4}  "
             f"{_paths_summary(g.thresholds) if g.thresholds.ranges else '-'}"

@@ -357,26 +357,31 @@ class _Upstream(asyncio.Protocol):
 
 def tcp_peer_uid(local: tuple, peer: tuple) -> int | None:
     """The uid that owns the socket at the other end of a loopback TCP connection (this end at
-    `local`, the other at `peer`), read from /proc/net/tcp{,6}; None off loopback or unknown."""
+    `local`, the other at `peer`), read from /proc/net/tcp{,6}; None off loopback or unknown. The
+    other end may be an IPv6 socket of an IPv4 connection (gRPC's are): then it is in tcp6, its
+    addresses IPv4-mapped."""
     if not ipaddress.ip_address(peer[0]).is_loopback:
         return None
-    wanted = (_proc_address(peer), _proc_address(local))
+    wanted = {(_proc_address(peer, mapped), _proc_address(local, mapped)) for mapped in (False, True)}
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as rows:
                 next(rows)
                 for row in rows:
                     fields = row.split()
-                    if (fields[1], fields[2]) == wanted:
+                    if (fields[1], fields[2]) in wanted:
                         return int(fields[7])
         except OSError:
             continue
     return None
 
 
-def _proc_address(address: tuple) -> str:
-    """An address as /proc/net/tcp{,6} writes it: the IP's bytes as native-endian 32-bit words in
-    hex, a colon, the port in hex."""
-    packed = ipaddress.ip_address(address[0]).packed
+def _proc_address(address: tuple, mapped: bool = False) -> str:
+    """An address as /proc/net/tcp{,6} writes it: the IP's bytes (IPv4-mapped IPv6 if `mapped`)
+    as native-endian 32-bit words in hex, a colon, the port in hex."""
+    ip = ipaddress.ip_address(address[0])
+    if mapped and ip.version == 4:
+        ip = ipaddress.IPv6Address(f"::ffff:{ip}")
+    packed = ip.packed
     words = [struct.unpack("=I", packed[i : i + 4])[0] for i in range(0, len(packed), 4)]
     return "".join(f"{word:08X}" for word in words) + f":{address[1]:04X}"

@@ -33,7 +33,7 @@ _CLAIM_IO_TIMEOUT = 2.0
 # Connections waiting for their 16 bytes at once; past it the oldest is closed. One uid's share:
 # past it, that uid's oldest is, so that one user's flood evicts no one else's claims.
 _MAX_PENDING = 1024
-_MAX_PENDING_PER_UID = 64
+_MAX_PENDING_PER_UID = 256
 log = logging.getLogger("nodecomm.handles")
 
 

@@ -1,21 +1,24 @@
 """/metrics over HTTP, served from the daemon's event loop: one request per connection, read within
 a deadline and a size bound, answered with the registry's exposition (made on the loop's bounded
-default pool), then closed; past MAX_CLIENTS at once a new connection is closed unanswered. A port
-already taken does not stop the daemon: the endpoint logs it and tries again every RETRY_SECONDS,
-and the daemon serves its groups meanwhile."""
+default pool), then closed. Past MAX_WAITING connections still sending their request, the oldest
+is closed: connections held open without a request cost a descriptor each for at most
+REQUEST_SECONDS, never a thread, and cannot keep a scraper that asks at once from its answer. A
+port already taken does not stop the daemon: the endpoint logs it and tries again every
+RETRY_SECONDS, and the daemon serves its groups meanwhile."""
 
 from __future__ import annotations
 
 import asyncio
 import gzip
 import logging
+from collections import OrderedDict
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 log = logging.getLogger("nodecomm.server")
 
-MAX_CLIENTS = 64
+MAX_WAITING = 64
 REQUEST_SECONDS = 5.0  # to send the request head, and to take the answer
 MAX_HEAD_BYTES = 8192
 RETRY_SECONDS = 5.0
@@ -27,7 +30,7 @@ class MetricsEndpoint:
         self.host, self.port = host, port
         self._server: asyncio.AbstractServer | None = None
         self._retry: asyncio.Task | None = None
-        self._clients = 0
+        self._waiting: OrderedDict[asyncio.StreamWriter, None] = OrderedDict()  # oldest first
 
     @property
     def address(self) -> tuple[str, int] | None:
@@ -69,12 +72,15 @@ class MetricsEndpoint:
             await self._server.wait_closed()
 
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._clients >= MAX_CLIENTS:
-            writer.close()
-            return
-        self._clients += 1
+        if len(self._waiting) >= MAX_WAITING:
+            oldest, _ = self._waiting.popitem(last=False)
+            oldest.transport.abort()  # its readuntil ends: closed below, in its own call
+        self._waiting[writer] = None
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_SECONDS)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_SECONDS)
+            finally:
+                self._waiting.pop(writer, None)
             status, headers, body = await self._respond(head)
             lines = [f"HTTP/1.1 {status}", *(f"{k}: {v}" for k, v in headers.items())]
             lines += [f"Content-Length: {len(body)}", "Connection: close", "", ""]
@@ -83,7 +89,6 @@ class MetricsEndpoint:
         except (asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass  # slow, oversized or gone: closed below
         finally:
-            self._clients -= 1
             writer.close()
 
     async def _respond(self, head: bytes) -> tuple[str, dict[str, str], bytes]:

@@ -46,7 +46,7 @@ from .listening import listen_unix, prepare_socket_path, restrict_socket_file, t
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .metrics_endpoint import MetricsEndpoint
-from .timings import CallerBuckets, TokenBucket
+from .timings import CallerPaces, Pace
 
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -142,7 +142,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.admission = admission
         self.gate = gate
         # What every caller's sessions share: one caller's many sessions are read at one pace.
-        self.session_paces = CallerBuckets(session_messages_per_second(config.timing_rate_per_caller))
+        self.session_paces = CallerPaces(session_messages_per_second(config.timing_rate_per_caller))
 
     async def refuse(self, context: grpc.aio.ServicerContext, method: str, error: NodecommError) -> None:
         """End the call with the error's status code and message, counted by method and by error."""
@@ -241,16 +241,12 @@ class ControlServicer(pb_grpc.ControlServicer):
         undecodable: list[UndecodableRequest] = []
 
         # This session's pace, and its caller's, which all of that caller's sessions share.
-        paces = (
-            TokenBucket(session_messages_per_second(self.config.timing_rate_per_rank)),
-            self.session_paces.of(caller),
-        )
+        paces = (Pace(session_messages_per_second(self.config.timing_rate_per_rank)), self.session_paces.of(caller))
 
         async def pump_up() -> None:
             async for message in request_iterator:
                 for pace in paces:
-                    while not pace.take(1):
-                        await asyncio.sleep(1 / pace.rate)
+                    await pace.wait()
                 if isinstance(message, UndecodableRequest):
                     undecodable.append(message)  # the stream ends: the rank is lost
                     return

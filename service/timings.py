@@ -8,6 +8,7 @@ one's removed to make room."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -50,19 +51,35 @@ class TokenBucket:
         return granted
 
 
-class CallerBuckets:
-    """One TokenBucket of `rate` a second per caller, made on first use: what all of a caller's
-    sessions share, so that many of them cost the daemon no more than one caller's share."""
+class Pace:
+    """Messages at `rate` a second on average, a second's worth at once: each wait() takes the next
+    free slot and sleeps until it, so waiters wake once each, in turn, however many there are."""
 
     def __init__(self, rate: float):
         self.rate = rate
-        self._buckets: dict[Caller, TokenBucket] = {}
+        self._next = time.monotonic()
 
-    def of(self, caller: Caller) -> TokenBucket:
-        bucket = self._buckets.get(caller)
-        if bucket is None:
-            bucket = self._buckets[caller] = TokenBucket(self.rate)
-        return bucket
+    async def wait(self) -> None:
+        now = time.monotonic()
+        slot = max(self._next, now - 1.0)
+        self._next = slot + 1 / self.rate
+        if slot > now:
+            await asyncio.sleep(slot - now)
+
+
+class CallerPaces:
+    """One Pace of `rate` a second per caller, made on first use: what all of a caller's sessions
+    share, so that many of them cost the daemon no more than one caller's share."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self._paces: dict[Caller, Pace] = {}
+
+    def of(self, caller: Caller) -> Pace:
+        pace = self._paces.get(caller)
+        if pace is None:
+            pace = self._paces[caller] = Pace(self.rate)
+        return pace
 
 
 def uid_label(caller: Caller) -> str:
