@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import platform
 import queue
+import secrets
 import shutil
 import socket as socketlib
 import statistics
@@ -211,7 +212,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
         backend_group = dist.new_group(backend="nodecomm", pg_options=options)
     rows, notes = [], []
     with nodecomm.connect(
-        "bench",
+        args["group"],
         rank,
         world_size,
         device=device,
@@ -404,6 +405,8 @@ def run_ranks(
     target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = (), on_part=None
 ):
     """spawn_ranks against `socket`, or a private daemon when None (args["socket"] is set)."""
+    # A group name of its own each run: nobody can know it beforehand to take it first.
+    args = {**args, "group": f"bench-{secrets.token_hex(8)}"}
     if socket:
         return spawn_ranks(target, world_size, {**args, "socket": socket}, on_part)
     with PrivateDaemon(*daemon_flags) as daemon:

@@ -28,7 +28,7 @@ def _stub(socket: str | None, timeout: float) -> tuple[grpc.Channel, pb_grpc.Con
     try:
         target = checked_target(path, node_daemon_uids(path), timeout)
     except (FileNotFoundError, ConnectionRefusedError) as error:
-        raise DaemonUnavailableError(f"no daemon serves at {path}: {error.strerror}") from None
+        raise DaemonUnavailableError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
     channel = grpc.insecure_channel(target)
     return channel, pb_grpc.ControlStub(channel)
 

@@ -241,7 +241,9 @@ def _join(
     try:
         target = checked_target(chosen.socket, chosen.daemon_uids, timeout)
     except FileNotFoundError as error:
-        raise DaemonUnavailableError(f"no daemon serves at {chosen.socket}: {error.strerror}", **where) from None
+        raise DaemonUnavailableError(
+            f"daemon unavailable: nothing serves at {chosen.socket} ({error.strerror})", **where
+        ) from None
     except NodecommError as error:
         raise type(error)(error.detail, **where) from None
     # Proves this process's pid and uid (SO_PEERCRED) to the daemon: a Join over its Unix socket

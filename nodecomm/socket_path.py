@@ -43,8 +43,8 @@ def private_socket_path(job: str) -> str:
     runtimes = [r for r in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}") if r]
     paths = [str(Path(r) / "nodecomm-jobs" / digest / "nodecomm.sock") for r in runtimes]
     # A runtime directory too deep for a Unix socket's path gives way to the short one.
-    return next((p for p in paths if len(p + ".lease") < _UNIX_PATH_MAX), paths[-1])
+    return next((p for p in paths if len(p + ".lease") < UNIX_PATH_MAX), paths[-1])
 
 
 # sockaddr_un's sun_path holds 108 bytes, the terminating NUL among them.
-_UNIX_PATH_MAX = 108
+UNIX_PATH_MAX = 108

@@ -10,8 +10,8 @@ sockets, it talks only to a daemon it has checked:
 - the socket file is a socket owned by a uid the daemon may run as, and so is the process that
   answers on it (SO_PEERCRED).
 A job's private daemon must run as the caller. The node daemon may run as root, as the caller, as
-NODECOMM_DAEMON_USER, or as the owner of a socket directory that only root could have made (its
-parent owned by root and writable by no one else: systemd's RuntimeDirectory= with User=).
+NODECOMM_DAEMON_USER, or as the owner of its socket's directory in /run, which only root makes
+(systemd's RuntimeDirectory= with User=).
 
 The directories a process makes for itself (the runtime directory's fallback, a job's directory)
 are made 0700 and checked after making: one that another user made first is refused, by name.
@@ -50,8 +50,8 @@ def private_daemon_uids() -> frozenset[int]:
 
 def node_daemon_uids(socket_path: str | None = None) -> frozenset[int]:
     """Who the node daemon may run as: root, the caller, NODECOMM_DAEMON_USER (names or uids,
-    comma-separated), and the owner of `socket_path`'s directory where only root could have
-    given it that directory."""
+    comma-separated), and the owner of `socket_path`'s directory where that directory is in /run,
+    whose entries only root makes (systemd's RuntimeDirectory= with User=)."""
     uids = {0, os.geteuid()}
     for item in (part.strip() for part in os.environ.get(DAEMON_USER_VARIABLE, "").split(",")):
         if not item:
@@ -65,14 +65,14 @@ def node_daemon_uids(socket_path: str | None = None) -> frozenset[int]:
     if socket_path and not socket_path.startswith(_TCP_PREFIXES + ("unix-abstract:",)):
         directory = os.path.dirname(os.path.abspath(socket_path.removeprefix("unix:")))
         try:
-            parent = os.lstat(os.path.dirname(directory))
-            own = os.lstat(directory)
+            run, own = os.lstat("/run"), os.lstat(directory)
         except OSError:
             return frozenset(uids)
         if (
-            stat.S_ISDIR(parent.st_mode)
-            and parent.st_uid == 0
-            and not parent.st_mode & 0o022
+            os.path.dirname(directory) == "/run"
+            and stat.S_ISDIR(run.st_mode)
+            and run.st_uid == 0
+            and not run.st_mode & 0o022
             and stat.S_ISDIR(own.st_mode)
         ):
             uids.add(own.st_uid)

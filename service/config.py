@@ -58,26 +58,28 @@ class DaemonConfig:
     # The companion socket that passes file descriptors; empty: "<socket>.fd" beside the socket.
     descriptor_socket: str = ""
     # "host:port" on a loopback address, or empty for no TCP listener. Another address needs TLS:
-    # tls_cert and tls_key (PEM files), and tls_client_ca to require client certificates.
+    # tls_cert and tls_key (PEM files), and tls_client_ca to require client certificates. A Join
+    # over TCP needs a group key; a loopback caller counts as the uid that owns its socket.
     tcp_address: str = ""
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
     # Who may use the daemon. The sockets are 0660 and their directory 0750, owned by
     # socket_group (a group name or gid; empty: the daemon's own group). With allowed_uids or
-    # allowed_gids (comma-separated ids or names), a Join must also carry an identity the
-    # descriptor socket issued after checking the caller's SO_PEERCRED against them (the
-    # daemon's own uid is always allowed); the client does this on its own.
+    # allowed_gids (comma-separated ids or names), every call on a connection from another uid is
+    # refused (the daemon reads each connection's SO_PEERCRED; its own uid is always allowed),
+    # and a Join over TCP must carry an identity the descriptor socket issued.
     socket_group: str = ""
     allowed_uids: str = ""
     allowed_gids: str = ""
-    # Who may change what every group on the node gets (Calibrate): these uids (ids or names),
-    # proven by an identity from the descriptor socket; empty: root and the daemon's own uid.
+    # Who may change what every group on the node gets (Calibrate) and see every uid's groups:
+    # these uids (ids or names); empty: root and the daemon's own uid.
     operator_uids: str = ""
-    # A group forms among joins of one uid, the first joiner's, unless this allows several. With
-    # require_group_key, every Join must carry a group key (the first fixes it, later ones must
-    # match); off by default: ranks of other uids are refused anyway, and a key is what keeps a
-    # process of the same uid out, which the engines' integrations add on their own.
+    # Group names are per uid (service/callers.py): a group forms among joins of one uid unless
+    # this lets several share one namespace. With require_group_key, every Join must carry a
+    # group key (the first fixes it, later ones must match); off by default: other uids never
+    # reach a group anyway, and a key is what keeps a process of the same uid out, which the
+    # engines' integrations add on their own.
     allow_mixed_uids: bool = False
     require_group_key: bool = False
     # "host:port" for Prometheus /metrics, or "off".

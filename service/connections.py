@@ -193,44 +193,27 @@ class GateInterceptor(grpc.aio.ServerInterceptor):
             return None
         gate = self.gate
 
-        async def refuse_or_none(context: grpc.aio.ServicerContext) -> None:
+        async def refuse(context: grpc.aio.ServicerContext) -> None:
             error = gate.refusal_of(context.peer())
             if error is not None:
                 await context.abort(status_code_for(error), str(error))
 
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
+        kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
+        inner = getattr(handler, kind)
+        if handler.response_streaming:
 
-            async def unary_unary(request, context):
-                await refuse_or_none(context)
-                return await inner(request, context)
-
-            return handler._replace(unary_unary=unary_unary)
-        if handler.unary_stream is not None:
-            inner = handler.unary_stream
-
-            async def unary_stream(request, context):
-                await refuse_or_none(context)
+            async def answer(request, context):
+                await refuse(context)
                 async for reply in inner(request, context):
                     yield reply
 
-            return handler._replace(unary_stream=unary_stream)
-        if handler.stream_unary is not None:
-            inner = handler.stream_unary
+        else:
 
-            async def stream_unary(requests, context):
-                await refuse_or_none(context)
-                return await inner(requests, context)
+            async def answer(request, context):
+                await refuse(context)
+                return await inner(request, context)
 
-            return handler._replace(stream_unary=stream_unary)
-        inner = handler.stream_stream
-
-        async def stream_stream(requests, context):
-            await refuse_or_none(context)
-            async for reply in inner(requests, context):
-                yield reply
-
-        return handler._replace(stream_stream=stream_stream)
+        return handler._replace(**{kind: answer})
 
 
 class _Splice(asyncio.Protocol):

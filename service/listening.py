@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import stat
+import tempfile
+from collections.abc import Iterable
 
 import grpc
 
+from nodecomm.socket_path import UNIX_PATH_MAX
 from nodecomm.trust import resolve_directory, who
 
 from .config import DaemonConfig, parse_ids
@@ -80,3 +84,24 @@ def listen_unix(path: str, group: str) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+_INTERNAL_PREFIX = "nodecommd-"
+
+
+def internal_socket(socket_path: str, suffix: str) -> str:
+    """Where gRPC listens for the gate (service/connections.py): beside `socket_path` as
+    <socket_path>.<suffix>, or, where that would be too long for a Unix socket, in a 0700
+    directory of this daemon's own under the temporary directory."""
+    path = f"{socket_path}.{suffix}"
+    if len(path.encode()) < UNIX_PATH_MAX:
+        return path
+    return os.path.join(tempfile.mkdtemp(prefix=_INTERNAL_PREFIX), suffix)
+
+
+def remove_internal_directories(paths: Iterable[str]) -> None:
+    """The directories internal_socket made, once their sockets are gone."""
+    for path in set(paths):
+        if os.path.basename(os.path.dirname(path)).startswith(_INTERNAL_PREFIX):
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))

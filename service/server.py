@@ -42,7 +42,14 @@ from .groups import GroupRegistry
 from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
 from .job_lease import JobLease
 from .join_args import JoinArgs
-from .listening import listen_unix, prepare_socket_path, restrict_socket_file, tls_credentials
+from .listening import (
+    internal_socket,
+    listen_unix,
+    prepare_socket_path,
+    remove_internal_directories,
+    restrict_socket_file,
+    tls_credentials,
+)
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .metrics_endpoint import MetricsEndpoint
@@ -361,11 +368,8 @@ def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
 
 
 async def serve(config: DaemonConfig) -> int:
-    # What the daemon makes is its own unless it says otherwise (the sockets are restricted one by
-    # one): the socket gRPC binds for the gate is nobody else's to open from its first moment.
-    os.umask(0o077)
     # Every group, allocation and connection costs descriptors: take all the system allows.
-    raise_descriptor_limit()
+    descriptor_limit = raise_descriptor_limit()
     metrics = DaemonMetrics()
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
@@ -381,9 +385,10 @@ async def serve(config: DaemonConfig) -> int:
         )
 
     # gRPC listens where only this uid can connect: every client comes through the gate.
-    upstreams = {"unix": config.socket + ".grpc", "tcp": config.socket + ".grpc"}
+    upstreams = {"unix": internal_socket(config.socket, "grpc")}
+    upstreams["tcp"] = upstreams["unix"]
     if config.tcp_address and config.tls_cert:
-        upstreams["tcp"] = config.socket + ".grpc-tls"  # TLS ends at gRPC: the gate passes bytes
+        upstreams["tcp"] = internal_socket(config.socket, "grpc-tls")  # TLS ends at gRPC: the gate passes bytes
     for path in (config.socket, config.descriptor_socket, *set(upstreams.values())):
         prepare_socket_path(path, config.socket_group)
     identities = IdentityTable()
@@ -412,10 +417,17 @@ async def serve(config: DaemonConfig) -> int:
     )
     restrict_socket_file(config.descriptor_socket, 0o660, config.socket_group)
 
+    # A connection holds three descriptors (the gate's two and gRPC's): a quarter of them at most.
+    max_connections = min(config.max_connections, max(64, descriptor_limit // 4))
+    if max_connections < config.max_connections:
+        log.warning(
+            "fewer connections than max_connections: the descriptor limit allows no more",
+            extra={"max_connections": max_connections, "descriptor_limit": descriptor_limit},
+        )
     gate = Gate(
         upstreams,
         admission,
-        config.max_connections,
+        max_connections,
         config.max_connections_per_caller,
         on_refusal=lambda reason: metrics.connections_refused.labels(reason).inc(),
         on_count=metrics.connections.set,
@@ -451,6 +463,8 @@ async def serve(config: DaemonConfig) -> int:
         await endpoint.start()
 
     await server.start()
+    for path in set(upstreams.values()):
+        os.chmod(path, 0o600)  # the gate's alone (connecting needs write permission, never given)
     await gate.listen_unix(listen_unix(config.socket, config.socket_group))
     if config.tcp_address:
         host, port = config.tcp_address.rsplit(":", 1)
@@ -514,6 +528,7 @@ async def serve(config: DaemonConfig) -> int:
     for path in (config.socket, *set(upstreams.values())):
         if os.path.exists(path):
             os.unlink(path)
+    remove_internal_directories(upstreams.values())
     if lease is not None:
         lease.close()
     log.info("stopped")

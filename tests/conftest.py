@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import multiprocessing as mp
 import os
 import queue
@@ -358,24 +359,44 @@ class User:
                 raise AssertionError(f"uid {self.uid}: {args} did not end within {timeout} s: {out}{err}") from None
         return subprocess.CompletedProcess(args, process.returncode, out, err)
 
+    def start(self, code: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """`code` started by this Python as this user, with tests/ importable, text pipes on its
+        standard streams."""
+        return self.popen(
+            [sys.executable, "-c", code, *args], {"PYTHONPATH": str(TESTS), **(env or {})},
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
     def python(self, code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 180):
         """`code` run by this Python as this user, with tests/ importable."""
         return self.run([sys.executable, "-c", code, *args], {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
 
-    def ranks(self, function: str, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 180):
-        """ranks.`function` run by `world_size` processes of this user (tests/user_ranks.py): each
-        rank's return value, or AssertionError with every failing rank's error."""
-        import json
-
+    def start_ranks(self, function: str, world_size: int, *args) -> subprocess.Popen:
+        """ranks.`function` started in `world_size` processes of this user (tests/user_ranks.py);
+        `results` collects what they return."""
         command = [sys.executable, str(TESTS / "user_ranks.py"), function, str(world_size), json.dumps(list(args))]
-        finished = self.run(command, {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
-        lines = finished.stdout.strip().splitlines()
-        outcome = (
-            json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"errors": [finished.stderr[-3000:]]}
+        return self.popen(
+            command, {"PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        if "errors" in outcome:
-            raise RankErrors(outcome["errors"])
-        return outcome["results"]
+
+    def ranks(self, function: str, world_size: int, *args, timeout: float = 180) -> list:
+        """ranks.`function` run by `world_size` processes of this user: each rank's return value."""
+        return results(self.start_ranks(function, world_size, *args), timeout)
+
+
+def results(ranks: subprocess.Popen, timeout: float = 180) -> list:
+    """Each rank's return value from User.start_ranks' processes, or RankErrors with every
+    failing rank's error."""
+    try:
+        out, err = ranks.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        ranks.kill()
+        out, err = ranks.communicate()
+    lines = out.strip().splitlines()
+    outcome = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {"errors": [err[-3000:]]}
+    if "errors" in outcome:
+        raise RankErrors(outcome["errors"])
+    return outcome["results"]
 
 
 class RankErrors(AssertionError):

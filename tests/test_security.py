@@ -20,7 +20,7 @@ import pytest
 
 import nodecomm
 import ranks
-from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port
+from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port, results
 from nodecomm.client.daemon_process import daemon_command
 from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
 from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
@@ -116,7 +116,9 @@ def test_a_daemon_another_user_placed_at_the_default_paths_gets_nothing(users):
 def test_a_runtime_directory_another_user_made_first_is_refused_with_what_to_do(users):
     """1: B's `mkdir -m700 /tmp/nodecomm-<A>` (A cannot even look inside) fails A's private job
     with a PermissionDeniedError that names the directory, its owner and what to do, not a bare
-    PermissionError; nothing of A's is made or changed."""
+    PermissionError; nothing of A's is made or changed. So does a nodecomm-jobs/ that B made first
+    in a runtime directory anyone may write to (sticky, as /tmp is), where B could otherwise swap
+    in job directories of its own."""
     a, b, _ = users
     b.run(["mkdir", "-m", "700", f"/tmp/nodecomm-{a.uid}"])
     refused = a.python(
@@ -128,6 +130,21 @@ def test_a_runtime_directory_another_user_made_first_is_refused_with_what_to_do(
     assert f"/tmp/nodecomm-{a.uid} belongs to uid {b.uid}" in refused.stdout
     assert "Set XDG_RUNTIME_DIR" in refused.stdout
     assert Path(f"/tmp/nodecomm-{a.uid}").stat().st_uid == b.uid
+    # A runtime directory others may write to (sticky, as /tmp is): B made nodecomm-jobs there first.
+    shared = Path(tempfile.mkdtemp(prefix="nodecomm-shared-"))
+    shared.chmod(0o1777)
+    try:
+        b.run(["mkdir", "-m", "755", str(shared / "nodecomm-jobs")])
+        refused = a.python(
+            "import nodecomm\n"
+            "try:\n    nodecomm.connect('g', 0, 1, daemon='private', timeout=10)\n"
+            "except Exception as error:\n    print(type(error).__name__, error)\n",
+            env={"XDG_RUNTIME_DIR": str(shared)},
+        )
+        assert refused.stdout.startswith("PermissionDeniedError"), refused
+        assert f"{shared}/nodecomm-jobs belongs to uid {b.uid}, not to you (uid {a.uid})" in refused.stdout
+    finally:
+        shutil.rmtree(shared)
 
 
 def test_a_job_directory_that_is_a_link_is_refused_and_what_it_points_at_left_alone(users):
@@ -278,17 +295,12 @@ def test_over_tcp_a_join_needs_a_group_key_and_counts_against_its_uid(users, nod
     a, b, c = users
     target = f"ipv4:127.0.0.1:{port}"
     baseline = ordinary_group(a, daemon.socket, "before")
-    victims = a.popen(
-        [sys.executable, str(TESTS / "user_ranks.py"), "legitimate_traffic", "2", json.dumps([target, "victim", 100, "k", 4.0])],
-        env={"PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    victims = a.start_ranks("legitimate_traffic", 2, target, "victim", 100, "k", 4.0)
     time.sleep(2.0)  # rank 0 has joined; rank 1 is late
-    unkeyed, keyed = raw_joins(b, target, ["victim", "victim"][:1]) + raw_joins(b, target, ["victim"], key="k")
+    unkeyed, keyed = raw_joins(b, target, ["victim"]) + raw_joins(b, target, ["victim"], key="k")
     assert unkeyed.startswith("PERMISSION_DENIED") and "a Join over TCP must carry a group key" in unkeyed, unkeyed
     assert keyed == "ok"  # B's own one-rank "victim", in B's namespace: A's rank 0 never saw it
-    out, err = victims.communicate(timeout=180)
-    attacked = json.loads(out.strip().splitlines()[-1])
-    assert "results" in attacked, (attacked, err[-3000:])
+    results(victims)  # A's ranks formed "victim" and reduced exactly
     owners = {(g["name"], g["owner"]) for g in status_as(None, daemon.socket)}
     assert ("victim", f"uid {b.uid}") in owners, owners
     outcomes = raw_joins(c, target, [f"c{i}" for i in range(6)], key="c")
@@ -348,17 +360,15 @@ def test_idle_connections_of_one_user_are_capped_and_closed(users, node_daemon):
     call is answered RESOURCE_EXHAUSTED naming B's uid and the limit (while 64 refused connections
     linger; past them a connection is closed at once), and the 32 are closed by the daemon after
     connection_idle_seconds (here 3) although B keeps them open. User A connects and reduces
-    meanwhile; the daemon's descriptors, threads and RSS come back to within a margin."""
+    meanwhile; the daemon's descriptors come back to within 8, its threads within 2 and its RSS
+    within 32 MiB of where they were."""
     daemon = node_daemon("--max-connections-per-caller", "32", "--connection-idle-seconds", "3")
     a, b, _ = users
     pid = daemon.process.pid
     baseline = ordinary_group(a, daemon.socket, "before")
     time.sleep(4)  # the baseline group's connections closed
     before = resources(pid)
-    holder = b.popen(
-        [sys.executable, "-c", _HOLD_CONNECTIONS, f"unix:{daemon.socket}", "300"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    holder = b.start(_HOLD_CONNECTIONS, f"unix:{daemon.socket}", "300")
     try:
         outcomes = json.loads(holder.stdout.readline())
         during = resources(pid)
@@ -412,10 +422,7 @@ def test_one_user_cannot_take_every_group_slot_or_every_byte(users, node_daemon)
     )  # fmt: skip
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    hoarder = b.popen(
-        [sys.executable, "-c", _HOARD, daemon.socket],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    hoarder = b.start(_HOARD, daemon.socket)
     try:
         held, _, error = hoarder.stdout.readline().partition(" ")
         assert held == "7", (held, error, hoarder.stderr.read() if hoarder.poll() is not None else "")
@@ -472,10 +479,7 @@ def test_many_sessions_of_one_user_share_one_pace(users, node_daemon):
     daemon = node_daemon("--timing-rate-per-caller", "3200")
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    flooder = b.popen(
-        [sys.executable, "-c", _FLOOD_SESSIONS, daemon.socket, "40"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    flooder = b.start(_FLOOD_SESSIONS, daemon.socket, "40")
     try:
         assert flooder.stdout.readline().strip() == "connected", flooder.stderr.read()
         quiet = _get_thresholds_seconds(daemon, group="")
@@ -502,6 +506,14 @@ def test_many_sessions_of_one_user_share_one_pace(users, node_daemon):
     report("40 sessions of one user flooding timings", baseline, attacked)
 
 
+_HOLD_A_GROUP = """
+import sys, nodecomm
+with nodecomm.connect("held", 0, 1, socket=sys.argv[1]):
+    print("in", flush=True)
+    sys.stdin.readline()
+"""
+
+
 def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
     """3: user B squats the names user A's job uses (a forming group "tp0" of 2 ranks, "bench",
     which the calibration probe once used) and sees none of A's: A's "tp0" forms and reduces,
@@ -511,10 +523,7 @@ def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
     daemon = node_daemon("--session-grace-seconds", "120")
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    squat = b.popen(
-        [sys.executable, str(TESTS / "user_ranks.py"), "legitimate_traffic", "2", json.dumps([daemon.socket, "tp0", 1, None, 60.0])],
-        env={"PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    squat = b.start_ranks("legitimate_traffic", 2, daemon.socket, "tp0", 1, None, 60.0)
     try:
         assert raw_joins(b, f"unix:{daemon.socket}", ["bench"]) == ["ok"]
         deadline = time.monotonic() + 60
@@ -522,11 +531,7 @@ def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
             assert time.monotonic() < deadline, "B's squatting group never started forming"
             time.sleep(0.2)
         attacked = ordinary_group(a, daemon.socket, "tp0")
-        holder = a.popen(
-            [sys.executable, "-c", "import sys, nodecomm\nwith nodecomm.connect('held', 0, 1, socket=sys.argv[1]):\n"
-             "    print('in', flush=True); sys.stdin.readline()\n", daemon.socket],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        holder = a.start(_HOLD_A_GROUP, daemon.socket)
         assert holder.stdout.readline().strip() == "in"
         seen_by_b = {g["name"] for g in status_as(b, daemon.socket)}
         assert seen_by_b == {"tp0", "bench"}, seen_by_b
@@ -548,6 +553,27 @@ def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
     report("another user squatting a job's group names", baseline, attacked)
 
 
+_BIND_PORT = """
+import socket, sys
+s = socket.socket()
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen()
+print("bound", flush=True)
+sys.stdin.readline()
+"""
+_HOLD_METRICS_CONNECTIONS = """
+import socket, sys
+port, held = int(sys.argv[1]), []
+for i in range(2200):
+    s = socket.create_connection(("127.0.0.1", port))
+    if i >= 2000:
+        s.sendall(b"GET /metrics HTTP/1.1\\r\\nX: " + b"y" * 100)  # a head that never ends
+    held.append(s)
+print("held", flush=True)
+sys.stdin.readline()
+"""
+
+
 def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daemon, tmp_path):
     """3: user B holds 2,000 connections to /metrics that send nothing, and 200 more that send a
     request head without end: the daemon's threads stay where they were, and a scrape still gets
@@ -556,11 +582,7 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
     1 KiB all-reduce) moves only series labelled with B's uid."""
     a, b, _ = users
     port = free_port()
-    squatter = b.popen(
-        [sys.executable, "-c", "import socket, sys\ns = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))\n"
-         "s.listen(); print('bound', flush=True); sys.stdin.readline()\n", str(port)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    squatter = b.start(_BIND_PORT, str(port))
     assert squatter.stdout.readline().strip() == "bound"
     directory = Path(tempfile.mkdtemp(prefix="nodecomm-node-"))
     directory.chmod(0o755)
@@ -585,16 +607,7 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
         assert "metrics: cannot listen on 127.0.0.1" in daemon.log()
         pid = daemon.process.pid
         threads = _threads(pid)
-        flood = b.popen(
-            [sys.executable, "-c",
-             "import socket, sys\nport = int(sys.argv[1]); held = []\n"
-             "for i in range(2200):\n"
-             "    s = socket.create_connection(('127.0.0.1', port))\n"
-             "    if i >= 2000: s.sendall(b'GET /metrics HTTP/1.1\\r\\nX: ' + b'y' * 100)\n"
-             "    held.append(s)\n"
-             "print('held', flush=True); sys.stdin.readline()\n", str(port)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+        flood = b.start(_HOLD_METRICS_CONNECTIONS, str(port))
         try:
             assert flood.stdout.readline().strip() == "held"
             most = _threads(pid)
@@ -648,11 +661,7 @@ def test_a_forming_group_cannot_be_taken_over(users, node_daemon):
     daemon = node_daemon()
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    victims = a.popen(
-        [sys.executable, str(TESTS / "user_ranks.py"), "legitimate_traffic", "2",
-         json.dumps([daemon.socket, "victim", 100, "the-key", 6.0])],
-        env={"PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    victims = a.start_ranks("legitimate_traffic", 2, daemon.socket, "victim", 100, "the-key", 6.0)
     deadline = time.monotonic() + 60
     while not any(g["name"] == "victim" for g in status_as(a, daemon.socket)):
         assert time.monotonic() < deadline, "the victim group never started forming"
@@ -664,10 +673,8 @@ def test_a_forming_group_cannot_be_taken_over(users, node_daemon):
         (refused,) = raw_joins(a, f"unix:{daemon.socket}", ["victim"], key=key)
         assert refused.startswith("PERMISSION_DENIED"), refused
         assert "group key is not the one the group's first Join carried" in refused, refused
-    out, err = victims.communicate(timeout=180)
-    attacked = json.loads(out.strip().splitlines()[-1])
-    assert "results" in attacked, (attacked, err[-3000:])
-    late = attacked["results"][1][0], max(r[1] for r in attacked["results"])
+    attacked = results(victims)
+    late = attacked[1][0], max(r[1] for r in attacked)
     report("joins posing as a forming group's late rank", baseline, late)
 
 
@@ -697,10 +704,7 @@ def test_one_user_cannot_fill_the_daemon_with_forming_groups(users, node_daemon)
     daemon = node_daemon()
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    half = b.popen(
-        [sys.executable, "-c", _HALF_JOINS, daemon.socket],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    half = b.start(_HALF_JOINS, daemon.socket)
     try:
         answer = half.stdout.readline().strip()
         attacked = ordinary_group(a, daemon.socket, "during")
@@ -737,9 +741,7 @@ def test_silent_connections_neither_exhaust_descriptors_nor_threads(users, node_
     baseline = ordinary_group(a, daemon.socket, "before")
     pid = daemon.process.pid
     before = resources(pid)
-    silent = b.popen(
-        [sys.executable, "-c", _SILENT, daemon.socket, "2000"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    silent = b.start(_SILENT, daemon.socket, "2000")
     try:
         assert silent.stdout.readline().strip() == "held"
         most = resources(pid)
