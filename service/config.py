@@ -127,7 +127,7 @@ class DaemonConfig:
     # and formed and forming together; bytes of buffers its groups may reserve.
     max_forming_groups_per_caller: int = 32
     max_groups_per_caller: int = 64
-    max_reserved_bytes_per_caller: int = 4 << 30
+    max_reserved_bytes_per_caller: int = 8 << 30
     # Connections to the control socket (and the TCP listener) at once, in all and per caller;
     # past either, a new one is told why (HTTP/2 GOAWAY) and closed. Each holds three descriptors.
     # gRPC closes a connection with no call in flight for connection_idle_seconds.

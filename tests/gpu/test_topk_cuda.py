@@ -23,6 +23,8 @@ def test_owner_tables_are_bit_exact_eager_and_in_graphs(make_daemon, spawn_ranks
 
 def test_slab_offsets_past_two_gib(make_daemon, spawn_ranks):
     # Each owner's plane is 49152 x 2 x 2048 x 4 bytes = 768 MiB: slot 1's score plane starts 2.25 GiB in.
-    daemon = make_daemon("--allow-shared-devices", "true", "--max-reserved-bytes", "24GiB")
+    daemon = make_daemon(
+        "--allow-shared-devices", "true", "--max-reserved-bytes", "24GiB", "--max-reserved-bytes-per-caller", "24GiB"
+    )
     results = spawn_ranks(cuda_ranks.topk_large_offsets, 2, 2, daemon.socket, 49152, 2048, timeout=600).values()
     assert results == {0: 0, 1: 0}
