@@ -88,7 +88,7 @@ def test_offsets_past_two_gib(make_daemon, spawn_ranks):
     daemon = make_daemon(
         "--allow-shared-devices", "true", "--max-capacity-bytes", "3GiB", "--max-reserved-bytes", "16GiB",
         "--max-reserved-bytes-per-caller", "16GiB",
-    )
+    )  # fmt: skip
     results = spawn_ranks(cuda_ranks.large_offsets, 2, 2, daemon.socket, count, timeout=600).values()
     assert results == {r: {"oneshot": 0, "twoshot": 0, "dma": 0} for r in range(2)}
 
