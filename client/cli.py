@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from nodecomm._native import MAX_RANKS
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
@@ -107,6 +108,9 @@ def _paths_summary(table: pb.ThresholdTable) -> str:
 
 
 def cmd_thresholds(args: argparse.Namespace) -> int:
+    if args.nccl and args.device != "cuda":
+        print("nodecomm thresholds: --nccl applies to --device cuda (CPU groups have no NCCL path)", file=sys.stderr)
+        return 2
     channel, stub = _stub(args.socket, args.timeout)
     with channel:
         # A group's name is looked up among the caller's own groups.
@@ -149,17 +153,24 @@ def _print_table(table: DispatchTable) -> None:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    if args.max_bytes is not None and args.min_bytes > args.max_bytes:
+        print(
+            f"nodecomm calibrate: --min-bytes {args.min_bytes} is larger than --max-bytes {args.max_bytes}",
+            file=sys.stderr,
+        )
+        return 2
     channel, stub = _stub(args.socket, args.timeout)
     request = pb.CalibrateRequest(
         device_kind=args.device,
         world_size=args.world_size,
-        min_bytes=parse_byte_size(args.min_bytes),
-        max_bytes=parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device]),
+        min_bytes=args.min_bytes,
+        max_bytes=args.max_bytes or parse_byte_size(DEFAULT_MAX[args.device]),
         wires=[pb.Wire.Value(w.strip().upper()) for w in (args.wire or "").split(",") if w.strip()],
     )
     ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
     print(
-        f"calibrating {args.device} paths: {args.min_bytes} .. {args.max_bytes or DEFAULT_MAX[args.device]}, {ranks} ..."
+        f"calibrating {args.device} paths: {format_byte_size(request.min_bytes)} .. "
+        f"{format_byte_size(request.max_bytes)}, {ranks} ..."
     )
     reply = None
     with channel:
@@ -233,7 +244,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "across-nodes":
         from nodecomm.client.across_nodes_bench import run_across_nodes_bench
 
-        sizes = [parse_byte_size(s) for s in (args.sizes or "1KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB").split(",")]
+        sizes = args.sizes or byte_sizes("1KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB")
         if len(args.nodes) < 2:
             print(
                 f"nodecomm bench: --nodes {args.nodes[0]}: expected two or more rank counts, e.g. 2,2", file=sys.stderr
@@ -266,6 +277,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print("nodecomm bench: --device cuda needs a visible GPU", file=sys.stderr)
             return 2
     paths = [p.strip() for p in (args.paths or DEFAULT_BENCH_PATHS[args.device]).split(",") if p.strip()]
+    # Every argument is checked before a daemon or a rank starts.
+    max_bytes = args.max_bytes or parse_byte_size(DEFAULT_MAX[args.device])
+    known = BENCH_PATHS[args.device]
+    unknown = [p for p in paths if p not in known]
+    problem = (
+        f"--paths {','.join(unknown)}: expected some of {', '.join(known)} for --device {args.device}"
+        if unknown
+        else f"--min-bytes {args.min_bytes} is larger than --max-bytes {max_bytes}"
+        if not args.sizes and args.min_bytes > max_bytes
+        else f"--capacity {args.capacity}: expected at least 64 bytes"
+        if args.capacity < 64
+        else ""
+    )
+    if problem:
+        print(f"nodecomm bench: {problem}", file=sys.stderr)
+        return 2
     # Each compressed wire asked for runs on every path that carries one, beside its lossless row.
     for wire in [w.strip() for w in (args.wire or "").split(",") if w.strip()]:
         if wire not in ("int8", "fp8"):
@@ -280,13 +307,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         world_size=args.world_size,
         dtype=args.dtype,
-        sizes=sorted({parse_byte_size(size.strip()) for size in args.sizes.split(",")})
-        if args.sizes
-        else sizes_between(
-            parse_byte_size(args.min_bytes), parse_byte_size(args.max_bytes or DEFAULT_MAX[args.device])
-        ),
+        sizes=args.sizes or sizes_between(args.min_bytes, max_bytes),
         paths=paths,
-        capacity_bytes=parse_byte_size(args.capacity),
+        capacity_bytes=args.capacity,
         graph=args.graph,
         gpus=gpus,
         progress=args.progress,
@@ -319,7 +342,55 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 
 DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,service,auto", "cuda": "oneshot,twoshot,dma,auto"}
+# What --paths may name on each device (client/bench.py times them).
+BENCH_PATHS = {
+    "cpu": ("oneshot", "twoshot", "service", "auto", "torch", "inplace", "gloo"),
+    "cuda": ("oneshot", "twoshot", "dma", "service", "auto", "torch", "inplace", "nccl"),
+}
 DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds greater than 0."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds, e.g. 5") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds greater than 0")
+    return seconds
+
+
+def byte_size(text: str) -> int:
+    """An argparse type: a byte size (parse_byte_size's forms), at least 1."""
+    try:
+        size = parse_byte_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if size is None or size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size of at least 1 byte, e.g. 4KiB")
+    return size
+
+
+def byte_sizes(text: str) -> list[int]:
+    """An argparse type: comma-separated byte sizes."""
+    return sorted({byte_size(part.strip()) for part in text.split(",") if part.strip()}) or [byte_size("")]
+
+
+def whole_number(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
+    """An argparse type: one whole number from `minimum` (to `maximum`)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"from {minimum} to {maximum}" if maximum is not None else f"{minimum} or more"
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number {bound}")
+        return value
+
+    return parse
 
 
 def whole_numbers(minimum: int) -> Callable[[str], list[int]]:
@@ -340,36 +411,49 @@ def whole_numbers(minimum: int) -> Callable[[str], list[int]]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodecomm", description="Inspect and measure the node's nodecomm daemon.")
     parser.add_argument("--socket", help="daemon socket (default: $NODECOMM_SOCKET or the daemon's default path)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for the daemon")
+    parser.add_argument(
+        "--timeout", type=positive_seconds, default=5.0, help="seconds to wait for the daemon (default: 5)"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     status = commands.add_parser("status", help="daemon health and its groups")
-    status.add_argument("--json", action="store_true")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.set_defaults(run=cmd_status)
 
     thresholds = commands.add_parser("thresholds", help="the dispatch table in force")
     thresholds.add_argument("--group", help="a formed group's table (default: the table for new groups)")
     thresholds.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="new groups of this kind")
     thresholds.add_argument("--nccl", action="store_true", help="new CUDA groups whose ranks pass an NCCL group")
-    thresholds.add_argument("--json", action="store_true")
+    thresholds.add_argument("--json", action="store_true", help="print JSON instead of a table")
     thresholds.set_defaults(run=cmd_thresholds)
 
     topo = commands.add_parser("topo", help="this node's GPUs, their links, and the paths each pair can use")
-    topo.add_argument("--json", action="store_true")
+    topo.add_argument("--json", action="store_true", help="print JSON instead of a table")
     topo.set_defaults(run=cmd_topo)
 
     calibrate = commands.add_parser("calibrate", help="measure where each path stops winning; persist and use it")
     calibrate.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    calibrate.add_argument("--world-size", type=int, default=0, help="probe ranks (default: 2 on the CPU, one per GPU)")
-    calibrate.add_argument("--min-bytes", default="4KiB")
-    calibrate.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
-    calibrate.add_argument("--probe-timeout", type=float, default=3600.0, help="seconds to wait for the probe")
+    calibrate.add_argument(
+        "--world-size",
+        type=whole_number(2, MAX_RANKS),
+        default=0,
+        help=f"probe ranks, 2 to {MAX_RANKS} (default: 2 on the CPU, one per GPU)",
+    )
+    calibrate.add_argument("--min-bytes", type=byte_size, default="4KiB", help="smallest size probed (default: 4KiB)")
+    calibrate.add_argument(
+        "--max-bytes", type=byte_size, help="largest size probed (default: 64MiB on the CPU, 256MiB on GPUs)"
+    )
+    calibrate.add_argument(
+        "--probe-timeout", type=positive_seconds, default=3600.0, help="seconds to wait for the probe (default: 3600)"
+    )
     calibrate.add_argument(
         "--wire",
         choices=("int8", "fp8", "int8,fp8", "fp8,int8"),
-        help="also time these compressed wires, placing compressed_min_bytes for the groups that ask for them",
+        metavar="WIRES",
+        help="also time these compressed wires (int8, fp8 or both, comma-separated), placing compressed_min_bytes "
+        "for the groups that ask for them",
     )
-    calibrate.add_argument("--json", action="store_true")
+    calibrate.add_argument("--json", action="store_true", help="print the result as JSON")
     calibrate.add_argument("--plot", metavar="PNG", help="also draw latency against size per path (needs matplotlib)")
     calibrate.set_defaults(run=cmd_calibrate)
 
@@ -390,14 +474,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--nodes", type=whole_numbers(1), default="2,2", help="across-nodes: ranks per stand-in node (a daemon each)"
     )
-    bench.add_argument("--count", type=int, default=1 << 18, help="wire-error: Gaussian elements per rank")
-    bench.add_argument("--topk", type=int, default=2048, help="topk: candidates per row and rank")
-    bench.add_argument("--iterations", type=int, default=10, help="topk: timed stages per size")
-    bench.add_argument("--world-size", type=int, default=2)
-    bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    bench.add_argument("--min-bytes", default="1KiB")
-    bench.add_argument("--max-bytes", help="default: 64MiB on the CPU, 256MiB on GPUs")
-    bench.add_argument("--sizes", help="comma-separated sizes to measure instead of --min-bytes .. --max-bytes")
+    bench.add_argument("--count", type=whole_number(1), default=1 << 18, help="wire-error: Gaussian elements per rank")
+    bench.add_argument("--topk", type=whole_number(1), default=2048, help="topk: candidates per row and rank")
+    bench.add_argument("--iterations", type=whole_number(1), default=10, help="topk: timed stages per size")
+    bench.add_argument(
+        "--world-size", type=whole_number(1, MAX_RANKS), default=2, help=f"ranks, 1 to {MAX_RANKS} (default: 2)"
+    )
+    bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="element type")
+    bench.add_argument("--min-bytes", type=byte_size, default="1KiB", help="smallest size (default: 1KiB)")
+    bench.add_argument("--max-bytes", type=byte_size, help="largest size (default: 64MiB on the CPU, 256MiB on GPUs)")
+    bench.add_argument(
+        "--sizes", type=byte_sizes, help="comma-separated sizes to measure instead of --min-bytes .. --max-bytes"
+    )
     bench.add_argument(
         "--paths",
         help="comma-separated: oneshot, twoshot, service, dma (GPU), auto, torch (dist.all_reduce through the "
@@ -409,7 +497,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated compressed wires (int8, fp8) to time beside lossless on every path that carries "
         "them (rows 'oneshot+int8', ...; #wrong counts ranks whose bits differ from rank 0's)",
     )
-    bench.add_argument("--capacity", default="8MiB", help="the group's slot capacity (larger payloads are chunked)")
+    bench.add_argument(
+        "--capacity",
+        type=byte_size,
+        default="8MiB",
+        help="the group's slot capacity, at least 64 bytes (larger payloads are chunked; default: 8MiB)",
+    )
     bench.add_argument("--graph", action="store_true", help="GPU: time calls captured in CUDA graphs")
     bench.add_argument("--no-baseline", action="store_true", help="skip the gloo / NCCL baseline")
     bench.add_argument(
@@ -433,7 +526,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         # would report the pipe again when it flushes stdout at exit, unless stdout goes nowhere.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:
+        print(f"nodecomm {args.command}: interrupted", file=sys.stderr)
+        return 130
     except grpc.RpcError as error:
+        if error.code() == grpc.StatusCode.CANCELLED and isinstance(sys.exc_info()[1].__context__, KeyboardInterrupt):
+            print(f"nodecomm {args.command}: interrupted", file=sys.stderr)
+            return 130
         print(f"nodecomm {args.command}: {from_rpc_error(error)}", file=sys.stderr)
         return 1
     except (NodecommError, ValueError, RuntimeError, TimeoutError) as error:

@@ -282,8 +282,6 @@ def _split_address(field: str, address: str) -> tuple[str, int]:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "overrides"}
-# Settings that are byte sizes (SIZE: 512KiB, 24MB, ...).
-_SIZE_SUFFIXES = ("_bytes", "_bytes_per_caller")
 
 # One line per setting for `nodecommd --help` (docs/operator-guide.md says more).
 HELP = {
@@ -350,7 +348,7 @@ def _coerce(name: str, value: Any, where: str) -> Any:
             raise ValueError(f"{where}: {error}") from None
     kind = _FIELDS[name].type
     try:
-        if kind == "int" and name.endswith(_SIZE_SUFFIXES):
+        if _is_size(name, _FIELDS[name]):
             size = parse_byte_size(str(value))
             if size is None:
                 raise ValueError("a limit cannot be switched off")
@@ -402,7 +400,7 @@ def _shown_default(name: str, field: dataclasses.Field) -> str:
 
 
 def _is_size(name: str, field: dataclasses.Field) -> bool:
-    return field.type == "int" and name.endswith(_SIZE_SUFFIXES)
+    return field.type == "int" and "_bytes" in name
 
 
 def build_parser() -> argparse.ArgumentParser:

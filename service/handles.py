@@ -264,7 +264,7 @@ class DescriptorServer:
                 for key, _ in events:
                     if key.fileobj is self._sock:
                         self._accept(selector, pending)
-                    else:
+                    elif key.fileobj in pending:  # not evicted by an accept earlier in this batch
                         self._receive(selector, pending, key.fileobj)
                 now = time.monotonic()
                 for conn in [c for c, (deadline, _, _) in pending.items() if deadline <= now]:

@@ -5,7 +5,9 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
+import tempfile
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -214,3 +216,30 @@ def test_a_reader_that_stops_early_gets_no_traceback(daemon):
     pipeline = f"set -o pipefail; {command} --socket {daemon.socket} status | true"
     finished = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, timeout=60)
     assert finished.returncode == 0 and finished.stderr == "", finished.stderr
+
+
+# Each a usage error, answered before any daemon or rank starts (exit 2, one line naming the argument).
+BAD_ARGUMENTS = {
+    ("--timeout", "0", "status"): "argument --timeout: '0': expected a number of seconds greater than 0",
+    ("--timeout", "-1", "status"): "argument --timeout: '-1': expected a number of seconds greater than 0",
+    ("bench", "--world-size", "0"): "argument --world-size: '0': expected a whole number from 1 to 16",
+    ("bench", "--world-size", "-1"): "argument --world-size: '-1': expected a whole number from 1 to 16",
+    ("bench", "--world-size", "17"): "argument --world-size: '17': expected a whole number from 1 to 16",
+    ("bench", "--min-bytes", "1MiB", "--max-bytes", "4KiB"): "--min-bytes 1048576 is larger than --max-bytes 4096",
+    ("bench", "--paths", "bogus"): "--paths bogus: expected some of oneshot, twoshot, service, auto, torch",
+    ("bench", "--paths", "dma"): "--paths dma: expected some of oneshot, twoshot, service, auto, torch, inplace, gloo",
+    ("bench", "--capacity", "10"): "--capacity 10: expected at least 64 bytes",
+    ("bench", "--sizes", "abc"): "argument --sizes: invalid byte size 'abc'",
+    ("calibrate", "--world-size", "0"): "argument --world-size: '0': expected a whole number from 2 to 16",
+    ("calibrate", "--min-bytes", "1MiB", "--max-bytes", "4KiB"): "--min-bytes 1048576 is larger than --max-bytes",
+    ("thresholds", "--nccl"): "--nccl applies to --device cuda",
+}
+
+
+@pytest.mark.parametrize("argv", list(BAD_ARGUMENTS), ids=" ".join)
+def test_bad_arguments_are_usage_errors_before_anything_starts(argv):
+    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
+    refused = nodecomm_cli(*argv)
+    assert refused.returncode == 2 and BAD_ARGUMENTS[argv] in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before  # no private daemon was started

@@ -68,3 +68,13 @@ def test_help_gives_every_flag_a_line_and_its_default():
     assert "--max-reserved-bytes SIZE" in text and "(default: 16GiB)" in text
     assert "--oneshot-max-bytes SIZE|off" in text and "--join-timeout-seconds FLOAT" in text
     assert "--max-capacity-bytes INT" not in text
+
+
+def test_every_byte_size_setting_takes_a_size(tmp_path):
+    """max_bytes_per_gpu and the per-caller share too, on the flag, in the environment and the file."""
+    config_file = tmp_path / "nodecomm.toml"
+    config_file.write_text('max_bytes_per_gpu = "2GiB"\nmax_reserved_bytes_per_caller = "3GiB"\n')
+    assert load_config(["--config", str(config_file)], {}).max_bytes_per_gpu == 2 << 30
+    assert load_config(["--config", str(config_file)], {}).max_reserved_bytes_per_caller == 3 << 30
+    assert load_config([], {"NODECOMM_MAX_BYTES_PER_GPU": "16GiB"}).max_bytes_per_gpu == 16 << 30
+    assert load_config(["--max-bytes-per-gpu", "16GiB"], {}).max_bytes_per_gpu == 16 << 30
