@@ -20,6 +20,7 @@ import platform
 import queue
 import secrets
 import shutil
+import signal
 import socket as socketlib
 import statistics
 import tempfile
@@ -389,16 +390,30 @@ def spawn_ranks(target, world_size: int, args: dict, on_part=None):
     context = mp.get_context("spawn")
     results = context.Queue()
     port = _free_port()
-    ranks = [context.Process(target=target, args=(r, world_size, args, port, results)) for r in range(world_size)]
+    ranks = [
+        context.Process(target=_ignoring_ctrl_c, args=(target, r, world_size, args, port, results))
+        for r in range(world_size)
+    ]
     for process in ranks:
         process.start()
     try:
         return _wait_for_rows(results, ranks, on_part)
+    except BaseException:
+        for process in ranks:  # interrupted or failed: the ranks go at once
+            process.kill()
+        raise
     finally:
         for process in ranks:
             process.join(timeout=60)
             if process.is_alive():
                 process.kill()
+
+
+def _ignoring_ctrl_c(target, *args) -> None:
+    """A rank process: Ctrl-C reaches the whole process group, and the bench's own process
+    answers it (it ends the ranks), so a rank ignores it rather than print a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(*args)
 
 
 def run_ranks(

@@ -170,7 +170,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     ranks = f"{args.world_size} probe ranks" if args.world_size else "the daemon's probe ranks"
     print(
         f"calibrating {args.device} paths: {format_byte_size(request.min_bytes)} .. "
-        f"{format_byte_size(request.max_bytes)}, {ranks} ..."
+        f"{format_byte_size(request.max_bytes)}, {ranks} ...",
+        flush=True,
     )
     reply = None
     with channel:

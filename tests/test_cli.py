@@ -3,6 +3,7 @@
 import json
 import multiprocessing as mp
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -243,3 +244,34 @@ def test_bad_arguments_are_usage_errors_before_anything_starts(argv):
     assert refused.returncode == 2 and BAD_ARGUMENTS[argv] in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before  # no private daemon was started
+
+
+def _interrupted(command: list[str], wait_for: str) -> subprocess.CompletedProcess:
+    """`command` in a process group of its own, sent Ctrl-C's SIGINT (to the whole group, as a
+    terminal does) once it printed a line holding `wait_for`."""
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        while wait_for not in process.stdout.readline():
+            assert process.poll() is None, process.stderr.read()
+        os.killpg(process.pid, signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
+def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
+    """Ctrl-C in the middle of a bench (its ranks and its private daemon in the same group) and of
+    a calibration: exit 130, one line on stderr, no traceback, no bench directory left."""
+    cli = [sys.executable, "-m", "nodecomm.client.cli"]
+    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
+    bench = _interrupted([*cli, "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot,twoshot"], "#wrong")
+    assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
+    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
+    calibrate = _interrupted([*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"], "calibrating")
+    assert (calibrate.returncode, calibrate.stderr) == (130, "nodecomm calibrate: interrupted\n"), calibrate.stderr
+    assert daemon.healthy()
