@@ -46,7 +46,7 @@ from .cuda_execution import CudaExecution
 from .group import Group, Member
 from .handles import ClaimTable
 from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
-from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies
+from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
 from .peer_checks import PeerChecks
@@ -170,9 +170,7 @@ class GroupRegistry:
                 timeout,
                 OnStop.WITHDRAW,
                 timed_out=lambda missing: DeadlineExceededError(
-                    f"ranks {missing} did not join within {timeout:.1f} s (joined: {sorted(forming.arrivals)}); "
-                    "nothing was allocated",
-                    **where,
+                    join_timeout(forming.joins, args.rank, timeout), **where
                 ),
             )
         except (DeadlineExceededError, asyncio.CancelledError):

@@ -44,6 +44,7 @@ class Rendezvous(Generic[Arrival, Result]):
     ):
         self.world_size = world_size
         self.arrivals: dict[int, Arrival] = {}
+        self.gave_up: set[int] = set()  # ranks that arrived, then withdrew, and have not come back
         self.failure: NodecommError | None = None
         self._agreed = agreed
         self._shown = shown
@@ -68,6 +69,7 @@ class Rendezvous(Generic[Arrival, Result]):
             if len(set(values.values())) > 1:
                 return name, each_rank(values)
         self.arrivals[rank] = arrival
+        self.gave_up.discard(rank)
         answer = self._answers[rank] = asyncio.get_running_loop().create_future()
         # A rank that stopped waiting no longer awaits its answer: its outcome is retrieved here.
         answer.add_done_callback(lambda done: done.cancelled() or done.exception())
@@ -99,9 +101,10 @@ class Rendezvous(Generic[Arrival, Result]):
 
     def withdraw(self, rank: int) -> None:
         """Take back `rank`'s arrival, unless it was answered."""
-        if not self.answered(rank):
-            self.arrivals.pop(rank, None)
+        if not self.answered(rank) and rank in self.arrivals:
+            del self.arrivals[rank]
             self._answers.pop(rank, None)
+            self.gave_up.add(rank)
 
     async def wait(
         self,

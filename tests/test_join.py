@@ -52,12 +52,25 @@ def _third_differs(rank, socket_path):
     return ranks.join_only(rank, 3, socket_path, "late", {"capacity_bytes": (2 << 20) if rank == 2 else (1 << 20)})
 
 
-def test_join_deadline_names_missing_ranks(daemon):
+def test_join_deadline_names_who_came_who_gave_up_and_who_never_came(daemon):
+    """Of 3 ranks, rank 1 joins with a 3 s deadline; rank 0 joins with 1 s and gives up: its error
+    says it waited and rank 1 is there; rank 1's then says rank 0 came and gave up and rank 2
+    never came."""
     channel, stub = stub_for(daemon)
-    with channel, pytest.raises(grpc.RpcError) as raised:
-        stub.Join(join_request(group="lonely", world_size=3, timeout=0.5), timeout=10)
+    with channel:
+        waiting = stub.Join.future(join_request(group="lonely", rank=1, world_size=3, timeout=3.0), timeout=10)
+        time.sleep(0.5)  # rank 1 is there
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.Join(join_request(group="lonely", rank=0, world_size=3, timeout=1.0), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "rank 0 waited 1.0 s: ranks [0, 1] joined; ranks [2] never joined" in raised.value.details()
+        with pytest.raises(grpc.RpcError) as raised:
+            waiting.result()
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "ranks [1, 2] did not join" in raised.value.details()
+    assert raised.value.details().endswith(
+        "rank 1 waited 3.0 s: ranks [1] joined; ranks [0] joined but gave up before the others came; ranks [2] "
+        "never joined; nothing was allocated"
+    ), raised.value.details()
 
 
 @pytest.mark.parametrize(
