@@ -138,6 +138,7 @@ def connect(
     job: str | None = None,
     group_key: str | bytes | None = None,
     wire: str = "lossless",
+    operation_timeout: float | None = None,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -163,6 +164,8 @@ def connect(
     wire: "lossless" (the default) or a compressed wire ("int8", "fp8") the dispatch table may
     then use from its compressed_min_bytes on (calibrated, or set in `thresholds`); the same on
     every rank. A group that does not ask is never sent compressed (docs/compressed-wires.md).
+    operation_timeout: the most seconds any wait of this rank's collectives lasts (default: the
+    daemon's operation_timeout_seconds); the torch backend passes its process group's timeout.
     """
     where = dict(group=group, rank=rank)
     device_id, device_index = _resolve_device(device, where)
@@ -176,6 +179,10 @@ def connect(
         _check_nccl_group(nccl_group, rank, world_size, where)
     if not timeout > 0:
         raise InvalidArgumentError(f"timeout {timeout!r}: expected a positive number of seconds", **where)
+    if operation_timeout is not None and not 0 < operation_timeout < float("inf"):
+        raise InvalidArgumentError(
+            f"operation_timeout {operation_timeout!r}: expected a positive number of seconds", **where
+        )
     try:
         group_wire = Wire.parse(wire)
     except (ValueError, AttributeError):
@@ -207,7 +214,7 @@ def connect(
     try:
         communicator = _join(
             group, rank, world_size, device_id, device_index, chosen, lease, timeout, nccl_group, nccl_by_caller,
-            table_switching, capacity_bytes, dtype_codes, overrides, group_wire, key, where,
+            table_switching, capacity_bytes, dtype_codes, overrides, group_wire, key, operation_timeout, where,
         )  # fmt: skip
     except BaseException:
         if lease is not None:
@@ -234,6 +241,7 @@ def _join(
     overrides: list[pb.Boundary],
     wire: Wire,
     group_key: bytes,
+    operation_timeout: float | None,
     where: dict,
 ) -> Communicator:
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
@@ -334,7 +342,7 @@ def _join(
             dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
             table=DispatchTable.from_proto(table),
             timing_sample_period=reply.timing_sample_period,
-            operation_timeout=reply.operation_timeout_seconds,
+            operation_timeout=operation_timeout or reply.operation_timeout_seconds,
             table_switch_period=switch_period,
             explore_period=explore_period,
             rank_secret=reply.rank_secret,

@@ -80,7 +80,9 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self.nodecomm_name = name  # the nodecomm groups' names start with it
         self.daemon = daemon  # the node's or the job's own, as the group's rank 0 chose
         self._daemon_lease = daemon_lease
-        self._options = {**connect_options, "timeout": timeout.total_seconds()}
+        # The group's timeout (init_process_group(timeout=...)) bounds joining and every wait.
+        seconds = timeout.total_seconds()
+        self._options = {**connect_options, "timeout": seconds, "operation_timeout": seconds}
         # Across nodes: every rank's node name; each lane's group then spans the nodes.
         self._node_names = node_names
         self._collective_lanes: dict[str, Lane] = {}

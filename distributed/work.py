@@ -45,13 +45,14 @@ class Work(dist.Work):
         return True
 
     def _host_result(self, timeout: timedelta | None) -> None:
+        """Wait for the operation (at most `timeout`), then raise its error, if it had one."""
         if self._done is None:
             return
         seconds = timeout.total_seconds() if timeout else None
-        try:
-            self._done.result(timeout=seconds or None)
-        except concurrent.futures.TimeoutError:
-            raise DeadlineExceededError(f"the operation did not finish within {seconds:.3f} s") from None
+        finished, _ = concurrent.futures.wait([self._done], timeout=seconds or None)
+        if not finished:
+            raise DeadlineExceededError(f"the operation did not finish within wait()'s {seconds:.3f} s")
+        self._done.result()
 
     def is_completed(self) -> bool:
         if self._done is not None and not self._done.done():

@@ -486,3 +486,24 @@ if __name__ == "__main__":
     sys.stdout.flush()
     os.write(sys.stdout.fileno(), (report + "\n").encode())
     sys.exit(1 if found else 0)
+
+
+def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
+    """Rank 0 sends to rank 1, which never receives (it waits in a barrier of its own): what
+    dist.send raises on rank 0, under a process group whose timeout is `seconds`."""
+    import datetime
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        NODECOMM_SOCKET=socket,
+    )  # fmt: skip
+    dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+    if rank == 1:
+        time.sleep(3 * seconds)  # never receives; the job ends when rank 0 reports
+        return ""
+    started = time.monotonic()
+    try:
+        dist.send(torch.ones(4), dst=1)
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__} after {time.monotonic() - started:.0f} s: {error}"

@@ -96,3 +96,13 @@ def test_a_mixed_backend_string_is_served_whole_and_says_so(daemon):
     printed: list[str] = []
     assert reports(torchrun(2, daemon.socket, "mixed"), printed) == {0: [], 1: []}
     assert printed[0].count("CPU tensors of a 'cpu:gloo,cuda:nodecomm' group go to nodecomm too") == 2
+
+
+def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_ranks):
+    """init_process_group(timeout=5 s): a dist.send whose receive never comes raises
+    DeadlineExceededError naming who never came, bounded by the group's timeout (not the
+    daemon's 60 s operation timeout), and not a TypeError of the error's formatting."""
+    seen = spawn_ranks(distributed_ranks.unanswered_send, 2, 2, daemon.socket, free_port(), 5.0, timeout=120).values()
+    assert seen[0].startswith("DeadlineExceededError"), seen[0]
+    assert "never joined" in seen[0], seen[0]
+    print(seen[0])
