@@ -42,6 +42,7 @@ log = logging.getLogger("nodecomm.client")
 
 MODES = ("auto", "node", "private")
 ENVIRONMENT_VARIABLE = "NODECOMM_DAEMON"
+ENVIRONMENT_SOCKET = "NODECOMM_SOCKET"
 NODE_STATE_DIR = "/var/lib/nodecomm"  # the node daemon's, where it runs as root
 
 
@@ -81,7 +82,18 @@ def decide(mode: str, socket: str | None, job: str) -> tuple[str, str]:
     node = socket or default_socket_path()
     if mode == "node" or (mode == "auto" and answers(node, daemon_uids=trust.node_daemon_uids(node))):
         return "node", node
+    named = "socket" if socket else ENVIRONMENT_SOCKET if os.environ.get(ENVIRONMENT_SOCKET) else ""
+    if mode == "auto" and named and node not in _warned:
+        # An explicit socket meant a daemon there: say once that this job runs without it.
+        _warned.add(node)
+        log.warning(
+            f"{named} {node} names a node daemon, but none answers there: this job uses a daemon private to it "
+            f"(start nodecommd there, or set {ENVIRONMENT_VARIABLE}=node to fail instead)"
+        )
     return "private", socket if mode == "private" and socket else private_socket_path(job)
+
+
+_warned: set[str] = set()  # the explicit sockets already warned about, once per process
 
 
 def choose(
