@@ -173,8 +173,9 @@ class Communicator:
         """Whether all_reduce(tensor) would run here: a contiguous tensor of this group's dtypes on
         its device, of a size the dispatch table gives a path this rank runs. False for the sizes
         the table gives NCCL when the caller runs NCCL itself (connect(nccl_by_caller=True)): an
-        engine's custom all-reduce slot declines those, and the engine's own NCCL takes them."""
-        if not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
+        engine's custom all-reduce slot declines those, and the engine's own NCCL takes them. False
+        once closed."""
+        if self._closed or not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
             return False
         return self._dispatcher.accepts(tensor.numel() * tensor.element_size())
 
@@ -190,6 +191,10 @@ class Communicator:
         """Memory the daemon maps too (host memory on CPU groups, this rank's GPU on CUDA groups):
         tensors made with its tensor() go to the service path by reference, with no copies. free()
         it when done; the daemon frees what is left with the group."""
+        if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 1:
+            raise InvalidArgumentError(
+                f"size_bytes {size_bytes!r}: expected a whole number of bytes, at least 1", **self.membership.where
+            )
         return self._submitted(self._service.allocate, size_bytes)
 
     def all_gather(

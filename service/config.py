@@ -242,6 +242,8 @@ class DaemonConfig:
             raise ValueError(
                 f"cuda_service_ordering: expected 'auto', 'stream-words' or 'ipc-events', got {self.cuda_service_ordering!r}"
             )
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level {self.log_level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format: expected 'json' or 'text', got {self.log_format!r}")
         object.__setattr__(self, "overrides", dict(self.overrides))
@@ -443,7 +445,11 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     config_file = flags.pop("config", None) or environ.get(ENV_PREFIX + "CONFIG")
     if config_file:
         with open(config_file, "rb") as handle:
-            _apply(values, overrides, tomllib.load(handle), f"config file {config_file}")
+            try:
+                settings = tomllib.load(handle)
+            except tomllib.TOMLDecodeError as error:
+                raise ValueError(f"config file {config_file}: not valid TOML ({error})") from None
+        _apply(values, overrides, settings, f"config file {config_file}")
     env = {
         key[len(ENV_PREFIX) :].lower(): value
         for key, value in environ.items()

@@ -30,6 +30,7 @@ def test_precedence_defaults_file_environment_flags(tmp_path):
         (["--log-format", "xml"], {}, "log_format"),
         ([], {"NODECOMM_ALLOW_SHARED_DEVICES": "maybe"}, "expected true/false"),
         (["--cuda-service-ordering", "shm"], {}, "cuda_service_ordering: expected 'auto', 'stream-words'"),
+        (["--log-level", "FOO"], {}, "log_level 'FOO': expected DEBUG, INFO, WARNING, ERROR or CRITICAL"),
     ],
 )
 def test_bad_values_name_the_setting(argv, env, message):
@@ -78,3 +79,10 @@ def test_every_byte_size_setting_takes_a_size(tmp_path):
     assert load_config(["--config", str(config_file)], {}).max_reserved_bytes_per_caller == 3 << 30
     assert load_config([], {"NODECOMM_MAX_BYTES_PER_GPU": "16GiB"}).max_bytes_per_gpu == 16 << 30
     assert load_config(["--max-bytes-per-gpu", "16GiB"], {}).max_bytes_per_gpu == 16 << 30
+
+
+def test_a_config_file_that_is_not_toml_is_named(tmp_path):
+    config_file = tmp_path / "nodecomm.toml"
+    config_file.write_text("socket = \n")
+    with pytest.raises(ValueError, match=f"config file {config_file}: not valid TOML"):
+        load_config(["--config", str(config_file)], {})

@@ -84,3 +84,17 @@ def test_a_silent_descriptor_client_delays_nobody(daemon, spawn_ranks):
         assert set(results.values()) == {"ok [2.0, 2.0, 2.0, 2.0]"}
         assert time.monotonic() - started < 30
     assert os.path.exists(daemon.socket + ".fd")
+
+
+def test_a_closed_communicator_accepts_nothing_and_a_bad_size_is_named(daemon):
+    import pytest
+    import torch
+
+    import nodecomm
+
+    comm = nodecomm.connect("closing", 0, 1, socket=daemon.socket, timeout=20)
+    with pytest.raises(nodecomm.InvalidArgumentError, match="size_bytes -1: expected a whole number of bytes"):
+        comm.service_buffer(-1)
+    assert comm.accepts(torch.ones(4))
+    comm.close()
+    assert not comm.accepts(torch.ones(4))
