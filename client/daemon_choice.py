@@ -117,7 +117,11 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
     try:
         started = False
         if not answers(socket, daemon_uids=trust.private_daemon_uids()):
-            _start_private_daemon(socket, deadline, where)
+            try:
+                _start_private_daemon(socket, deadline, where)
+            except DaemonUnavailableError:
+                _remove_job_directory(directory)  # its log's end is in the error; nothing of it stays
+                raise
             started = True
         lease = JobLeaseHandle.take(socket + ".lease", where)
     finally:
@@ -125,6 +129,16 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
     choice = DaemonChoice("private", socket, started)
     log.info(f"using {choice}", extra={**where, "socket": socket})
     return choice, lease
+
+
+def _remove_job_directory(directory: str) -> None:
+    """What a start that failed left in the job's directory (its log, the lock file, still held),
+    and the directory itself where nothing else is in it, as a daemon that leaves does."""
+    for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
+    with contextlib.suppress(OSError):
+        os.rmdir(directory)
 
 
 def _lock_job_directory(socket: str, deadline: float, where: dict) -> tuple[int, str]:

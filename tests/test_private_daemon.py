@@ -130,3 +130,16 @@ def test_a_private_daemon_whose_directory_was_removed_still_leaves_with_its_job(
     for rank in range(2):
         group.kill(rank, signal.SIGKILL)
     assert gone_within(8, socket), private_daemons(socket)
+
+
+def test_a_private_daemon_that_cannot_start_says_why_and_leaves_nothing(runtime_directory, monkeypatch):
+    """A setting the daemon refuses (here NODECOMM_LOG_LEVEL=FOO, which the job's daemon takes from
+    the environment): connect raises DaemonUnavailableError with the daemon's own words, and the
+    job's directory (its log, its lock file) is gone."""
+    import pytest
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime_directory)
+    monkeypatch.setenv("NODECOMM_LOG_LEVEL", "FOO")
+    with pytest.raises(nodecomm.DaemonUnavailableError, match="log_level 'FOO': expected DEBUG"):
+        nodecomm.connect("fails", 0, 1, daemon="private", timeout=30)
+    assert os.listdir(os.path.join(runtime_directory, "nodecomm-jobs")) == []
