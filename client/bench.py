@@ -28,8 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from nodecomm.byte_size import format_byte_size
-from nodecomm.errors import DaemonUnavailableError
 
+from .daemon_choice import JobLeaseHandle
 from .daemon_process import start_daemon
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
@@ -329,19 +329,26 @@ def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wro
 
 
 class PrivateDaemon:
-    """A daemon on a temporary socket, for runs that are not pointed at a running one."""
+    """A daemon on a temporary socket, for runs that are not pointed at a running one. It is a
+    job's private daemon (nodecommd --private) whose lease this process holds: however this
+    process ends, SIGKILL included, the daemon leaves within its grace and takes its directory."""
 
     def __init__(self, *flags: str) -> None:
-        self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-")
+        # Its sockets' paths must fit a Unix socket's (108 bytes): a long TMPDIR gives way to /tmp.
+        base = tempfile.gettempdir()
+        self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-", dir=base if len(base) < 60 else "/tmp")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
-        # State of its own: the machine's stored calibration would make "auto" the calibrated
-        # table on one machine and the built-in one on another.
-        state = os.path.join(self.directory, "state")
+        # No state: the machine's stored calibration would make "auto" the calibrated table on one
+        # machine and the built-in one on another.
+        flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
         try:
             self.process = start_daemon(
-                self.socket, "--metrics-address", "off", "--log-level", "WARNING", "--state-dir", state, *flags
+                self.socket, "--state-dir", os.path.join(self.directory, "state"), *flags, own_session=True
             )
-        except DaemonUnavailableError:
+            self.lease = JobLeaseHandle.take(self.socket + ".lease", {})
+        except BaseException:
+            if getattr(self, "process", None) is not None:
+                self.process.kill()
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
@@ -356,6 +363,7 @@ class PrivateDaemon:
         try:
             self.process.wait(timeout=30)
         finally:
+            self.lease.release()
             shutil.rmtree(self.directory, ignore_errors=True)
 
 

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from pathlib import Path
 
@@ -275,3 +276,37 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
     calibrate = _interrupted([*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"], "calibrating")
     assert (calibrate.returncode, calibrate.stderr) == (130, "nodecomm calibrate: interrupted\n"), calibrate.stderr
     assert daemon.healthy()
+
+
+def test_a_killed_bench_leaves_no_daemon_and_no_directory():
+    """SIGKILL to a running bench (and to its ranks): its private daemon, whose lease the bench
+    held, leaves within seconds and takes its directory with it."""
+    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
+    command = [sys.executable, "-m", "nodecomm.client.cli", "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot"]
+    bench = subprocess.Popen(
+        command, stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+    try:
+        while "1KiB" not in bench.stdout.readline():  # the first row: the daemon and the ranks run
+            assert bench.poll() is None
+        (directory,) = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) - before
+    finally:
+        os.killpg(bench.pid, signal.SIGKILL)
+        bench.wait()
+    deadline = time.monotonic() + 30
+    while directory.exists() or _processes_naming(directory):
+        assert time.monotonic() < deadline, (directory.exists(), _processes_naming(directory))
+        time.sleep(0.2)
+
+
+def _processes_naming(directory: Path) -> list[str]:
+    """The command lines of the processes whose arguments name `directory` (its daemon's)."""
+    found = []
+    for path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            command = path.read_bytes()
+        except OSError:
+            continue
+        if str(directory).encode() in command:
+            found.append(command.replace(b"\0", b" ").decode(errors="replace"))
+    return found
