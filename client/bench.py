@@ -338,8 +338,8 @@ class PrivateDaemon:
         base = tempfile.gettempdir()
         self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-", dir=base if len(base) < 60 else "/tmp")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
-        # No state: the machine's stored calibration would make "auto" the calibrated table on one
-        # machine and the built-in one on another.
+        # A state directory of its own, empty: the machine's stored calibration would make "auto"
+        # the calibrated table on one machine and the built-in one on another.
         flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
         try:
             self.process = start_daemon(

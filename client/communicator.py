@@ -385,8 +385,7 @@ class Communicator:
         )
 
     def _located(self, error: NodecommError) -> NodecommError:
-        located = type(error)(error.detail, group=self.group, rank=self.rank)
-        return located
+        return error.located(group=self.group, rank=self.rank)
 
     def _reducible(self, tensor: torch.Tensor) -> bool:
         """A tensor all_reduce takes: one of the group's dtypes, contiguous, on its device."""

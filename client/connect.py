@@ -248,14 +248,10 @@ def _join(
     # Only a daemon whose socket and process pass the checks (nodecomm.trust) gets this rank's data.
     try:
         target = checked_target(chosen.socket, chosen.daemon_uids, timeout)
-    except FileNotFoundError as error:
-        raise DaemonUnavailableError(
-            f"daemon unavailable: nothing serves at {chosen.socket} ({error.strerror})", **where
-        ) from None
     except NodecommError as error:
-        raise type(error)(error.detail, **where) from None
-    # Proves this process's pid and uid (SO_PEERCRED) to the daemon: a Join over its Unix socket
-    # must carry it; over TCP the group key admits.
+        raise error.located(**where) from None
+    # Binds the Join to this process's pid (the daemon reads its uid from the connection), and a
+    # daemon that does not admit this uid says so here, in its own words.
     identity = b""
     if target.startswith("unix:"):
         identity = DescriptorSocket(target.removeprefix("unix:") + ".fd", chosen.daemon_uids).identify(timeout, where)

@@ -112,7 +112,7 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
     try:
         lock, directory = _lock_job_directory(socket, deadline, where)
     except NodecommError as error:
-        raise type(error)(error.detail, **where) from None
+        raise error.located(**where) from None
     socket = os.path.join(directory, os.path.basename(socket))
     try:
         started = False
@@ -228,7 +228,7 @@ class JobLeaseHandle:
                 try:
                     connection = trust.connect_checked(path, trust.private_daemon_uids(), 5.0)
                 except NodecommError as error:
-                    raise type(error)(error.detail, **where) from None
+                    raise error.located(**where) from None
                 except OSError as error:
                     raise DaemonUnavailableError(f"could not take the lease at {path}: {error}", **where) from None
                 connection.settimeout(None)

@@ -37,7 +37,7 @@ def answers(socket: str, timeout: float = 1.0, daemon_uids: frozenset[int] | Non
         if daemon_uids is not None:
             try:
                 target = checked_target(target, daemon_uids, timeout)
-            except OSError:  # gone, stale, or not ours to open: nobody to talk to
+            except (DaemonUnavailableError, OSError):  # gone, stale, or not ours to open
                 return False
     with grpc.insecure_channel(target) as channel:
         try:

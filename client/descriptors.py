@@ -64,7 +64,7 @@ class DescriptorSocket:
         except (FileNotFoundError, ConnectionRefusedError):
             return b""  # then the Join goes without one, and the daemon says if it needs one
         except NodecommError as error:
-            raise type(error)(error.detail, **where) from None
+            raise error.located(**where) from None
         except OSError as error:
             raise DaemonUnavailableError(f"descriptor socket {self.path}: {error}", **where) from None
         if answer[:1] == b"\x00" and len(answer) == 17:
@@ -76,7 +76,7 @@ class DescriptorSocket:
         try:
             fds = claim_descriptors(self.path, token, expected, timeout, self.daemon_uids)
         except NodecommError as error:
-            raise type(error)(error.detail, **where) from None
+            raise error.located(**where) from None
         except PermissionError as error:
             raise PermissionDeniedError(f"descriptor claim refused: {error}", **where) from None
         except OSError as error:

@@ -27,6 +27,10 @@ class NodecommError(Exception):
         super().__init__(prefix + message if message and not message.startswith(prefix) else message)
         self.detail = message
 
+    def located(self, *, group: str | None = None, rank: int | None = None) -> NodecommError:
+        """The same error, said of `group` and `rank`."""
+        return type(self)(self.detail, group=group, rank=rank)
+
 
 class InvalidArgumentError(NodecommError, ValueError):
     """A request or a call was malformed: the message names the field and what was expected."""

@@ -25,7 +25,7 @@ import socket
 import stat
 import struct
 
-from nodecomm.errors import InvalidArgumentError, PermissionDeniedError
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
 DAEMON_USER_VARIABLE = "NODECOMM_DAEMON_USER"
 _MAX_LINKS = 40  # as the kernel's ELOOP
@@ -170,7 +170,11 @@ def peer_credentials(connection: socket.socket) -> tuple[int, int, int]:
 
 def connect_checked(path: str, daemon_uids: frozenset[int], timeout: float) -> socket.socket:
     """A connection to the daemon socket at `path`, its path, file and peer checked."""
-    real = check_socket(path, daemon_uids)
+    return _connect_to(check_socket(path, daemon_uids), daemon_uids, timeout)
+
+
+def _connect_to(real: str, daemon_uids: frozenset[int], timeout: float) -> socket.socket:
+    """A connection to the checked socket at `real`, its peer checked."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         connection.settimeout(timeout)
@@ -185,16 +189,20 @@ def connect_checked(path: str, daemon_uids: frozenset[int], timeout: float) -> s
 def checked_target(target: str, daemon_uids: frozenset[int], timeout: float = 5.0) -> str:
     """A gRPC target for the daemon at `target` (a socket path or unix:PATH), its socket checked
     and its process asked who it is first; a TCP target (ipv4:, ipv6:, dns:) as it is: there is
-    no owner to check, and a Join over TCP needs a group key."""
+    no owner to check, and a Join over TCP needs a group key. DaemonUnavailableError where
+    nothing serves there."""
     if target.startswith(_TCP_PREFIXES):
         return target
     if target.startswith("unix-abstract:"):
         raise InvalidArgumentError(
             f"socket {target!r}: an abstract socket has no owner or mode to check; expected a socket path"
         )
-    real = check_socket(target.removeprefix("unix:"), daemon_uids)
-    with connect_checked(real, daemon_uids, timeout):
-        pass
+    path = target.removeprefix("unix:")
+    try:
+        real = check_socket(path, daemon_uids)
+        _connect_to(real, daemon_uids, timeout).close()
+    except (FileNotFoundError, ConnectionRefusedError) as error:
+        raise DaemonUnavailableError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
     return f"unix:{real}"
 
 

@@ -129,7 +129,8 @@ class DaemonConfig:
     max_groups_per_caller: int = 64
     max_reserved_bytes_per_caller: int = 8 << 30
     # Connections to the control socket (and the TCP listener) at once, in all and per caller;
-    # past either, a new one is told why (HTTP/2 GOAWAY) and closed. Each holds three descriptors.
+    # past either, a new one's calls are answered why, and it is closed (service/connections.py).
+    # Each holds three descriptors.
     # gRPC closes a connection with no call in flight for connection_idle_seconds.
     max_connections: int = 4096
     max_connections_per_caller: int = 256

@@ -23,7 +23,6 @@ from .timings import TokenBucket
 class Member:
     rank: int
     pid: int = 0
-    caller: Caller = TCP_CALLER  # whose Join it was: its sessions read at that caller's shared pace
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False

@@ -94,6 +94,12 @@ class GroupRegistry:
         caller shares where groups may mix uids."""
         return (None if self.config.allow_mixed_uids else caller, name)
 
+    def _release_name(self, group: Group) -> None:
+        """The group's name is free to form again in its namespace."""
+        key = self._key(group.creator, group.name)
+        if self._active.get(key) is group:
+            del self._active[key]
+
     def table_for(
         self, caller: Caller, name: str, device_kind: str = "cpu", nccl_fallback: bool = False
     ) -> DispatchTable:
@@ -160,7 +166,6 @@ class GroupRegistry:
             self._fail_forming(forming, mismatch)
             forming.failed_ranks.add(args.rank)
             raise mismatch
-        forming.callers[args.rank] = caller
         self._update_gauges()
         if forming.joins.complete:
             self._form(forming)
@@ -187,10 +192,15 @@ class GroupRegistry:
 
     def _forget_if_empty(self, forming: FormingGroup) -> None:
         """After a rank withdrew: a forming group that no rank waits in any more goes."""
-        key = self._key(forming.creator, forming.name)
-        if not forming.arrivals and forming.failure is None and self._forming.get(key) is forming:
-            del self._forming[key]
+        if not forming.arrivals and forming.failure is None:
+            self._drop_forming(forming)
         self._update_gauges()
+
+    def _drop_forming(self, forming: FormingGroup) -> None:
+        """`forming` no longer holds its name (formed, failed or empty)."""
+        key = self._key(forming.creator, forming.name)
+        if self._forming.get(key) is forming:
+            del self._forming[key]
 
     def _form(self, forming: FormingGroup) -> None:
         first = forming.arrivals[0]
@@ -202,7 +212,7 @@ class GroupRegistry:
             memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
         except NodecommError as error:
             self._fail_forming(forming, error)
-            del self._forming[self._key(forming.creator, forming.name)]
+            self._drop_forming(forming)
             return
         group_id = secrets.randbits(63)
         group = Group(
@@ -213,7 +223,7 @@ class GroupRegistry:
             table=self.tables.for_new_group(
                 first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire)
             ),
-            members={r: Member(r, pid=a.pid, caller=forming.callers[r]) for r, a in enumerate(joined)},
+            members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
             devices=[a.device for a in joined],
             creator=forming.creator,
             live=(
@@ -232,7 +242,7 @@ class GroupRegistry:
             except NodecommError as error:
                 memory.close()
                 self._fail_forming(forming, error)
-                del self._forming[self._key(forming.creator, forming.name)]
+                self._drop_forming(forming)
                 return
             cuda = CudaExecution(executing, depth + 2, self.config.operation_timeout_seconds, words)
             if words is not None:
@@ -257,9 +267,9 @@ class GroupRegistry:
                     group=first.group,
                 ),
             )
-            del self._forming[self._key(forming.creator, forming.name)]
+            self._drop_forming(forming)
             return
-        del self._forming[self._key(forming.creator, forming.name)]
+        self._drop_forming(forming)
         self._active[self._key(group.creator, group.name)] = group
         self._groups[group_id] = group
         replies = join_replies(self.config, group, tokens, max_blocks)
@@ -465,8 +475,7 @@ class GroupRegistry:
                 meeting.fail(PeerLostError(f"group aborted: {message}", group=group.name))
         if group.state == "active":
             group.state = "aborted"
-            if self._active.get(self._key(group.creator, group.name)) is group:
-                del self._active[self._key(group.creator, group.name)]
+            self._release_name(group)
             reason_name = {
                 _native.AbortReason.PEER_LOST: "peer_lost",
                 _native.AbortReason.PEER_LEFT: "peer_left",
@@ -484,8 +493,7 @@ class GroupRegistry:
         if group.group_id not in self._groups:
             return
         if all(m.gone and m.session is None for m in group.members.values()):
-            if self._active.get(self._key(group.creator, group.name)) is group:
-                del self._active[self._key(group.creator, group.name)]
+            self._release_name(group)
             del self._groups[group.group_id]
             for kind, device, use, nbytes in group.placement():
                 self.metrics.reserve(kind, device, use, -nbytes)
@@ -524,14 +532,10 @@ class GroupRegistry:
             if forming.arrivals
         ]
         owned += [(group.creator, group.info()) for group in self._groups.values()]
-        infos = []
-        for owner, info in owned:
-            if operator:
+        if operator:
+            for owner, info in owned:
                 info.owner = str(owner)
-                infos.append(info)
-            elif owner == caller:
-                infos.append(info)
-        return infos
+        return [info for owner, info in owned if operator or owner == caller]
 
     def sweep(self) -> None:
         """Forget failed join attempts whose ranks did not come back within a join timeout."""

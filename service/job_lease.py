@@ -68,9 +68,10 @@ class JobLease:
         self._timer = None
         try:
             descriptor = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except (FileNotFoundError, OSError):
-            # The job's directory is gone (a cleaned-up runtime directory): no rank finds this
-            # daemon any more, since attaching goes through the lock file there.
+        except OSError:
+            # The job's directory is gone (a cleaned-up runtime directory), or its lock file is no
+            # file of ours (a link): no rank finds this daemon any more, since attaching goes
+            # through the lock file there.
             self._server.close()
             log.info("the job's directory is gone: stopping", extra={"directory": self.directory})
             self._on_idle()

@@ -29,7 +29,6 @@ class FormingGroup:
     joins: Rendezvous[JoinArgs, pb.JoinReply]
     creator: Caller  # the first joiner
     key_digest: bytes = b""
-    callers: dict[int, Caller] = field(default_factory=dict)  # each rank's, for its timing share
     failed_ranks: set[int] = field(default_factory=set)
     failed_at: float = 0.0
 

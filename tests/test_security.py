@@ -574,7 +574,7 @@ sys.stdin.readline()
 """
 
 
-def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daemon, tmp_path):
+def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daemon):
     """3: user B holds 2,000 connections to /metrics that send nothing, and 200 more that send a
     request head without end: the daemon's threads stay where they were, and a scrape still gets
     its answer; B binding the metrics port before the daemon starts leaves the daemon serving
@@ -584,12 +584,9 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
     port = free_port()
     squatter = b.start(_BIND_PORT, str(port))
     assert squatter.stdout.readline().strip() == "bound"
-    directory = Path(tempfile.mkdtemp(prefix="nodecomm-node-"))
-    directory.chmod(0o755)
-    daemon = NodeDaemon(directory, ["--socket-group", str(SOCKET_GID), "--metrics-address", f"127.0.0.1:{port}"])
-    daemon.start()
+    daemon = node_daemon("--metrics-address", f"127.0.0.1:{port}")
+    daemon.metrics_port = port  # the flag given last wins over the one Daemon.start gives
     try:
-        daemon.metrics_port = port  # the flag given last wins over the one Daemon.start gives
         with pytest.raises(OSError):
             daemon.metrics_text()
         baseline = ordinary_group(a, daemon.socket, "port-taken")  # groups are served meanwhile
@@ -634,8 +631,6 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
         attacked = ordinary_group(a, daemon.socket, "after")
     finally:
         squatter.kill()
-        daemon.stop(signal.SIGKILL)
-        shutil.rmtree(directory, ignore_errors=True)
     print(f"daemon threads {threads} before, {most} with 2,200 of B's connections to /metrics")
     report("metrics port taken, /metrics flooded, made-up timings", baseline, attacked)
 
