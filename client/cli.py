@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from nodecomm._native import MAX_RANKS
 from nodecomm.byte_size import format_byte_size, parse_byte_size
-from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
+from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
 from nodecomm.thresholds import DispatchTable, Wire, range_end
 from nodecomm.trust import checked_target, node_daemon_uids
@@ -26,11 +29,7 @@ def _stub(socket: str | None, timeout: float) -> tuple[grpc.Channel, pb_grpc.Con
     """A channel to the node daemon at `socket` (default: its default path), its socket and
     process checked first (nodecomm.trust)."""
     path = socket or default_socket_path()
-    try:
-        target = checked_target(path, node_daemon_uids(path), timeout)
-    except (FileNotFoundError, ConnectionRefusedError) as error:
-        raise DaemonUnavailableError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
-    channel = grpc.insecure_channel(target)
+    channel = grpc.insecure_channel(checked_target(path, node_daemon_uids(path), timeout))
     return channel, pb_grpc.ControlStub(channel)
 
 
@@ -516,10 +515,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _off_main_thread(run: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`run(args)` on a thread of its own while the main thread only waits for it. Ctrl-C raises
+    KeyboardInterrupt in the main thread at whatever line it is on; raised inside gRPC's Python
+    layer (a call being set up) it can leave a channel that never closes, and the command hangs.
+    Here Ctrl-C ends the process at once instead: the daemon sees the connection close and cancels
+    what it was doing for this command."""
+
+    def interrupted(signum: int, frame: object) -> None:
+        print(f"nodecomm {args.command}: interrupted", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            sys.stdout.flush()
+        os._exit(130)
+
+    outcome: list[int | BaseException] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            outcome.append(run(args))
+        except BaseException as error:  # re-raised in the main thread, where main() reports it
+            outcome.append(error)
+        finally:
+            done.set()
+
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        threading.Thread(target=work, name=f"nodecomm {args.command}", daemon=True).start()
+        # In slices: the kernel may hand SIGINT to one of gRPC's threads, which does not wake a
+        # main thread blocked on a lock; Python runs the handler when the main thread next wakes.
+        while not done.wait(0.1):
+            pass
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        status = args.run(args)
+        # bench runs on the main thread: its own cleanup (ranks, private daemon) runs on Ctrl-C.
+        status = args.run(args) if args.command == "bench" else _off_main_thread(args.run, args)
         sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at exit
         return status
     except BrokenPipeError:
