@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
@@ -167,24 +167,42 @@ class TableKeeper:
             started = time.monotonic()
             try:
                 measured = await self._measure(kind, socket, world_size, min_bytes, max_bytes, on_point, wires)
-                noise = measured.noise()
-                if noise:
-                    return self._refuse_noisy(kind, measured, noise)
-                medians = measured.medians
-                # The boundary search tries every assignment of boundaries: off the event loop.
-                calibration = await asyncio.to_thread(
-                    calibration_from, self.fingerprints[kind], medians, measured.forms, wires
-                )
             except NodecommError:
                 self.metrics.calibrations.labels("failed").inc()
                 raise
-            try:
-                path = await asyncio.to_thread(store.save, calibration)
-                stored = str(path) if path is not None else "nowhere: a job's private daemon writes no state"
-            except OSError as error:
-                # The measurement still takes effect; only a restarted daemon will not find it.
-                log.error("storing the calibration failed", extra={"device_kind": kind, "error": str(error)})
-                stored = f"nowhere: {error}"
+            return await self.conclude(kind, measured, store, wires, started)
+
+    async def conclude(
+        self,
+        kind: str,
+        measured: Measured,
+        store: CalibrationStore,
+        wires: Sequence[str] = (),
+        started: float | None = None,
+    ) -> pb.CalibrateReply:
+        """What a probe's measurements make of this machine's `kind` calibration: refused where
+        they are still noise (the boundaries in force stay, nothing is stored), else the boundaries
+        they place, stored and used for new groups. `started`: when probing began (monotonic), for
+        the log. Apart from probing so that the same code can be given timings (tests)."""
+        noise = measured.noise()
+        if noise:
+            return self._refuse_noisy(kind, measured, noise)
+        medians = measured.medians
+        try:
+            # The boundary search tries every assignment of boundaries: off the event loop.
+            calibration = await asyncio.to_thread(
+                calibration_from, self.fingerprints[kind], medians, measured.forms, list(wires)
+            )
+        except NodecommError:
+            self.metrics.calibrations.labels("failed").inc()
+            raise
+        try:
+            path = await asyncio.to_thread(store.save, calibration)
+            stored = str(path) if path is not None else "nowhere: a job's private daemon writes no state"
+        except OSError as error:
+            # The measurement still takes effect; only a restarted daemon will not find it.
+            log.error("storing the calibration failed", extra={"device_kind": kind, "error": str(error)})
+            stored = f"nowhere: {error}"
         self.metrics.calibrations.labels("ok").inc()
         log.info(
             "calibrated",
@@ -194,7 +212,7 @@ class TableKeeper:
                 "forms": calibration.forms,
                 "wire_boundaries": calibration.wire_boundaries,
                 "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
-                "seconds": round(time.monotonic() - started, 1),
+                "seconds": None if started is None else round(time.monotonic() - started, 1),
                 "stored_at": stored,
             },
         )
