@@ -1,5 +1,6 @@
-// errors.h — the native side of nodecomm.errors. Each class maps 1:1 to a Python class there;
-// messages carry the file:line that raised them.
+// errors.h — the native side of nodecomm.errors. Each class maps 1:1 to a Python class there.
+// An internal error (a broken invariant, a failing CUDA call) carries the file:line that raised it,
+// for the bug report; the others are for the caller, who needs what was wrong, not where.
 #pragma once
 
 #include <stdexcept>
@@ -17,6 +18,7 @@ struct Error : std::runtime_error {
 };
 
 [[noreturn]] inline void raise(ErrorKind kind, const char* file, int line, const std::string& what) {
+  if (kind != ErrorKind::kInternal) throw Error(kind, what);
   std::string where(file);
   const auto slash = where.find_last_of('/');
   if (slash != std::string::npos) where = where.substr(slash + 1);

@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstddef>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -318,9 +319,9 @@ class ShmGroup {
   [[noreturn]] void raise_mismatch(const Call* calls) const {
     bool known[kMaxRanks];
     std::fill(known, known + kMaxRanks, true);
-    NODECOMM_RAISE(kGroupMismatch, "rank " + std::to_string(rank_) + ": " +
-                                       describe_disagreement(calls, known, world_size_) +
-                                       "; nothing was written to the output");
+    // The caller's error names this rank already ("[group 'g', rank 0] ...").
+    NODECOMM_RAISE(kGroupMismatch,
+                   describe_disagreement(calls, known, world_size_) + "; nothing was written to the output");
   }
 
   // Spin briefly, then yield, then sleep: ranks may outnumber cores.
@@ -353,21 +354,20 @@ class ShmGroup {
   }
 
   [[noreturn]] void raise_aborted(std::uint64_t reason, std::uint64_t detail) const {
-    const std::string who = "rank " + std::to_string(rank_) + ": ";
+    // No "rank N": the caller's error names this rank already ("[group 'g', rank 0] ...").
     switch (reason) {
       case kPeerLost:
-        NODECOMM_RAISE(kPeerLost, who + "group aborted: peer rank " + std::to_string(detail) + " was lost");
+        NODECOMM_RAISE(kPeerLost, "group aborted: peer rank " + std::to_string(detail) + " was lost");
       case kDaemonLost:
-        NODECOMM_RAISE(kDaemonUnavailable, who + "group aborted: the daemon connection was lost");
+        NODECOMM_RAISE(kDaemonUnavailable, "group aborted: the daemon connection was lost");
       case kShutdown:
-        NODECOMM_RAISE(kDaemonUnavailable, who + "group aborted: the daemon is shutting down");
+        NODECOMM_RAISE(kDaemonUnavailable, "group aborted: the daemon is shutting down");
       case kPeerLeft:
-        NODECOMM_RAISE(kPeerLost, who + "group closed: peer rank " + std::to_string(detail) + " left");
+        NODECOMM_RAISE(kPeerLost, "group closed: peer rank " + std::to_string(detail) + " left");
       case kStalled:
-        NODECOMM_RAISE(kPeerLost, who + "group aborted: rank " + std::to_string(detail) +
-                                      " timed out waiting for a peer");
+        NODECOMM_RAISE(kPeerLost, "group aborted: rank " + std::to_string(detail) + " timed out waiting for a peer");
       default:
-        NODECOMM_RAISE(kInternal, who + "group aborted with unknown reason " + std::to_string(reason));
+        NODECOMM_RAISE(kInternal, "group aborted with unknown reason " + std::to_string(reason));
     }
   }
 
@@ -375,9 +375,11 @@ class ShmGroup {
     const auto* flag = reinterpret_cast<const std::uint64_t*>(peer(rank_) + std::size_t(r) * kLineBytes);
     const std::uint64_t seen = __atomic_load_n(flag, __ATOMIC_ACQUIRE);
     abort_group(control_, kStalled, std::uint64_t(rank_));
-    NODECOMM_RAISE(kDeadlineExceeded, "rank " + std::to_string(rank_) + " waited " + std::to_string(waited) +
-                                          " s for rank " + std::to_string(r) + " at barrier epoch " +
-                                          std::to_string(epoch) + " (its flag reads " + std::to_string(seen) + ")");
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.1f", waited);
+    NODECOMM_RAISE(kDeadlineExceeded, std::string("waited ") + seconds + " s for rank " + std::to_string(r) +
+                                          " at barrier epoch " + std::to_string(epoch) + " (its flag reads " +
+                                          std::to_string(seen) + ")");
   }
 
   int rank_;
