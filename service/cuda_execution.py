@@ -11,9 +11,10 @@ when the group forms:
                   every rank's and records a "done" event whose handle answers the ranks. The
                   handles need a /dev/shm shared between the daemon and the ranks.
 
-An abort raises every rank's "input ready" word to the largest value, so that the daemon's stream
-runs out what it was given instead of waiting on a rank that is gone; the group's buffers are
-unmapped only once the stream is idle.
+An abort holds every rank's "input ready" word at the largest value until the daemon's stream has
+run out what it was given instead of waiting on a rank that is gone, and each rank raises its own
+"done" word (native/cuda/abort_watch.h); the group's buffers are unmapped only once the stream is
+idle.
 """
 
 from __future__ import annotations
@@ -109,13 +110,27 @@ class CudaExecution:
         self._stream, self._done = stream, done
 
     def release(self) -> None:
-        """The group aborted: raise every rank's "input ready" word past any sequence, so that the
-        stream runs out what it was given (ranks whose streams never get there are gone)."""
-        for buffer in self._rank_buffers:
-            try:
-                _native.cuda_write_word_now(self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _RELEASED)
-            except NodecommError as error:
-                log.error("releasing a CUDA service stream's wait failed", extra={"error": str(error)})
+        """The group aborted: hold every rank's "input ready" word past any sequence until the
+        stream has run out what it was given. Held, not written once: a killed rank's stream can
+        still run a write it had queued while the driver tears its context down, which would lower
+        the word again under a wait the stream has yet to reach."""
+        if self._rank_buffers and not self._closing:
+            self.thread.submit(self._hold_released)
+
+    def _hold_released(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        try:
+            while True:
+                for buffer in self._rank_buffers:
+                    _native.cuda_write_word_now(self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _RELEASED)
+                if self._stream is None or _native.cuda_stream_idle(self.device, self._stream):
+                    return
+                if time.monotonic() > deadline:
+                    log.error("a released CUDA service stream stayed busy")
+                    return
+                time.sleep(0.01)
+        except NodecommError as error:
+            log.error("releasing a CUDA service stream's wait failed", extra={"error": str(error)})
 
     def unmap_later(self, address: int, size_bytes: int) -> None:
         """Unmap memory the stream may still wait on (a group buffer) once it is idle."""

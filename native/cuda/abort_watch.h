@@ -6,8 +6,10 @@
 // set, writes this rank's "asked to stop" word (layout.h) from a side stream of this process's
 // context, which runs beside the waiting kernel at once; the kernel's wait reads that word at its
 // next clock check. (The daemon writing it would wait for its context's turn on a GPU that the
-// rank's kernels keep busy.) When the daemon is lost it also raises the service path's "done"
-// word, which the gone daemon never will, so the rank's stream does not wait on it for ever.
+// rank's kernels keep busy.) It also raises the service path's "done" word past any value: the
+// daemon's stream may never write it (the daemon is gone, or its stream waits on a rank that is),
+// and this rank's stream must not wait on it for ever. Outputs of work in flight are undefined
+// after an abort, as with any collective library.
 #pragma once
 
 #include <atomic>
@@ -54,7 +56,7 @@ class AbortWatch {
     }
     try {
       ask_to_stop(device_, buffer_);
-      if (reason == control::kDaemonLost) write_word_now(device_, buffer_ + kServiceDoneOffset, UINT64_MAX);
+      write_word_now(device_, buffer_ + kServiceDoneOffset, UINT64_MAX);
     } catch (...) {
       // The kernels still see the abort word within an abort-poll interval; nothing to report to.
     }

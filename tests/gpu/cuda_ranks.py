@@ -503,3 +503,28 @@ def isolated_rank(rank: int, world_size: int, socket: str) -> dict:
         comm.barrier()
         torch.cuda.synchronize()
     return {"problems": problems, "service": service, "ordering": shown}
+
+
+def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> dict:
+    """Rank 0's stream waits on its service "done" word for a value the daemon will never write
+    (as it would behind a daemon stream held up by a rank that died); rank 1 leaves. The abort must
+    raise the word, so that rank 0's stream runs on: polled for 30 s, never synchronised on."""
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    with nodecomm.connect("done-word", rank, world_size, device=device, socket=socket, timeout=60) as comm:
+        comm.all_reduce(torch.ones(16, device=device))  # both ranks are in
+        torch.cuda.synchronize()
+        if rank == 1:
+            time.sleep(2.0)  # rank 0's wait is queued before the abort
+            return {}
+        done = comm._transport.service_words[1]
+        _native.cuda_wait_word(torch.cuda.current_stream().cuda_stream, done, 1 << 62)
+        marker = torch.zeros(1, device=device)
+        marker.fill_(1.0)  # runs only once the wait is over
+        deadline = time.monotonic() + 30.0
+        while not torch.cuda.current_stream().query() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ran_on = torch.cuda.current_stream().query()
+        if ran_on:
+            torch.cuda.synchronize()
+        return {"stream_ran_on": ran_on, "marker": marker.item() if ran_on else None}
