@@ -508,7 +508,7 @@ def isolated_rank(rank: int, world_size: int, socket: str) -> dict:
 def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> dict:
     """Rank 0's stream waits on its service "done" word for a value the daemon will never write
     (as it would behind a daemon stream held up by a rank that died); rank 1 leaves. The abort must
-    raise the word, so that rank 0's stream runs on: polled for 30 s, never synchronised on."""
+    raise the word, so that rank 0's stream runs on: polled for 15 s (then written here, so that the process can end)."""
     device = device_for(rank)
     torch.cuda.set_device(device)
     with nodecomm.connect("done-word", rank, world_size, device=device, socket=socket, timeout=60) as comm:
@@ -521,10 +521,12 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
         _native.cuda_wait_word(torch.cuda.current_stream().cuda_stream, done, 1 << 62)
         marker = torch.zeros(1, device=device)
         marker.fill_(1.0)  # runs only once the wait is over
-        deadline = time.monotonic() + 30.0
+        deadline = time.monotonic() + 15.0
         while not torch.cuda.current_stream().query() and time.monotonic() < deadline:
             time.sleep(0.05)
         ran_on = torch.cuda.current_stream().query()
-        if ran_on:
-            torch.cuda.synchronize()
-        return {"stream_ran_on": ran_on, "marker": marker.item() if ran_on else None}
+        seen = {"stream_ran_on": ran_on, "abort": _native.abort_state(comm._control.address)[0] != 0}
+        if not ran_on:  # let the process end: write the word here
+            _native.cuda_write_word_now(torch.cuda.current_device(), done, (1 << 64) - 1)
+        torch.cuda.synchronize()
+        return {**seen, "marker": marker.item()}

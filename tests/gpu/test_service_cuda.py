@@ -55,7 +55,7 @@ def test_a_killed_rank_fails_its_peers_pending_submits(cuda_daemon, spawn_ranks)
 
 def test_an_abort_releases_a_survivors_wait_on_its_done_word(cuda_daemon, spawn_ranks):
     results = spawn_ranks(cuda_ranks.done_word_after_a_peer_leaves, 2, 2, cuda_daemon.socket, timeout=120).values()
-    assert results[0] == {"stream_ran_on": True, "marker": 1.0}, results
+    assert results[0] == {"stream_ran_on": True, "abort": True, "marker": 1.0}, results
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
