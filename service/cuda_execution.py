@@ -11,7 +11,7 @@ when the group forms:
                   every rank's and records a "done" event whose handle answers the ranks. The
                   handles need a /dev/shm shared between the daemon and the ranks.
 
-An abort holds every rank's "input ready" word at the largest value until the daemon's stream has
+An abort holds every rank's "input ready" word past any sequence until the daemon's stream has
 run out what it was given instead of waiting on a rank that is gone, and each rank raises its own
 "done" word (native/cuda/abort_watch.h); the group's buffers are unmapped only once the stream is
 idle.
@@ -31,9 +31,6 @@ from nodecomm.errors import NodecommError
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import RankAllocation
-
-# What an abort raises the "input ready" words to: past any sequence.
-_RELEASED = (1 << 64) - 1
 
 if TYPE_CHECKING:
     from .submissions import Part
@@ -122,7 +119,9 @@ class CudaExecution:
         try:
             while True:
                 for buffer in self._rank_buffers:
-                    _native.cuda_write_word_now(self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _RELEASED)
+                    _native.cuda_write_word_now(
+                        self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _native.CUDA_SERVICE_RELEASED
+                    )
                 if self._stream is None or _native.cuda_stream_idle(self.device, self._stream):
                     return
                 if time.monotonic() > deadline:

@@ -39,6 +39,7 @@ void bind_cuda_service(py::module_& m) {
   m.def("cuda_event_record", &executor::record_event, py::arg("device"), py::arg("event"), py::arg("stream"));
   m.attr("CUDA_SERVICE_READY_OFFSET") = cuda::kServiceReadyOffset;
   m.attr("CUDA_SERVICE_DONE_OFFSET") = cuda::kServiceDoneOffset;
+  m.attr("CUDA_SERVICE_RELEASED") = cuda::kServiceReleased;
   m.def("cuda_stream_words_supported", &cuda::stream_words_supported, py::arg("device"),
         "Whether `device` runs 64-bit stream memory operations (the service path's stream words).");
   m.def("cuda_write_word", &cuda::write_word, py::arg("stream"), py::arg("address"), py::arg("value"),

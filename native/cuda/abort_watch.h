@@ -56,7 +56,7 @@ class AbortWatch {
     }
     try {
       ask_to_stop(device_, buffer_);
-      write_word_now(device_, buffer_ + kServiceDoneOffset, UINT64_MAX);
+      write_word_now(device_, buffer_ + kServiceDoneOffset, kServiceReleased);
     } catch (...) {
       // The kernels still see the abort word within an abort-poll interval; nothing to report to.
     }

@@ -53,6 +53,10 @@ constexpr std::size_t kProbeOffset = kGaveUpOffset + 256;
 constexpr std::size_t kServiceReadyOffset = kProbeOffset + 256;
 constexpr std::size_t kServiceDoneOffset = kServiceReadyOffset + 128;
 constexpr std::size_t kSlotOffset = kServiceReadyOffset + 256;
+// What an abort raises service words to: past any sequence, yet within half the word's range of
+// every value a stream waits for, since a stream's wait compares cyclically ((int64_t)(word -
+// value) >= 0): the word's largest value would read as behind every sequence, not past it.
+constexpr std::uint64_t kServiceReleased = std::uint64_t(1) << 62;
 // dma segments are rounded up to this many bytes; the slack lets slot 1 hold world_size - 1 of them.
 constexpr std::size_t kSegmentAlign = 256;
 constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;

@@ -17,8 +17,9 @@ bool stream_words_supported(int device);
 // before it ran (visible to other processes and the host: system scope).
 void write_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t value);
 
-// Enqueue on `stream`: work after this starts once the word at `address` is at least `value`
-// (unsigned; the words only grow).
+// Enqueue on `stream`: work after this starts once the word at `address` is at least `value`,
+// compared cyclically as the driver does: (int64_t)(word - value) >= 0 (the words only grow, and
+// stay below 2^62: layout.h's kServiceReleased).
 void wait_word(std::uintptr_t stream, std::uintptr_t address, std::uint64_t value);
 
 // Write `value` to the word at `address`, mapped in this process on `device`, now: on a side

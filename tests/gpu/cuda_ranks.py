@@ -518,7 +518,8 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
             time.sleep(2.0)  # rank 0's wait is queued before the abort
             return {}
         done = comm._transport.service_words[1]
-        _native.cuda_wait_word(torch.cuda.current_stream().cuda_stream, done, 1 << 62)
+        never = 1 << 40  # what the daemon's stream would write after 2^40 collectives
+        _native.cuda_wait_word(torch.cuda.current_stream().cuda_stream, done, never)
         marker = torch.zeros(1, device=device)
         marker.fill_(1.0)  # runs only once the wait is over
         deadline = time.monotonic() + 15.0
@@ -527,6 +528,6 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
         ran_on = torch.cuda.current_stream().query()
         seen = {"stream_ran_on": ran_on, "abort": _native.abort_state(comm._control.address)[0] != 0}
         if not ran_on:  # let the process end: write the word here
-            _native.cuda_write_word_now(torch.cuda.current_device(), done, (1 << 64) - 1)
+            _native.cuda_write_word_now(torch.cuda.current_device(), done, never)
         torch.cuda.synchronize()
         return {**seen, "marker": marker.item()}
