@@ -53,7 +53,9 @@ class JobLease:
         try:
             while await reader.read(4096):
                 pass  # holders send nothing; anything sent is ignored
-        except OSError:
+        except (OSError, asyncio.CancelledError):
+            # Cancelled: the daemon is stopping with holders still there. Ended here, since
+            # asyncio's stream callback (Python 3.11) logs a cancelled handler as an error.
             pass
         finally:
             writer.close()

@@ -11,6 +11,7 @@ import torch
 
 import service_ranks
 from conftest import join_request, reserved_bytes, stub_for
+from nodecomm import _native
 from nodecomm.v1 import control_pb2 as pb
 
 
@@ -162,3 +163,17 @@ def test_the_dispatch_table_can_send_sizes_to_the_service_path(daemon, spawn_ran
         assert seen["small"] == [3.0] and seen["large"] == [3.0]
     # Only the 16 KiB all-reduce went to the daemon.
     assert 'nodecomm_service_collectives_total{op="all_reduce",result="ok"} 1.0' in daemon.metrics_text()
+
+
+@pytest.mark.skipif(not hasattr(_native, "CUDA_SERVICE_RELEASED"), reason="a CPU-only build has no CUDA service path")
+def test_an_abort_raises_service_words_past_every_sequence_a_stream_waits_for():
+    """A stream's wait on a word (cuStreamWaitValue64, GEQ) compares cyclically: it passes once
+    (int64_t)(word - value) >= 0. The word's largest value reads as behind every sequence, which
+    left a CUDA survivor waiting for ever on a daemon stream held up by a killed rank."""
+
+    def passes(word: int, value: int) -> bool:
+        return (word - value) % (1 << 64) < (1 << 63)
+
+    released = _native.CUDA_SERVICE_RELEASED
+    assert all(passes(released, value) for value in [1, 2, 1000, 1 << 32, released])
+    assert not passes((1 << 64) - 1, 1)
