@@ -16,6 +16,8 @@ from .config import DEFAULT_BOUNDARIES, DaemonConfig
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
 MAX_WORLD_SIZE = _native.MAX_RANKS
+# The world sizes CUDA kernels are instantiated for (native/cuda/world.h); none in a CPU-only build.
+CUDA_WORLD_SIZES: tuple[int, ...] = getattr(_native, "CUDA_WORLD_SIZES", ())
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,18 @@ class JoinArgs:
         return str(value)
 
 
+def _sizes(sizes: tuple[int, ...]) -> str:
+    """(1, 2, ..., 8, 16) as "1-8 or 16"."""
+    runs: list[list[int]] = []
+    for size in sorted(sizes):
+        if runs and size == runs[-1][-1] + 1:
+            runs[-1].append(size)
+        else:
+            runs.append([size])
+    shown = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
+    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
+
+
 def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None:
     where = dict(group=args.group or None, rank=args.rank)
     if not _GROUP_NAME.fullmatch(args.group):
@@ -83,6 +97,12 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
     if args.world_size > config.max_ranks_per_group:
         raise ResourceExhaustedError(
             f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
+            **where,
+        )
+    if args.device_kind == "cuda" and args.world_size not in CUDA_WORLD_SIZES:
+        raise InvalidArgumentError(
+            f"world_size {args.world_size}: a CUDA group takes {_sizes(CUDA_WORLD_SIZES)} ranks (the sizes its "
+            "kernels are built for)",
             **where,
         )
     if not 0 <= args.rank < args.world_size:

@@ -8,6 +8,7 @@ import pytest
 
 import ranks
 from conftest import join_request, reserved_bytes, stub_for
+from nodecomm import _native
 from nodecomm.v1 import control_pb2 as pb
 
 
@@ -79,6 +80,13 @@ def test_join_deadline_names_who_came_who_gave_up_and_who_never_came(daemon):
         ({"world_size": -1}, grpc.StatusCode.INVALID_ARGUMENT, "world_size -1: expected 1..16"),
         ({"world_size": 0}, grpc.StatusCode.INVALID_ARGUMENT, "world_size 0"),
         ({"world_size": 17}, grpc.StatusCode.INVALID_ARGUMENT, "expected 1..16"),
+        pytest.param(
+            {"world_size": 9, "device": "GPU-00000000-0000-0000-0000-000000000000"},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "world_size 9: a CUDA group takes 1-8 or 16 ranks (the sizes its kernels are built for)",
+            marks=pytest.mark.skipif(not hasattr(_native, "CUDA_WORLD_SIZES"), reason="a CPU-only build"),
+            id="cuda-world-9",
+        ),
         ({"rank": 2, "world_size": 2}, grpc.StatusCode.INVALID_ARGUMENT, "rank 2: expected 0..1"),
         ({"rank": -3}, grpc.StatusCode.INVALID_ARGUMENT, "rank -3"),
         ({"group": ""}, grpc.StatusCode.INVALID_ARGUMENT, "group name ''"),

@@ -3,11 +3,15 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
+#include <vector>
+
 #include "codes.h"
 #include "wire.h"
 #include "cuda/group.h"
 #include "cuda/layout.h"
 #include "cuda/topk.h"
+#include "cuda/world.h"
 
 #include "bindings.h"
 
@@ -18,6 +22,7 @@ namespace nodecomm::bindings {
 void bind_cuda_group(py::module_& m) {
   namespace cuda = nodecomm::cuda;
   m.attr("CUDA_MAX_BLOCKS") = cuda::kMaxBlocks;
+  m.attr("CUDA_WORLD_SIZES") = py::tuple(py::cast(std::vector<int>(std::begin(cuda::kWorldSizes), std::end(cuda::kWorldSizes))));
   m.def(
       "cuda_resident_blocks",
       [](int device) {
