@@ -251,10 +251,16 @@ def test_bad_arguments_are_usage_errors_before_anything_starts(argv):
 def _interrupted(command: list[str], wait_for: str) -> subprocess.CompletedProcess:
     """`command` in a process group of its own, sent Ctrl-C's SIGINT (to the whole group, as a
     terminal does) once it printed a line holding `wait_for`."""
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    # As a terminal runs it: a test run started in the background of a script (`&`) ignores
+    # SIGINT, and a child inherits an ignored signal, which Python then leaves ignored.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         while (line := process.stdout.readline()) and wait_for not in line:
             pass
