@@ -23,6 +23,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -115,21 +116,14 @@ class CudaExecution:
             self.thread.submit(self._hold_released)
 
     def _hold_released(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        try:
-            while True:
-                for buffer in self._rank_buffers:
-                    _native.cuda_write_word_now(
-                        self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _native.CUDA_SERVICE_RELEASED
-                    )
-                if self._stream is None or _native.cuda_stream_idle(self.device, self._stream):
-                    return
-                if time.monotonic() > deadline:
-                    log.error("a released CUDA service stream stayed busy")
-                    return
-                time.sleep(0.01)
-        except NodecommError as error:
-            log.error("releasing a CUDA service stream's wait failed", extra={"error": str(error)})
+        if not self._idle(while_busy=self._release_words):
+            log.error("a released CUDA service stream stayed busy")
+
+    def _release_words(self) -> None:
+        for buffer in self._rank_buffers:
+            _native.cuda_write_word_now(
+                self.device, buffer + _native.CUDA_SERVICE_READY_OFFSET, _native.CUDA_SERVICE_RELEASED
+            )
 
     def unmap_later(self, address: int, size_bytes: int) -> None:
         """Unmap memory the stream may still wait on (a group buffer) once it is idle."""
@@ -145,17 +139,20 @@ class CudaExecution:
         os.close(allocation.fd)
         self.unmap_later(allocation.address, allocation.size_bytes)
 
-    def _idle(self) -> bool:
-        """Whether the stream has run all it was given, polled up to `timeout`: it may wait on a
-        rank whose stream never gets to its event (a rank that died)."""
+    def _idle(self, while_busy: Callable[[], None] = lambda: None) -> bool:
+        """Whether the stream has run all it was given, polled up to `timeout` (calling
+        `while_busy` before each look): it may wait on a rank whose stream never gets to its
+        word or event (a rank that died)."""
         deadline = time.monotonic() + self.timeout
         try:
+            while_busy()
             while self._stream is not None and not _native.cuda_stream_idle(self.device, self._stream):
                 if time.monotonic() > deadline:
                     return False
                 time.sleep(0.01)
+                while_busy()
         except NodecommError as error:
-            log.error("querying a CUDA service stream failed", extra={"error": str(error)})
+            log.error("a CUDA service stream failed", extra={"error": str(error)})
             return False
         return True
 

@@ -99,7 +99,7 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
             f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
             **where,
         )
-    if args.device_kind == "cuda" and args.world_size not in CUDA_WORLD_SIZES:
+    if args.device_kind == "cuda" and CUDA_WORLD_SIZES and args.world_size not in CUDA_WORLD_SIZES:
         raise InvalidArgumentError(
             f"world_size {args.world_size}: a CUDA group takes {_sizes(CUDA_WORLD_SIZES)} ranks (the sizes its "
             "kernels are built for)",
