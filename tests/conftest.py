@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import faulthandler
 import itertools
 import json
 import multiprocessing as mp
@@ -46,6 +47,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# pytest-timeout's alarm cannot break a wait inside C code (a deadlock in a library's fork
+# handler once hung a CI run past its 90 minutes): this long after a test's own timeout, the run
+# ends with every thread's stack instead. faulthandler's watchdog is a C thread, needing no GIL.
+HUNG_AFTER_TIMEOUT_SECONDS = 300
+
+
+def pytest_configure(config):
+    # Capture is suspended here: this is the run's real standard error.
+    config.stash[_STACKS_TO] = os.fdopen(os.dup(2), "w")
+
+
+_STACKS_TO = pytest.StashKey()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    if timeout > 0:
+        stacks_to = item.config.stash[_STACKS_TO]
+        faulthandler.dump_traceback_later(timeout + HUNG_AFTER_TIMEOUT_SECONDS, exit=True, file=stacks_to)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def free_port() -> int:
@@ -342,10 +370,12 @@ class User:
         return {**base, **extra}
 
     def popen(self, args: list[str], env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
-        return subprocess.Popen(
-            args, user=self.uid, group=self.uid, extra_groups=list(self.groups), cwd=self.home,
-            env=self.environment(**(env or {})), **kwargs,
-        )  # fmt: skip
+        # setpriv drops to the uid in the new process: Popen(user=...) would fork() this one, whose
+        # gRPC fork handler can wait for good on gRPC's timer thread (seen on a busy 2-core
+        # machine); without user= Popen uses vfork(), which runs no fork handlers.
+        groups = f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups"
+        command = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", groups, "--", *args]
+        return subprocess.Popen(command, cwd=self.home, env=self.environment(**(env or {})), **kwargs)
 
     def run(
         self, args: list[str], env: dict[str, str] | None = None, timeout: float = 180
