@@ -20,14 +20,14 @@ from nodecomm.errors import (
     PeerLostError,
     from_rpc_error,
 )
-from nodecomm.thresholds import DispatchTable, Path, Wire
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
-from .dispatch import Dispatcher
+from .dispatch import PATH_CODES, WIRES, Dispatcher
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
@@ -38,6 +38,8 @@ from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
 log = logging.getLogger("nodecomm.client")
 
 Transport = HostTransport | CudaTransport
+_SERVICE = PATH_CODES[Path.SERVICE]
+_ALL_REDUCE = pb.ALL_REDUCE
 
 
 class Communicator:
@@ -87,13 +89,14 @@ class Communicator:
             table, transport.paths | {Path.SERVICE}, transport.kind, form_of=transport.form,
             wire_paths=transport.wire_paths,
             explore_period=explore_period, switch_period=table_switch_period,
+            sample_period=max(1, timing_sample_period),
         )  # fmt: skip
-        self._sample_period = max(1, timing_sample_period)
+        self._dispatch = self._dispatcher.native  # what every all_reduce asks, without Python
         self._operation_timeout = operation_timeout
-        self._samples: list[tuple[Path, int, Wire, object, object]] = []  # started, not yet reported
+        self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        self._lease = Lease(self._stub, membership, control.address, self._metadata)
+        self._lease = Lease(self._stub, membership, control.address, self._dispatch, self._metadata)
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
@@ -143,30 +146,32 @@ class Communicator:
         """
         self._check_tensor(tensor, "tensor")
         out = self._output(out, tuple(tensor.shape), tensor.dtype)
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
+        capturing = self._transport.capturing()
         try:
-            decision = self._dispatcher.decide(nbytes, forced=path, capturing=self._transport.capturing(), wire=wire)
+            forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
+            chosen, on_wire, _, sampled = self._dispatch.decide(nbytes, forced, wanted, capturing)
         except NodecommError as error:
             raise self._located(error) from None
-        chosen, on_wire = decision.path, decision.wire
-        sampled = decision.explored or (self._dispatcher.calls - 1) % self._sample_period == 0
-        if chosen is Path.SERVICE:
+        if chosen == _SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
-            self._lease.count(pb.ALL_REDUCE, chosen, nbytes)
-            self._maybe_switch_table()
+            self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, nbytes)
+            self._maybe_switch_table(capturing)
             return work if async_op else work.wait()
         sample = (chosen, nbytes, on_wire) if sampled else None
-        self._run(self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire, sample=sample)
-        self._lease.count(
-            pb.ALL_REDUCE, chosen, nbytes, on_wire, on_wire.encoded_bytes(tensor.numel(), tensor.element_size())
-        )
-        self._maybe_switch_table()
+        self._run(
+            self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire,
+            sample=sample, capturing=capturing,
+        )  # fmt: skip
+        sent = nbytes if on_wire == 0 else WIRES[on_wire].encoded_bytes(tensor.numel(), tensor.element_size())
+        self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, sent)
+        self._maybe_switch_table(capturing)
         return ServiceWork.completed(out) if async_op else out
 
-    def _maybe_switch_table(self) -> None:
+    def _maybe_switch_table(self, capturing: bool) -> None:
         """After every table_switch_period-th all-reduce: after the call, so that what accepts()
         answered before a call is what that call dispatches by."""
-        if self._dispatcher.switch_due(self._transport.capturing()):
+        if self._dispatch.switch_due(capturing):
             self._agree_on_table()
 
     def accepts(self, tensor: torch.Tensor) -> bool:
@@ -237,13 +242,15 @@ class Communicator:
             )
         self._run(self._transport.barrier, self._operation_timeout)
 
-    def _run(self, operation, *args, sample: tuple[Path, int, Wire] | None = None) -> None:
+    def _run(self, operation, *args, sample: tuple[int, int, int] | None = None, capturing: bool | None = None) -> None:
         """Run a transport operation under the lock that close() takes, errors located here; with
-        `sample` (path, bytes, wire), timed and reported to the daemon."""
+        `sample` (path code, bytes, wire code), timed and reported to the daemon. `capturing`:
+        whether the stream captures, where the caller knows."""
         with self._lock:
             self._check_usable(call_follows=True)
             # Nothing is timed or queried while a CUDA graph is being captured.
-            capturing = self._transport.capturing()
+            if capturing is None:
+                capturing = self._transport.capturing()
             timed = sample is not None and not capturing
             start = self._transport.mark() if timed else None
             try:

@@ -21,6 +21,7 @@ from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
 
 _RECORDS_WAIT_SECONDS = 0.5
+_NCCL = Path.NCCL.to_proto()
 
 
 def mismatch_error(control_address: int, world_size: int, **where) -> GroupMismatchError:
@@ -79,7 +80,7 @@ class CudaTransport:
         expected = pattern * self.world_size + self.world_size * (self.world_size - 1) // 2
         for path in (Path.ONESHOT, Path.TWOSHOT, Path.DMA):
             out = torch.empty_like(pattern)
-            self.all_reduce(pattern + self.rank, out, path, timeout)
+            self.all_reduce(pattern + self.rank, out, path.to_proto(), timeout)
             torch.cuda.synchronize(self.device)
             wrong = int((out != expected).sum())
             if wrong:
@@ -114,18 +115,17 @@ class CudaTransport:
     def _stream(self) -> int:
         return torch.cuda.current_stream(self.device).cuda_stream
 
-    def all_reduce(
-        self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float, wire: Wire = Wire.LOSSLESS
-    ) -> None:
-        if path is Path.NCCL:  # the Dispatcher gives it no compressed wire (wire_paths)
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
+        """path, wire: nodecomm.v1 codes, as the native Dispatch gives them."""
+        if path == _NCCL:  # the Dispatch gives it no compressed wire (wire_paths)
             if out.data_ptr() != tensor.data_ptr():
                 out.copy_(tensor)
             torch.distributed.all_reduce(out, group=self._nccl_group)
             return
         with self._enqueueing():  # the native group runs a call larger than a slot in pieces
             self._group.all_reduce(
-                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout,
-                self._stream(), wire.to_proto(),
+                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout,
+                self._stream(), wire,
             )  # fmt: skip
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:

@@ -1,32 +1,35 @@
-"""The one place that decides which path carries a rank's all-reduce.
+"""The rank's view of the one place that decides which path carries its all-reduce.
 
-The daemon's dispatch table (nodecomm/thresholds.py) maps sizes to paths; the Dispatcher turns a
-call into a path: the path the caller forced, or the table's for its size, now and then the
-neighbouring lossless path instead (so the daemon gets timings on both sides of a boundary), and
-never a path the stream cannot run (the service path under graph capture), and the form the path
-takes at that size (oneshot pushes or pulls on CUDA, as the native group says), and the wire the
-payload crosses as: lossless unless the call asks for a compressed one or the group asked and the
-table gives the size one (a group that did not ask never gets one). It also owns the
-table: every rank switches to a newer one only when all agree on it. Every rank makes the same
-calls in the same order, so every rank's Dispatcher decides the same; it needs no group to test.
+The daemon's dispatch table (nodecomm/thresholds.py) maps sizes to paths; native/dispatch.h turns
+a call into a path and a wire, on every call without Python (the rule is written there once). The
+Dispatcher installs the table the ranks agree on into it, names paths and wires for callers that
+force them, and answers what the bench, calibration and accepts() ask. Every rank makes the same
+calls in the same order, so every rank decides the same; it needs no group to test.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nodecomm import _native
 from nodecomm.errors import InvalidArgumentError
 from nodecomm.thresholds import DispatchTable, Path, Wire
 
-# Paths that give the same bits, so exploring between them changes no result.
-LOSSLESS = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})
+# nodecomm.v1 codes, looked up once: the native side takes and returns codes.
+PATH_CODES = {path: path.to_proto() for path in Path}
+PATHS = {code: path for path, code in PATH_CODES.items()}
+WIRE_CODES = {wire: wire.to_proto() for wire in Wire}
+WIRES = {code: wire for wire, code in WIRE_CODES.items()}
 
 
 def one_form(path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
     """The form of a transport whose paths have one each."""
     return ""
+
+
+def path_mask(paths: frozenset[Path]) -> int:
+    return sum(1 << PATH_CODES[path] for path in paths)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Decision:
     wire: Wire = Wire.LOSSLESS
     nbytes: int = 0
     form_of: Callable[[Path, int, Wire], str] = field(default=one_form, repr=False, compare=False)
+    sampled: bool = False  # time this call for the daemon
 
     @property
     def form(self) -> str:
@@ -48,8 +52,9 @@ class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
     `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes, wire)`: the transport's form of
     a path at a size; `wire_paths`: the paths on which it runs compressed wires; every
-    `explore_period`-th call explores, after every `switch_period`-th one the ranks agree on the
-    newest table (0: never)."""
+    `explore_period`-th call explores, every `sample_period`-th is timed, after every
+    `switch_period`-th one the ranks agree on the newest table (0: never). `native` is the
+    decider itself, for the hot path."""
 
     def __init__(
         self,
@@ -61,42 +66,51 @@ class Dispatcher:
         wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
         switch_period: int = 0,
+        sample_period: int = 1,
     ):
-        self.table = table
         self.paths = paths
         self._kind = kind
         self._form_of = form_of
-        self._wire_paths = wire_paths
-        self._explore_period = explore_period
-        self._switch_period = switch_period
-        self.calls = 0  # all-reduce calls decided: the same count on every rank
+        self.native = _native.Dispatch(
+            path_mask(paths), path_mask(wire_paths), kind, explore_period, sample_period, switch_period
+        )
+        self.table = table
+
+    @property
+    def table(self) -> DispatchTable:
+        return self._table
+
+    @table.setter
+    def table(self, table: DispatchTable) -> None:
+        start = next((b.value_bytes for b in table.boundaries if b.name == "compressed_min_bytes"), None)
+        self.native.install(
+            table.epoch, list(table.range_max), [PATH_CODES[p] for p in table.range_paths],
+            [WIRE_CODES[w] for w in table.range_wires], WIRE_CODES[table.wire], -1 if start is None else start,
+        )  # fmt: skip
+        self._table = table
+
+    @property
+    def calls(self) -> int:
+        """All-reduce calls decided: the same count on every rank."""
+        return self.native.calls
+
+    def codes(self, forced: str | None, wire: str | None) -> tuple[int, int]:
+        """The native codes of a call's forced path (0: the table's) and wire (-1: the table's).
+        A name refused here counts as a decided call all the same: every rank refuses the same ones."""
+        try:
+            forced_code = 0 if forced is None else PATH_CODES[self.forced_path(forced)]
+            return forced_code, -1 if wire is None else WIRE_CODES[self._parsed_wire(wire)]
+        except InvalidArgumentError:
+            self.native.refused()
+            raise
 
     def decide(self, nbytes: int, *, forced: str | None, capturing: bool, wire: str | None = None) -> Decision:
         """The path and wire of the next all-reduce of `nbytes`: the path forced to `forced` and the
         wire to `wire` unless None; counts the call. InvalidArgumentError where the rank cannot run
         the path or carry the wire on it."""
-        self.calls += 1
-        explore = bool(self._explore_period) and self.calls % self._explore_period == 0 and not capturing
-        wanted = self.table.wire_for(nbytes) if wire is None else self._parsed_wire(wire)
-        if explore and wire is None and forced is None:
-            # Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
-            other, path = self.table.wire_neighbour(nbytes), self.table.path_for(nbytes)
-            if other is not None and path in self._wire_paths and path in self.paths:
-                return Decision(path, True, other, nbytes, self._form_of)
-        # A compressed call is not explored onto another path: path moves compare lossless timings.
-        decision = self._path(nbytes, forced, capturing, explore and wanted is Wire.LOSSLESS)
-        if wanted is Wire.LOSSLESS:
-            return decision
-        path = decision.path
-        if path not in self._wire_paths:
-            if wire is None:  # the table's wire on a path this rank carries losslessly only
-                return decision
-            carriers = ", ".join(sorted(p.value for p in self._wire_paths)) or "no path"
-            raise InvalidArgumentError(
-                f"wire {wanted.value!r} on the {path.value} path: a {self._kind.upper()} group carries compressed "
-                f"wires on {carriers}"
-            )
-        return dataclasses.replace(decision, wire=wanted)
+        forced_code, wire_code = self.codes(forced, wire)
+        path, on_wire, explored, sampled = self.native.decide(nbytes, forced_code, wire_code, capturing)
+        return Decision(PATHS[path], explored, WIRES[on_wire], nbytes, self._form_of, sampled)
 
     @staticmethod
     def _parsed_wire(name: str) -> Wire:
@@ -105,28 +119,6 @@ class Dispatcher:
         except (ValueError, AttributeError):
             raise InvalidArgumentError(f"wire {name!r}: expected one of lossless, int8, fp8") from None
 
-    def _path(self, nbytes: int, forced: str | None, capturing: bool, explore: bool) -> Decision:
-        if forced is not None:
-            path = self.forced_path(forced)
-            return Decision(path, False, Wire.LOSSLESS, nbytes, self._form_of)
-        chosen = self.table.path_for(nbytes)
-        if chosen not in self.paths:
-            hint = "; it runs NCCL itself for these sizes (ask accepts() first)" if chosen is Path.NCCL else ""
-            raise InvalidArgumentError(
-                f"the dispatch table sends {nbytes} bytes to {chosen.value}, which this rank cannot run{hint}"
-            )
-        if chosen is Path.SERVICE and capturing:
-            raise InvalidArgumentError(
-                f"the dispatch table sends {nbytes} bytes to the service path (service_min_bytes), which a "
-                "CUDA graph cannot capture; pass path= for captured calls, or turn service_min_bytes off"
-            )
-        if explore and chosen in LOSSLESS:
-            # Between lossless paths, so the result's bits are the same.
-            neighbour = self.table.neighbour_path(nbytes)
-            if neighbour in LOSSLESS and neighbour in self.paths:
-                return Decision(neighbour, True, Wire.LOSSLESS, nbytes, self._form_of)
-        return Decision(chosen, False, Wire.LOSSLESS, nbytes, self._form_of)
-
     def form(self, path: str, nbytes: int, wire: str | None = None) -> str:
         """The form `path` takes for an all-reduce of `nbytes` (over `wire`) on this rank, without
         deciding a call."""
@@ -134,7 +126,7 @@ class Dispatcher:
 
     def accepts(self, nbytes: int) -> bool:
         """Whether the table gives `nbytes` a path this rank runs."""
-        return self.table.path_for(nbytes) in self.paths
+        return self.native.accepts(nbytes)
 
     def forced_path(self, name: str) -> Path:
         """The path named `name`, which this rank must run."""
@@ -154,7 +146,7 @@ class Dispatcher:
         """Whether the ranks agree on a table after this call: after every switch_period-th
         all-reduce (after it, so that what accepts() answered before a call is what that call
         dispatched by), and never inside a graph capture."""
-        return bool(self._switch_period) and self.calls % self._switch_period == 0 and not capturing
+        return self.native.switch_due(capturing)
 
     def agree(self, offered: dict[int, DispatchTable], lowest_of_ranks: Callable[[int], int]) -> int | None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of

@@ -33,13 +33,11 @@ class HostTransport:
         """Host paths have one form each."""
         return ""
 
-    def all_reduce(
-        self, tensor: torch.Tensor, out: torch.Tensor, path: Path, timeout: float, wire: Wire = Wire.LOSSLESS
-    ) -> None:
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
+        """path, wire: nodecomm.v1 codes, as the native Dispatch gives them."""
         self._group.all_reduce(
-            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path.to_proto(), timeout,
-            wire.to_proto(),
-        )  # fmt: skip
+            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout, wire
+        )
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         self._group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)

@@ -23,6 +23,7 @@ from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .dispatch import PATH_CODES, WIRE_CODES
 from .membership import Membership
 
 log = logging.getLogger("nodecomm.client")
@@ -40,6 +41,7 @@ class Lease:
         stub: pb_grpc.ControlStub,
         membership: Membership,
         control_address: int,
+        counts: _native.Dispatch,
         metadata: tuple[tuple[str, bytes], ...] = (),
     ):
         self._group = membership.group
@@ -50,9 +52,7 @@ class Lease:
         self._metadata = metadata
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         self._pending: list[pb.Timing] = []
-        self._counts: dict[
-            tuple[int, Path, Wire], list[int]
-        ] = {}  # (op, path, wire) -> [operations, bytes, wire bytes]
+        self._counts = counts  # operations per (op, path, wire), counted natively by every call
         self._batch_lock = threading.Lock()  # the caller's thread adds, the stream's thread may flush
         self._last_flush = time.monotonic()
         self._dropping = False  # batches are being dropped (warned once per episode)
@@ -129,9 +129,10 @@ class Lease:
                 )
             self._ready.set()
 
-    def report(self, path: Path, nbytes: int, seconds: float, wire: Wire = Wire.LOSSLESS) -> None:
+    def report(self, path: int, nbytes: int, seconds: float, wire: int = 0) -> None:
+        """One timed call on `path` over `wire` (nodecomm.v1 codes)."""
         with self._batch_lock:
-            self._pending.append(pb.Timing(path=path.to_proto(), bytes=nbytes, seconds=seconds, wire=wire.to_proto()))
+            self._pending.append(pb.Timing(path=path, bytes=nbytes, seconds=seconds, wire=wire))
             due = len(self._pending) >= _BATCH
         if due or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
@@ -140,14 +141,9 @@ class Lease:
         self, op: int, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS, wire_bytes: int | None = None
     ) -> None:
         """One call of `op` (pb.Op) on `path` moving `nbytes` of this rank's payload, which took
-        `wire_bytes` (default: nbytes) on `wire`."""
-        with self._batch_lock:
-            entry = self._counts.get((op, path, wire))
-            if entry is None:
-                entry = self._counts[(op, path, wire)] = [0, 0, 0]
-            entry[0] += 1
-            entry[1] += nbytes
-            entry[2] += nbytes if wire_bytes is None else wire_bytes
+        `wire_bytes` (default: nbytes) on `wire`. (all_reduce counts through the native Dispatch.)"""
+        sent = nbytes if wire_bytes is None else wire_bytes
+        self._counts.count(op, PATH_CODES[path], WIRE_CODES[wire], nbytes, sent)
         if time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
 
@@ -155,16 +151,14 @@ class Lease:
         """The timings and counts not sent yet, as one message (None if there are none)."""
         with self._batch_lock:
             self._last_flush = time.monotonic()
-            if not self._pending and not self._counts:
-                return None
             counts = [
-                pb.OperationCount(
-                    op=op, path=path.to_proto(), operations=n, bytes=nbytes, wire=wire.to_proto(), wire_bytes=sent
-                )
-                for (op, path, wire), (n, nbytes, sent) in self._counts.items()
+                pb.OperationCount(op=op, path=path, operations=n, bytes=nbytes, wire=wire, wire_bytes=sent)
+                for op, path, wire, n, nbytes, sent in self._counts.take_counts()
             ]
+            if not self._pending and not counts:
+                return None
             batch = pb.SessionUp(timings=pb.TimingBatch(timings=self._pending, counts=counts))
-            self._pending, self._counts = [], {}
+            self._pending = []
         return batch
 
     def flush(self) -> None:

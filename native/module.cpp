@@ -42,6 +42,7 @@ PYBIND11_MODULE(_native, m) {
 
   nodecomm::bindings::bind_control(m);
   nodecomm::bindings::bind_host(m);
+  nodecomm::bindings::bind_dispatch(m);
 #ifdef NODECOMM_WITH_CUDA
   m.attr("WITH_CUDA") = true;
   nodecomm::bindings::bind_cuda_memory(m);

@@ -143,3 +143,30 @@ def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():
     assert dispatcher.decide(512 * KIB, forced=None, capturing=True).wire is Wire.LOSSLESS  # the 8th, in a capture
     plain = Dispatcher(build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1)
     assert all(plain.decide(512 * KIB, forced=None, capturing=False).wire is Wire.LOSSLESS for _ in range(4))
+
+
+def test_the_sampled_calls_and_the_counts_are_kept_natively():
+    """Every sample_period-th call, and every explored one, is timed; the counts of what each path
+    carried add up per (op, path, wire) until taken, and a take starts them again. A bad code or
+    a table that is not one is refused with what was expected."""
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, sample_period=4)
+    sampled = [dispatcher.decide(16 * KIB, forced=None, capturing=False).sampled for _ in range(9)]
+    # Calls 1, 5 and 9 by the period; 3, 6 and 9 explore (16 KiB is within 4x of the 32 KiB edge).
+    assert sampled == [True, False, True, False, True, True, False, False, True]
+    native = dispatcher.native
+    oneshot, dma, int8 = Path.ONESHOT.to_proto(), Path.DMA.to_proto(), Wire.INT8.to_proto()
+    for nbytes in (100, 200):
+        native.count(1, oneshot, 0, nbytes, nbytes)
+    native.count(1, dma, int8, 4096, 1152)
+    native.count(2, oneshot, 0, 64, 64)
+    assert sorted(native.take_counts()) == [
+        (1, oneshot, 0, 2, 300, 300),
+        (1, dma, int8, 1, 4096, 1152),
+        (2, oneshot, 0, 1, 64, 64),
+    ]
+    assert native.take_counts() == []
+    with pytest.raises(InvalidArgumentError, match="unknown path code 9: expected 1-5"):
+        native.count(1, 9, 0, 1, 1)
+    with pytest.raises(InvalidArgumentError, match="range ends must increase"):
+        native.install(2, [64, 32], [1, 2, 3], [], 0, -1)
+    assert dispatcher.table is TABLE and native.epoch == 1  # the refused table left the one in force

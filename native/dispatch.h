@@ -1,0 +1,235 @@
+// dispatch.h — the one place that decides which path and wire carry a rank's all-reduce, and the
+// counts of what each path carried, both on every call without Python. The table comes from the
+// daemon (nodecomm/thresholds.py builds it; Python installs each one the ranks agree on); the
+// rule is: the path the caller forced, or the table's for the size, now and then the neighbouring
+// lossless path instead (so the daemon gets timings on both sides of a boundary), never a path
+// the stream cannot run (the service path under graph capture). Every rank makes the same calls
+// in the same order, so every rank's Dispatch decides the same.
+#pragma once
+
+#include <array>
+#include <cctype>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "errors.h"
+#include "wire.h"
+
+namespace nodecomm::dispatch {
+
+// Equal to nodecomm.v1.Path values.
+enum class Path : int { kNone = 0, kOneshot = 1, kTwoshot = 2, kDma = 3, kNccl = 4, kService = 5 };
+constexpr int kPaths = 6;
+constexpr int kWires = 3;
+constexpr int kOps = 8;  // nodecomm.v1.Op values are below this
+
+inline const char* path_name(Path path) {
+  static const char* names[kPaths] = {"none", "oneshot", "twoshot", "dma", "nccl", "service"};
+  return names[int(path)];
+}
+
+inline const char* wire_name(wire::Wire w) {
+  static const char* names[kWires] = {"lossless", "int8", "fp8"};
+  return names[int(w)];
+}
+
+inline Path path_of(int code) {
+  NODECOMM_CHECK(code >= 1 && code < kPaths, "unknown path code " + std::to_string(code) + ": expected 1-5");
+  return Path(code);
+}
+
+inline wire::Wire any_wire_of(int code) {
+  NODECOMM_CHECK(code >= 0 && code < kWires, "unknown wire code " + std::to_string(code) + ": expected 0-2");
+  return wire::Wire(code);
+}
+
+inline bool lossless_path(Path path) {  // paths that give the same bits, so exploring changes no result
+  return path == Path::kOneshot || path == Path::kTwoshot || path == Path::kDma;
+}
+
+// Size ranges -> path and wire. range_max[i] is inclusive; the last range is unbounded.
+struct Table {
+  std::uint64_t epoch = 0;
+  std::vector<std::uint64_t> range_max;
+  std::vector<Path> range_paths;        // range_max.size() + 1
+  std::vector<wire::Wire> range_wires;  // as range_paths
+  wire::Wire wire = wire::Wire::kLossless;  // the compressed wire the group asked for
+  std::int64_t compressed_min = -1;         // compressed_min_bytes; -1: none
+
+  std::size_t index(std::uint64_t nbytes) const {  // the first range whose end is >= nbytes
+    std::size_t low = 0, high = range_max.size();
+    while (low < high) {
+      const std::size_t mid = (low + high) / 2;
+      if (range_max[mid] < nbytes) low = mid + 1; else high = mid;
+    }
+    return low;
+  }
+  Path path_for(std::uint64_t nbytes) const { return range_paths[index(nbytes)]; }
+  wire::Wire wire_for(std::uint64_t nbytes) const { return range_wires[index(nbytes)]; }
+
+  // The adjacent range's path where nbytes lies within a factor of 4 of the edge between them.
+  Path neighbour_path(std::uint64_t nbytes) const {
+    const std::size_t i = index(nbytes);
+    if (i > 0 && nbytes <= 4 * range_max[i - 1]) return range_paths[i - 1];
+    if (i < range_max.size() && 4 * nbytes > range_max[i]) return range_paths[i + 1];
+    return Path::kNone;
+  }
+
+  // For a group that asked for a compressed wire: the other wire within a factor of 4 of
+  // compressed_min_bytes; -1 elsewhere.
+  int wire_neighbour(std::uint64_t nbytes) const {
+    if (wire == wire::Wire::kLossless || compressed_min < 0) return -1;
+    const auto start = std::uint64_t(compressed_min);
+    if (nbytes < start / 4 || nbytes > 4 * start) return -1;
+    return int(wire_for(nbytes) != wire::Wire::kLossless ? wire::Wire::kLossless : wire);
+  }
+};
+
+inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_max, const std::vector<int>& paths,
+                        const std::vector<int>& wires, int group_wire, std::int64_t compressed_min) {
+  Table table;
+  table.epoch = epoch;
+  NODECOMM_CHECK(paths.size() == range_max.size() + 1, "a table needs one path more than range ends");
+  NODECOMM_CHECK(wires.empty() || wires.size() == paths.size(), "a table's wires, where given, are one per range");
+  for (std::size_t i = 1; i < range_max.size(); ++i)
+    NODECOMM_CHECK(range_max[i - 1] < range_max[i], "a table's range ends must increase");
+  table.range_max = std::move(range_max);
+  for (int code : paths) table.range_paths.push_back(path_of(code));
+  for (std::size_t i = 0; i < paths.size(); ++i)
+    table.range_wires.push_back(wires.empty() ? wire::Wire::kLossless : any_wire_of(wires[i]));
+  table.wire = any_wire_of(group_wire);
+  table.compressed_min = compressed_min;
+  return table;
+}
+
+struct Decision {
+  Path path;
+  wire::Wire wire;
+  bool explored;  // the table's neighbour, not its choice: time it for the daemon
+  bool sampled;   // time this call for the daemon
+};
+
+// Decides one rank's all-reduces. `paths` and `wire_paths` are bit masks (1 << Path) of what the
+// rank runs and on which paths it carries compressed wires; `kind` ("cpu", "cuda") names the group
+// in messages; every explore_period-th call explores, every sample_period-th is timed, after every
+// switch_period-th the ranks agree on the newest table (0: never).
+class Dispatch {
+ public:
+  Dispatch(Table table, unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
+           std::uint64_t sample_period, std::uint64_t switch_period)
+      : table_(std::move(table)), paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)),
+        explore_period_(explore_period), sample_period_(sample_period ? sample_period : 1),
+        switch_period_(switch_period) {
+    for (auto& c : kind_) c = char(std::toupper(static_cast<unsigned char>(c)));
+  }
+
+  void install(Table table) { table_ = std::move(table); }
+  const Table& table() const { return table_; }
+  std::uint64_t calls() const { return calls_; }
+  bool runs(Path path) const { return paths_ >> int(path) & 1u; }
+  bool accepts(std::uint64_t nbytes) const { return runs(table_.path_for(nbytes)); }
+  void refused() { ++calls_; }  // a call refused before it reached decide() counts all the same
+  bool switch_due(bool capturing) const { return switch_period_ && calls_ % switch_period_ == 0 && !capturing; }
+
+  // The next all-reduce of nbytes; forced: a path code or 0 (the table's); forced_wire: a wire code
+  // or -1 (the table's). Counts the call, refused or not: every rank refuses the same ones.
+  Decision decide(std::uint64_t nbytes, int forced, int forced_wire, bool capturing) {
+    ++calls_;
+    const bool sampled = (calls_ - 1) % sample_period_ == 0;
+    const bool explore = explore_period_ && calls_ % explore_period_ == 0 && !capturing;
+    const wire::Wire wanted = forced_wire < 0 ? table_.wire_for(nbytes) : any_wire_of(forced_wire);
+    if (explore && forced_wire < 0 && forced == 0) {
+      // Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
+      const int other = table_.wire_neighbour(nbytes);
+      const Path path = table_.path_for(nbytes);
+      if (other >= 0 && carries(path) && runs(path)) return {path, wire::Wire(other), true, true};
+    }
+    // A compressed call is not explored onto another path: path moves compare lossless timings.
+    Decision decision = path_decision(nbytes, forced, capturing, explore && wanted == wire::Wire::kLossless);
+    decision.sampled = decision.sampled || sampled;
+    if (wanted == wire::Wire::kLossless) return decision;
+    if (!carries(decision.path)) {
+      if (forced_wire < 0) return decision;  // the table's wire on a path this rank carries losslessly only
+      std::string carriers;
+      for (int p = 1; p < kPaths; ++p)
+        if (carries(Path(p))) carriers += std::string(carriers.empty() ? "" : ", ") + path_name(Path(p));
+      NODECOMM_RAISE(kInvalidArgument, std::string("wire '") + wire_name(wanted) + "' on the " +
+                                           path_name(decision.path) + " path: a " + kind_ +
+                                           " group carries compressed wires on " +
+                                           (carriers.empty() ? "no path" : carriers));
+    }
+    decision.wire = wanted;
+    return decision;
+  }
+
+  // One call of `op` on `path` over `wire`, moving nbytes of this rank's payload as wire_bytes.
+  void count(int op, Path path, wire::Wire wire, std::uint64_t nbytes, std::uint64_t wire_bytes) {
+    NODECOMM_CHECK(op >= 0 && op < kOps, "unknown op code " + std::to_string(op));
+    std::lock_guard<std::mutex> hold(counts_lock_);  // the lease thread takes them meanwhile
+    Count& entry = counts_[op][int(path)][int(wire)];
+    entry.operations += 1;
+    entry.bytes += nbytes;
+    entry.wire_bytes += wire_bytes;
+  }
+
+  // (op, path, wire, operations, bytes, wire_bytes) of every count since the last take, reset.
+  std::vector<std::tuple<int, int, int, std::uint64_t, std::uint64_t, std::uint64_t>> take_counts() {
+    std::vector<std::tuple<int, int, int, std::uint64_t, std::uint64_t, std::uint64_t>> taken;
+    std::lock_guard<std::mutex> hold(counts_lock_);
+    for (int op = 0; op < kOps; ++op)
+      for (int path = 0; path < kPaths; ++path)
+        for (int w = 0; w < kWires; ++w) {
+          Count& entry = counts_[op][path][w];
+          if (entry.operations == 0) continue;
+          taken.emplace_back(op, path, w, entry.operations, entry.bytes, entry.wire_bytes);
+          entry = Count{};
+        }
+    return taken;
+  }
+
+ private:
+  struct Count {
+    std::uint64_t operations = 0, bytes = 0, wire_bytes = 0;
+  };
+
+  bool carries(Path path) const { return wire_paths_ >> int(path) & 1u; }
+
+  Decision path_decision(std::uint64_t nbytes, int forced, bool capturing, bool explore) const {
+    if (forced != 0) {
+      const Path path = path_of(forced);
+      NODECOMM_CHECK(runs(path), std::string("path '") + path_name(path) + "' is not available to a " + kind_ +
+                                     " group");
+      return {path, wire::Wire::kLossless, false, false};
+    }
+    const Path chosen = table_.path_for(nbytes);
+    if (!runs(chosen)) {
+      const std::string hint =
+          chosen == Path::kNccl ? "; it runs NCCL itself for these sizes (ask accepts() first)" : "";
+      NODECOMM_RAISE(kInvalidArgument, "the dispatch table sends " + std::to_string(nbytes) + " bytes to " +
+                                           path_name(chosen) + ", which this rank cannot run" + hint);
+    }
+    if (chosen == Path::kService && capturing)
+      NODECOMM_RAISE(kInvalidArgument,
+                     "the dispatch table sends " + std::to_string(nbytes) +
+                         " bytes to the service path (service_min_bytes), which a CUDA graph cannot capture; pass "
+                         "path= for captured calls, or turn service_min_bytes off");
+    if (explore && lossless_path(chosen)) {
+      const Path neighbour = table_.neighbour_path(nbytes);
+      if (lossless_path(neighbour) && runs(neighbour)) return {neighbour, wire::Wire::kLossless, true, true};
+    }
+    return {chosen, wire::Wire::kLossless, false, false};
+  }
+
+  Table table_;
+  unsigned paths_, wire_paths_;
+  std::string kind_;
+  std::uint64_t explore_period_, sample_period_, switch_period_;
+  std::uint64_t calls_ = 0;
+  std::mutex counts_lock_;
+  std::array<std::array<std::array<Count, kWires>, kPaths>, kOps> counts_{};
+};
+
+}  // namespace nodecomm::dispatch
