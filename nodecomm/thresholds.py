@@ -1,8 +1,8 @@
 """The dispatch table: which path carries an all-reduce of a given size.
 
 The daemon builds a table from its boundaries (override > calibrated > default) and pushes it to
-every rank of a group; ranks look sizes up in it with `path_for`, through the client's Dispatcher
-(nodecomm/client/dispatch.py), the one place that decides a call's path. All ranks of a group
+every rank of a group; each rank installs it into native/dispatch.h, the one place that decides a
+call's path (the client's Dispatcher does, nodecomm/client/dispatch.py). All ranks of a group
 hold the same table at the same epoch, so they dispatch identically.
 """
 
