@@ -147,26 +147,45 @@ class Communicator:
         self._check_tensor(tensor, "tensor")
         out = self._output(out, tuple(tensor.shape), tensor.dtype)
         nbytes = tensor.nbytes
-        capturing = self._transport.capturing()
-        try:
-            forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
-            chosen, on_wire, _, sampled = self._dispatch.decide(nbytes, forced, wanted, capturing)
-        except NodecommError as error:
-            raise self._located(error) from None
+        if path is None and wire is None and self._transport.kind == "cpu":
+            chosen, capturing = self._host_all_reduce(tensor, out), False
+        else:
+            capturing = self._transport.capturing()
+            try:
+                forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
+                chosen, on_wire, _, sampled = self._dispatch.decide(nbytes, forced, wanted, capturing)
+            except NodecommError as error:
+                raise self._located(error) from None
+            if chosen != _SERVICE:
+                sample = (chosen, nbytes, on_wire) if sampled else None
+                self._run(
+                    self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire,
+                    sample=sample, capturing=capturing,
+                )  # fmt: skip
+                sent = nbytes if on_wire == 0 else WIRES[on_wire].encoded_bytes(tensor.numel(), tensor.element_size())
+                self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, sent)
         if chosen == _SERVICE:
             work = self._submitted(self._service.all_reduce, tensor, out)
-            self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, nbytes)
+            self._dispatch.count(_ALL_REDUCE, chosen, 0, nbytes, nbytes)
             self._maybe_switch_table(capturing)
             return work if async_op else work.wait()
-        sample = (chosen, nbytes, on_wire) if sampled else None
-        self._run(
-            self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire,
-            sample=sample, capturing=capturing,
-        )  # fmt: skip
-        sent = nbytes if on_wire == 0 else WIRES[on_wire].encoded_bytes(tensor.numel(), tensor.element_size())
-        self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, sent)
         self._maybe_switch_table(capturing)
         return ServiceWork.completed(out) if async_op else out
+
+    def _host_all_reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> int:
+        """A CPU group's call on the table's path and wire: decided, run, timed and counted in one
+        native call (a call decided for the service path is left to the caller). Returns the path."""
+        with self._lock:
+            self._check_usable()
+            try:
+                chosen, on_wire, seconds = self._transport.all_reduce_dispatched(
+                    self._dispatch, tensor, out, self._operation_timeout
+                )
+            except NodecommError as error:
+                raise self._located(error) from None
+        if seconds >= 0:
+            self._lease.report(chosen, tensor.nbytes, seconds, on_wire)
+        return chosen
 
     def _maybe_switch_table(self, capturing: bool) -> None:
         """After every table_switch_period-th all-reduce: after the call, so that what accepts()

@@ -39,6 +39,16 @@ class HostTransport:
             tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout, wire
         )
 
+    def all_reduce_dispatched(
+        self, dispatch: _native.Dispatch, tensor: torch.Tensor, out: torch.Tensor, timeout: float
+    ) -> tuple[int, int, float]:
+        """An all-reduce on the path and wire `dispatch` decides, run, timed and counted in one
+        native call: (path, wire, seconds; -1 unless sampled). Not run when decided for the service
+        path, which the caller submits."""
+        return self._group.all_reduce_dispatched(
+            dispatch, tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], timeout
+        )
+
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         self._group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)
 

@@ -2,7 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "../dispatch.h"
+#include "dispatch.h"
 
 #include "bindings.h"
 

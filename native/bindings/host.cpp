@@ -3,7 +3,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
+
 #include "codes.h"
+#include "dispatch.h"
 #include "service.h"
 #include "shm.h"
 #include "wire.h"
@@ -60,6 +63,34 @@ void bind_host(py::module_& m) {
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
           py::arg("timeout_s"), py::arg("wire") = 0,
           "Sum `count` elements across ranks over a Wire format; output may equal input.")
+      .def(
+          "all_reduce_dispatched",
+          [](shm::ShmGroup& self, nodecomm::dispatch::Dispatch& dispatch, std::uintptr_t in, std::uintptr_t out,
+             std::size_t count, int dtype, double timeout_s) {
+            namespace d = nodecomm::dispatch;
+            const nodecomm::DType type = nodecomm::dtype_of(dtype);
+            const std::uint64_t nbytes = count * nodecomm::dtype_bytes(type);
+            const d::Decision decision = dispatch.decide(nbytes, 0, -1, false);
+            double seconds = -1;
+            if (decision.path != d::Path::kService) {  // the daemon runs that one: the caller submits it
+              const auto algorithm = nodecomm::algorithm_of(int(decision.path));
+              {
+                py::gil_scoped_release release;
+                const auto start = std::chrono::steady_clock::now();
+                self.all_reduce(in, out, count, type, algorithm, timeout_s, decision.wire);
+                if (decision.sampled)
+                  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+              }
+              const std::uint64_t sent =
+                  decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
+              dispatch.count(1, decision.path, decision.wire, nbytes, sent);  // nodecomm.v1.ALL_REDUCE
+            }
+            return py::make_tuple(int(decision.path), int(decision.wire), seconds);
+          },
+          py::arg("dispatch"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
+          py::arg("timeout_s"),
+          "An all-reduce on the path and wire `dispatch` decides, counted there: (path, wire, seconds), "
+          "seconds -1 unless the call was sampled. A call decided for the service path is not run here.")
       .def(
           "all_gather",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
