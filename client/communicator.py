@@ -147,12 +147,15 @@ class Communicator:
         self._check_tensor(tensor, "tensor")
         out = self._output(out, tuple(tensor.shape), tensor.dtype)
         nbytes = tensor.nbytes
-        if path is None and wire is None and self._transport.kind == "cpu":
-            chosen, capturing = self._host_all_reduce(tensor, out), False
+        try:
+            forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
+        except NodecommError as error:
+            raise self._located(error) from None
+        if self._transport.kind == "cpu":
+            chosen, capturing = self._host_all_reduce(tensor, out, forced, wanted), False
         else:
             capturing = self._transport.capturing()
             try:
-                forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
                 chosen, on_wire, _, sampled = self._dispatch.decide(nbytes, forced, wanted, capturing)
             except NodecommError as error:
                 raise self._located(error) from None
@@ -172,14 +175,14 @@ class Communicator:
         self._maybe_switch_table(capturing)
         return ServiceWork.completed(out) if async_op else out
 
-    def _host_all_reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> int:
-        """A CPU group's call on the table's path and wire: decided, run, timed and counted in one
-        native call (a call decided for the service path is left to the caller). Returns the path."""
+    def _host_all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, forced: int, wire: int) -> int:
+        """A CPU group's call: decided, run, timed and counted in one native call (a call decided
+        for the service path is left to the caller). Returns the path."""
         with self._lock:
             self._check_usable()
             try:
                 chosen, on_wire, seconds = self._transport.all_reduce_dispatched(
-                    self._dispatch, tensor, out, self._operation_timeout
+                    self._dispatch, tensor, out, self._operation_timeout, forced, wire
                 )
             except NodecommError as error:
                 raise self._located(error) from None

@@ -71,6 +71,7 @@ class Dispatcher:
         self.paths = paths
         self._kind = kind
         self._form_of = form_of
+        self._codes: dict[tuple[str | None, str | None], tuple[int, int]] = {}
         self.native = _native.Dispatch(
             path_mask(paths), path_mask(wire_paths), kind, explore_period, sample_period, switch_period
         )
@@ -97,12 +98,17 @@ class Dispatcher:
     def codes(self, forced: str | None, wire: str | None) -> tuple[int, int]:
         """The native codes of a call's forced path (0: the table's) and wire (-1: the table's).
         A name refused here counts as a decided call all the same: every rank refuses the same ones."""
+        known = self._codes.get((forced, wire))
+        if known is not None:
+            return known
         try:
             forced_code = 0 if forced is None else PATH_CODES[self.forced_path(forced)]
-            return forced_code, -1 if wire is None else WIRE_CODES[self._parsed_wire(wire)]
+            codes = forced_code, -1 if wire is None else WIRE_CODES[self._parsed_wire(wire)]
         except InvalidArgumentError:
             self.native.refused()
             raise
+        self._codes[(forced, wire)] = codes  # names accepted once: a call that forces one pays a lookup
+        return codes
 
     def decide(self, nbytes: int, *, forced: str | None, capturing: bool, wire: str | None = None) -> Decision:
         """The path and wire of the next all-reduce of `nbytes`: the path forced to `forced` and the

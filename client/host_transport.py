@@ -40,13 +40,27 @@ class HostTransport:
         )
 
     def all_reduce_dispatched(
-        self, dispatch: _native.Dispatch, tensor: torch.Tensor, out: torch.Tensor, timeout: float
+        self,
+        dispatch: _native.Dispatch,
+        tensor: torch.Tensor,
+        out: torch.Tensor,
+        timeout: float,
+        forced: int = 0,
+        wire: int = -1,
     ) -> tuple[int, int, float]:
-        """An all-reduce on the path and wire `dispatch` decides, run, timed and counted in one
-        native call: (path, wire, seconds; -1 unless sampled). Not run when decided for the service
-        path, which the caller submits."""
+        """An all-reduce on the path and wire `dispatch` decides (forced: a path code, 0: the
+        table's; wire: a wire code, -1: the table's), run, timed and counted in one native call:
+        (path, wire, seconds; -1 unless sampled). Not run when decided for the service path, which
+        the caller submits."""
         return self._group.all_reduce_dispatched(
-            dispatch, tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], timeout
+            dispatch,
+            tensor.data_ptr(),
+            out.data_ptr(),
+            tensor.numel(),
+            DTYPE_CODES[tensor.dtype],
+            timeout,
+            forced,
+            wire,
         )
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:

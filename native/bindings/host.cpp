@@ -66,11 +66,11 @@ void bind_host(py::module_& m) {
       .def(
           "all_reduce_dispatched",
           [](shm::ShmGroup& self, nodecomm::dispatch::Dispatch& dispatch, std::uintptr_t in, std::uintptr_t out,
-             std::size_t count, int dtype, double timeout_s) {
+             std::size_t count, int dtype, double timeout_s, int forced, int forced_wire) {
             namespace d = nodecomm::dispatch;
             const nodecomm::DType type = nodecomm::dtype_of(dtype);
             const std::uint64_t nbytes = count * nodecomm::dtype_bytes(type);
-            const d::Decision decision = dispatch.decide(nbytes, 0, -1, false);
+            const d::Decision decision = dispatch.decide(nbytes, forced, forced_wire, false);
             double seconds = -1;
             if (decision.path != d::Path::kService) {  // the daemon runs that one: the caller submits it
               const auto algorithm = nodecomm::algorithm_of(int(decision.path));
@@ -88,8 +88,9 @@ void bind_host(py::module_& m) {
             return py::make_tuple(int(decision.path), int(decision.wire), seconds);
           },
           py::arg("dispatch"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
-          py::arg("timeout_s"),
-          "An all-reduce on the path and wire `dispatch` decides, counted there: (path, wire, seconds), "
+          py::arg("timeout_s"), py::arg("forced") = 0, py::arg("wire") = -1,
+          "An all-reduce on the path and wire `dispatch` decides (forced: a path code, 0: the table's; wire: a "
+          "wire code, -1: the table's), counted there: (path, wire, seconds), "
           "seconds -1 unless the call was sampled. A call decided for the service path is not run here.")
       .def(
           "all_gather",
