@@ -33,12 +33,6 @@ class HostTransport:
         """Host paths have one form each."""
         return ""
 
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
-        """path, wire: nodecomm.v1 codes, as the native Dispatch gives them."""
-        self._group.all_reduce(
-            tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout, wire
-        )
-
     def all_reduce_dispatched(
         self,
         dispatch: _native.Dispatch,

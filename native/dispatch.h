@@ -25,6 +25,7 @@ enum class Path : int { kNone = 0, kOneshot = 1, kTwoshot = 2, kDma = 3, kNccl =
 constexpr int kPaths = 6;
 constexpr int kWires = 3;
 constexpr int kOps = 8;  // nodecomm.v1.Op values are below this
+constexpr int kAllReduce = 1;  // nodecomm.v1.ALL_REDUCE
 
 inline const char* path_name(Path path) {
   static const char* names[kPaths] = {"none", "oneshot", "twoshot", "dma", "nccl", "service"};
@@ -39,11 +40,6 @@ inline const char* wire_name(wire::Wire w) {
 inline Path path_of(int code) {
   NODECOMM_CHECK(code >= 1 && code < kPaths, "unknown path code " + std::to_string(code) + ": expected 1-5");
   return Path(code);
-}
-
-inline wire::Wire any_wire_of(int code) {
-  NODECOMM_CHECK(code >= 0 && code < kWires, "unknown wire code " + std::to_string(code) + ": expected 0-2");
-  return wire::Wire(code);
 }
 
 inline bool lossless_path(Path path) {  // paths that give the same bits, so exploring changes no result
@@ -99,8 +95,8 @@ inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_ma
   table.range_max = std::move(range_max);
   for (int code : paths) table.range_paths.push_back(path_of(code));
   for (std::size_t i = 0; i < paths.size(); ++i)
-    table.range_wires.push_back(wires.empty() ? wire::Wire::kLossless : any_wire_of(wires[i]));
-  table.wire = any_wire_of(group_wire);
+    table.range_wires.push_back(wires.empty() ? wire::Wire::kLossless : wire::wire_of(wires[i]));
+  table.wire = wire::wire_of(group_wire);
   table.compressed_min = compressed_min;
   return table;
 }
@@ -118,9 +114,10 @@ struct Decision {
 // switch_period-th the ranks agree on the newest table (0: never).
 class Dispatch {
  public:
-  Dispatch(Table table, unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
+  // Decides nothing until a table is installed.
+  Dispatch(unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
            std::uint64_t sample_period, std::uint64_t switch_period)
-      : table_(std::move(table)), paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)),
+      : paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)),
         explore_period_(explore_period), sample_period_(sample_period ? sample_period : 1),
         switch_period_(switch_period) {
     for (auto& c : kind_) c = char(std::toupper(static_cast<unsigned char>(c)));
@@ -137,10 +134,11 @@ class Dispatch {
   // The next all-reduce of nbytes; forced: a path code or 0 (the table's); forced_wire: a wire code
   // or -1 (the table's). Counts the call, refused or not: every rank refuses the same ones.
   Decision decide(std::uint64_t nbytes, int forced, int forced_wire, bool capturing) {
+    NODECOMM_ASSERT(!table_.range_paths.empty(), "a call was decided before any table was installed");
     ++calls_;
     const bool sampled = (calls_ - 1) % sample_period_ == 0;
     const bool explore = explore_period_ && calls_ % explore_period_ == 0 && !capturing;
-    const wire::Wire wanted = forced_wire < 0 ? table_.wire_for(nbytes) : any_wire_of(forced_wire);
+    const wire::Wire wanted = forced_wire < 0 ? table_.wire_for(nbytes) : wire::wire_of(forced_wire);
     if (explore && forced_wire < 0 && forced == 0) {
       // Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
       const int other = table_.wire_neighbour(nbytes);

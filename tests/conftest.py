@@ -55,12 +55,12 @@ def pytest_collection_modifyitems(config, items):
 HUNG_AFTER_TIMEOUT_SECONDS = 300
 
 
+_STACKS_TO = pytest.StashKey()
+
+
 def pytest_configure(config):
     # Capture is suspended here: this is the run's real standard error.
     config.stash[_STACKS_TO] = os.fdopen(os.dup(2), "w")
-
-
-_STACKS_TO = pytest.StashKey()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -219,7 +219,8 @@ def live_wire_switch(rank: int, world_size: int, socket: str, synthetic: list, c
         first_epoch = comm.thresholds().epoch
         initial = comm.thresholds().boundary("compressed_min_bytes").describe()
         for path, nbytes, seconds, wire in synthetic:
-            comm._lease.report(Path(path).to_proto(), nbytes, seconds, Wire(wire).to_proto())  # what sampled operations send
+            # what sampled operations send
+            comm._lease.report(Path(path).to_proto(), nbytes, seconds, Wire(wire).to_proto())
         comm._lease.flush()
         switched_at = None
         x = torch.ones(4096)

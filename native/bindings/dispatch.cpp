@@ -15,11 +15,7 @@ void bind_dispatch(py::module_& m) {
   py::class_<d::Dispatch>(m, "Dispatch",
                           "Decides one rank's all-reduces by the table installed, and counts what each path "
                           "carried. Paths and wires are nodecomm.v1 codes; path masks are sums of 1 << code.")
-      .def(py::init([](unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
-                       std::uint64_t sample_period, std::uint64_t switch_period) {
-             return new d::Dispatch(d::Table{}, paths, wire_paths, std::move(kind), explore_period, sample_period,
-                                    switch_period);
-           }),
+      .def(py::init<unsigned, unsigned, std::string, std::uint64_t, std::uint64_t, std::uint64_t>(),
            py::arg("paths"), py::arg("wire_paths"), py::arg("kind"), py::arg("explore_period"),
            py::arg("sample_period"), py::arg("switch_period"))
       .def(
@@ -44,7 +40,7 @@ void bind_dispatch(py::module_& m) {
       .def(
           "count",
           [](d::Dispatch& self, int op, int path, int wire, std::uint64_t nbytes, std::uint64_t wire_bytes) {
-            self.count(op, d::path_of(path), d::any_wire_of(wire), nbytes, wire_bytes);
+            self.count(op, d::path_of(path), wire::wire_of(wire), nbytes, wire_bytes);
           },
           py::arg("op"), py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("wire_bytes"),
           "One call of op (nodecomm.v1.Op) on path over wire, moving nbytes as wire_bytes.")
@@ -54,7 +50,6 @@ void bind_dispatch(py::module_& m) {
       .def("accepts", &d::Dispatch::accepts, py::arg("nbytes"), "Whether the table gives nbytes a path run here.")
       .def("switch_due", &d::Dispatch::switch_due, py::arg("capturing"),
            "Whether the ranks agree on a table after this call.")
-      .def("path_for", [](const d::Dispatch& self, std::uint64_t nbytes) { return int(self.table().path_for(nbytes)); })
       .def_property_readonly("calls", &d::Dispatch::calls, "All-reduces decided: the same count on every rank.")
       .def_property_readonly("epoch", [](const d::Dispatch& self) { return self.table().epoch; });
 }

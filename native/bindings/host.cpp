@@ -83,7 +83,7 @@ void bind_host(py::module_& m) {
               }
               const std::uint64_t sent =
                   decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
-              dispatch.count(1, decision.path, decision.wire, nbytes, sent);  // nodecomm.v1.ALL_REDUCE
+              dispatch.count(d::kAllReduce, decision.path, decision.wire, nbytes, sent);
             }
             return py::make_tuple(int(decision.path), int(decision.wire), seconds);
           },
