@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import warnings
 
 import grpc
@@ -15,6 +14,7 @@ from nodecomm import _native
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
+    InternalError,
     InvalidArgumentError,
     NodecommError,
     PeerLostError,
@@ -28,6 +28,7 @@ from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
 from .dispatch import PATH_CODES, WIRES, Dispatcher
+from .dtypes import DTYPE_CODES
 from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
@@ -40,6 +41,8 @@ log = logging.getLogger("nodecomm.client")
 Transport = HostTransport | CudaTransport
 _SERVICE = PATH_CODES[Path.SERVICE]
 _ALL_REDUCE = pb.ALL_REDUCE
+# A HostLane call's outcomes (native/host_lane.h).
+_DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED = 1, 2, 3, 4
 
 
 class Communicator:
@@ -104,8 +107,14 @@ class Communicator:
             self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device, words,
         )  # fmt: skip
         # Held by every collective and by close(): a collective runs with the GIL released, and
-        # the buffers must not be unmapped under it.
-        self._lock = threading.Lock()
+        # the buffers must not be unmapped under it. Native, so that a CPU all-reduce (HostLane,
+        # from Python or from the c10d backend) takes it without the GIL.
+        self._lock = _native.CallLock()
+        self._lane = (
+            _native.HostLane(transport.group, self._dispatch, control.address, operation_timeout, self._lock)
+            if isinstance(transport, HostTransport)
+            else None
+        )
 
     def _start(self, timeout: float) -> None:
         try:
@@ -151,7 +160,7 @@ class Communicator:
             forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
         except NodecommError as error:
             raise self._located(error) from None
-        if self._transport.kind == "cpu":
+        if self._lane is not None:
             chosen, capturing = self._host_all_reduce(tensor, out, forced, wanted), False
         else:
             capturing = self._transport.capturing()
@@ -168,27 +177,50 @@ class Communicator:
                 sent = nbytes if on_wire == 0 else WIRES[on_wire].encoded_bytes(tensor.numel(), tensor.element_size())
                 self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, sent)
         if chosen == _SERVICE:
-            work = self._submitted(self._service.all_reduce, tensor, out)
-            self._dispatch.count(_ALL_REDUCE, chosen, 0, nbytes, nbytes)
-            self._maybe_switch_table(capturing)
-            return work if async_op else work.wait()
+            return self._service_all_reduce(tensor, out, capturing, async_op)
         self._maybe_switch_table(capturing)
         return ServiceWork.completed(out) if async_op else out
 
+    def _service_all_reduce(
+        self, tensor: torch.Tensor, out: torch.Tensor, capturing: bool, async_op: bool
+    ) -> torch.Tensor | ServiceWork:
+        """A call decided for the service path: submitted to the daemon, which runs it."""
+        work = self._submitted(self._service.all_reduce, tensor, out)
+        self._dispatch.count(_ALL_REDUCE, _SERVICE, 0, tensor.nbytes, tensor.nbytes)
+        self._maybe_switch_table(capturing)
+        return work if async_op else work.wait()
+
     def _host_all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, forced: int, wire: int) -> int:
-        """A CPU group's call: decided, run, timed and counted in one native call (a call decided
-        for the service path is left to the caller). Returns the path."""
-        with self._lock:
+        """A CPU group's call: checked, decided, run, timed and counted in one native call (a call
+        decided for the service path is left to the caller). Returns the path."""
+        try:
+            outcome, chosen, _ = self._lane.all_reduce(
+                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], forced, wire
+            )
+        except NodecommError as error:
+            raise self._located(error) from None
+        if outcome == _UNUSABLE:
             self._check_usable()
-            try:
-                chosen, on_wire, seconds = self._transport.all_reduce_dispatched(
-                    self._dispatch, tensor, out, self._operation_timeout, forced, wire
-                )
-            except NodecommError as error:
-                raise self._located(error) from None
-        if seconds >= 0:
-            self._lease.report(chosen, tensor.nbytes, seconds, on_wire)
+            raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
         return chosen
+
+    def native_outcome(self, outcome: int, tensor: torch.Tensor, kind: int, message: str) -> None:
+        """What the c10d backend's native call (native/host_lane.h, in place on `tensor`) left to
+        Python: a table switch after it, its error, or the call itself (closed, aborted, service)."""
+        if outcome == _DONE_SWITCH:
+            self._maybe_switch_table(False)
+        elif outcome == _FAILED:
+            raise self._located(_native.error(kind, message))
+        elif outcome == _SERVICE_DECIDED:
+            self._service_all_reduce(tensor, tensor, False, False)
+        elif outcome == _UNUSABLE:
+            self._check_usable()
+            raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
+
+    def native_lane(self) -> tuple[object, int, object] | None:
+        """(C ABI capsule, lane address, the lane) of a CPU group's all-reduce, for the c10d
+        backend, which keeps the lane alive; None on other groups."""
+        return None if self._lane is None else (*self._lane.api(), self._lane)
 
     def _maybe_switch_table(self, capturing: bool) -> None:
         """After every table_switch_period-th all-reduce: after the call, so that what accepts()
@@ -476,6 +508,8 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+            if self._lane is not None:
+                self._lane.close()
         # This rank's queued GPU work first: peers may still wait on its signals, and Leave aborts
         # their waits. Bounded: every kernel gives up after its timeout.
         try:

@@ -51,9 +51,9 @@ class Lease:
         self._control = control_address
         self._metadata = metadata
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
-        self._pending: list[pb.Timing] = []
-        self._counts = counts  # operations per (op, path, wire), counted natively by every call
-        self._batch_lock = threading.Lock()  # the caller's thread adds, the stream's thread may flush
+        # Operations per (op, path, wire) and sampled timings, kept natively by every call.
+        self._counts = counts
+        self._batch_lock = threading.Lock()  # the caller's thread may flush, and the stream's thread
         self._last_flush = time.monotonic()
         self._dropping = False  # batches are being dropped (warned once per episode)
         self._ready = threading.Event()
@@ -130,11 +130,10 @@ class Lease:
             self._ready.set()
 
     def report(self, path: int, nbytes: int, seconds: float, wire: int = 0) -> None:
-        """One timed call on `path` over `wire` (nodecomm.v1 codes)."""
-        with self._batch_lock:
-            self._pending.append(pb.Timing(path=path, bytes=nbytes, seconds=seconds, wire=wire))
-            due = len(self._pending) >= _BATCH
-        if due or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
+        """One timed call on `path` over `wire` (nodecomm.v1 codes); a CPU group's all-reduces keep
+        theirs natively (native/host_lane.h), sent with the next batch."""
+        held = self._counts.record(path, wire, nbytes, seconds)
+        if held >= _BATCH or time.monotonic() - self._last_flush > _FLUSH_SECONDS:
             self.flush()
 
     def count(
@@ -155,11 +154,13 @@ class Lease:
                 pb.OperationCount(op=op, path=path, operations=n, bytes=nbytes, wire=wire, wire_bytes=sent)
                 for op, path, wire, n, nbytes, sent in self._counts.take_counts()
             ]
-            if not self._pending and not counts:
-                return None
-            batch = pb.SessionUp(timings=pb.TimingBatch(timings=self._pending, counts=counts))
-            self._pending = []
-        return batch
+            timings = [
+                pb.Timing(path=path, bytes=nbytes, seconds=seconds, wire=wire)
+                for path, wire, nbytes, seconds in self._counts.take_samples()
+            ]
+        if not timings and not counts:
+            return None
+        return pb.SessionUp(timings=pb.TimingBatch(timings=timings, counts=counts))
 
     def flush(self) -> None:
         """Send the timings and counts not sent yet."""

@@ -37,9 +37,12 @@ from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
 
 from .process_group import NodecommProcessGroup
 
+# After torch (imported above): the module names torch's libraries, which `import torch` loads.
+from nodecomm import _c10d  # isort: skip
+
 log = logging.getLogger("nodecomm.distributed")
 
-__all__ = ["BACKEND_NAME", "NodecommProcessGroup", "Options", "communicator"]
+__all__ = ["BACKEND_NAME", "NodecommProcessGroup", "Options", "communicator", "daemon"]
 
 BACKEND_NAME = "nodecomm"
 
@@ -123,26 +126,12 @@ def _shared_daemon(
     return token, group_key, choice, lease
 
 
-def _created_for_cuda_only(store: dist.Store) -> bool:
-    """torch hands a backend its group's store under a "<device>/" prefix, naming the first device
-    it is created for: "cuda/" only when the backend string gave it CUDA alone ("cuda:nodecomm",
-    or "cpu:gloo,cuda:nodecomm")."""
-    store.set("nodecomm/created", "1")
-    inner = getattr(store, "underlying_store", None)
-    # PrefixStore joins its prefix and a key with "/": torch's "cuda/" prefix makes "cuda//".
-    return inner is not None and inner.check(["cuda//nodecomm/created"])
-
-
-def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> NodecommProcessGroup:
+def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> _c10d.Backend:
+    """torch's creator for one device type's backend (or both, where the backend string names only
+    "nodecomm"): the C++ backend over a Python group of its own."""
     options = pg_options if pg_options is not None else Options()
     if not isinstance(options, Options):
         raise InvalidArgumentError(f"pg_options: expected nodecomm.distributed.Options, got {type(options).__name__}")
-    if _created_for_cuda_only(backend_options.store):
-        # A Python process group replaces the whole group torch was assembling (see the engine guide).
-        log.warning(
-            "the nodecomm backend serves every device of its process group: CPU tensors of a "
-            "'cpu:gloo,cuda:nodecomm' group go to nodecomm too, not to gloo"
-        )
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
@@ -169,7 +158,21 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         node_names=names if len(set(names)) > 1 else None,
     )
     _open_groups.add(group)
-    return group
+    return _c10d.Backend(group, rank, size, timeout)
+
+
+def _composed(group: dist.ProcessGroup | None, device: torch.device) -> NodecommProcessGroup:
+    """The Python group behind `group`'s nodecomm backend for `device`'s type."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        backend = group._get_backend(device)
+    except RuntimeError:  # no backend for that device type
+        backend = None
+    if not isinstance(backend, _c10d.Backend):
+        raise InvalidArgumentError(
+            f"expected a process group whose {device.type} backend is {BACKEND_NAME!r}, got {group!r}"
+        )
+    return backend.composed
 
 
 def communicator(group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu"):
@@ -177,13 +180,16 @@ def communicator(group: dist.ProcessGroup | None = None, device: str | torch.dev
     `device` ("cpu", "cuda" or "cuda:N"): for the calls torch has no name for (top-k exchange,
     service buffers, the dispatch table). Collective the first time for a device: every rank of
     the group joins its nodecomm group then."""
-    group = group if group is not None else dist.distributed_c10d._get_default_group()
-    if not isinstance(group, NodecommProcessGroup):
-        raise InvalidArgumentError(f"expected a process group of the {BACKEND_NAME!r} backend, got {group!r}")
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
-    return group.lane(resolved.type).communicator(resolved)
+    return _composed(group, resolved).lane(resolved.type).communicator(resolved)
+
+
+def daemon(group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu") -> daemon_choice.DaemonChoice:
+    """Which daemon a "nodecomm" process group (the default group when None) uses for `device`'s
+    type: the node's or the job's own, as the group's rank 0 chose."""
+    return _composed(group, torch.device(device)).daemon
 
 
 dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])

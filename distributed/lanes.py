@@ -54,6 +54,11 @@ class Lane:
     def connected(self) -> bool:
         return self._comm is not None
 
+    @property
+    def joined(self):
+        """The Communicator, once the group is joined (None before)."""
+        return self._comm
+
     def communicator(self, device: torch.device):
         """The lane's Communicator, joining its group on the first call (every rank of the lane
         must make that call: it is the group's Join)."""

@@ -129,6 +129,12 @@ class NodecommProcessGroup(dist.ProcessGroup):
             self._collective_lanes[device_type] = lane
         return lane
 
+    def connected_communicator(self, device_type: str):
+        """The Communicator of this device type's lane once it has joined, else None (what the C++
+        backend binds its native all-reduce to)."""
+        lane = self._collective_lanes.get(device_type)
+        return lane.joined if lane is not None else None
+
     def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> Lane:
         key = (device_type, source, destination, tag)
         lane = self._pair_lanes.get(key)

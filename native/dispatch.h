@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cctype>
+#include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -173,6 +174,28 @@ class Dispatch {
     entry.wire_bytes += wire_bytes;
   }
 
+  // One sampled call's time, for the lease to send; past kMaxSamples untaken, new ones are dropped
+  // (a rank that samples faster than its lease sends loses samples, not memory). Returns how many
+  // are held.
+  std::size_t record(Path path, wire::Wire wire, std::uint64_t nbytes, double seconds) {
+    std::lock_guard<std::mutex> hold(counts_lock_);
+    if (samples_.size() < kMaxSamples) samples_.push_back({int(path), int(wire), nbytes, seconds});
+    return samples_.size();
+  }
+
+  // (path, wire, bytes, seconds) of every sample since the last take.
+  std::vector<std::tuple<int, int, std::uint64_t, double>> take_samples() {
+    std::vector<Sample> taken;
+    {
+      std::lock_guard<std::mutex> hold(counts_lock_);
+      taken.swap(samples_);
+    }
+    std::vector<std::tuple<int, int, std::uint64_t, double>> out;
+    out.reserve(taken.size());
+    for (const Sample& s : taken) out.emplace_back(s.path, s.wire, s.nbytes, s.seconds);
+    return out;
+  }
+
   // (op, path, wire, operations, bytes, wire_bytes) of every count since the last take, reset.
   std::vector<std::tuple<int, int, int, std::uint64_t, std::uint64_t, std::uint64_t>> take_counts() {
     std::vector<std::tuple<int, int, int, std::uint64_t, std::uint64_t, std::uint64_t>> taken;
@@ -189,8 +212,15 @@ class Dispatch {
   }
 
  private:
+  static constexpr std::size_t kMaxSamples = 4096;
+
   struct Count {
     std::uint64_t operations = 0, bytes = 0, wire_bytes = 0;
+  };
+  struct Sample {
+    int path, wire;
+    std::uint64_t nbytes;
+    double seconds;
   };
 
   bool carries(Path path) const { return wire_paths_ >> int(path) & 1u; }
@@ -226,7 +256,8 @@ class Dispatch {
   std::string kind_;
   std::uint64_t explore_period_, sample_period_, switch_period_;
   std::uint64_t calls_ = 0;
-  std::mutex counts_lock_;
+  std::mutex counts_lock_;  // guards counts_ and samples_
+  std::vector<Sample> samples_;
   std::array<std::array<std::array<Count, kWires>, kPaths>, kOps> counts_{};
 };
 

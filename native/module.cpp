@@ -25,6 +25,10 @@ const char* python_error_name(ErrorKind kind) {
   return "InternalError";
 }
 
+py::object python_error(ErrorKind kind, const std::string& message) {
+  return py::module_::import("nodecomm.errors").attr(python_error_name(kind))(message);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_native, m) {
@@ -34,11 +38,19 @@ PYBIND11_MODULE(_native, m) {
     try {
       if (pointer) std::rethrow_exception(pointer);
     } catch (const Error& error) {
-      py::object cls = py::module_::import("nodecomm.errors").attr(python_error_name(error.kind));
-      py::object instance = cls(error.what());
-      PyErr_SetObject(cls.ptr(), instance.ptr());
+      py::object instance = python_error(error.kind, error.what());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(instance.ptr())), instance.ptr());
     }
   });
+
+  m.def(
+      "error",
+      [](int kind, const std::string& message) {
+        NODECOMM_CHECK(kind >= 0 && kind <= int(ErrorKind::kGroupMismatch), "unknown error kind " + std::to_string(kind));
+        return python_error(ErrorKind(kind), message);
+      },
+      py::arg("kind"), py::arg("message"),
+      "The nodecomm.errors exception of a native error kind (what the C ABI's callers get back).");
 
   nodecomm::bindings::bind_control(m);
   nodecomm::bindings::bind_host(m);

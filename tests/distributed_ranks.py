@@ -333,7 +333,7 @@ def all_collectives(device_kind: str = "cpu") -> list[str]:
         subgroup = dist.new_group(members, backend="nodecomm")
         if rank in members:
             check_collectives(subgroup, sorted(members), device, problems, f"group {members}")
-    daemon = dist.distributed_c10d._get_default_group().daemon
+    daemon = nodecomm.distributed.daemon()
     problems.append(f"daemon {daemon.kind} {daemon.socket}")  # read off by the tests, not a problem
     dist.destroy_process_group()
     return problems
@@ -348,7 +348,7 @@ def hold_the_job(rank: int, world_size: int, port: int, environment: dict, repor
     dist.init_process_group("nodecomm")
     x = torch.ones(4)
     dist.all_reduce(x)
-    daemon = dist.distributed_c10d._get_default_group().daemon
+    daemon = nodecomm.distributed.daemon()
     report.put((rank, daemon.kind, daemon.socket, x.tolist()))
     time.sleep(600)
 
@@ -407,7 +407,7 @@ def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]
     group = dist.new_group([0, 1], backend="nodecomm")
     dist.destroy_process_group(group)
     try:
-        group.allreduce([x], None)
+        group.allreduce([x])
         seen["after_destroy"] = "no error"
     except Exception as error:
         seen["after_destroy"] = f"{type(error).__name__}: {error}"
@@ -463,21 +463,57 @@ def across_nodes() -> list[str]:
 
 
 def mixed_backends() -> list[str]:
-    """'cpu:gloo,cuda:nodecomm': the Python process group serves CPU tensors too, and says so."""
-    dist.init_process_group("cpu:gloo,cuda:nodecomm")
-    x = torch.ones(3)
-    dist.all_reduce(x)
-    group = dist.distributed_c10d._get_default_group()
-    problems = [] if x.tolist() == [dist.get_world_size()] * 3 else [f"sum {x.tolist()}"]
-    if not isinstance(group, nodecomm.distributed.NodecommProcessGroup):
-        problems.append(f"the default group is a {type(group).__name__}")
+    """Groups whose backend strings mix nodecomm with gloo: each device type gets the backend its
+    string names, and each sums right."""
+    dist.init_process_group("nodecomm")
+    world = dist.get_world_size()
+    default = dist.distributed_c10d._get_default_group()
+    problems = []
+    cases = {
+        None: ("Backend", "Backend"),
+        "cpu:gloo,cuda:nodecomm": ("ProcessGroupGloo", "Backend"),
+        "cpu:nodecomm,cuda:gloo": ("Backend", "ProcessGroupGloo"),
+    }
+    for backend, expected in cases.items():
+        group = dist.new_group(backend=backend) if backend else default
+        served = tuple(type(group._get_backend(torch.device(d))).__name__ for d in ("cpu", "cuda"))
+        if served != expected:
+            problems.append(f"{backend or 'default'}: cpu and cuda served by {served}, expected {expected}")
+        x = torch.ones(3)
+        dist.all_reduce(x, group=group)
+        if x.tolist() != [world] * 3:
+            problems.append(f"{backend or 'default'}: sum {x.tolist()}")
+    dist.destroy_process_group()
+    return problems
+
+
+def bound_device() -> list[str]:
+    """init_process_group("nodecomm", device_id=cuda:N), then "cpu:gloo,cuda:nodecomm": CUDA and
+    CPU tensors sum right, each device type on the backend its string names."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    dist.init_process_group("nodecomm", device_id=device)
+    world = dist.get_world_size()
+    default = dist.distributed_c10d._get_default_group()
+    problems = [] if default.bound_device_id == device else [f"bound to {default.bound_device_id}"]
+    mixed = dist.new_group(backend="cpu:gloo,cuda:nodecomm")
+    for group, name in ((default, "nodecomm"), (mixed, "cpu:gloo,cuda:nodecomm")):
+        for tensor in (torch.ones(1024, device=device), torch.ones(3)):
+            dist.all_reduce(tensor, group=group)
+            if tensor.tolist()[:3] != [world] * 3:
+                problems.append(f"{name}, {tensor.device}: sum {tensor.tolist()[:3]}")
+    served = type(mixed._get_backend(device)).__name__
+    if served != "Backend":
+        problems.append(f"the mixed group's cuda backend is {served}")
     dist.destroy_process_group()
     return problems
 
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    found = {"mixed": mixed_backends, "across": across_nodes}.get(mode, lambda: all_collectives(mode))()
+    found = {"mixed": mixed_backends, "across": across_nodes, "device_id": bound_device}.get(
+        mode, lambda: all_collectives(mode)
+    )()
     daemon = [line for line in found if line.startswith("daemon ")]
     found = [line for line in found if not line.startswith("daemon ")][:20]
     report = json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""})

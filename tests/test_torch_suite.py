@@ -18,6 +18,9 @@ NOT_PASSING = {
     "test_send_recv_any_source": "recv without a source: nodecomm pairs every send with a receive that names it",
     "test_send_recv_any_source_autograd_profiler": "recv without a source (as above)",
     "test_send_recv_any_source_torch_profiler": "recv without a source (as above)",
+    # torch's ProcessGroup names a C++ backend of BackendType::CUSTOM "custom" (getBackendName);
+    # the suite compares DDP's logged name with dist.get_backend(), which says "nodecomm".
+    "test_ddp_logging_data_cpu": "DDP logs an out-of-tree C++ backend's name as 'custom'",
 }
 
 

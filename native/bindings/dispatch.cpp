@@ -44,6 +44,15 @@ void bind_dispatch(py::module_& m) {
           },
           py::arg("op"), py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("wire_bytes"),
           "One call of op (nodecomm.v1.Op) on path over wire, moving nbytes as wire_bytes.")
+      .def(
+          "record",
+          [](d::Dispatch& self, int path, int wire, std::uint64_t nbytes, double seconds) {
+            return self.record(d::path_of(path), wire::wire_of(wire), nbytes, seconds);
+          },
+          py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("seconds"),
+          "One sampled call's time, kept for the lease; returns how many are kept (new ones past 4096 are dropped).")
+      .def("take_samples", &d::Dispatch::take_samples,
+           "(path, wire, bytes, seconds) of every sample since the last take.")
       .def("take_counts", &d::Dispatch::take_counts,
            "(op, path, wire, operations, bytes, wire_bytes) of every count since the last take; resets them.")
       .def("refused", &d::Dispatch::refused, "Count a call refused before decide(), as every rank refuses it.")

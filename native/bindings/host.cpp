@@ -3,10 +3,11 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
+#include <mutex>
 
 #include "codes.h"
 #include "dispatch.h"
+#include "host_lane.h"
 #include "service.h"
 #include "shm.h"
 #include "wire.h"
@@ -64,35 +65,6 @@ void bind_host(py::module_& m) {
           py::arg("timeout_s"), py::arg("wire") = 0,
           "Sum `count` elements across ranks over a Wire format; output may equal input.")
       .def(
-          "all_reduce_dispatched",
-          [](shm::ShmGroup& self, nodecomm::dispatch::Dispatch& dispatch, std::uintptr_t in, std::uintptr_t out,
-             std::size_t count, int dtype, double timeout_s, int forced, int forced_wire) {
-            namespace d = nodecomm::dispatch;
-            const nodecomm::DType type = nodecomm::dtype_of(dtype);
-            const std::uint64_t nbytes = count * nodecomm::dtype_bytes(type);
-            const d::Decision decision = dispatch.decide(nbytes, forced, forced_wire, false);
-            double seconds = -1;
-            if (decision.path != d::Path::kService) {  // the daemon runs that one: the caller submits it
-              const auto algorithm = nodecomm::algorithm_of(int(decision.path));
-              {
-                py::gil_scoped_release release;
-                const auto start = std::chrono::steady_clock::now();
-                self.all_reduce(in, out, count, type, algorithm, timeout_s, decision.wire);
-                if (decision.sampled)
-                  seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-              }
-              const std::uint64_t sent =
-                  decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
-              dispatch.count(d::kAllReduce, decision.path, decision.wire, nbytes, sent);
-            }
-            return py::make_tuple(int(decision.path), int(decision.wire), seconds);
-          },
-          py::arg("dispatch"), py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"),
-          py::arg("timeout_s"), py::arg("forced") = 0, py::arg("wire") = -1,
-          "An all-reduce on the path and wire `dispatch` decides (forced: a path code, 0: the table's; wire: a "
-          "wire code, -1: the table's), counted there: (path, wire, seconds), "
-          "seconds -1 unless the call was sampled. A call decided for the service path is not run here.")
-      .def(
           "all_gather",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
             py::gil_scoped_release release;
@@ -114,6 +86,53 @@ void bind_host(py::module_& m) {
       .def_property_readonly("world_size", &shm::ShmGroup::world_size)
       .def_property_readonly("op_epoch", &shm::ShmGroup::op_epoch)
       .def_property_readonly("barrier_epoch", &shm::ShmGroup::barrier_epoch);
+
+  py::class_<std::mutex>(m, "CallLock",
+                         "The lock every collective of one communicator runs under, and close() takes "
+                         "before the buffers go; `with lock:` waits with the GIL released.")
+      .def(py::init<>())
+      .def("__enter__",
+           [](std::mutex& self) {
+             py::gil_scoped_release release;
+             self.lock();
+           })
+      .def("__exit__", [](std::mutex& self, const py::args&) { self.unlock(); });
+
+  namespace lane = nodecomm::host_lane;
+  py::class_<lane::HostLane>(m, "HostLane",
+                             "A CPU rank's all-reduce as one call: checks, decision, collective, sample, count "
+                             "(../host_lane.h). It holds the group, dispatch and lock it was made with.")
+      .def(py::init<shm::ShmGroup&, nodecomm::dispatch::Dispatch&, std::uintptr_t, double, std::mutex&>(),
+           py::arg("group"), py::arg("dispatch"), py::arg("control"), py::arg("timeout_s"), py::arg("lock"),
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 6>())
+      .def(
+          "all_reduce",
+          [](lane::HostLane& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype, int forced,
+             int wire) {
+            const nodecomm::DType type = nodecomm::dtype_of(dtype);
+            int path = 0, on_wire = 0;
+            lane::Outcome outcome;
+            {
+              py::gil_scoped_release release;
+              outcome = self.all_reduce(in, out, count, type, forced, wire, &path, &on_wire);
+            }
+            return py::make_tuple(int(outcome), path, on_wire);
+          },
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("forced") = 0,
+          py::arg("wire") = -1,
+          "(outcome, path, wire) of an all-reduce on the path and wire the dispatch decides (forced: a path "
+          "code, 0: the table's; wire: a wire code, -1: the table's). Outcomes: 0 done, 1 done and a table "
+          "switch is due, 2 not run (closed or aborted), 3 not run (decided for the service path).")
+      .def("close", &lane::HostLane::close, "No call runs after this one (call it holding the lock).")
+      .def(
+          "api",
+          [](lane::HostLane& self) {
+            return py::make_tuple(
+                py::capsule(static_cast<const void*>(&lane::kHostLaneApi), lane::kHostLaneCapsule),
+                reinterpret_cast<std::uintptr_t>(&self));
+          },
+          "(capsule of the C ABI, this lane's address) for the c10d backend, which keeps this object alive.");
+  m.attr("HOST_LANE_API_VERSION") = lane::kHostLaneApiVersion;
 
   namespace service = nodecomm::service;
   m.def(

@@ -1,5 +1,6 @@
 """The "nodecomm" backend on CUDA tensors under torchrun: every collective exact on default and
-sub-groups, async work ordered by streams, dist.all_reduce captured in a CUDA graph. Ranks share
+sub-groups, async work ordered by streams, dist.all_reduce captured in a CUDA graph, device_id=
+and mixed backend strings. Ranks share
 the GPU where there is one."""
 
 import pytest
@@ -13,3 +14,8 @@ def test_every_collective_on_cuda_tensors(make_daemon):
     daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "60")
     found = reports(torchrun(2, daemon.socket, "cuda"))
     assert found == {0: [], 1: []}
+
+
+def test_a_group_bound_to_its_gpu_and_a_mixed_backend_string(make_daemon):
+    daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "60")
+    assert reports(torchrun(2, daemon.socket, "device_id")) == {0: [], 1: []}

@@ -1,0 +1,277 @@
+// backend.cpp — nodecomm as a C++ torch.distributed backend (c10d::Backend): module nodecomm._c10d.
+//
+// torch holds one Backend per device type it was named for ("nodecomm", "cpu:gloo,cuda:nodecomm").
+// A CPU all-reduce SUM of one contiguous float32/float16/bfloat16 tensor runs through the rank's
+// HostLane (../host_lane.h) with no Python: checks, path decision, collective, sample, count. Every
+// other operation goes to the Python process group this backend composes
+// (nodecomm.distributed.process_group), by its Python name, and comes back as that group's Work.
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <chrono>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../host_lane_api.h"
+
+namespace py = pybind11;
+
+namespace nodecomm::c10d_backend {
+
+using ::c10d::OpType;
+using ::c10d::Work;
+using WorkPtr = c10::intrusive_ptr<Work>;
+
+// nodecomm.v1.DType codes; 0: a dtype nodecomm does not reduce natively.
+int dtype_code(const at::Tensor& tensor) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    default: return 0;
+  }
+}
+
+// An operation that finished before it was returned: its outputs, and a completed future of them.
+class CompletedWork : public Work {
+ public:
+  CompletedWork(std::vector<at::Tensor> result, OpType type)
+      : Work(-1, type),
+        result_(std::move(result)),
+        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
+    future_->markCompleted(c10::IValue(result_));
+  }
+  bool isCompleted() override { return true; }
+  bool isSuccess() const override { return true; }
+  bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+
+ private:
+  std::vector<at::Tensor> result_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// A Work of the Python group (nodecomm.distributed.work.Work), kept alive with its Python object:
+// torch's Work trampoline forwards wait() and get_future(); the rest is asked of Python here.
+class PythonWork : public Work {
+ public:
+  explicit PythonWork(py::object work) : work_(work.cast<WorkPtr>()), object_(std::move(work)) {}
+  ~PythonWork() override {
+    py::gil_scoped_acquire gil;
+    object_ = py::object();
+  }
+  bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
+  bool isCompleted() override {
+    py::gil_scoped_acquire gil;
+    return object_.attr("is_completed")().cast<bool>();
+  }
+  bool isSuccess() const override {
+    py::gil_scoped_acquire gil;
+    return object_.attr("is_success")().cast<bool>();
+  }
+  std::vector<at::Tensor> result() override {
+    py::gil_scoped_acquire gil;
+    return object_.attr("result")().cast<std::vector<at::Tensor>>();
+  }
+  void synchronize() override {
+    py::gil_scoped_acquire gil;
+    object_.attr("synchronize")();
+  }
+
+ private:
+  WorkPtr work_;
+  py::object object_;
+};
+
+class Backend : public ::c10d::Backend {
+ public:
+  Backend(py::object composed, int rank, int size, std::chrono::milliseconds timeout)
+      : ::c10d::Backend(rank, size), composed_(std::move(composed)), timeout_(timeout) {}
+
+  ~Backend() override {
+    py::gil_scoped_acquire gil;
+    composed_ = py::object();
+    lane_object_ = py::object();
+    communicator_ = py::object();
+  }
+
+  const std::string getBackendName() const override { return "nodecomm"; }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    return c10::make_intrusive<Options>("nodecomm", timeout_);
+  }
+
+  py::object composed() const { return composed_; }
+
+  WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
+      at::Tensor& tensor = tensors[0];
+      const int dtype = dtype_code(tensor);
+      if (tensor.device().is_cpu() && dtype != 0 && tensor.layout() == at::kStrided && tensor.is_contiguous() &&
+          tensor.numel() > 0 && lane_ready()) {
+        int kind = 0;
+        char message[1024] = {0};
+        const int outcome = api_->all_reduce(lane_, tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
+                                             &kind, message, sizeof message);
+        if (outcome != host_lane::kDone) {
+          py::gil_scoped_acquire gil;
+          communicator_.attr("native_outcome")(outcome, tensor, kind, std::string(message));
+        }
+        return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
+      }
+    }
+    WorkPtr work = collective("allreduce", tensors, opts);
+    if (lane_ == nullptr && tensors.size() == 1 && tensors[0].device().is_cpu()) bind_lane();
+    return work;
+  }
+
+  WorkPtr broadcast(std::vector<at::Tensor>& tensors, const ::c10d::BroadcastOptions& opts) override {
+    return collective("broadcast", tensors, opts);
+  }
+  WorkPtr allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                              const ::c10d::AllreduceCoalescedOptions& opts) override {
+    return collective("allreduce_coalesced", tensors, opts);
+  }
+  WorkPtr reduce(std::vector<at::Tensor>& tensors, const ::c10d::ReduceOptions& opts) override {
+    return collective("reduce", tensors, opts);
+  }
+  WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                    const ::c10d::AllgatherOptions& opts) override {
+    return collective("allgather", outputs, inputs, opts);
+  }
+  WorkPtr _allgather_base(at::Tensor& output, at::Tensor& input, const ::c10d::AllgatherOptions& opts) override {
+    return collective("all_gather_single", output, input, opts);
+  }
+  WorkPtr allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                              const ::c10d::AllgatherOptions& opts) override {
+    return collective("allgather_coalesced", outputs, inputs, opts);
+  }
+  WorkPtr allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const ::c10d::AllgatherOptions& opts) override {
+    return collective("all_gather_single_coalesced", outputs, inputs, opts);
+  }
+  WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
+                 const ::c10d::GatherOptions& opts) override {
+    return collective("gather", outputs, inputs, opts);
+  }
+  WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                  const ::c10d::ScatterOptions& opts) override {
+    return collective("scatter", outputs, inputs, opts);
+  }
+  WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
+                         const ::c10d::ReduceScatterOptions& opts) override {
+    return collective("reduce_scatter", outputs, inputs, opts);
+  }
+  WorkPtr _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                               const ::c10d::ReduceScatterOptions& opts) override {
+    return collective("reduce_scatter_single", output, input, opts);
+  }
+  WorkPtr reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const ::c10d::ReduceScatterOptions& opts) override {
+    return collective("reduce_scatter_single_coalesced", outputs, inputs, opts);
+  }
+  WorkPtr alltoall_base(at::Tensor& output, at::Tensor& input, std::vector<int64_t>& output_splits,
+                        std::vector<int64_t>& input_splits, const ::c10d::AllToAllOptions& opts) override {
+    return collective("all_to_all_single", output, input, output_splits, input_splits, opts);
+  }
+  WorkPtr alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                   const ::c10d::AllToAllOptions& opts) override {
+    return collective("alltoall", outputs, inputs, opts);
+  }
+  WorkPtr barrier(const ::c10d::BarrierOptions& opts) override { return collective("barrier", opts); }
+
+  // Sends and receives run on pair lanes of their own, never behind this group's collectives.
+  WorkPtr send(std::vector<at::Tensor>& tensors, int destination, int tag) override {
+    return python("send", tensors, destination, tag);
+  }
+  WorkPtr recv(std::vector<at::Tensor>& tensors, int source, int tag) override {
+    return python("recv", tensors, source, tag);
+  }
+  WorkPtr recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return python("recv_anysource", tensors, tag);
+  }
+
+  void shutdown() override { unbind_and_call("shutdown"); }
+  void abort() override { unbind_and_call("abort"); }
+
+ private:
+  // A collective of the Python group. One it runs in the background stays outstanding until it
+  // completes: no native all-reduce may overtake it (the ranks' calls must stay in one order).
+  template <typename... Args>
+  WorkPtr collective(const char* name, Args&&... args) {
+    WorkPtr work = python(name, std::forward<Args>(args)...);
+    if (!work->isCompleted()) outstanding_.push_back(work);
+    return work;
+  }
+
+  template <typename... Args>
+  WorkPtr python(const char* name, Args&&... args) {
+    py::gil_scoped_acquire gil;
+    return c10::make_intrusive<PythonWork>(composed_.attr(name)(std::forward<Args>(args)...));
+  }
+
+  // Whether the native lane is bound and nothing the Python group runs in the background is left.
+  bool lane_ready() {
+    if (lane_ == nullptr) return false;
+    while (!outstanding_.empty()) {
+      if (!outstanding_.back()->isCompleted()) return false;
+      outstanding_.pop_back();
+    }
+    return true;
+  }
+
+  // Once the Python group's CPU lane has joined its nodecomm group: that lane's HostLane.
+  void bind_lane() {
+    py::gil_scoped_acquire gil;
+    py::object communicator = composed_.attr("connected_communicator")("cpu");
+    if (communicator.is_none()) return;
+    py::object lane = communicator.attr("native_lane")();
+    if (lane.is_none()) return;
+    auto parts = lane.cast<py::tuple>();
+    auto capsule = parts[0].cast<py::capsule>();
+    TORCH_CHECK(std::string(capsule.name()) == host_lane::kHostLaneCapsule, "nodecomm: not a HostLane capsule");
+    const auto* api = capsule.get_pointer<const NodecommHostLaneApi>();
+    TORCH_CHECK(api->version == host_lane::kHostLaneApiVersion, "nodecomm._native's HostLane ABI is version ",
+                api->version, ", nodecomm._c10d expects ", host_lane::kHostLaneApiVersion,
+                ": the two modules come from different builds; reinstall nodecomm");
+    api_ = api;
+    lane_ = reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>());
+    lane_object_ = parts[2];
+    communicator_ = std::move(communicator);
+  }
+
+  void unbind_and_call(const char* name) {
+    py::gil_scoped_acquire gil;
+    lane_ = nullptr;  // the lane is closed below; a later call takes the Python path, which says so
+    composed_.attr(name)();
+  }
+
+  py::object composed_;
+  std::chrono::milliseconds timeout_;
+  std::vector<WorkPtr> outstanding_;
+  // The bound lane: its C ABI, address, Python object (kept alive here) and communicator.
+  const NodecommHostLaneApi* api_ = nullptr;
+  void* lane_ = nullptr;
+  py::object lane_object_;
+  py::object communicator_;
+};
+
+}  // namespace nodecomm::c10d_backend
+
+PYBIND11_MODULE(_c10d, m) {
+  namespace b = nodecomm::c10d_backend;
+  m.doc() = "nodecomm's torch.distributed backend (c10d::Backend); import torch first";
+  py::class_<b::Backend, ::c10d::Backend, c10::intrusive_ptr<b::Backend>>(m, "Backend")
+      .def(py::init([](py::object composed, int rank, int size, std::chrono::milliseconds timeout) {
+             return c10::make_intrusive<b::Backend>(std::move(composed), rank, size, timeout);
+           }),
+           py::arg("composed"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
+           "A backend over `composed`, the Python group that runs what this backend does not natively.")
+      .def_property_readonly("composed", &b::Backend::composed, "The Python process group composed here.");
+}

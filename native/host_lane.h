@@ -1,0 +1,87 @@
+// host_lane.h — one CPU rank's all-reduce as one native call: the usability checks, the path
+// decision (dispatch.h), the shared-memory collective (shm.h), the timing sample and the count.
+// The Python Communicator and the C++ torch.distributed backend (c10d/) both call it; the backend
+// reaches it through the small C ABI below, so that it needs no pybind11 type of this module.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+
+#include "codes.h"
+#include "control.h"
+#include "dispatch.h"
+#include "errors.h"
+#include "host_lane_api.h"
+#include "shm.h"
+#include "wire.h"
+
+namespace nodecomm::host_lane {
+
+// Every collective of one communicator runs under its CallLock, and close() takes it before the
+// buffers are unmapped: a call runs with the GIL released, from any thread.
+class HostLane {
+ public:
+  HostLane(shm::ShmGroup& group, dispatch::Dispatch& dispatch, std::uintptr_t control, double timeout_s,
+           std::mutex& lock)
+      : group_(group), dispatch_(dispatch), control_(control), timeout_s_(timeout_s), lock_(lock) {}
+
+  // Called with the lock held, before the mappings go.
+  void close() { closed_ = true; }
+
+  // Sum `count` elements of `dtype` from in into out (which may equal in) on the path and wire the
+  // dispatch decides (forced: a path code or 0; forced_wire: a wire code or -1). Sets path and wire.
+  Outcome all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, int forced,
+                     int forced_wire, int* path, int* wire) {
+    std::lock_guard<std::mutex> hold(lock_);
+    if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
+    const std::uint64_t nbytes = count * dtype_bytes(dtype);
+    const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, false);
+    *path = int(decision.path);
+    *wire = int(decision.wire);
+    if (decision.path == dispatch::Path::kService) return kService;
+    const auto start = std::chrono::steady_clock::now();
+    group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), timeout_s_, decision.wire);
+    if (decision.sampled)
+      dispatch_.record(decision.path, decision.wire, nbytes,
+                       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    const std::uint64_t sent = decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
+    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes, sent);
+    return dispatch_.switch_due(false) ? kDoneSwitch : kDone;
+  }
+
+ private:
+  shm::ShmGroup& group_;
+  dispatch::Dispatch& dispatch_;
+  std::uintptr_t control_;
+  double timeout_s_;
+  std::mutex& lock_;
+  bool closed_ = false;
+};
+
+}  // namespace nodecomm::host_lane
+
+namespace nodecomm::host_lane {
+
+inline int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, int* error_kind,
+                        char* message, std::size_t message_bytes) {
+  try {
+    int path = 0, wire = 0;
+    return static_cast<HostLane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
+                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
+                                                    -1, &path, &wire);
+  } catch (const Error& error) {
+    *error_kind = int(error.kind);
+    std::snprintf(message, message_bytes, "%s", error.what());
+  } catch (const std::exception& error) {
+    *error_kind = int(ErrorKind::kInternal);
+    std::snprintf(message, message_bytes, "%s", error.what());
+  }
+  return kFailed;
+}
+
+inline const NodecommHostLaneApi kHostLaneApi{kHostLaneApiVersion, &c_all_reduce};
+
+}  // namespace nodecomm::host_lane
