@@ -509,9 +509,51 @@ def bound_device() -> list[str]:
     return problems
 
 
+def workloads() -> list[str]:
+    """DDP training and DTensor tensor parallelism (parallelize_module), once on the nodecomm group
+    and once on a gloo group of the same ranks, from the same seeds: the same bits."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("nodecomm")
+    rank = dist.get_rank()
+    groups = {"nodecomm": dist.distributed_c10d._get_default_group(), "gloo": dist.new_group(backend="gloo")}
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+
+    def data(step: int) -> torch.Tensor:
+        return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+
+    results: dict[str, list[torch.Tensor]] = {}
+    for name, group in groups.items():
+        ddp = DistributedDataParallel(model(), process_group=group, bucket_cap_mb=0.01)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(3):
+            optimizer.zero_grad()
+            ddp(data(step)).square().mean().backward()
+            optimizer.step()
+        tp = parallelize_module(
+            model(), DeviceMesh.from_group(group, "cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+        )
+        out = tp(data(7))
+        out.square().mean().backward()
+        grads = [p.grad.full_tensor() for p in tp.parameters()]
+        results[name] = [p.detach().clone() for p in ddp.parameters()] + [out.detach().clone(), *grads]
+    problems = [
+        f"tensor {i}: nodecomm and gloo differ"
+        for i, (a, b) in enumerate(zip(results["nodecomm"], results["gloo"], strict=True))
+        if not same_bits(a, b)
+    ]
+    dist.destroy_process_group()
+    return problems
+
+
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    found = {"mixed": mixed_backends, "across": across_nodes, "device_id": bound_device}.get(
+    found = {"mixed": mixed_backends, "across": across_nodes, "device_id": bound_device, "workloads": workloads}.get(
         mode, lambda: all_collectives(mode)
     )()
     daemon = [line for line in found if line.startswith("daemon ")]

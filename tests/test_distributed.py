@@ -92,6 +92,10 @@ def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):
     assert "was shut down" in seen["after_destroy"]
 
 
+def test_ddp_and_dtensor_tensor_parallelism_give_gloos_bits(daemon):
+    assert reports(torchrun(2, daemon.socket, "workloads")) == {0: [], 1: []}
+
+
 def test_mixed_backend_strings_give_each_device_its_backend(daemon):
     assert reports(torchrun(2, daemon.socket, "mixed")) == {0: [], 1: []}
 
