@@ -14,6 +14,7 @@ from nodecomm import _native
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
+    GroupMismatchError,
     InternalError,
     InvalidArgumentError,
     NodecommError,
@@ -27,7 +28,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 from .cuda_transport import CudaTransport, mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
-from .dispatch import PATH_CODES, WIRES, Dispatcher
+from .dispatch import PATH_CODES, Dispatcher
 from .dtypes import DTYPE_CODES
 from .host_transport import HostTransport
 from .lease import Lease
@@ -40,9 +41,10 @@ log = logging.getLogger("nodecomm.client")
 
 Transport = HostTransport | CudaTransport
 _SERVICE = PATH_CODES[Path.SERVICE]
+_NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
-# A HostLane call's outcomes (native/host_lane.h).
-_DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED = 1, 2, 3, 4
+# A lane call's outcomes (native/lane_api.h).
+_DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED = range(6)
 
 
 class Communicator:
@@ -107,14 +109,10 @@ class Communicator:
             self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device, words,
         )  # fmt: skip
         # Held by every collective and by close(): a collective runs with the GIL released, and
-        # the buffers must not be unmapped under it. Native, so that a CPU all-reduce (HostLane,
-        # from Python or from the c10d backend) takes it without the GIL.
+        # the buffers must not be unmapped under it. Native, so that an all-reduce (the lane, from
+        # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
-        self._lane = (
-            _native.HostLane(transport.group, self._dispatch, control.address, operation_timeout, self._lock)
-            if isinstance(transport, HostTransport)
-            else None
-        )
+        self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
 
     def _start(self, timeout: float) -> None:
         try:
@@ -155,72 +153,66 @@ class Communicator:
         """
         self._check_tensor(tensor, "tensor")
         out = self._output(out, tuple(tensor.shape), tensor.dtype)
-        nbytes = tensor.nbytes
         try:
             forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
-        except NodecommError as error:
-            raise self._located(error) from None
-        if self._lane is not None:
-            chosen, capturing = self._host_all_reduce(tensor, out, forced, wanted), False
-        else:
-            capturing = self._transport.capturing()
-            try:
-                chosen, on_wire, _, sampled = self._dispatch.decide(nbytes, forced, wanted, capturing)
-            except NodecommError as error:
-                raise self._located(error) from None
-            if chosen != _SERVICE:
-                sample = (chosen, nbytes, on_wire) if sampled else None
-                self._run(
-                    self._transport.all_reduce, tensor, out, chosen, self._operation_timeout, on_wire,
-                    sample=sample, capturing=capturing,
-                )  # fmt: skip
-                sent = nbytes if on_wire == 0 else WIRES[on_wire].encoded_bytes(tensor.numel(), tensor.element_size())
-                self._dispatch.count(_ALL_REDUCE, chosen, on_wire, nbytes, sent)
-        if chosen == _SERVICE:
-            return self._service_all_reduce(tensor, out, capturing, async_op)
-        self._maybe_switch_table(capturing)
-        return ServiceWork.completed(out) if async_op else out
-
-    def _service_all_reduce(
-        self, tensor: torch.Tensor, out: torch.Tensor, capturing: bool, async_op: bool
-    ) -> torch.Tensor | ServiceWork:
-        """A call decided for the service path: submitted to the daemon, which runs it."""
-        work = self._submitted(self._service.all_reduce, tensor, out)
-        self._dispatch.count(_ALL_REDUCE, _SERVICE, 0, tensor.nbytes, tensor.nbytes)
-        self._maybe_switch_table(capturing)
-        return work if async_op else work.wait()
-
-    def _host_all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, forced: int, wire: int) -> int:
-        """A CPU group's call: checked, decided, run, timed and counted in one native call (a call
-        decided for the service path is left to the caller). Returns the path."""
-        try:
-            outcome, chosen, _ = self._lane.all_reduce(
-                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], forced, wire
+            outcome, _, _, sampled = self._lane.all_reduce(
+                tensor.data_ptr(),
+                out.data_ptr(),
+                tensor.numel(),
+                DTYPE_CODES[tensor.dtype],
+                forced,
+                wanted,
+                self._transport.stream(),
             )
         except NodecommError as error:
-            raise self._located(error) from None
+            raise self._lane_error(error) from None
+        if outcome != _DONE:
+            return self._after_lane(outcome, tensor, out, sampled, async_op)
+        return ServiceWork.completed(out) if async_op else out
+
+    def _after_lane(
+        self, outcome: int, tensor: torch.Tensor, out: torch.Tensor, sampled: bool, async_op: bool
+    ) -> torch.Tensor | ServiceWork:
+        """What the native lane left to Python: a table switch after the call, the reason it did not
+        run, or the call itself when decided for the service path (the daemon runs it) or NCCL."""
+        if outcome == _DONE_SWITCH:
+            self._agree_on_table()
+            return ServiceWork.completed(out) if async_op else out
         if outcome == _UNUSABLE:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
-        return chosen
+        capturing = self._transport.capturing()
+        nbytes = tensor.nbytes
+        if outcome == _SERVICE_DECIDED:
+            work = self._submitted(self._service.all_reduce, tensor, out)
+        else:
+            sample = (_NCCL, nbytes, 0) if sampled else None
+            self._run(
+                self._transport.all_reduce, tensor, out, _NCCL, self._operation_timeout, sample=sample,
+                capturing=capturing,
+            )  # fmt: skip
+            work = ServiceWork.completed(out)
+        self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
+        self._maybe_switch_table(capturing)
+        return work if async_op else work.wait()
+
+    def _lane_error(self, error: NodecommError) -> NodecommError:
+        """A lane's error, located; a CUDA group that a mismatch stopped says what every rank called."""
+        if isinstance(error, GroupMismatchError) and self._transport.kind == "cuda":
+            error = mismatch_error(self._control.address, self.world_size)
+        return self._located(error)
 
     def native_outcome(self, outcome: int, tensor: torch.Tensor, kind: int, message: str) -> None:
-        """What the c10d backend's native call (native/host_lane.h, in place on `tensor`) left to
-        Python: a table switch after it, its error, or the call itself (closed, aborted, service)."""
-        if outcome == _DONE_SWITCH:
-            self._maybe_switch_table(False)
-        elif outcome == _FAILED:
-            raise self._located(_native.error(kind, message))
-        elif outcome == _SERVICE_DECIDED:
-            self._service_all_reduce(tensor, tensor, False, False)
-        elif outcome == _UNUSABLE:
-            self._check_usable()
-            raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
+        """What the c10d backend's native call (in place on `tensor`, through lane_api.h) left to
+        Python: as _after_lane, or its error."""
+        if outcome == _FAILED:
+            raise self._lane_error(_native.error(kind, message))
+        self._after_lane(outcome, tensor, tensor, False, False)
 
-    def native_lane(self) -> tuple[object, int, object] | None:
-        """(C ABI capsule, lane address, the lane) of a CPU group's all-reduce, for the c10d
-        backend, which keeps the lane alive; None on other groups."""
-        return None if self._lane is None else (*self._lane.api(), self._lane)
+    def native_lane(self) -> tuple[object, int, object]:
+        """(C ABI capsule, lane address, the lane) of this rank's all-reduce, for the c10d backend,
+        which keeps the lane object alive."""
+        return (*self._lane.api(), self._lane)
 
     def _maybe_switch_table(self, capturing: bool) -> None:
         """After every table_switch_period-th all-reduce: after the call, so that what accepts()
@@ -508,8 +500,7 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
-            if self._lane is not None:
-                self._lane.close()
+            self._lane.close()
         # This rank's queued GPU work first: peers may still wait on its signals, and Leave aborts
         # their waits. Bounded: every kernel gives up after its timeout.
         try:

@@ -64,7 +64,7 @@ class CudaTransport:
         self._buffers = buffers
         self._control = control
         self._nccl_group = nccl_group
-        self._group = _native.CudaGroup(
+        self.group = _native.CudaGroup(
             rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
         )
 
@@ -72,7 +72,7 @@ class CudaTransport:
 
     def probe_peers(self, nonce: int, timeout: float) -> str:
         """Write a tag into every peer's buffer and wait for every peer's: "" or what failed."""
-        return self._group.check_peers(nonce, timeout)
+        return self.group.check_peers(nonce, timeout)
 
     def self_test(self, timeout: float) -> str:
         """One small all-reduce through every peer path, checked exactly: "" or what was wrong."""
@@ -101,7 +101,7 @@ class CudaTransport:
         decides; "" for the other paths."""
         if path is not Path.ONESHOT:
             return ""
-        return "push" if wire is Wire.LOSSLESS and self._group.oneshot_pushes(nbytes) else "pull"
+        return "push" if wire is Wire.LOSSLESS and self.group.oneshot_pushes(nbytes) else "pull"
 
     @contextlib.contextmanager
     def _enqueueing(self):
@@ -112,31 +112,39 @@ class CudaTransport:
         except GroupMismatchError:
             raise mismatch_error(self._control.address, self.world_size) from None
 
-    def _stream(self) -> int:
+    def lane(
+        self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock
+    ) -> _native.CudaLane:
+        """The native all-reduce call on this group (native/cuda/lane.h)."""
+        return _native.CudaLane(self.group, dispatch, control, timeout, lock)
+
+    def stream(self) -> int:
+        """The caller's current stream on this group's device."""
         return torch.cuda.current_stream(self.device).cuda_stream
 
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
-        """path, wire: nodecomm.v1 codes, as the native Dispatch gives them."""
+        """path, wire: nodecomm.v1 codes. The communicator's CudaLane enqueues every path but NCCL
+        itself; this runs what it leaves (NCCL) and the self-test's calls."""
         if path == _NCCL:  # the Dispatch gives it no compressed wire (wire_paths)
             if out.data_ptr() != tensor.data_ptr():
                 out.copy_(tensor)
             torch.distributed.all_reduce(out, group=self._nccl_group)
             return
         with self._enqueueing():  # the native group runs a call larger than a slot in pieces
-            self._group.all_reduce(
+            self.group.all_reduce(
                 tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout,
-                self._stream(), wire,
+                self.stream(), wire,
             )  # fmt: skip
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         with self._enqueueing():
-            self._group.all_gather(tensor.data_ptr(), out.data_ptr(), nbytes, timeout, self._stream())
+            self.group.all_gather(tensor.data_ptr(), out.data_ptr(), nbytes, timeout, self.stream())
 
     def barrier(self, timeout: float) -> None:
         stream = torch.cuda.current_stream(self.device)
         with self._enqueueing():
-            self._group.barrier(timeout, stream.cuda_stream)
+            self.group.barrier(timeout, stream.cuda_stream)
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
         # A kernel that gave up says so only in this rank's error record.
         code, peer, _ = _native.error_record(self._control.address, self.rank)
@@ -172,7 +180,7 @@ class CudaTransport:
         timeout: float,
     ) -> None:
         with self._enqueueing():
-            self._group.topk_stage(
+            self.group.topk_stage(
                 slabs, rows_per_owner, topk, blocks, idx.data_ptr(), scores.data_ptr(), idx.shape[0],
                 out_idx.data_ptr(), out_scores.data_ptr(), timeout, torch.cuda.current_stream(self.device).cuda_stream,
             )  # fmt: skip
@@ -194,6 +202,6 @@ class CudaTransport:
 
     def close(self) -> None:
         torch.cuda.synchronize(self.device)  # nothing may still run on the buffers unmapped below
-        self._group = None  # its abort watch stops, and waits for what it wrote
+        self.group = None  # its abort watch stops, and waits for what it wrote
         for mapping in self._buffers:
             mapping.unmap()

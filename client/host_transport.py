@@ -26,6 +26,16 @@ class HostTransport:
         # HostLane made on it (the Communicator's).
         self.group = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, slot_bytes)
 
+    def lane(
+        self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock
+    ) -> _native.HostLane:
+        """The native all-reduce call on this group (native/host_lane.h)."""
+        return _native.HostLane(self.group, dispatch, control, timeout, lock)
+
+    def stream(self) -> int:
+        """No stream: a CPU collective runs on the calling thread."""
+        return 0
+
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 

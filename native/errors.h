@@ -3,6 +3,7 @@
 // for the bug report; the others are for the caller, who needs what was wrong, not where.
 #pragma once
 
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 
@@ -23,6 +24,21 @@ struct Error : std::runtime_error {
   const auto slash = where.find_last_of('/');
   if (slash != std::string::npos) where = where.substr(slash + 1);
   throw Error(kind, what + " (" + where + ":" + std::to_string(line) + ")");
+}
+
+// For a C ABI, which no exception may cross: run(), or `failed` with the error's kind and text.
+template <typename Run>
+int run_reporting(Run run, int failed, int* error_kind, char* message, std::size_t message_bytes) {
+  try {
+    return run();
+  } catch (const Error& error) {
+    *error_kind = int(error.kind);
+    std::snprintf(message, message_bytes, "%s", error.what());
+  } catch (const std::exception& error) {
+    *error_kind = int(ErrorKind::kInternal);
+    std::snprintf(message, message_bytes, "%s", error.what());
+  }
+  return failed;
 }
 
 }  // namespace nodecomm

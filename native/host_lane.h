@@ -1,7 +1,7 @@
 // host_lane.h — one CPU rank's all-reduce as one native call: the usability checks, the path
 // decision (dispatch.h), the shared-memory collective (shm.h), the timing sample and the count.
 // The Python Communicator and the C++ torch.distributed backend (c10d/) both call it; the backend
-// reaches it through the small C ABI below, so that it needs no pybind11 type of this module.
+// reaches it through the C ABI of lane_api.h, so that it needs no pybind11 type of this module.
 #pragma once
 
 #include <chrono>
@@ -14,11 +14,11 @@
 #include "control.h"
 #include "dispatch.h"
 #include "errors.h"
-#include "host_lane_api.h"
+#include "lane_api.h"
 #include "shm.h"
 #include "wire.h"
 
-namespace nodecomm::host_lane {
+namespace nodecomm::lane {
 
 // Every collective of one communicator runs under its CallLock, and close() takes it before the
 // buffers are unmapped: a call runs with the GIL released, from any thread.
@@ -32,15 +32,14 @@ class HostLane {
   void close() { closed_ = true; }
 
   // Sum `count` elements of `dtype` from in into out (which may equal in) on the path and wire the
-  // dispatch decides (forced: a path code or 0; forced_wire: a wire code or -1). Sets path and wire.
+  // dispatch decides (forced: a path code or 0; forced_wire: a wire code or -1); `taken` says which.
   Outcome all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, int forced,
-                     int forced_wire, int* path, int* wire) {
+                     int forced_wire, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
     if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, false);
-    *path = int(decision.path);
-    *wire = int(decision.wire);
+    *taken = {int(decision.path), int(decision.wire), decision.sampled};
     if (decision.path == dispatch::Path::kService) return kService;
     const auto start = std::chrono::steady_clock::now();
     group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), timeout_s_, decision.wire);
@@ -61,27 +60,17 @@ class HostLane {
   bool closed_ = false;
 };
 
-}  // namespace nodecomm::host_lane
-
-namespace nodecomm::host_lane {
-
-inline int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, int* error_kind,
-                        char* message, std::size_t message_bytes) {
-  try {
-    int path = 0, wire = 0;
+// The C ABI's entry (lane_api.h).
+inline int host_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* /*stream*/,
+                           int* error_kind, char* message, std::size_t message_bytes) {
+  return run_reporting([&] {
+    Taken taken;
     return static_cast<HostLane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
                                                     reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
-                                                    -1, &path, &wire);
-  } catch (const Error& error) {
-    *error_kind = int(error.kind);
-    std::snprintf(message, message_bytes, "%s", error.what());
-  } catch (const std::exception& error) {
-    *error_kind = int(ErrorKind::kInternal);
-    std::snprintf(message, message_bytes, "%s", error.what());
-  }
-  return kFailed;
+                                                    -1, &taken);
+  }, kFailed, error_kind, message, message_bytes);
 }
 
-inline const NodecommHostLaneApi kHostLaneApi{kHostLaneApiVersion, &c_all_reduce};
+inline const NodecommLaneApi kHostLaneApi{kLaneApiVersion, &host_all_reduce};
 
-}  // namespace nodecomm::host_lane
+}  // namespace nodecomm::lane

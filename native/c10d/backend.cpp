@@ -1,10 +1,12 @@
 // backend.cpp — nodecomm as a C++ torch.distributed backend (c10d::Backend): module nodecomm._c10d.
 //
 // torch holds one Backend per device type it was named for ("nodecomm", "cpu:gloo,cuda:nodecomm").
-// A CPU all-reduce SUM of one contiguous float32/float16/bfloat16 tensor runs through the rank's
-// HostLane (../host_lane.h) with no Python: checks, path decision, collective, sample, count. Every
-// other operation goes to the Python process group this backend composes
-// (nodecomm.distributed.process_group), by its Python name, and comes back as that group's Work.
+// An all-reduce SUM of one contiguous float32/float16/bfloat16 tensor runs through the rank's lane
+// with no Python (../lane_api.h: HostLane on the CPU; CudaLane on the tensor's current stream, for
+// a synchronous call): checks, path decision, collective, sample, count. Every other operation
+// goes to the Python process group this backend composes (nodecomm.distributed.process_group), by
+// its Python name, and comes back as that group's Work.
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <pybind11/chrono.h>
@@ -16,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "../host_lane_api.h"
+#include "../lane_api.h"
 
 namespace py = pybind11;
 
@@ -97,8 +99,8 @@ class Backend : public ::c10d::Backend {
   ~Backend() override {
     py::gil_scoped_acquire gil;
     composed_ = py::object();
-    lane_object_ = py::object();
-    communicator_ = py::object();
+    cpu_ = Lane{};
+    cuda_ = Lane{};
   }
 
   const std::string getBackendName() const override { return "nodecomm"; }
@@ -112,22 +114,25 @@ class Backend : public ::c10d::Backend {
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
       at::Tensor& tensor = tensors[0];
-      const int dtype = dtype_code(tensor);
-      if (tensor.device().is_cpu() && dtype != 0 && tensor.layout() == at::kStrided && tensor.is_contiguous() &&
-          tensor.numel() > 0 && lane_ready()) {
+      Lane* bound = lane_for(tensor, opts.asyncOp);
+      if (bound != nullptr) {
+        void* stream = tensor.is_cuda()
+                           ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()).native_handle()
+                           : nullptr;
         int kind = 0;
         char message[1024] = {0};
-        const int outcome = api_->all_reduce(lane_, tensor.data_ptr(), tensor.data_ptr(), tensor.numel(), dtype,
-                                             &kind, message, sizeof message);
-        if (outcome != host_lane::kDone) {
+        const int outcome = bound->api->all_reduce(bound->address, tensor.data_ptr(), tensor.data_ptr(),
+                                                  tensor.numel(), dtype_code(tensor), stream, &kind, message,
+                                                  sizeof message);
+        if (outcome != lane::kDone) {
           py::gil_scoped_acquire gil;
-          communicator_.attr("native_outcome")(outcome, tensor, kind, std::string(message));
+          bound->communicator.attr("native_outcome")(outcome, tensor, kind, std::string(message));
         }
         return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
       }
     }
     WorkPtr work = collective("allreduce", tensors, opts);
-    if (lane_ == nullptr && tensors.size() == 1 && tensors[0].device().is_cpu()) bind_lane();
+    if (tensors.size() == 1) bind(tensors[0]);
     return work;
   }
 
@@ -201,8 +206,8 @@ class Backend : public ::c10d::Backend {
   void abort() override { unbind_and_call("abort"); }
 
  private:
-  // A collective of the Python group. One it runs in the background stays outstanding until it
-  // completes: no native all-reduce may overtake it (the ranks' calls must stay in one order).
+  // A collective of the Python group. A CPU one it runs in the background stays outstanding until
+  // it completes: no native all-reduce may overtake it (the ranks' calls must stay in one order).
   template <typename... Args>
   WorkPtr collective(const char* name, Args&&... args) {
     WorkPtr work = python(name, std::forward<Args>(args)...);
@@ -216,50 +221,64 @@ class Backend : public ::c10d::Backend {
     return c10::make_intrusive<PythonWork>(composed_.attr(name)(std::forward<Args>(args)...));
   }
 
-  // Whether the native lane is bound and nothing the Python group runs in the background is left.
-  bool lane_ready() {
-    if (lane_ == nullptr) return false;
-    while (!outstanding_.empty()) {
-      if (!outstanding_.back()->isCompleted()) return false;
-      outstanding_.pop_back();
+  // A rank's lane for one device type, once the Python group's lane of that type has joined.
+  struct Lane {
+    const NodecommLaneApi* api = nullptr;
+    void* address = nullptr;
+    int device = -1;           // the CUDA device index it enqueues on
+    py::object object;         // the lane (kept alive here)
+    py::object communicator;   // its Communicator, for what the lane leaves to Python
+  };
+
+  // The lane that runs this all-reduce natively, or null: the Python group takes it. A CPU call
+  // waits for nothing the Python group runs in the background (the ranks' calls keep one order);
+  // a CUDA one is ordered by its stream, and an asynchronous one needs the Python group's Work.
+  Lane* lane_for(const at::Tensor& tensor, bool async) {
+    if (dtype_code(tensor) == 0 || tensor.layout() != at::kStrided || !tensor.is_contiguous() || tensor.numel() == 0)
+      return nullptr;
+    if (tensor.is_cpu()) {
+      if (cpu_.api == nullptr) return nullptr;
+      while (!outstanding_.empty()) {
+        if (!outstanding_.back()->isCompleted()) return nullptr;
+        outstanding_.pop_back();
+      }
+      return &cpu_;
     }
-    return true;
+    if (tensor.is_cuda() && !async && cuda_.api != nullptr && cuda_.device == tensor.device().index()) return &cuda_;
+    return nullptr;
   }
 
-  // Once the Python group's CPU lane has joined its nodecomm group: that lane's HostLane.
-  void bind_lane() {
+  // After a call the Python group ran: its lane for the tensor's device type, if joined now.
+  void bind(const at::Tensor& tensor) {
+    Lane& slot = tensor.is_cpu() ? cpu_ : cuda_;
+    if (slot.api != nullptr || !(tensor.is_cpu() || tensor.is_cuda())) return;
     py::gil_scoped_acquire gil;
-    py::object communicator = composed_.attr("connected_communicator")("cpu");
+    py::object communicator = composed_.attr("connected_communicator")(tensor.is_cpu() ? "cpu" : "cuda");
     if (communicator.is_none()) return;
-    py::object lane = communicator.attr("native_lane")();
-    if (lane.is_none()) return;
-    auto parts = lane.cast<py::tuple>();
+    auto parts = communicator.attr("native_lane")().cast<py::tuple>();
     auto capsule = parts[0].cast<py::capsule>();
-    TORCH_CHECK(std::string(capsule.name()) == host_lane::kHostLaneCapsule, "nodecomm: not a HostLane capsule");
-    const auto* api = capsule.get_pointer<const NodecommHostLaneApi>();
-    TORCH_CHECK(api->version == host_lane::kHostLaneApiVersion, "nodecomm._native's HostLane ABI is version ",
-                api->version, ", nodecomm._c10d expects ", host_lane::kHostLaneApiVersion,
+    TORCH_CHECK(std::string(capsule.name()) == lane::kLaneCapsule, "nodecomm: not a lane capsule");
+    const auto* api = capsule.get_pointer<const NodecommLaneApi>();
+    TORCH_CHECK(api->version == lane::kLaneApiVersion, "nodecomm._native's lane ABI is version ", api->version,
+                ", nodecomm._c10d expects ", lane::kLaneApiVersion,
                 ": the two modules come from different builds; reinstall nodecomm");
-    api_ = api;
-    lane_ = reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>());
-    lane_object_ = parts[2];
-    communicator_ = std::move(communicator);
+    py::object device = communicator.attr("device").attr("index");
+    slot = Lane{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
+                device.is_none() ? -1 : device.cast<int>(), parts[2], std::move(communicator)};
   }
 
   void unbind_and_call(const char* name) {
     py::gil_scoped_acquire gil;
-    lane_ = nullptr;  // the lane is closed below; a later call takes the Python path, which says so
+    // The lanes close below; a later call takes the Python path, which says so.
+    cpu_ = Lane{};
+    cuda_ = Lane{};
     composed_.attr(name)();
   }
 
   py::object composed_;
   std::chrono::milliseconds timeout_;
-  std::vector<WorkPtr> outstanding_;
-  // The bound lane: its C ABI, address, Python object (kept alive here) and communicator.
-  const NodecommHostLaneApi* api_ = nullptr;
-  void* lane_ = nullptr;
-  py::object lane_object_;
-  py::object communicator_;
+  std::vector<WorkPtr> outstanding_;  // the Python group's CPU collectives still running
+  Lane cpu_, cuda_;
 };
 
 }  // namespace nodecomm::c10d_backend

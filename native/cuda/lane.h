@@ -1,0 +1,140 @@
+// lane.h — one CUDA rank's all-reduce as one native call on the caller's stream: the usability
+// checks, the capture check, the path decision (../dispatch.h), the enqueue (group.h), the timing
+// sample (CUDA events, read back on a later call) and the count. The Python Communicator and the
+// C++ torch.distributed backend both call it (the backend through ../lane_api.h).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <mutex>
+
+#include "../codes.h"
+#include "../control.h"
+#include "../dispatch.h"
+#include "../errors.h"
+#include "../lane_api.h"
+#include "../wire.h"
+#include "driver.h"
+#include "group.h"
+
+namespace nodecomm::lane {
+
+class CudaLane {
+ public:
+  CudaLane(cuda::CudaGroup& group, dispatch::Dispatch& dispatch, std::uintptr_t control, double timeout_s,
+           std::mutex& lock)
+      : group_(group), dispatch_(dispatch), control_(control), timeout_s_(timeout_s), lock_(lock) {
+    cuda::DeviceScope scope(group_.device());
+    for (Timing& timing : timings_) {
+      NODECOMM_CUDA(cudaEventCreate(&timing.start));
+      NODECOMM_CUDA(cudaEventCreate(&timing.end));
+    }
+  }
+  ~CudaLane() { release(); }
+  CudaLane(const CudaLane&) = delete;
+  CudaLane& operator=(const CudaLane&) = delete;
+
+  // Called with the lock held, before the mappings go.
+  void close() {
+    closed_ = true;
+    release();
+  }
+
+  // Enqueue on `stream` an all-reduce of `count` elements from in into out (which may equal in) on
+  // the path and wire the dispatch decides (forced: a path code or 0; forced_wire: a wire code or
+  // -1); `taken` says which. A group a mismatch stopped is left to the group, which records this
+  // call before it raises GroupMismatchError.
+  Outcome all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, int forced,
+                     int forced_wire, std::uintptr_t stream, Taken* taken) {
+    std::lock_guard<std::mutex> hold(lock_);
+    const std::uint64_t reason = control::abort_state(control_).first;
+    if (closed_ || (reason != 0 && reason != control::kMismatch)) return kUnusable;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    const std::uint64_t nbytes = count * dtype_bytes(dtype);
+    const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, capturing);
+    *taken = {int(decision.path), int(decision.wire), decision.sampled && !capturing};
+    if (decision.path == dispatch::Path::kService) return kService;
+    if (decision.path == dispatch::Path::kNccl) return kNccl;
+    if (!capturing) read_timings();  // nothing is queried while a graph is being captured
+    Timing* timing = decision.sampled && !capturing && pending_.size() < kTimings ? &timings_[next_] : nullptr;
+    const auto on = reinterpret_cast<cudaStream_t>(stream);
+    if (timing) NODECOMM_CUDA(cudaEventRecord(timing->start, on));
+    group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), int(decision.wire), timeout_s_,
+                      stream);
+    if (timing) {
+      NODECOMM_CUDA(cudaEventRecord(timing->end, on));
+      timing->path = decision.path;
+      timing->wire = decision.wire;
+      timing->nbytes = nbytes;
+      pending_.push_back(next_);
+      next_ = (next_ + 1) % kTimings;
+    }
+    const std::uint64_t sent = decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
+    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes, sent);
+    return dispatch_.switch_due(capturing) ? kDoneSwitch : kDone;
+  }
+
+ private:
+  static constexpr std::size_t kTimings = 16;  // sampled calls in flight; more are not timed
+
+  struct Timing {
+    cudaEvent_t start = nullptr, end = nullptr;
+    dispatch::Path path = dispatch::Path::kOneshot;
+    wire::Wire wire = wire::Wire::kLossless;
+    std::uint64_t nbytes = 0;
+  };
+
+  // The sampled calls that have finished, oldest first, to the dispatch's samples.
+  void read_timings() {
+    while (!pending_.empty()) {
+      Timing& timing = timings_[pending_.front()];
+      const cudaError_t done = cudaEventQuery(timing.end);
+      if (done == cudaErrorNotReady) return;
+      NODECOMM_CUDA(done);
+      float ms = 0;
+      NODECOMM_CUDA(cudaEventElapsedTime(&ms, timing.start, timing.end));
+      dispatch_.record(timing.path, timing.wire, timing.nbytes, ms / 1e3);
+      pending_.pop_front();
+    }
+  }
+
+  void release() {
+    for (Timing& timing : timings_) {
+      if (timing.start) cudaEventDestroy(timing.start);
+      if (timing.end) cudaEventDestroy(timing.end);
+      timing.start = timing.end = nullptr;
+    }
+    pending_.clear();
+  }
+
+  cuda::CudaGroup& group_;
+  dispatch::Dispatch& dispatch_;
+  std::uintptr_t control_;
+  double timeout_s_;
+  std::mutex& lock_;
+  bool closed_ = false;
+  std::array<Timing, kTimings> timings_{};
+  std::deque<std::size_t> pending_;  // indices into timings_, oldest first
+  std::size_t next_ = 0;
+};
+
+// The C ABI's entry (lane_api.h).
+inline int cuda_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream,
+                           int* error_kind, char* message, std::size_t message_bytes) {
+  return run_reporting([&] {
+    Taken taken;
+    return static_cast<CudaLane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
+                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
+                                                    -1, reinterpret_cast<std::uintptr_t>(stream), &taken);
+  }, kFailed, error_kind, message, message_bytes);
+}
+
+inline const NodecommLaneApi kCudaLaneApi{kLaneApiVersion, &cuda_all_reduce};
+
+}  // namespace nodecomm::lane

@@ -1,0 +1,43 @@
+// lane_api.h — the C ABI through which the c10d backend (c10d/backend.cpp, another module) calls a
+// rank's all-reduce lane: HostLane (host_lane.h) or CudaLane (cuda/lane.h). Plain types only: no
+// pybind11 or torch type crosses.
+#pragma once
+
+#include <cstddef>
+
+namespace nodecomm::lane {
+
+// What a lane call did. Everything but kDone leaves the rest to the caller's Python: a table
+// switch, raising the reason (closed, aborted, an error), or running the call (service, NCCL).
+enum Outcome : int {
+  kDone = 0,        // ran; the output holds the sum
+  kDoneSwitch = 1,  // ran, and the ranks are due to agree on the newest table now
+  kUnusable = 2,    // not run: the lane is closed or the group aborted
+  kService = 3,     // not run: decided (and counted as decided) for the service path
+  kFailed = 4,      // the collective raised: error kind and message filled in
+  kNccl = 5,        // not run: decided (and counted as decided) for the engine's NCCL group
+};
+
+// What a lane decided for a call (nodecomm.v1 codes), and whether the call is timed.
+struct Taken {
+  int path = 0, wire = 0;
+  bool sampled = false;
+};
+
+constexpr int kLaneApiVersion = 2;
+// nodecomm._native's HostLane.api() and CudaLane.api() return a PyCapsule of this name holding a
+// NodecommLaneApi.
+constexpr const char* kLaneCapsule = "nodecomm.LaneApi";
+
+}  // namespace nodecomm::lane
+
+extern "C" {
+struct NodecommLaneApi {
+  int version;  // kLaneApiVersion
+  // A table-decided all-reduce of a contiguous buffer (in may equal out; stream: a cudaStream_t, or
+  // null on the CPU); returns an Outcome. On kFailed, error_kind is a nodecomm::ErrorKind and
+  // message holds its text (NUL-terminated).
+  int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* error_kind,
+                    char* message, std::size_t message_bytes);
+};
+}
