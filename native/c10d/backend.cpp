@@ -15,6 +15,7 @@
 
 #include <chrono>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -27,6 +28,18 @@ namespace nodecomm::c10d_backend {
 using ::c10d::OpType;
 using ::c10d::Work;
 using WorkPtr = c10::intrusive_ptr<Work>;
+
+// Lets go of Python objects from C++ destructors: under the GIL, or, once the interpreter has
+// finalized (a backend torch's registries free at exit), by leaking them.
+template <typename... Objects>
+void drop(Objects&... objects) {
+  if (Py_IsInitialized()) {
+    py::gil_scoped_acquire gil;
+    ((objects = std::remove_reference_t<Objects>{}), ...);
+  } else {
+    ((void)objects.release(), ...);
+  }
+}
 
 // nodecomm.v1.DType codes; 0: a dtype nodecomm does not reduce natively.
 int dtype_code(const at::Tensor& tensor) {
@@ -63,10 +76,7 @@ class CompletedWork : public Work {
 class PythonWork : public Work {
  public:
   explicit PythonWork(py::object work) : work_(work.cast<WorkPtr>()), object_(std::move(work)) {}
-  ~PythonWork() override {
-    py::gil_scoped_acquire gil;
-    object_ = py::object();
-  }
+  ~PythonWork() override { drop(object_); }
   bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
   bool isCompleted() override {
@@ -96,12 +106,7 @@ class Backend : public ::c10d::Backend {
   Backend(py::object composed, int rank, int size, std::chrono::milliseconds timeout)
       : ::c10d::Backend(rank, size), composed_(std::move(composed)), timeout_(timeout) {}
 
-  ~Backend() override {
-    py::gil_scoped_acquire gil;
-    composed_ = py::object();
-    cpu_ = Lane{};
-    cuda_ = Lane{};
-  }
+  ~Backend() override { drop(composed_, cpu_.object, cpu_.communicator, cuda_.object, cuda_.communicator); }
 
   const std::string getBackendName() const override { return "nodecomm"; }
 
@@ -226,6 +231,7 @@ class Backend : public ::c10d::Backend {
     const NodecommLaneApi* api = nullptr;
     void* address = nullptr;
     int device = -1;           // the CUDA device index it enqueues on
+    bool none = false;         // the communicator has no lane (a group across nodes): never bound
     py::object object;         // the lane (kept alive here)
     py::object communicator;   // its Communicator, for what the lane leaves to Python
   };
@@ -250,12 +256,18 @@ class Backend : public ::c10d::Backend {
 
   // After a call the Python group ran: its lane for the tensor's device type, if joined now.
   void bind(const at::Tensor& tensor) {
+    if (!(tensor.is_cpu() || tensor.is_cuda())) return;
     Lane& slot = tensor.is_cpu() ? cpu_ : cuda_;
-    if (slot.api != nullptr || !(tensor.is_cpu() || tensor.is_cuda())) return;
+    if (slot.api != nullptr || slot.none) return;
     py::gil_scoped_acquire gil;
     py::object communicator = composed_.attr("connected_communicator")(tensor.is_cpu() ? "cpu" : "cuda");
     if (communicator.is_none()) return;
-    auto parts = communicator.attr("native_lane")().cast<py::tuple>();
+    py::object lane = communicator.attr("native_lane")();
+    if (lane.is_none()) {
+      slot.none = true;
+      return;
+    }
+    auto parts = lane.cast<py::tuple>();
     auto capsule = parts[0].cast<py::capsule>();
     TORCH_CHECK(std::string(capsule.name()) == lane::kLaneCapsule, "nodecomm: not a lane capsule");
     const auto* api = capsule.get_pointer<const NodecommLaneApi>();
@@ -264,7 +276,7 @@ class Backend : public ::c10d::Backend {
                 ": the two modules come from different builds; reinstall nodecomm");
     py::object device = communicator.attr("device").attr("index");
     slot = Lane{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
-                device.is_none() ? -1 : device.cast<int>(), parts[2], std::move(communicator)};
+                device.is_none() ? -1 : device.cast<int>(), false, parts[2], std::move(communicator)};
   }
 
   void unbind_and_call(const char* name) {
