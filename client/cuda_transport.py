@@ -155,7 +155,8 @@ class CudaTransport:
         if code == _native.KernelError.ABORTED:
             raise PeerLostError("the barrier ended: the group was aborted")
 
-    # Timing samples: CUDA events around the operation, read once the end event has completed.
+    # Timing samples of what the CudaLane leaves to Python (NCCL): CUDA events around the call,
+    # read once the end event has completed.
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 

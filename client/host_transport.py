@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from nodecomm import _native
@@ -53,15 +51,9 @@ class HostTransport:
         """A top-k stage's barrier: the ranks must stage the same number of rows."""
         self.group.barrier(timeout, _native.Collective.TOPK_STAGE, rows)
 
-    # Timing samples: collectives here block, so a sample is complete when the call returns.
     def capturing(self) -> bool:
+        """Never: no CUDA graph captures a CPU collective (its samples are timed natively)."""
         return False
-
-    def mark(self) -> float:
-        return time.perf_counter()
-
-    def elapsed(self, start: float, end: float) -> float | None:
-        return end - start
 
     def synchronize(self) -> None:
         """Nothing to wait for: collectives here have finished when they return."""
