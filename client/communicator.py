@@ -419,23 +419,13 @@ class Communicator:
             raise self._aborted(reason, detail)
 
     def _aborted(self, reason: int, detail: int) -> NodecommError:
-        message = self._lease.event_message
-        if reason == _native.AbortReason.PEER_LOST:
-            text = message or f"peer rank {detail} was lost"
-            return PeerLostError(f"group aborted: {text}", group=self.group, rank=self.rank)
-        if reason == _native.AbortReason.PEER_LEFT:
-            return PeerLostError(f"group closed: peer rank {detail} left", group=self.group, rank=self.rank)
+        """The error of an abort (native/control.h's abort_error), with what only this side knows:
+        the daemon's words for a lost peer, every rank's record of a mismatch."""
         if reason == _native.AbortReason.MISMATCH:
             return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
-        if reason == _native.AbortReason.STALLED:
-            code, peer, _ = _native.error_record(self._control.address, detail)
-            waited = f" for rank {peer}" if code == _native.KernelError.TIMEOUT else " for a peer"
-            return PeerLostError(
-                f"group aborted: rank {detail} timed out waiting{waited}", group=self.group, rank=self.rank
-            )
-        return DaemonUnavailableError(
-            "group aborted: the daemon is gone or shutting down", group=self.group, rank=self.rank
-        )
+        if reason == _native.AbortReason.PEER_LOST and self._lease.event_message:
+            return PeerLostError(f"group aborted: {self._lease.event_message}", group=self.group, rank=self.rank)
+        return self._located(_native.error(*_native.abort_error(self._control.address, reason, detail)))
 
     def _located(self, error: NodecommError) -> NodecommError:
         return error.located(group=self.group, rank=self.rank)

@@ -21,6 +21,7 @@
 #include <utility>
 
 #include "agreement.h"
+#include "errors.h"
 
 namespace nodecomm::control {
 
@@ -88,6 +89,29 @@ inline ErrorRecord error_record(std::uintptr_t control, int rank) {
   out.epoch = __atomic_load_n(record + 2, __ATOMIC_ACQUIRE);
   out.call = __atomic_load_n(record + 3, __ATOMIC_ACQUIRE);
   return out;
+}
+
+// What a rank raises once its group's abort word is set: the one mapping from an abort to an error.
+// shm.h raises it; the Python Communicator asks for it (_native.abort_error) and adds only what it
+// alone knows: the daemon's own words for a lost peer, and on a mismatch every rank's record.
+inline std::pair<ErrorKind, std::string> abort_error(std::uintptr_t control, std::uint64_t reason,
+                                                     std::uint64_t detail) {
+  const std::string rank = std::to_string(detail);
+  switch (reason) {
+    case kPeerLost: return {ErrorKind::kPeerLost, "group aborted: peer rank " + rank + " was lost"};
+    case kDaemonLost: return {ErrorKind::kDaemonUnavailable, "group aborted: the daemon connection was lost"};
+    case kShutdown: return {ErrorKind::kDaemonUnavailable, "group aborted: the daemon is shutting down"};
+    case kPeerLeft: return {ErrorKind::kPeerLost, "group closed: peer rank " + rank + " left"};
+    case kStalled: {
+      // A CUDA rank's kernel records whom it waited for; a CPU rank that gave up records nothing.
+      const ErrorRecord record = detail < std::uint64_t(kMaxRecords) ? error_record(control, int(detail))
+                                                                     : ErrorRecord{};
+      const std::string whom = record.code == kErrorTimeout ? "rank " + std::to_string(record.peer) : "a peer";
+      return {ErrorKind::kPeerLost, "group aborted: rank " + rank + " timed out waiting for " + whom};
+    }
+    case kMismatch: return {ErrorKind::kGroupMismatch, "group stopped: rank " + rank + " found a peer with another call"};
+    default: return {ErrorKind::kInternal, "group aborted with unknown reason " + std::to_string(reason)};
+  }
 }
 
 // The host's record of `call`, which `rank` did not enqueue because a mismatch had stopped the

@@ -355,20 +355,8 @@ class ShmGroup {
 
   [[noreturn]] void raise_aborted(std::uint64_t reason, std::uint64_t detail) const {
     // No "rank N": the caller's error names this rank already ("[group 'g', rank 0] ...").
-    switch (reason) {
-      case kPeerLost:
-        NODECOMM_RAISE(kPeerLost, "group aborted: peer rank " + std::to_string(detail) + " was lost");
-      case kDaemonLost:
-        NODECOMM_RAISE(kDaemonUnavailable, "group aborted: the daemon connection was lost");
-      case kShutdown:
-        NODECOMM_RAISE(kDaemonUnavailable, "group aborted: the daemon is shutting down");
-      case kPeerLeft:
-        NODECOMM_RAISE(kPeerLost, "group closed: peer rank " + std::to_string(detail) + " left");
-      case kStalled:
-        NODECOMM_RAISE(kPeerLost, "group aborted: rank " + std::to_string(detail) + " timed out waiting for a peer");
-      default:
-        NODECOMM_RAISE(kInternal, "group aborted with unknown reason " + std::to_string(reason));
-    }
+    const auto [kind, message] = abort_error(control_, reason, detail);
+    throw Error(kind, message);
   }
 
   [[noreturn]] void raise_stalled(int r, std::uint64_t epoch, double waited) {

@@ -1,5 +1,6 @@
 """Faults: a killed rank, a stalled peer, a daemon restart, a drain. Nothing may hang."""
 
+import ctypes
 import multiprocessing as mp
 import re
 import signal
@@ -131,3 +132,25 @@ def test_a_lost_session_names_its_group_and_rank_on_stderr(daemon, spawn_ranks, 
     commands.put("daemon killed")
     assert group.values() == {0: "DaemonUnavailableError"}
     assert "[group 'lost', rank 0] session lost: the daemon connection was lost" in capfd.readouterr().err
+
+
+def test_every_abort_reason_maps_to_one_error():
+    """native/control.h's abort_error: what a CPU collective raises, and what the Communicator asks
+    for, for each reason in the abort word."""
+    from nodecomm import errors
+
+    segment = bytearray(4096)
+    control = ctypes.addressof((ctypes.c_char * len(segment)).from_buffer(segment))
+    reason = _native.AbortReason
+    expected = {
+        reason.PEER_LOST: (errors.PeerLostError, "group aborted: peer rank 3 was lost"),
+        reason.DAEMON_LOST: (errors.DaemonUnavailableError, "group aborted: the daemon connection was lost"),
+        reason.SHUTDOWN: (errors.DaemonUnavailableError, "group aborted: the daemon is shutting down"),
+        reason.PEER_LEFT: (errors.PeerLostError, "group closed: peer rank 3 left"),
+        reason.STALLED: (errors.PeerLostError, "group aborted: rank 3 timed out waiting for a peer"),
+        reason.MISMATCH: (errors.GroupMismatchError, "group stopped: rank 3 found a peer with another call"),
+        99: (errors.InternalError, "group aborted with unknown reason 99"),
+    }
+    for code, (cls, message) in expected.items():
+        error = _native.error(*_native.abort_error(control, code, 3))
+        assert type(error) is cls and str(error) == message, (code, error)

@@ -53,6 +53,15 @@ void bind_control(py::module_& m) {
       "in any process) or `timeout_s` passes; returns the abort reason, or 0 if not woken by then.");
   m.def("abort_state", &control::abort_state, py::arg("control"), "(reason, detail) of the abort word.");
   m.def(
+      "abort_error",
+      [](std::uintptr_t address, std::uint64_t reason, std::uint64_t detail) {
+        const auto [kind, message] = control::abort_error(address, reason, detail);
+        return py::make_tuple(int(kind), message);
+      },
+      py::arg("control"), py::arg("reason"), py::arg("detail"),
+      "(error kind, message) a rank raises for this abort (pass them to error()): the one mapping, also "
+      "the CPU transport's.");
+  m.def(
       "error_record",
       [](std::uintptr_t address, int rank) {
         const control::ErrorRecord record = control::error_record(address, rank);
