@@ -185,13 +185,15 @@ class Communicator:
         nbytes = tensor.nbytes
         if outcome == _SERVICE_DECIDED:
             work = self._submitted(self._service.all_reduce, tensor, out)
-        else:
+        elif outcome == _NCCL_DECIDED:
             sample = (_NCCL, nbytes, 0) if sampled else None
             self._run(
                 self._transport.all_reduce, tensor, out, _NCCL, self._operation_timeout, sample=sample,
                 capturing=capturing,
             )  # fmt: skip
             work = ServiceWork.completed(out)
+        else:
+            raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
         self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()

@@ -1,4 +1,7 @@
-"""nodecomm as a torch.distributed backend: importing this module registers "nodecomm".
+"""nodecomm as a torch.distributed backend: importing this module registers "nodecomm", a C++
+c10d::Backend (nodecomm._c10d) over a Python group of each process group's operations
+(process_group.NodecommProcessGroup), for CPU and CUDA alike, mixable with other backends per
+device type ("cpu:gloo,cuda:nodecomm").
 
     import torch.distributed as dist, nodecomm.distributed
     dist.init_process_group("nodecomm")          # under torchrun; CPU and CUDA tensors

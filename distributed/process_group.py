@@ -1,8 +1,8 @@
-"""NodecommProcessGroup: the "nodecomm" torch.distributed backend, one process group's operations.
+"""NodecommProcessGroup: what the "nodecomm" backend runs in Python, one process group's operations.
 
-torch hands every collective of the group to the methods below (the names its Python front end
-and its C++ callers, DDP among them, use). Each maps torch's arguments onto a lane's Communicator
-through nodecomm.distributed.collectives and returns a Work.
+torch holds the C++ backend (nodecomm._c10d.Backend); it runs an all-reduce SUM natively and hands
+every other operation to the methods below by their Python names (torch's own). Each maps torch's
+arguments onto a lane's Communicator through nodecomm.distributed.collectives and returns a Work.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def _copy_into(destinations: list[torch.Tensor], rows: torch.Tensor) -> None:
         destination.copy_(row.view(destination.shape))
 
 
-class NodecommProcessGroup(dist.ProcessGroup):
-    """A torch.distributed process group served by nodecomm groups: one per device type for the
-    collectives, joined on first use, and one per (source, destination, tag) for send/recv."""
+class NodecommProcessGroup:
+    """One process group's operations on nodecomm groups: one per device type for the collectives,
+    joined on first use, and one per (source, destination, tag) for send/recv."""
 
     def __init__(
         self,
@@ -72,11 +72,9 @@ class NodecommProcessGroup(dist.ProcessGroup):
         daemon_lease: JobLeaseHandle | None = None,
         node_names: list[str] | None = None,
     ):
-        super().__init__(rank, size)
         self._store = store
         self._rank = rank
         self._size = size
-        self._group_name = self._group_desc = ""
         self.nodecomm_name = name  # the nodecomm groups' names start with it
         self.daemon = daemon  # the node's or the job's own, as the group's rank 0 chose
         self._daemon_lease = daemon_lease
@@ -88,31 +86,6 @@ class NodecommProcessGroup(dist.ProcessGroup):
         self._collective_lanes: dict[str, Lane] = {}
         self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
         self._shut_down = False
-
-    # -- identity ------------------------------------------------------------------------------
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return "nodecomm"
-
-    def getRank(self) -> int:  # noqa: N802
-        return self._rank
-
-    def getSize(self) -> int:  # noqa: N802
-        return self._size
-
-    # torch names the group after construction; the base class would look the name up in backends
-    # registered per device, which a Python process group has none of.
-    def setGroupName(self, name: str) -> None:  # noqa: N802
-        self._group_name = name
-
-    def getGroupName(self) -> str:  # noqa: N802
-        return self._group_name
-
-    def setGroupDesc(self, description: str) -> None:  # noqa: N802
-        self._group_desc = description
-
-    def getGroupDesc(self) -> str:  # noqa: N802
-        return self._group_desc
 
     def __repr__(self) -> str:
         return f"NodecommProcessGroup(name={self.nodecomm_name!r}, rank={self._rank}, size={self._size})"

@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <cstring>
 #include <mutex>
 
 #include "codes.h"
@@ -46,8 +45,8 @@ class HostLane {
     if (decision.sampled)
       dispatch_.record(decision.path, decision.wire, nbytes,
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-    const std::uint64_t sent = decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
-    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes, sent);
+    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes,
+                    wire::payload_bytes(decision.wire, count, dtype_bytes(dtype)));
     return dispatch_.switch_due(false) ? kDoneSwitch : kDone;
   }
 

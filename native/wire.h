@@ -125,6 +125,11 @@ NODECOMM_HOST_DEVICE float decode(std::uint8_t code, float scale, Wire wire) {
 NODECOMM_HOST_DEVICE constexpr std::size_t blocks_of(std::size_t count) { return (count + kWireBlock - 1) / kWireBlock; }
 NODECOMM_HOST_DEVICE constexpr std::size_t scales_offset(std::size_t count) { return (count + 63) / 64 * 64; }
 NODECOMM_HOST_DEVICE constexpr std::size_t encoded_bytes(std::size_t count) { return scales_offset(count) + 4 * blocks_of(count); }
+// What a rank's payload of `count` elements of `element_bytes` each carries on `wire`, as the
+// operation counts report it: a byte per element and a scale per block, unpadded.
+inline constexpr std::uint64_t payload_bytes(Wire wire, std::size_t count, std::size_t element_bytes) {
+  return wire == Wire::kLossless ? count * element_bytes : count + 4 * blocks_of(count);
+}
 // Where a two-phase path keeps its reduced segment (in the element type) behind the encoding.
 NODECOMM_HOST_DEVICE constexpr std::size_t reduced_offset(std::size_t count) { return (encoded_bytes(count) + 255) / 256 * 256; }
 // The most elements of `element_bytes` one piece of a call takes where a slot has `slot_bytes`:

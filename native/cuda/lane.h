@@ -75,8 +75,8 @@ class CudaLane {
       pending_.push_back(next_);
       next_ = (next_ + 1) % kTimings;
     }
-    const std::uint64_t sent = decision.wire == wire::Wire::kLossless ? nbytes : count + 4 * wire::blocks_of(count);
-    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes, sent);
+    dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes,
+                    wire::payload_bytes(decision.wire, count, dtype_bytes(dtype)));
     return dispatch_.switch_due(capturing) ? kDoneSwitch : kDone;
   }
 
