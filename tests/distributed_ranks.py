@@ -585,3 +585,25 @@ def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds:
         return "no error"
     except Exception as error:
         return f"{type(error).__name__} after {time.monotonic() - started:.0f} s: {error}"
+
+
+def unanswered_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
+    """Both ranks all-reduce once (their group joins); then rank 0 all-reduces alone, natively in
+    the C++ backend: what dist.all_reduce raises there, under a group whose timeout is `seconds`."""
+    import datetime
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        NODECOMM_SOCKET=socket,
+    )  # fmt: skip
+    dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4))  # the backend's lane is bound after the first
+    if rank == 1:
+        time.sleep(3 * seconds)  # never comes; the job ends when rank 0 reports
+        return ""
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"

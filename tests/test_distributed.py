@@ -100,6 +100,16 @@ def test_mixed_backend_strings_give_each_device_its_backend(daemon):
     assert reports(torchrun(2, daemon.socket, "mixed")) == {0: [], 1: []}
 
 
+def test_an_all_reduce_nobody_joins_fails_with_the_groups_timeout(daemon, spawn_ranks):
+    """The native all-reduce (the C++ backend's lane) waits the group's timeout (3 s, not the
+    daemon's 60 s), then raises DeadlineExceededError through torch, located and naming who."""
+    seen = spawn_ranks(distributed_ranks.unanswered_all_reduce, 2, 2, daemon.socket, free_port(), 3.0, timeout=120)
+    message = seen.values()[0]
+    assert message.startswith("DeadlineExceededError: [group 'torch."), message
+    assert "rank 0] waited 3." in message and "s for rank 1" in message, message
+    print(message)
+
+
 def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_ranks):
     """init_process_group(timeout=5 s): a dist.send whose receive never comes raises
     DeadlineExceededError naming who never came, bounded by the group's timeout (not the
