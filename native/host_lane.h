@@ -1,7 +1,8 @@
 // host_lane.h — one CPU rank's all-reduce as one native call: the usability checks, the path
 // decision (dispatch.h), the shared-memory collective (shm.h), the timing sample and the count.
 // The Python Communicator and the C++ torch.distributed backend (c10d/) both call it; the backend
-// reaches it through the C ABI of lane_api.h, so that it needs no pybind11 type of this module.
+// reaches it through the C ABI of lane_api.h (lane_call.h), so that it needs no pybind11 type of
+// this module.
 #pragma once
 
 #include <chrono>
@@ -32,8 +33,9 @@ class HostLane {
 
   // Sum `count` elements of `dtype` from in into out (which may equal in) on the path and wire the
   // dispatch decides (forced: a path code or 0; forced_wire: a wire code or -1); `taken` says which.
+  // No stream: the call runs on this thread (the argument matches CudaLane's, for lane_call.h).
   Outcome all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, int forced,
-                     int forced_wire, Taken* taken) {
+                     int forced_wire, std::uintptr_t /*stream*/, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
     if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
@@ -58,18 +60,5 @@ class HostLane {
   std::mutex& lock_;
   bool closed_ = false;
 };
-
-// The C ABI's entry (lane_api.h).
-inline int host_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* /*stream*/,
-                           int* error_kind, char* message, std::size_t message_bytes) {
-  return run_reporting([&] {
-    Taken taken;
-    return static_cast<HostLane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
-                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
-                                                    -1, &taken);
-  }, kFailed, error_kind, message, message_bytes);
-}
-
-inline const NodecommLaneApi kHostLaneApi{kLaneApiVersion, &host_all_reduce};
 
 }  // namespace nodecomm::lane

@@ -16,6 +16,7 @@
 #include "cuda/world.h"
 
 #include "bindings.h"
+#include "lane.h"
 
 namespace py = pybind11;
 
@@ -74,41 +75,11 @@ void bind_cuda_group(py::module_& m) {
       .def_property_readonly("world_size", &cuda::CudaGroup::world_size)
       .def_property_readonly("device", &cuda::CudaGroup::device);
 
-  namespace lane = nodecomm::lane;
-  py::class_<lane::CudaLane>(m, "CudaLane",
-                             "A CUDA rank's all-reduce as one call on the caller's stream: checks, capture check, "
-                             "decision, enqueue, timing sample, count (../cuda/lane.h). It holds the dispatch and "
-                             "lock it was made with; the group must outlive it until close().")
-      .def(py::init<cuda::CudaGroup&, nodecomm::dispatch::Dispatch&, std::uintptr_t, double, std::mutex&>(),
-           py::arg("group"), py::arg("dispatch"), py::arg("control"), py::arg("timeout_s"), py::arg("lock"),
-           py::keep_alive<1, 3>(), py::keep_alive<1, 6>())
-      .def(
-          "all_reduce",
-          [](lane::CudaLane& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype, int forced,
-             int wire, std::uintptr_t stream) {
-            const nodecomm::DType type = nodecomm::dtype_of(dtype);
-            lane::Taken taken;
-            lane::Outcome outcome;
-            {
-              py::gil_scoped_release release;
-              outcome = self.all_reduce(in, out, count, type, forced, wire, stream, &taken);
-            }
-            return py::make_tuple(int(outcome), taken.path, taken.wire, taken.sampled);
-          },
-          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("forced"), py::arg("wire"),
-          py::arg("stream"),
-          "(outcome, path, wire, sampled) of an all-reduce enqueued on `stream` on the path and wire the dispatch decides "
-          "(forced: a path code, 0: the table's; wire: a wire code, -1: the table's); outcomes as HostLane's, and "
-          "5: not run (decided for the engine's NCCL group).")
-      .def("close", &lane::CudaLane::close, "No call runs after this one (call it holding the lock).")
-      .def(
-          "api",
-          [](lane::CudaLane& self) {
-            return py::make_tuple(
-                py::capsule(static_cast<const void*>(&lane::kCudaLaneApi), lane::kLaneCapsule),
-                reinterpret_cast<std::uintptr_t>(&self));
-          },
-          "(capsule of the C ABI, this lane's address) for the c10d backend, which keeps this object alive.");
+  bind_lane<nodecomm::lane::CudaLane, cuda::CudaGroup>(
+      m, "CudaLane",
+      "A CUDA rank's all-reduce as one call on the caller's stream: checks, capture check, decision, enqueue, timing "
+      "sample, count (../cuda/lane.h). It holds the dispatch and lock it was made with; the group must outlive it "
+      "until close().");
 }
 
 }  // namespace nodecomm::bindings

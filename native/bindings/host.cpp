@@ -13,6 +13,7 @@
 #include "wire.h"
 
 #include "bindings.h"
+#include "lane.h"
 
 namespace py = pybind11;
 
@@ -98,42 +99,10 @@ void bind_host(py::module_& m) {
            })
       .def("__exit__", [](std::mutex& self, const py::args&) { self.unlock(); });
 
-  namespace lane = nodecomm::lane;
-  py::class_<lane::HostLane>(m, "HostLane",
-                             "A CPU rank's all-reduce as one call: checks, decision, collective, sample, count "
-                             "(../host_lane.h). It holds the dispatch and lock it was made with; the group must "
-                             "outlive it until close().")
-      .def(py::init<shm::ShmGroup&, nodecomm::dispatch::Dispatch&, std::uintptr_t, double, std::mutex&>(),
-           py::arg("group"), py::arg("dispatch"), py::arg("control"), py::arg("timeout_s"), py::arg("lock"),
-           py::keep_alive<1, 3>(), py::keep_alive<1, 6>())
-      .def(
-          "all_reduce",
-          [](lane::HostLane& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype, int forced,
-             int wire, std::uintptr_t /*stream*/) {
-            const nodecomm::DType type = nodecomm::dtype_of(dtype);
-            lane::Taken taken;
-            lane::Outcome outcome;
-            {
-              py::gil_scoped_release release;
-              outcome = self.all_reduce(in, out, count, type, forced, wire, &taken);
-            }
-            return py::make_tuple(int(outcome), taken.path, taken.wire, taken.sampled);
-          },
-          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("forced") = 0,
-          py::arg("wire") = -1, py::arg("stream") = 0,
-          "(outcome, path, wire, sampled) of an all-reduce on the path and wire the dispatch decides (forced: a path "
-          "code, 0: the table's; wire: a wire code, -1: the table's). Outcomes: 0 done, 1 done and a table "
-          "switch is due, 2 not run (closed or aborted), 3 not run (decided for the service path). `stream` is "
-          "CudaLane's; a CPU lane takes none.")
-      .def("close", &lane::HostLane::close, "No call runs after this one (call it holding the lock).")
-      .def(
-          "api",
-          [](lane::HostLane& self) {
-            return py::make_tuple(
-                py::capsule(static_cast<const void*>(&lane::kHostLaneApi), lane::kLaneCapsule),
-                reinterpret_cast<std::uintptr_t>(&self));
-          },
-          "(capsule of the C ABI, this lane's address) for the c10d backend, which keeps this object alive.");
+  bind_lane<nodecomm::lane::HostLane, shm::ShmGroup>(
+      m, "HostLane",
+      "A CPU rank's all-reduce as one call: checks, decision, collective, sample, count (../host_lane.h). It holds "
+      "the dispatch and lock it was made with; the group must outlive it until close().");
 
   namespace service = nodecomm::service;
   m.def(

@@ -124,17 +124,4 @@ class CudaLane {
   std::size_t next_ = 0;
 };
 
-// The C ABI's entry (lane_api.h).
-inline int cuda_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream,
-                           int* error_kind, char* message, std::size_t message_bytes) {
-  return run_reporting([&] {
-    Taken taken;
-    return static_cast<CudaLane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
-                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
-                                                    -1, reinterpret_cast<std::uintptr_t>(stream), &taken);
-  }, kFailed, error_kind, message, message_bytes);
-}
-
-inline const NodecommLaneApi kCudaLaneApi{kLaneApiVersion, &cuda_all_reduce};
-
 }  // namespace nodecomm::lane

@@ -1,0 +1,55 @@
+// lane.h — the binding of a lane (../host_lane.h, ../cuda/lane.h): one template for both, whose
+// all_reduce takes the same arguments and whose api() hands the c10d backend ../lane_api.h's ABI.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+#include "codes.h"
+#include "dispatch.h"
+#include "lane_api.h"
+#include "lane_call.h"
+
+namespace nodecomm::bindings {
+
+template <typename Lane, typename Group>
+void bind_lane(pybind11::module_& m, const char* name, const char* doc) {
+  namespace py = pybind11;
+  namespace lane = nodecomm::lane;
+  py::class_<Lane>(m, name, doc)
+      .def(py::init<Group&, nodecomm::dispatch::Dispatch&, std::uintptr_t, double, std::mutex&>(), py::arg("group"),
+           py::arg("dispatch"), py::arg("control"), py::arg("timeout_s"), py::arg("lock"), py::keep_alive<1, 3>(),
+           py::keep_alive<1, 6>())
+      .def(
+          "all_reduce",
+          [](Lane& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype, int forced, int wire,
+             std::uintptr_t stream) {
+            const nodecomm::DType type = nodecomm::dtype_of(dtype);
+            lane::Taken taken;
+            lane::Outcome outcome;
+            {
+              py::gil_scoped_release release;
+              outcome = self.all_reduce(in, out, count, type, forced, wire, stream, &taken);
+            }
+            return py::make_tuple(int(outcome), taken.path, taken.wire, taken.sampled);
+          },
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("forced") = 0,
+          py::arg("wire") = -1, py::arg("stream") = 0,
+          "(outcome, path, wire, sampled) of an all-reduce on the path and wire the dispatch decides (forced: a path "
+          "code, 0: the table's; wire: a wire code, -1: the table's), on `stream` (a CUDA lane's; 0 on the CPU). "
+          "Outcomes (../lane_api.h): 0 done, 1 done and a table switch is due, 2 not run (closed or aborted), 3 not "
+          "run (decided for the service path), 5 not run (decided for the engine's NCCL group).")
+      .def("close", &Lane::close, "No call runs after this one (call it holding the lock).")
+      .def(
+          "api",
+          [](Lane& self) {
+            return py::make_tuple(py::capsule(static_cast<const void*>(&lane::kLaneApi<Lane>), lane::kLaneCapsule),
+                                  reinterpret_cast<std::uintptr_t>(&self));
+          },
+          "(capsule of the C ABI, this lane's address) for the c10d backend, which keeps this object alive.");
+}
+
+}  // namespace nodecomm::bindings
