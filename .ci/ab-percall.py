@@ -1,7 +1,11 @@
-"""Per-call host time of CPU all-reduces at world 2, back to back (median of 5 runs): dist.all_reduce
-on the "nodecomm" group, comm.all_reduce in place, and dist.all_reduce on a gloo group of the same
-ranks, in one run. Start one process per rank:
-    python .ci/ab-percall.py RANK WORLD STORE_FILE        (rank 0 prints "call bytes us")
+"""Per-call host time of all-reduces at world 2, back to back (median of 5 runs), in one run.
+CPU: dist.all_reduce on the "nodecomm" group, comm.all_reduce in place, the native lane's call
+beneath it (what the Communicator wraps), and dist.all_reduce on a gloo group of the same ranks.
+CUDA (ranks sharing a GPU under MPS have no NCCL): the same nodecomm rows and, each timed alone,
+the stream lookups, an event record (what the bench adds per call) and one torch kernel
+(x.mul_(1)). A launch queued behind kernels that have not run waits for one, so a row cheaper
+than a call's GPU time shows that. Start one process per rank:
+    python .ci/ab-percall.py RANK WORLD STORE_FILE [cpu|cuda]   (rank 0 prints "call bytes us")
 NC_BEFORE=1 with an earlier tree's install first on PYTHONPATH runs that tree (the editable
 install's finder is dropped so that it cannot shadow it)."""
 
@@ -28,24 +32,49 @@ def per_call_us(call, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
+def rows_for(x: torch.Tensor, comm, gloo) -> dict:
+    from nodecomm.client.dtypes import DTYPE_CODES
+
+    lane, stream = comm._lane, comm._transport.stream()
+    args = (x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], 0, -1, stream)
+    rows = {
+        "dist.all_reduce nodecomm": lambda: dist.all_reduce(x),
+        "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
+        "native lane call": lambda: lane.all_reduce(*args),
+    }
+    if not x.is_cuda:
+        return rows | {"dist.all_reduce gloo": lambda: dist.all_reduce(x, group=gloo)}
+    index, event = x.device.index, torch.cuda.Event(enable_timing=True)
+    return rows | {
+        "torch.cuda.current_stream()": lambda: torch.cuda.current_stream(x.device).cuda_stream,
+        "raw current stream": lambda: torch._C._cuda_getCurrentRawStream(index),
+        "event record": lambda: event.record(),
+        "x.mul_(1) (one torch kernel)": lambda: x.mul_(1),
+    }
+
+
 def main() -> None:
     rank, world, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    dist.init_process_group("nodecomm", rank=rank, world_size=world, store=dist.FileStore(store_path, world))
+    cuda = len(sys.argv) > 4 and sys.argv[4] == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    store = dist.FileStore(store_path, world)
+    if cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, device_id=device)
+    else:
+        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store)
     gloo = dist.new_group(backend="gloo")
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)
     comm = nodecomm.distributed.communicator()
     for nbytes in (1024, 16384, 262144):
-        x = torch.ones(nbytes // 4)
-        rows = {
-            "dist.all_reduce nodecomm": lambda x=x: dist.all_reduce(x),
-            "comm.all_reduce out=x": lambda x=x: comm.all_reduce(x, out=x),
-            "dist.all_reduce gloo": lambda x=x: dist.all_reduce(x, group=gloo),
-        }
-        for name, call in rows.items():
+        x = torch.ones(nbytes // 4, device=device)
+        for name, call in rows_for(x, comm, gloo).items():
             calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1)
             call()
             runs = [per_call_us(call, calls) for _ in range(5)]
+            if cuda:
+                torch.cuda.synchronize()
             if rank == 0:
                 print(f"{name:28s} {nbytes:8d} {statistics.median(runs):9.2f}")
     dist.destroy_process_group()

@@ -152,7 +152,8 @@ class Communicator:
         others are complete when the work is returned.
         """
         self._check_tensor(tensor, "tensor")
-        out = self._output(out, tuple(tensor.shape), tensor.dtype)
+        if out is not tensor:  # in place needs no second check
+            out = self._output(out, tuple(tensor.shape), tensor.dtype)
         try:
             forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
             outcome, _, _, sampled = self._lane.all_reduce(

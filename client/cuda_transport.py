@@ -59,6 +59,7 @@ class CudaTransport:
         nccl_group: object | None,
     ):
         self.device = torch.device("cuda", device_index)
+        self._index = device_index
         self.rank, self.world_size = rank, world_size
         self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
         self._buffers = buffers
@@ -93,7 +94,7 @@ class CudaTransport:
         self.paths = frozenset({Path.NCCL}) if self._nccl_group is not None else frozenset()
 
     def on_device(self, tensor: torch.Tensor) -> bool:
-        return tensor.device == self.device
+        return tensor.get_device() == self._index  # an int, not a torch.device made per call
 
     def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
         """How `path` moves an all-reduce of `nbytes`: oneshot "push" (into peers' push slots) or
@@ -119,8 +120,9 @@ class CudaTransport:
         return _native.CudaLane(self.group, dispatch, control, timeout, lock)
 
     def stream(self) -> int:
-        """The caller's current stream on this group's device."""
-        return torch.cuda.current_stream(self.device).cuda_stream
+        """The caller's current stream on this group's device, as torch's launches would use it
+        (the raw handle: torch.cuda.current_stream() builds a Stream object per call)."""
+        return torch._C._cuda_getCurrentRawStream(self._index)
 
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
         """path, wire: nodecomm.v1 codes. The communicator's CudaLane enqueues every path but NCCL

@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <mutex>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -51,23 +52,26 @@ int dtype_code(const at::Tensor& tensor) {
   }
 }
 
-// An operation that finished before it was returned: its outputs, and a completed future of them.
+// An operation that finished before it was returned: its outputs, and a completed future of them,
+// made when first asked for (most callers never ask).
 class CompletedWork : public Work {
  public:
-  CompletedWork(std::vector<at::Tensor> result, OpType type)
-      : Work(-1, type),
-        result_(std::move(result)),
-        future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {
-    future_->markCompleted(c10::IValue(result_));
-  }
+  CompletedWork(std::vector<at::Tensor> result, OpType type) : Work(-1, type), result_(std::move(result)) {}
   bool isCompleted() override { return true; }
   bool isSuccess() const override { return true; }
   bool wait(std::chrono::milliseconds /*timeout*/) override { return true; }
   std::vector<at::Tensor> result() override { return result_; }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return future_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::call_once(made_, [this] {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors());
+      future_->markCompleted(c10::IValue(result_));
+    });
+    return future_;
+  }
 
  private:
   std::vector<at::Tensor> result_;
+  std::once_flag made_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 

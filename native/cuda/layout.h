@@ -10,13 +10,14 @@
 //                                 or a pushed line: a timeout, an abort, a mismatch), written by
 //                                 this rank only; the copy paths, whose copies run whatever came
 //                                 before them on the stream, write outputs only while it is 0.
-//                                 Asked to stop (+128), 1 + r once rank r's kernel gave up (it
+//                                 Asked to stop (+8), 1 + r once rank r's kernel gave up (it
 //                                 writes every rank's), 1 + kMaxRanks once the rank's abort watch
 //                                 saw the group abort (abort_watch.h). Both are local memory, so
 //                                 waits read the second at every clock check: a running wait ends
 //                                 once the word lands, and every kernel queued after returns at
 //                                 its start or first barrier, writing nothing. A kernel past its
-//                                 last wait finishes: its peers' data is all there.
+//                                 last wait finishes: its peers' data is all there. The two share
+//                                 16 bytes so that a kernel reads both with one load.
 //   probe                         kMaxRanks tags: rank p writes probe[p] of every rank's buffer
 //                                 once, when the group's peer memory is checked at connect
 //   service words                 the service path's counters (stream_words.h), 128 bytes apart:
@@ -44,7 +45,8 @@ constexpr int kMaxBlocks = 64;
 constexpr std::size_t kCounterOffset = 0;
 constexpr std::size_t kFlagOffset = kCounterOffset + kMaxBlocks * 16;
 constexpr std::size_t kGaveUpOffset = kFlagOffset + std::size_t(kMaxBlocks) * kMaxRanks * 8;
-constexpr std::size_t kStopAskedOffset = kGaveUpOffset + 128;
+constexpr std::size_t kStopAskedOffset = kGaveUpOffset + 8;
+static_assert(kGaveUpOffset % 16 == 0, "the stop words are read with one 16-byte load");
 constexpr std::uint64_t kGaveUp = 1;  // this rank's wait failed; it recorded why
 // The asked word holds 1 + the rank whose kernel asked, or 1 + kAskedByHost (the rank's abort
 // watch, for whoever aborted the group).

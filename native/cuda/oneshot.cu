@@ -79,8 +79,9 @@ struct PeerElsewhere {
   }
 };
 
-// Part r of a push slot holds rank r's lines. Thread t of the grid sends and then sums the lines
-// t, t + threads, ... on every rank, so block b only waits for what block b of each peer sends.
+// Part r of a push slot holds rank r's lines. Thread t of the grid sends line t to every peer and
+// sums line t of every rank (the launcher gives every line a thread), so block b only waits for
+// what block b of each peer sends, and this rank's own line is loaded once, before any wait.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
     push_kernel(Signal<N> signal, const T* input, T* output, std::size_t count, TaggedCall call) {
@@ -91,49 +92,43 @@ __global__ void __launch_bounds__(kThreads)
     if (blockIdx.x == 0 && threadIdx.x == 0) signal.note_asked(launch, call.call);
     return;
   }
+  const std::size_t line = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (line >= (count + kPerLine - 1) / kPerLine) return;
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) {
     return pushed_lines(signal.peers.at(owner), signal.push, launch, source);
   };
-  const bool whole_words = reinterpret_cast<std::uintptr_t>(input) % 8 == 0;
-  const std::size_t lines = (count + kPerLine - 1) / kPerLine;
-  const std::size_t first = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::size_t threads = std::size_t(gridDim.x) * blockDim.x;
-  for (std::size_t line = first; line < lines; line += threads) {
-    const PushLine mine = line_of(input, line, count, flag, whole_words);
+  const PushLine mine = line_of(input, line, count, flag, reinterpret_cast<std::uintptr_t>(input) % 8 == 0);
 #pragma unroll
-    for (int p = 0; p < N; ++p) {
-      if (p != signal.rank) store_line(part_of(p, signal.rank) + line, mine);
-    }
+  for (int p = 0; p < N; ++p) {
+    if (p != signal.rank) store_line(part_of(p, signal.rank) + line, mine);
   }
-  for (std::size_t line = first; line < lines; line += threads) {
-    PushLine got[N];
+  PushLine got[N];
 #pragma unroll
-    for (int r = 0; r < N; ++r) {
-      if (r == signal.rank) {
-        got[r] = line_of(input, line, count, flag, whole_words);
-        continue;
-      }
-      PushLine* at = part_of(signal.rank, r) + line;
-      const auto arrived = [&] {
-        got[r] = load_line(at);
-        return got[r].low_flag == flag && got[r].high_flag == flag;
-      };
-      if (!wait_until(arrived, launch, signal.control, signal.rank, r, signal.timeout_ns, call.call,
-                      PeerElsewhere{signal.mine(), at, flag, r}, signal.stop_word())) {
-        signal.give_up();
-        return;
-      }
-      store_line(at, PushLine{});
+  for (int r = 0; r < N; ++r) {
+    if (r == signal.rank) {
+      got[r] = mine;
+      continue;
     }
-#pragma unroll
-    for (int j = 0; j < kPerLine; ++j) {
-      const std::size_t i = line * kPerLine + j;
-      float acc = widen_element<T>(got[0], j);
-#pragma unroll
-      for (int r = 1; r < N; ++r) acc += widen_element<T>(got[r], j);
-      if (i < count) output[i] = narrow<T>(acc);
+    PushLine* at = part_of(signal.rank, r) + line;
+    const auto arrived = [&] {
+      got[r] = load_line(at);
+      return got[r].low_flag == flag && got[r].high_flag == flag;
+    };
+    if (!wait_until(arrived, launch, signal.control, signal.rank, r, signal.timeout_ns, call.call,
+                    PeerElsewhere{signal.mine(), at, flag, r}, signal.stop_word())) {
+      signal.give_up();
+      return;
     }
+    store_line(at, PushLine{});
+  }
+#pragma unroll
+  for (int j = 0; j < kPerLine; ++j) {
+    const std::size_t i = line * kPerLine + j;
+    float acc = widen_element<T>(got[0], j);
+#pragma unroll
+    for (int r = 1; r < N; ++r) acc += widen_element<T>(got[r], j);
+    if (i < count) output[i] = narrow<T>(acc);
   }
 }
 
@@ -197,9 +192,9 @@ void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
       wire_pull_kernel<T, N>
           <<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, format, call);
     } else if (pushed) {
+      // A thread per line: oneshot_pushes holds the lines to what max_blocks grids carry.
       const std::size_t lines = (count * sizeof(T) + 7) / 8;
-      const int blocks =
-          int(std::clamp<std::size_t>((lines + kThreads - 1) / kThreads, 1, std::size_t(group.max_blocks)));
+      const int blocks = int(std::max<std::size_t>((lines + kThreads - 1) / kThreads, 1));
       push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, in, out, count, call);
     } else {
       const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);

@@ -1,0 +1,38 @@
+# Eager per-call figures of several trees in one run on the device machine, ranks sharing GPU 0
+# under MPS: `device-eager.sh TREE...` (TREE as in device-ab.sh, which may have built it already
+# in /tmp/nc-NAME). Per tree: .ci/ab-percall.py on CUDA and on the CPU (world 2), and the eager
+# bench of oneshot, auto, dist.all_reduce (torch) and inplace at 1 KiB .. 4 MiB (CUDA) and to
+# 256 KiB with gloo's row (CPU); into $OUT/eager-NAME.txt.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+here=$(pwd)
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+names=()
+for tree in "$@"; do
+  if [ "$tree" = . ]; then name=after; else name=$(basename "$tree" | sed 's/^\.//'); fi
+  names+=("$name")
+  [ -d "/tmp/nc-$name" ] || (cd "$tree" && NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps \
+    --no-compile --target "/tmp/nc-$name" . 2>&1 | tail -3) &
+done
+wait
+python3 -m pip uninstall -q -y nodecomm 2>/dev/null
+export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
+cd /tmp || exit 1
+for name in "${names[@]}"; do
+  export PYTHONPATH=/tmp/nc-$name:/tmp/site
+  [ "$name" = after ] && unset NC_BEFORE || export NC_BEFORE=1
+  for device in cuda cpu; do
+    echo "== $name, per call, $device" | tee -a "$OUT/eager-$name.txt"
+    rm -f /tmp/percall.store
+    (for rank in 0 1; do timeout 200 python3 "$here/.ci/ab-percall.py" $rank 2 /tmp/percall.store $device & done; wait) 2>&1 |
+      tee -a "$OUT/eager-$name.txt"
+  done
+  echo "== $name, eager bench" | tee -a "$OUT/eager-$name.txt"
+  timeout 200 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --device cuda --world-size 2 \
+    --paths oneshot,auto,torch,inplace --sizes 1KiB,16KiB,256KiB,1MiB,4MiB 2>&1 | tee -a "$OUT/eager-$name.txt"
+  echo "== $name, CPU bench" | tee -a "$OUT/eager-$name.txt"
+  timeout 200 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --device cpu --world-size 2 \
+    --paths oneshot,auto,torch,inplace,gloo --sizes 1KiB,16KiB,256KiB 2>&1 | tee -a "$OUT/eager-$name.txt"
+done
+echo quit | nvidia-cuda-mps-control
+true
