@@ -4,6 +4,8 @@
 # bench of oneshot, auto, dist.all_reduce (torch) and inplace at 1 KiB .. 4 MiB (CUDA) and to
 # 256 KiB with gloo's row (CPU); into $OUT/eager-NAME.txt.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# ab-percall.py's ranks share GPU 0: the private daemon they start must allow it.
+export NODECOMM_ALLOW_SHARED_DEVICES=true
 here=$(pwd)
 [ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
 names=()

@@ -5,8 +5,8 @@ temporary socket unless --socket names a running daemon) and also form a torch.d
 gloo on the CPU, which is the CPU baseline, and on GPUs an NCCL group, the GPU baseline (NCCL
 refuses ranks that share a GPU, so with more ranks than GPUs the run has no baseline). An
 iteration's time is the slowest rank's: on the CPU each iteration is timed after a barrier; on
-GPUs eager iterations run back to back between CUDA events, and with --graph `iterations` calls
-are captured in one CUDA graph whose replays are timed, per call. busbw = algbw * 2(n-1)/n, as
+GPUs eager iterations (EAGER_BATCH calls each) run back to back between CUDA events, and with
+--graph `iterations` calls are captured in one CUDA graph whose replays are timed, per call. busbw = algbw * 2(n-1)/n, as
 nccl-tests reports for all-reduce. Inputs are small integers so that the sum is exact; #wrong
 counts elements that differ from it.
 """
@@ -36,6 +36,7 @@ BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 # Rows of one nodecomm path, forced (the others: auto, the baselines, the backend's).
 NODECOMM_PATHS = frozenset({"oneshot", "twoshot", "dma", "service"})
 GRAPH_REPLAYS = 5
+EAGER_BATCH = 10  # calls between two CUDA events in eager mode, as nccl-tests times its iterations
 
 
 @dataclass
@@ -153,8 +154,9 @@ def host_times(run, iterations: int, comm) -> list[float]:
 
 
 def cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
-    """Eager: per-call times of `iterations` calls back to back. Graph: per-call times of
-    GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
+    """Eager: per-call times of `iterations` batches of EAGER_BATCH calls back to back (an event
+    recorded around every call would add its own enqueue to each, 2-5 us of host time). Graph:
+    per-call times of GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
     import torch
 
     if graph:
@@ -169,7 +171,12 @@ def cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
         def step() -> None:
             captured.replay()
     else:
-        calls, steps, step = 1, iterations, run
+        calls, steps = EAGER_BATCH, iterations
+
+        def step() -> None:
+            for _ in range(EAGER_BATCH):
+                run()
+
     comm.barrier()
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     events[0].record()
