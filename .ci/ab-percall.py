@@ -66,7 +66,7 @@ def main() -> None:
     gloo = dist.new_group(backend="gloo")
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)
-    comm = nodecomm.distributed.communicator()
+    comm = nodecomm.distributed.communicator(device=device)
     for nbytes in (1024, 16384, 262144):
         x = torch.ones(nbytes // 4, device=device)
         for name, call in rows_for(x, comm, gloo).items():
