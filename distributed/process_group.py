@@ -7,8 +7,10 @@ arguments onto a lane's Communicator through nodecomm.distributed.collectives an
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import re
+import threading
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 
@@ -21,6 +23,7 @@ from nodecomm.errors import InvalidArgumentError, UnsupportedError
 from . import collectives
 from .collectives import RedOp, check_reducible, reduce_op_type
 from .lanes import Lane
+from .sends import SendLedger
 from .work import Work
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -85,6 +88,9 @@ class NodecommProcessGroup:
         self._node_names = node_names
         self._collective_lanes: dict[str, Lane] = {}
         self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
+        self._pair_lock = threading.Lock()  # receives from any source make pair lanes on their own thread
+        self._sends = SendLedger(store, f"nodecomm/{name}", rank, size, seconds)
+        self._any_source: concurrent.futures.ThreadPoolExecutor | None = None  # receives from any source, in order
         self._shut_down = False
 
     def __repr__(self) -> str:
@@ -110,14 +116,15 @@ class NodecommProcessGroup:
 
     def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> Lane:
         key = (device_type, source, destination, tag)
-        lane = self._pair_lanes.get(key)
-        if lane is None:
-            self._check_open()
-            name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
-            lane = Lane(
-                name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True
-            )
-            self._pair_lanes[key] = lane
+        with self._pair_lock:
+            lane = self._pair_lanes.get(key)
+            if lane is None:
+                self._check_open()
+                name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
+                lane = Lane(
+                    name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True
+                )
+                self._pair_lanes[key] = lane
         return lane
 
     def _joiner(self, rank: int) -> Callable | None:
@@ -355,23 +362,60 @@ class NodecommProcessGroup:
         def operation(comm) -> None:
             comm.all_gather(payload)
 
+        self._sends.sent(destination, tag)
         return lane.run(operation, tensors, _device_of(tensors), True)
 
     def recv(self, tensors: list[torch.Tensor], source: int, tag: int) -> Work:
         tensor = _one(tensors, "recv")
         self._peer(source, "receive from")
+        self._sends.taken(source, tag)
+        return self._receive(tensor, source, tag)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
+        """A receive from whichever rank has sent this rank a message with `tag` that no receive
+        has taken yet (distributed/sends.py), on that pair's lane; the Work's source then names it."""
+        tensor = _one(tensors, "recv")
+        _device_of(tensors)
+        self._check_open()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        work = Work(tensors, done=done)
+        # CUDA: the receive runs after what the caller's stream holds now, as a named one does;
+        # the Work completes once the data is on the device.
+        issued = None
+        if tensor.is_cuda:
+            issued = torch.cuda.Event()
+            issued.record(torch.cuda.current_stream(tensor.device))
+
+        def job() -> None:
+            try:
+                source = self._sends.claim(tag)
+                if issued is None:
+                    self._receive(tensor, source, tag).synchronize()
+                else:
+                    with torch.cuda.device(tensor.device), torch.cuda.stream(torch.cuda.Stream(tensor.device)):
+                        torch.cuda.current_stream().wait_event(issued)
+                        self._receive(tensor, source, tag).synchronize()
+                work.source = source
+            except BaseException as error:  # noqa: BLE001 (the Work raises it)
+                done.set_exception(error)
+            else:
+                done.set_result(None)
+
+        if self._any_source is None:
+            self._any_source = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nodecomm-recv-any")
+        self._any_source.submit(job)
+        return work
+
+    def _receive(self, tensor: torch.Tensor, source: int, tag: int) -> Work:
         lane = self._pair_lane(tensor.device.type, source, self._rank, tag)
 
         def operation(comm) -> None:
             rows = comm.all_gather(torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device))
             tensor.copy_(rows[0].view(tensor.shape))
 
-        return lane.run(operation, tensors, _device_of(tensors), True)
-
-    def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
-        raise UnsupportedError(
-            "recv from any source: nodecomm pairs every send with a receive that names its source; pass src="
-        )
+        work = lane.run(operation, [tensor], tensor.device, True)
+        work.source = source
+        return work
 
     # -- checks --------------------------------------------------------------------------------
 
@@ -402,8 +446,11 @@ class NodecommProcessGroup:
     def shutdown(self) -> None:
         """Leave every nodecomm group of this process group (what destroy_process_group calls)."""
         self._shut_down = True
-        lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
-        self._pair_lanes, self._collective_lanes = {}, {}
+        if self._any_source is not None:
+            self._any_source.shutdown(wait=True)  # each receive is bounded by the group's timeout
+        with self._pair_lock:
+            lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
+            self._pair_lanes, self._collective_lanes = {}, {}
         try:
             for lane in lanes:
                 lane.close()

@@ -17,7 +17,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nodecomm.errors import DeadlineExceededError
+from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
 
 
 class Work(dist.Work):
@@ -35,6 +35,13 @@ class Work(dist.Work):
         self._stream = stream
         self._event = event
         self._future: torch.futures.Future | None = None
+        self.source: int | None = None  # a receive's sender, once known
+
+    def source_rank(self) -> int:
+        """The rank a receive took its data from (for a receive from any source: once complete)."""
+        if self.source is None:
+            raise InvalidArgumentError("source_rank(): this Work is not a completed receive")
+        return self.source
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Return once the operation is complete as seen from the current stream (CUDA: the

@@ -270,6 +270,34 @@ def check_collectives(group, ranks: list[int], device: torch.device, problems: l
         elif me == 1:
             dist.recv(tagged, ranks[0], group=group, tag=5)
             expect("send/recv with a tag", tagged, torch.tensor([7, 8], device=device))
+        # Receives from any source: every other rank sends the group's first rank two messages
+        # carrying its rank; that rank takes one from each sender by name (an irecv posted before
+        # the rest), the others with recv and irecv naming none; each names its sender.
+        if me == 0:
+            named = torch.empty(3, device=device)
+            named_work = dist.irecv(named, group=group, group_src=n - 1, tag=9)
+            senders = []
+            for i in range(2 * (n - 1) - 1):
+                got = torch.empty(3, device=device)
+                if i % 2 == 0:
+                    sender = dist.recv(got, group=group, tag=9)
+                else:
+                    work = dist.irecv(got, group=group, tag=9)
+                    work.wait()
+                    sender = ranks[work._source_rank()]
+                senders.append(sender)
+                expect(
+                    f"receive {i} from any source (from {sender})", got, torch.full((3,), float(sender), device=device)
+                )
+            named_work.wait()
+            expect("a named receive among them", named, torch.full((3,), float(ranks[n - 1]), device=device))
+            expected = sorted([r for r in ranks[1:] for _ in range(2)])
+            expected.remove(ranks[n - 1])
+            if sorted(senders) != expected:
+                problems.append(f"{label}: receives from any source came from {sorted(senders)}, expected {expected}")
+        else:
+            for _ in range(2):
+                dist.send(torch.full((3,), float(ranks[me]), device=device), ranks[0], group=group, tag=9)
     dist.barrier(group=group)
     work = dist.barrier(group=group, async_op=True)
     work.wait()
@@ -390,7 +418,6 @@ def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]
         "premul_sum": lambda: dist.all_reduce(torch.ones(4), op=dist._make_nccl_premul_sum(2.0)),
         "avg_of_ints": lambda: dist.all_reduce(torch.ones(4, dtype=torch.int32), op=Op.AVG),
         "band_of_floats": lambda: dist.all_reduce(torch.ones(4), op=Op.BAND),
-        "any_source": lambda: dist.recv(torch.ones(4)),
         "sparse": lambda: dist.all_reduce(torch.ones(4).to_sparse()),
         "uneven_all_to_all": lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)),
         "pg_options": lambda: dist.new_group([0, 1], backend="nodecomm", pg_options={"socket": "x"}),
@@ -585,6 +612,27 @@ def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds:
         return "no error"
     except Exception as error:
         return f"{type(error).__name__} after {time.monotonic() - started:.0f} s: {error}"
+
+
+def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
+    """Rank 0 receives from any source; nobody sends (rank 1 sleeps): what dist.recv raises on rank
+    0, and after how long, under a process group whose timeout is `seconds`."""
+    import datetime
+
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        NODECOMM_SOCKET=socket,
+    )  # fmt: skip
+    dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+    if rank == 1:
+        time.sleep(3 * seconds)
+        return ""
+    started = time.monotonic()
+    try:
+        dist.recv(torch.ones(4))
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}"
 
 
 def unanswered_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:

@@ -84,7 +84,6 @@ def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):
     assert seen["premul_sum"].startswith("UnsupportedError") and "PREMUL_SUM" in seen["premul_sum"]
     assert "ReduceOp.AVG needs a floating-point" in seen["avg_of_ints"] and "torch.int32" in seen["avg_of_ints"]
     assert "ReduceOp.BAND needs an integer or bool tensor" in seen["band_of_floats"]
-    assert seen["any_source"].startswith("UnsupportedError") and "names its source" in seen["any_source"]
     assert seen["sparse"].startswith("UnsupportedError") and "dense" in seen["sparse"]
     assert "3 rows do not split equally over 2 ranks" in seen["uneven_all_to_all"]
     assert "expected nodecomm.distributed.Options, got dict" in seen["pg_options"]
@@ -118,3 +117,15 @@ def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_rank
     assert seen[0].startswith("DeadlineExceededError"), seen[0]
     assert "never joined" in seen[0], seen[0]
     print(seen[0])
+
+
+def test_a_receive_from_any_source_nobody_sends_to_fails_with_the_groups_timeout(daemon, spawn_ranks):
+    """init_process_group(timeout=3 s): dist.recv naming no source, with nothing sent, raises
+    DeadlineExceededError after the group's timeout, saying what it waited for."""
+    seen = spawn_ranks(
+        distributed_ranks.unanswered_receive_from_any, 2, 2, daemon.socket, free_port(), 3.0, timeout=120
+    )
+    message = seen.values()[0]
+    assert message.startswith("DeadlineExceededError after "), message
+    assert 3.0 <= float(message.split()[2]) < 10.0, message  # the group's timeout, not the daemon's 60 s
+    assert "rank 0: no rank sent it a message with tag 0 within the group's timeout (3 s)" in message, message

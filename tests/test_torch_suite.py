@@ -15,9 +15,6 @@ SUITE = Path(__file__).parent / "torch_suite" / "distributed_suite.py"
 
 # Tests the suite runs for nodecomm that nodecomm does not pass, and why.
 NOT_PASSING = {
-    "test_send_recv_any_source": "recv without a source: nodecomm pairs every send with a receive that names it",
-    "test_send_recv_any_source_autograd_profiler": "recv without a source (as above)",
-    "test_send_recv_any_source_torch_profiler": "recv without a source (as above)",
     # torch's ProcessGroup names a C++ backend of BackendType::CUSTOM "custom" (getBackendName);
     # the suite compares DDP's logged name with dist.get_backend(), which says "nodecomm".
     "test_ddp_logging_data_cpu": "DDP logs an out-of-tree C++ backend's name as 'custom'",

@@ -99,6 +99,10 @@ class PythonWork : public Work {
     py::gil_scoped_acquire gil;
     object_.attr("synchronize")();
   }
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return object_.attr("source_rank")().cast<int>();
+  }
 
  private:
   WorkPtr work_;
