@@ -15,6 +15,7 @@ import grpc
 
 from nodecomm._native import MAX_RANKS
 from nodecomm.byte_size import format_byte_size, parse_byte_size
+from nodecomm.capabilities import path_names
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
 from nodecomm.thresholds import DispatchTable, Wire, range_end
@@ -341,11 +342,15 @@ def cmd_topo(args: argparse.Namespace) -> int:
     return 0
 
 
-DEFAULT_BENCH_PATHS = {"cpu": "oneshot,twoshot,service,auto", "cuda": "oneshot,twoshot,dma,auto"}
-# What --paths may name on each device (client/bench.py times them).
+DEFAULT_BENCH_PATHS = {
+    "cpu": ",".join([*path_names("cpu"), "service", "auto"]),
+    "cuda": ",".join([*path_names("cuda"), "auto"]),
+}
+# What --paths may name on each device (client/bench.py times them): the kind's paths, the
+# daemon's, the table's, the two torch.distributed rows and the baseline.
 BENCH_PATHS = {
-    "cpu": ("oneshot", "twoshot", "service", "auto", "torch", "inplace", "gloo"),
-    "cuda": ("oneshot", "twoshot", "dma", "service", "auto", "torch", "inplace", "nccl"),
+    kind: (*path_names(kind), "service", "auto", "torch", "inplace", baseline)
+    for kind, baseline in (("cpu", "gloo"), ("cuda", "nccl"))
 }
 DEFAULT_MAX = {"cpu": "64MiB", "cuda": "256MiB"}
 

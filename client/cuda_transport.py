@@ -14,6 +14,7 @@ import time
 import torch
 
 from nodecomm import _native
+from nodecomm.capabilities import CAPABILITIES
 from nodecomm.errors import GroupMismatchError, PeerLostError
 from nodecomm.thresholds import Path, Wire
 
@@ -45,7 +46,6 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
 
 class CudaTransport:
     kind = "cuda"
-    wire_paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA})  # native/cuda/wire_codec.cuh
 
     def __init__(
         self,
@@ -61,7 +61,9 @@ class CudaTransport:
         self.device = torch.device("cuda", device_index)
         self._index = device_index
         self.rank, self.world_size = rank, world_size
-        self.paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.DMA} | ({Path.NCCL} if nccl_group else set()))
+        capabilities = CAPABILITIES["cuda"]
+        self.wire_paths = capabilities.wire_paths
+        self.paths = capabilities.paths | ({Path.NCCL} if nccl_group else set())
         self._buffers = buffers
         self._control = control
         self._nccl_group = nccl_group

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from nodecomm import _native
+from nodecomm.capabilities import CAPABILITIES
 from nodecomm.thresholds import Path, Wire
 
 from .mapping import SegmentMapping
@@ -12,8 +13,8 @@ from .mapping import SegmentMapping
 
 class HostTransport:
     kind = "cpu"
-    paths = frozenset({Path.ONESHOT, Path.TWOSHOT})
-    wire_paths = paths  # both carry compressed wires (native/shm.h)
+    paths = CAPABILITIES["cpu"].paths
+    wire_paths = CAPABILITIES["cpu"].wire_paths
 
     def __init__(
         self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, slot_bytes: int

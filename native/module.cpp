@@ -63,4 +63,5 @@ PYBIND11_MODULE(_native, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+  nodecomm::bindings::bind_capabilities(m);
 }

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 LAYOUT_VERSION = 1
 SLOTS = 2
 ELEMENT_BYTES = 4
-# World sizes the exchange supports; the CUDA stage kernel is instantiated for each.
-WORLD_SIZES = frozenset(range(1, 9))
 
 
 def owned_rows(rows: int, world_size: int, rank: int) -> range:

@@ -32,6 +32,7 @@ import jsonschema
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
+from nodecomm.capabilities import path_names
 from nodecomm.errors import InternalError
 from nodecomm.thresholds import Boundary, Source, build_table
 from nodecomm.thresholds import Path as ThresholdPath
@@ -355,11 +356,11 @@ def start_probe(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-# What each kind's probe times: CPU groups' two shm paths; on GPUs the peer paths in CUDA graphs,
-# beside which the bench adds NCCL wherever every rank has a GPU of its own.
+# What each kind's probe times: its paths (nodecomm.capabilities); on GPUs in CUDA graphs, beside
+# which the bench adds NCCL wherever every rank has a GPU of its own.
 PROBE_FLAGS = {
-    "cpu": ["--device", "cpu", "--paths", "oneshot,twoshot", "--no-baseline"],
-    "cuda": ["--device", "cuda", "--paths", "oneshot,twoshot,dma", "--graph"],
+    "cpu": ["--device", "cpu", "--paths", ",".join(path_names("cpu")), "--no-baseline"],
+    "cuda": ["--device", "cuda", "--paths", ",".join(path_names("cuda")), "--graph"],
 }
 
 

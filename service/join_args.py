@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
+from nodecomm.capabilities import CAPABILITIES, shown_sizes
 from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
 from nodecomm.v1 import control_pb2 as pb
 
@@ -16,8 +17,6 @@ from .config import DEFAULT_BOUNDARIES, DaemonConfig
 _GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
 _DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
 MAX_WORLD_SIZE = _native.MAX_RANKS
-# The world sizes CUDA kernels are instantiated for (native/cuda/world.h); none in a CPU-only build.
-CUDA_WORLD_SIZES: tuple[int, ...] = getattr(_native, "CUDA_WORLD_SIZES", ())
 
 
 @dataclass(frozen=True)
@@ -73,18 +72,6 @@ class JoinArgs:
         return str(value)
 
 
-def _sizes(sizes: tuple[int, ...]) -> str:
-    """(1, 2, ..., 8, 16) as "1-8 or 16"."""
-    runs: list[list[int]] = []
-    for size in sorted(sizes):
-        if runs and size == runs[-1][-1] + 1:
-            runs[-1].append(size)
-        else:
-            runs.append([size])
-    shown = [f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs]
-    return ", ".join(shown[:-1]) + " or " + shown[-1] if len(shown) > 1 else shown[0]
-
-
 def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None:
     where = dict(group=args.group or None, rank=args.rank)
     if not _GROUP_NAME.fullmatch(args.group):
@@ -99,10 +86,11 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
             f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
             **where,
         )
-    if args.device_kind == "cuda" and CUDA_WORLD_SIZES and args.world_size not in CUDA_WORLD_SIZES:
+    capabilities = CAPABILITIES.get(args.device_kind)  # none: a kind this build lacks, refused below
+    if capabilities is not None and args.world_size not in capabilities.world_sizes:
         raise InvalidArgumentError(
-            f"world_size {args.world_size}: a CUDA group takes {_sizes(CUDA_WORLD_SIZES)} ranks (the sizes its "
-            "kernels are built for)",
+            f"world_size {args.world_size}: a {args.device_kind.upper()} group takes "
+            f"{shown_sizes(capabilities.world_sizes)} ranks (the sizes its kernels are built for)",
             **where,
         )
     if not 0 <= args.rank < args.world_size:

@@ -22,6 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from nodecomm import _native
+from nodecomm.capabilities import CAPABILITIES
 from nodecomm.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -32,7 +33,7 @@ from nodecomm.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
-from nodecomm.topk_layout import WORLD_SIZES, owned_rows
+from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import RankAllocation, accounted_bytes
@@ -247,10 +248,10 @@ class SubmissionQueue:
                 raise InvalidArgumentError("all_gather moves bytes: leave dtype unspecified, count in bytes", **where)
             element, in_bytes, out_bytes = 1, count, count * self.world_size
         elif op == pb.TOPK_STAGE:
-            if self.world_size not in WORLD_SIZES:
+            sizes = CAPABILITIES["cuda" if self.cuda is not None else "cpu"].topk_world_sizes
+            if self.world_size not in sizes:
                 raise InvalidArgumentError(
-                    f"top-k stages support world sizes {sorted(WORLD_SIZES)}; this group has {self.world_size}",
-                    **where,
+                    f"top-k stages support world sizes {sorted(sizes)}; this group has {self.world_size}", **where
                 )
             if request.topk < 1 or request.dtype != pb.DTYPE_UNSPECIFIED:
                 raise InvalidArgumentError(

@@ -10,13 +10,14 @@ import secrets
 from typing import TYPE_CHECKING
 
 from nodecomm import _native
+from nodecomm.capabilities import CAPABILITIES
 from nodecomm.errors import (
     DeadlineExceededError,
     GroupMismatchError,
     InvalidArgumentError,
     ResourceExhaustedError,
 )
-from nodecomm.topk_layout import LAYOUT_VERSION, WORLD_SIZES, TopkLayout
+from nodecomm.topk_layout import LAYOUT_VERSION, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import allocate_cuda_topk_slabs, allocate_topk_slabs, max_blocks_for
@@ -59,9 +60,10 @@ class TopkOpenings:
         owner's slab and answer each rank with a token for them. Disagreeing ranks all get one error."""
         where = dict(group=request.group or None, rank=request.rank)
         world_size = group.args.world_size
-        if world_size not in WORLD_SIZES:
+        sizes = CAPABILITIES[group.args.device_kind].topk_world_sizes
+        if world_size not in sizes:
             raise InvalidArgumentError(
-                f"top-k exchanges support world sizes {sorted(WORLD_SIZES)}; this group has {world_size}", **where
+                f"top-k exchanges support world sizes {sorted(sizes)}; this group has {world_size}", **where
             )
         if request.layout_version != LAYOUT_VERSION:
             raise InvalidArgumentError(

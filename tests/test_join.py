@@ -84,7 +84,7 @@ def test_join_deadline_names_who_came_who_gave_up_and_who_never_came(daemon):
             {"world_size": 9, "device": "GPU-00000000-0000-0000-0000-000000000000"},
             grpc.StatusCode.INVALID_ARGUMENT,
             "world_size 9: a CUDA group takes 1-8 or 16 ranks (the sizes its kernels are built for)",
-            marks=pytest.mark.skipif(not hasattr(_native, "CUDA_WORLD_SIZES"), reason="a CPU-only build"),
+            marks=pytest.mark.skipif(not _native.WITH_CUDA, reason="a CPU-only build"),
             id="cuda-world-9",
         ),
         ({"rank": 2, "world_size": 2}, grpc.StatusCode.INVALID_ARGUMENT, "rank 2: expected 0..1"),

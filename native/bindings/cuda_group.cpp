@@ -3,7 +3,6 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <iterator>
 #include <mutex>
 #include <vector>
 
@@ -13,7 +12,6 @@
 #include "cuda/lane.h"
 #include "cuda/layout.h"
 #include "cuda/topk.h"
-#include "cuda/world.h"
 
 #include "bindings.h"
 #include "lane.h"
@@ -25,7 +23,6 @@ namespace nodecomm::bindings {
 void bind_cuda_group(py::module_& m) {
   namespace cuda = nodecomm::cuda;
   m.attr("CUDA_MAX_BLOCKS") = cuda::kMaxBlocks;
-  m.attr("CUDA_WORLD_SIZES") = py::tuple(py::cast(std::vector<int>(std::begin(cuda::kWorldSizes), std::end(cuda::kWorldSizes))));
   m.def(
       "cuda_resident_blocks",
       [](int device) {

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../agreement.h"
+#include "../capabilities.h"
 #include "../errors.h"
 #include "driver.h"
 #include "layout.h"
@@ -135,7 +136,7 @@ int topk_blocks_per_sm() {
   for (const int world_size : kWorldSizes) {
     for_world(world_size, [&](auto world) {
       constexpr int N = decltype(world)::value;
-      if constexpr (N <= 8) {
+      if constexpr (N <= kTopkMaxRanks) {
         per_sm = std::min({per_sm, blocks_per_sm(topk_stage_kernel<N, true>, kThreads),
                            blocks_per_sm(topk_stage_kernel<N, false>, kThreads)});
       }
@@ -154,8 +155,9 @@ int topk_blocks(std::size_t rows_per_owner, int world_size, std::size_t topk, in
 void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores, std::size_t rows,
                 std::uintptr_t out_idx, std::uintptr_t out_scores, double timeout_s, cudaStream_t stream) {
   NODECOMM_CHECK(view.rank >= 0 && view.rank < view.world_size, "rank out of range");
-  NODECOMM_CHECK(view.world_size >= 1 && view.world_size <= 8,
-                 "top-k exchanges support world sizes 1-8, got " + std::to_string(view.world_size));
+  NODECOMM_CHECK(view.world_size >= 1 && view.world_size <= kTopkMaxRanks,
+                 "top-k exchanges support world sizes 1-" + std::to_string(kTopkMaxRanks) + ", got " +
+                     std::to_string(view.world_size));
   NODECOMM_CHECK(view.control != 0, "control segment address is null");
   NODECOMM_CHECK(view.blocks >= 1 && view.blocks <= kMaxBlocks,
                  "blocks " + std::to_string(view.blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
@@ -168,7 +170,7 @@ void topk_stage(const TopkView& view, std::uintptr_t idx, std::uintptr_t scores,
   const std::uint64_t timeout = timeout_ns(timeout_s);
   for_world(view.world_size, [&](auto world) {
     constexpr int N = decltype(world)::value;
-    if constexpr (N <= 8) {
+    if constexpr (N <= kTopkMaxRanks) {
       const Peers<N> slabs = peers_of<N>(view.slabs);
       const auto kernel = vector ? topk_stage_kernel<N, true> : topk_stage_kernel<N, false>;
       kernel<<<view.blocks, kThreads, 0, stream>>>(
