@@ -11,10 +11,9 @@ import grpc
 import torch
 
 from nodecomm import _native
-from nodecomm.byte_size import parse_byte_size
 from nodecomm.credentials import rank_metadata
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, from_rpc_error
-from nodecomm.thresholds import DispatchTable, Path, Wire
+from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.trust import checked_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -23,17 +22,16 @@ from . import daemon_choice
 from .communicator import Communicator, Transport
 from .cuda_transport import CudaTransport
 from .descriptors import DescriptorSocket
-from .dtypes import DTYPE_CODES, DTYPE_NAMES
+from .dtypes import DTYPE_NAMES
+from .group_spec import DEFAULT_CAPACITY_BYTES, DEFAULT_DTYPES, GroupSpec
 from .host_transport import HostTransport
 from .mapping import SegmentMapping, map_descriptors
 from .membership import Membership
 
 log = logging.getLogger("nodecomm.client")
 
-DEFAULT_CAPACITY_BYTES = 8 << 20
 # The self-test's all-reduces are 4 KB: a peer path that does not finish them in this long is broken.
 SELF_TEST_TIMEOUT_SECONDS = 5.0
-DEFAULT_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _descriptor_socket_path(target: str, announced: str) -> str:
@@ -43,49 +41,6 @@ def _descriptor_socket_path(target: str, announced: str) -> str:
         return announced
     directory = os.path.dirname(target.removeprefix("unix:"))
     return os.path.join(directory, os.path.basename(announced))
-
-
-def _resolve_device(device: str | torch.device, where: dict) -> tuple[str, int | None]:
-    """("cpu", None), or (the GPU's UUID, its CUDA index in this process): the daemon knows GPUs by
-    UUID, since indices differ between processes and containers."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError):
-        resolved = None
-    if resolved is None or resolved.type not in ("cpu", "cuda"):
-        raise InvalidArgumentError(f"device {device!r}: expected 'cpu', 'cuda' or 'cuda:N'", **where)
-    if resolved.type == "cpu":
-        return "cpu", None
-    if not _native.WITH_CUDA:
-        raise InvalidArgumentError(
-            f"device {device!r}: this build of nodecomm has no CUDA transport (built without a CUDA toolkit)", **where
-        )
-    uuids = _native.cuda_device_uuids()
-    index = resolved.index if resolved.index is not None else (torch.cuda.current_device() if uuids else 0)
-    if not 0 <= index < len(uuids):
-        raise InvalidArgumentError(
-            f"device {device!r}: this process sees {len(uuids)} GPU(s); expected cuda:0..cuda:{len(uuids) - 1}"
-            if uuids
-            else f"device {device!r}: this process sees no GPU",
-            **where,
-        )
-    return uuids[index], index
-
-
-def _check_nccl_group(nccl_group: object, rank: int, world_size: int, where: dict) -> None:
-    import torch.distributed as dist
-
-    if not isinstance(nccl_group, dist.ProcessGroup):
-        raise InvalidArgumentError(
-            f"nccl_group: expected a torch.distributed.ProcessGroup, got {type(nccl_group).__name__}", **where
-        )
-    size, own_rank = dist.get_world_size(nccl_group), dist.get_rank(nccl_group)
-    if (size, own_rank) != (world_size, rank):
-        raise InvalidArgumentError(
-            f"nccl_group has size {size} and this process as rank {own_rank}; expected size {world_size} and "
-            f"rank {rank}, the same ranks as the group",
-            **where,
-        )
 
 
 def _check_peers(
@@ -167,55 +122,18 @@ def connect(
     operation_timeout: the most seconds any wait of this rank's collectives lasts (default: the
     daemon's operation_timeout_seconds); the torch backend passes its process group's timeout.
     """
-    where = dict(group=group, rank=rank)
-    device_id, device_index = _resolve_device(device, where)
-    if nccl_group is not None or nccl_by_caller:
-        name = "nccl_group" if nccl_group is not None else "nccl_by_caller"
-        if device_index is None:
-            raise InvalidArgumentError(f"{name} applies to CUDA groups; a CPU group has no NCCL path", **where)
-        if nccl_group is not None and nccl_by_caller:
-            raise InvalidArgumentError("pass nccl_group or nccl_by_caller, not both", **where)
-    if nccl_group is not None:
-        _check_nccl_group(nccl_group, rank, world_size, where)
-    if not timeout > 0:
-        raise InvalidArgumentError(f"timeout {timeout!r}: expected a positive number of seconds", **where)
-    if operation_timeout is not None and not 0 < operation_timeout < float("inf"):
-        raise InvalidArgumentError(
-            f"operation_timeout {operation_timeout!r}: expected a positive number of seconds", **where
-        )
-    try:
-        group_wire = Wire.parse(wire)
-    except (ValueError, AttributeError):
-        raise InvalidArgumentError(f"wire {wire!r}: expected one of lossless, int8, fp8", **where) from None
-    dtype_codes = []
-    for dtype in dtypes:
-        resolved = DTYPE_NAMES.get(dtype) if isinstance(dtype, str) else dtype
-        if resolved not in DTYPE_CODES:
-            raise InvalidArgumentError(f"dtype {dtype!r}: expected one of {list(DTYPE_NAMES)}", **where)
-        dtype_codes.append(DTYPE_CODES[resolved])
-
-    overrides = []
-    for name, value in (thresholds or {}).items():
-        try:
-            size = parse_byte_size(str(value)) if value is not None else None
-        except ValueError as error:
-            raise InvalidArgumentError(f"thresholds[{name!r}]: {error}", **where) from None
-        overrides.append(pb.Boundary(name=name, value_bytes=size) if size is not None else pb.Boundary(name=name))
-
+    spec = GroupSpec.parse(
+        group, rank, world_size, device, timeout=timeout, nccl_group=nccl_group, capacity_bytes=capacity_bytes,
+        dtypes=dtypes, thresholds=thresholds, nccl_by_caller=nccl_by_caller, table_switching=table_switching,
+        group_key=group_key, wire=wire, operation_timeout=operation_timeout,
+    )  # fmt: skip
+    where = spec.where
     # node by default: an engine that builds its own groups runs where nodecommd is deployed, and an
     # unreachable node daemon should fail its connect, not hide behind a job's own daemon.
-    if group_key is None:
-        group_key = os.environ.get("NODECOMM_GROUP_KEY", "")
-    if not isinstance(group_key, (str, bytes)):
-        raise InvalidArgumentError(f"group_key: expected str or bytes, got {type(group_key).__name__}", **where)
-    key = group_key.encode() if isinstance(group_key, str) else group_key
     mode = daemon_choice.resolve_mode(daemon, "node", where)
     chosen, lease = daemon_choice.choose(mode, socket, job or group, timeout, where)
     try:
-        communicator = _join(
-            group, rank, world_size, device_id, device_index, chosen, lease, timeout, nccl_group, nccl_by_caller,
-            table_switching, capacity_bytes, dtype_codes, overrides, group_wire, key, operation_timeout, where,
-        )  # fmt: skip
+        communicator = _join(spec, chosen, lease, nccl_group)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -225,26 +143,14 @@ def connect(
 
 
 def _join(
-    group: str,
-    rank: int,
-    world_size: int,
-    device_id: str,
-    device_index: int | None,
+    spec: GroupSpec,
     chosen: daemon_choice.DaemonChoice,
     lease: daemon_choice.JobLeaseHandle | None,
-    timeout: float,
     nccl_group: object | None,
-    nccl_by_caller: bool,
-    table_switching: bool,
-    capacity_bytes: int,
-    dtype_codes: list[int],
-    overrides: list[pb.Boundary],
-    wire: Wire,
-    group_key: bytes,
-    operation_timeout: float | None,
-    where: dict,
 ) -> Communicator:
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
+    group, rank, world_size, where = spec.group, spec.rank, spec.world_size, spec.where
+    device_index, capacity_bytes, timeout = spec.device_index, spec.capacity_bytes, spec.timeout
     # Only a daemon whose socket and process pass the checks (nodecomm.trust) gets this rank's data.
     try:
         target = checked_target(chosen.socket, chosen.daemon_uids, timeout)
@@ -257,19 +163,7 @@ def _join(
         identity = DescriptorSocket(target.removeprefix("unix:") + ".fd", chosen.daemon_uids).identify(timeout, where)
     channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
-    request = pb.JoinRequest(
-        group=group,
-        rank=rank,
-        world_size=world_size,
-        device=device_id,
-        geometry=pb.Geometry(capacity_bytes=capacity_bytes, dtypes=dtype_codes, wire=wire.to_proto()),
-        pid=os.getpid(),
-        join_timeout_seconds=timeout,
-        nccl_fallback=nccl_group is not None or nccl_by_caller,
-        overrides=overrides,
-        identity=identity,
-        group_key=group_key,
-    )
+    request = spec.join_request(identity)
     try:
         reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)
     except grpc.RpcError as error:
@@ -315,7 +209,7 @@ def _join(
             for fd in fds:
                 os.close(fd)  # the mappings keep the memory
         table = reply.thresholds
-        switch_period = reply.table_switch_period if table_switching else 0
+        switch_period = reply.table_switch_period if spec.table_switching else 0
         explore_period = reply.explore_period
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
@@ -335,10 +229,10 @@ def _join(
             control=control,
             descriptor_socket=descriptor_socket,
             transport=transport,
-            dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in dtype_codes),
+            dtypes=frozenset(DTYPE_NAMES[pb.DType.Name(c).lower()] for c in spec.dtypes),
             table=DispatchTable.from_proto(table),
             timing_sample_period=reply.timing_sample_period,
-            operation_timeout=operation_timeout or reply.operation_timeout_seconds,
+            operation_timeout=spec.operation_timeout or reply.operation_timeout_seconds,
             table_switch_period=switch_period,
             explore_period=explore_period,
             rank_secret=reply.rank_secret,

@@ -32,6 +32,7 @@ from nodecomm.errors import (
     UnsupportedError,
     shown,
 )
+from nodecomm.join_rules import MAX_WORLD_SIZE
 from nodecomm.thresholds import DispatchTable, Wire
 from nodecomm.v1 import control_pb2 as pb
 
@@ -45,7 +46,7 @@ from .config import DaemonConfig
 from .cuda_execution import CudaExecution
 from .group import Group, Member
 from .handles import ClaimTable
-from .join_args import MAX_WORLD_SIZE, JoinArgs, validate_join
+from .join_args import JoinArgs, validate_join
 from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics

@@ -3,20 +3,14 @@ the checks every Join passes before it reaches a forming group (validate_join)."
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
-from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
-from nodecomm.capabilities import CAPABILITIES, shown_sizes
 from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
+from nodecomm.join_rules import DTYPE_NAMES, check_join
 from nodecomm.v1 import control_pb2 as pb
 
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
-
-_GROUP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}")
-_DTYPE_NAMES = {v: pb.DType.Name(v).lower() for v in pb.DType.values() if v}
-MAX_WORLD_SIZE = _native.MAX_RANKS
 
 
 @dataclass(frozen=True)
@@ -64,7 +58,7 @@ class JoinArgs:
     def shown(self, name: str) -> str:
         value = getattr(self, name)
         if name == "dtypes":
-            return "[" + ", ".join(_DTYPE_NAMES[d] for d in value) + "]"
+            return "[" + ", ".join(DTYPE_NAMES[d] for d in value) + "]"
         if name == "overrides":
             return "{" + ", ".join(f"{n}={format_byte_size(v)}" for n, v in value) + "}"
         if name == "wire":
@@ -73,52 +67,28 @@ class JoinArgs:
 
 
 def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None:
+    """nodecomm.join_rules' checks (the client ran them too), then what only this daemon knows."""
+    check_join(
+        args.group, args.rank, args.world_size, args.device_kind, args.capacity_bytes, args.dtypes, args.wire,
+        args.nccl_fallback,
+    )  # fmt: skip
     where = dict(group=args.group or None, rank=args.rank)
-    if not _GROUP_NAME.fullmatch(args.group):
-        raise InvalidArgumentError(
-            f"group name {args.group[:160]!r}: expected 1-128 characters from [A-Za-z0-9._:/-], "
-            "starting with a letter or digit",
-        )
-    if not 1 <= args.world_size <= MAX_WORLD_SIZE:
-        raise InvalidArgumentError(f"world_size {args.world_size}: expected 1..{MAX_WORLD_SIZE}", **where)
     if args.world_size > config.max_ranks_per_group:
         raise ResourceExhaustedError(
             f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
             **where,
-        )
-    capabilities = CAPABILITIES.get(args.device_kind)  # none: a kind this build lacks, refused below
-    if capabilities is not None and args.world_size not in capabilities.world_sizes:
-        raise InvalidArgumentError(
-            f"world_size {args.world_size}: a {args.device_kind.upper()} group takes "
-            f"{shown_sizes(capabilities.world_sizes)} ranks (the sizes its kernels are built for)",
-            **where,
-        )
-    if not 0 <= args.rank < args.world_size:
-        raise InvalidArgumentError(
-            f"rank {args.rank}: expected 0..{args.world_size - 1} for world_size {args.world_size}", **where
         )
     if args.device != "cpu" and args.device not in gpus:
         seen = f"the GPUs it sees are {gpus}" if gpus else "it sees no GPUs (no CUDA build, driver or device)"
         raise InvalidArgumentError(
             f"device {args.device[:80]!r}: expected 'cpu' or the UUID of a GPU this daemon sees; {seen}", **where
         )
-    if args.device == "cpu" and args.nccl_fallback:
-        raise InvalidArgumentError("nccl_fallback applies to CUDA groups; a CPU group has no NCCL path", **where)
-    if args.capacity_bytes < 64:
-        raise InvalidArgumentError(f"geometry.capacity_bytes {args.capacity_bytes}: expected at least 64", **where)
     if args.capacity_bytes > config.max_capacity_bytes:
         raise ResourceExhaustedError(
             f"geometry.capacity_bytes {args.capacity_bytes} exceeds this daemon's max_capacity_bytes "
             f"{config.max_capacity_bytes}",
             **where,
         )
-    if not args.dtypes or any(d not in _DTYPE_NAMES for d in args.dtypes):
-        raise InvalidArgumentError(
-            f"geometry.dtypes {shown(list(args.dtypes))}: expected one or more of {sorted(_DTYPE_NAMES.values())}",
-            **where,
-        )
-    if args.wire not in pb.Wire.values():
-        raise InvalidArgumentError(f"geometry.wire {args.wire}: expected lossless, int8 or fp8", **where)
     names = [name for name, _ in args.overrides]
     unknown = sorted(set(names) - set(DEFAULT_BOUNDARIES[args.device_kind]))
     if unknown or len(set(names)) != len(names):

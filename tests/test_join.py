@@ -254,3 +254,28 @@ def _join_with_a_larger_layout(rank, socket_path):
     laid_out = _native.shm_buffer_bytes
     _native.shm_buffer_bytes = lambda slot_bytes: laid_out(slot_bytes) + 4096
     return ranks.join_only(rank, 2, socket_path, "layout", {})
+
+
+@pytest.mark.parametrize(
+    "arguments, text",
+    [
+        ({"group": "a b"}, "group name 'a b': expected 1-128 characters"),
+        ({"rank": 2}, "rank 2: expected 0..1 for world_size 2"),
+        ({"rank": "0"}, "rank '0': expected an int"),
+        ({"world_size": 17}, "world_size 17: expected 1..16"),
+        ({"capacity_bytes": 8}, "geometry.capacity_bytes 8: expected at least 64"),
+        ({"dtypes": ()}, "geometry.dtypes []: expected one or more of"),
+        ({"wire": "int4"}, "wire 'int4': expected one of lossless, int8, fp8"),
+        ({"timeout": 0}, "timeout 0: expected a positive number of seconds"),
+    ],
+)
+def test_connect_checks_its_arguments_before_it_dials_a_daemon(tmp_path, arguments, text):
+    """The checks the daemon runs on a Join (nodecomm.join_rules) run in connect() first: with no
+    daemon at the socket, a bad argument is what the caller hears, not the missing daemon."""
+    import nodecomm
+    from nodecomm.errors import InvalidArgumentError
+
+    call = {"group": "g", "rank": 0, "world_size": 2, "socket": str(tmp_path / "none.sock"), "timeout": 2.0}
+    with pytest.raises(InvalidArgumentError) as raised:
+        nodecomm.connect(**{**call, **arguments})
+    assert text in str(raised.value), str(raised.value)
