@@ -25,21 +25,20 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .cuda_transport import CudaTransport, mismatch_error
+from .cuda_transport import mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
 from .dispatch import PATH_CODES, Dispatcher
 from .dtypes import DTYPE_CODES
-from .host_transport import HostTransport
 from .lease import Lease
 from .mapping import SegmentMapping
 from .membership import Membership
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
+from .transport import Transport
 
 log = logging.getLogger("nodecomm.client")
 
-Transport = HostTransport | CudaTransport
 _SERVICE = PATH_CODES[Path.SERVICE]
 _NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE

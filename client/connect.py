@@ -19,7 +19,7 @@ from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from . import daemon_choice
-from .communicator import Communicator, Transport
+from .communicator import Communicator
 from .cuda_transport import CudaTransport
 from .descriptors import DescriptorSocket
 from .dtypes import DTYPE_NAMES
@@ -27,6 +27,7 @@ from .group_spec import DEFAULT_CAPACITY_BYTES, DEFAULT_DTYPES, GroupSpec
 from .host_transport import HostTransport
 from .mapping import SegmentMapping, map_descriptors
 from .membership import Membership
+from .transport import Transport
 
 log = logging.getLogger("nodecomm.client")
 

@@ -1,0 +1,49 @@
+"""Transport: what a Communicator asks of its group's transport, the CPU one (host_transport.py)
+or the CUDA one (cuda_transport.py). Each runs its kind's paths through a native lane and the
+other collectives through its native group; what only one kind has (NCCL and its timing marks,
+top-k stages on CUDA; the top-k barrier on the CPU) is called only where that kind's dispatch or
+exchange leads."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from nodecomm import _native
+from nodecomm.thresholds import Path, Wire
+
+
+class Transport(Protocol):
+    kind: str  # "cpu" or "cuda"
+    device: torch.device
+    paths: frozenset[Path]  # what the dispatch may pick: the kind's (nodecomm.capabilities), NCCL where given
+    wire_paths: frozenset[Path]  # those of them that carry compressed wires
+
+    def lane(self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock) -> object:
+        """The native all-reduce call on this group (native/lane_api.h)."""
+        ...
+
+    def stream(self) -> int:
+        """The stream a call is enqueued on (0: none, the call runs on the calling thread)."""
+        ...
+
+    def on_device(self, tensor: torch.Tensor) -> bool: ...
+
+    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
+        """How `path` moves `nbytes` ("push", "pull" or "" where a path has one form)."""
+        ...
+
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None: ...
+
+    def barrier(self, timeout: float) -> None: ...
+
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block until this rank's collectives have finished on the device."""
+        ...
+
+    def close(self) -> None: ...
