@@ -5,10 +5,11 @@ import multiprocessing as mp
 import re
 import time
 
+import grpc
 import pytest
 
-import nodecomm
 import ranks
+from conftest import join_request, stub_for
 
 
 def sample(text: str, name: str, **labels) -> float | None:
@@ -40,8 +41,12 @@ def test_operation_counts_buffers_and_errors(daemon, spawn_ranks):
     staging = sample(text, "nodecomm_buffer_bytes", device="host", use="service")  # the service path's copies
     assert collectives > 0 and staging == 2 * (64 << 10) and reserved == collectives + staging
 
-    with pytest.raises(nodecomm.InvalidArgumentError):
-        nodecomm.connect("bad name!", 0, 1, socket=daemon.socket, timeout=5)
+    # A Join the daemon refuses (connect() would refuse it before dialling: nodecomm.join_rules).
+    channel, stub = stub_for(daemon)
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Join(join_request(group="bad name!", world_size=1), timeout=10)
+    channel.close()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert sample(daemon.metrics_text(), "nodecomm_errors_total", kind="InvalidArgumentError") == 1.0
 
     for _ in range(2):
