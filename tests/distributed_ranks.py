@@ -593,9 +593,8 @@ if __name__ == "__main__":
     sys.exit(1 if found else 0)
 
 
-def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
-    """Rank 0 sends to rank 1, which never receives (it waits in a barrier of its own): what
-    dist.send raises on rank 0, under a process group whose timeout is `seconds`."""
+def _join_job(rank: int, world_size: int, socket: str, port: int, seconds: float) -> None:
+    """This rank's default "nodecomm" group, whose timeout is `seconds`."""
     import datetime
 
     os.environ.update(
@@ -603,6 +602,12 @@ def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds:
         NODECOMM_SOCKET=socket,
     )  # fmt: skip
     dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+
+
+def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
+    """Rank 0 sends to rank 1, which never receives (it waits in a barrier of its own): what
+    dist.send raises on rank 0, under a process group whose timeout is `seconds`."""
+    _join_job(rank, world_size, socket, port, seconds)
     if rank == 1:
         time.sleep(3 * seconds)  # never receives; the job ends when rank 0 reports
         return ""
@@ -617,13 +622,7 @@ def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds:
 def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
     """Rank 0 receives from any source; nobody sends (rank 1 sleeps): what dist.recv raises on rank
     0, and after how long, under a process group whose timeout is `seconds`."""
-    import datetime
-
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        NODECOMM_SOCKET=socket,
-    )  # fmt: skip
-    dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+    _join_job(rank, world_size, socket, port, seconds)
     if rank == 1:
         time.sleep(3 * seconds)
         return ""
@@ -638,13 +637,7 @@ def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: i
 def unanswered_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
     """Both ranks all-reduce once (their group joins); then rank 0 all-reduces alone, natively in
     the C++ backend: what dist.all_reduce raises there, under a group whose timeout is `seconds`."""
-    import datetime
-
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        NODECOMM_SOCKET=socket,
-    )  # fmt: skip
-    dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+    _join_job(rank, world_size, socket, port, seconds)
     dist.all_reduce(torch.ones(4))
     dist.all_reduce(torch.ones(4))  # the backend's lane is bound after the first
     if rank == 1:
