@@ -31,7 +31,7 @@ constexpr std::size_t kDmaChunkBytes = 1 << 20;
 
 // One block-pair barrier on block 0's counters: the signal between the copy paths' steps.
 template <int N>
-__global__ void signal_kernel(Signal<N> signal, TaggedCall call) {
+__global__ void signal_kernel(__grid_constant__ const Signal<N> signal, TaggedCall call) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   signal.barrier(&failed, call, false);
@@ -41,9 +41,9 @@ __global__ void signal_kernel(Signal<N> signal, TaggedCall call) {
 // slot 0, peer p's were pulled into slot 1 at (p < rank ? p : p - 1) * segment. The sum goes to
 // slot 0, where peers gather it from, and to the output.
 template <typename T, int N, bool kVector>
-__global__ void __launch_bounds__(kThreads) dma_reduce_kernel(Signal<N> signal, std::size_t slot_stride,
-                                                              std::size_t own_begin, std::size_t lo, std::size_t n,
-                                                              std::size_t segment, T* output) {
+__global__ void __launch_bounds__(kThreads)
+    dma_reduce_kernel(Signal<N> signal, std::size_t slot_stride, std::size_t own_begin, std::size_t lo, std::size_t n,
+                      std::size_t segment, T* output) {
   const int rank = signal.rank;
   // Checked at the stores, so that the word's load overlaps the sums' loads.
   const bool stopped = signal.gave_up();
@@ -148,7 +148,8 @@ __device__ __forceinline__ void copy_bytes(const std::uint8_t* from, std::uint8_
 // which no peer touches, so neither waits for the other; every mismatch shows at a call's first
 // barrier, long before.
 template <int N>
-__global__ void __launch_bounds__(kThreads) copy_out_kernel(Signal<N> signal, TaggedCall call, Pieces pieces) {
+__global__ void __launch_bounds__(kThreads)
+    copy_out_kernel(__grid_constant__ const Signal<N> signal, TaggedCall call, Pieces pieces) {
   __shared__ int failed;
   if (blockIdx.x == 0) {
     if (threadIdx.x == 0) failed = 0;

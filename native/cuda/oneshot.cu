@@ -84,7 +84,8 @@ struct PeerElsewhere {
 // what block b of each peer sends, and this rank's own line is loaded once, before any wait.
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    push_kernel(Signal<N> signal, const T* input, T* output, std::size_t count, TaggedCall call) {
+    push_kernel(__grid_constant__ const Signal<N> signal, const T* input, T* output, std::size_t count,
+                TaggedCall call) {
   constexpr int kPerLine = 8 / sizeof(T);
   const bool stopped = signal.stopped();  // loaded while the launch is counted
   const std::uint64_t launch = signal.next_launch();
@@ -133,8 +134,9 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename T, int N, bool kVector>
-__global__ void __launch_bounds__(kThreads) pull_kernel(Signal<N> signal, std::size_t slot_stride, const T* input,
-                                                        T* output, std::size_t count, TaggedCall call) {
+__global__ void __launch_bounds__(kThreads)
+    pull_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, const T* input, T* output,
+                std::size_t count, TaggedCall call) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
@@ -152,8 +154,8 @@ __global__ void __launch_bounds__(kThreads) pull_kernel(Signal<N> signal, std::s
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    wire_pull_kernel(Signal<N> signal, std::size_t slot_stride, const T* input, T* output, std::size_t count,
-                     wire::Wire format, TaggedCall call) {
+    wire_pull_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, const T* input, T* output,
+                     std::size_t count, wire::Wire format, TaggedCall call) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;

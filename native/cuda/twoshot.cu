@@ -20,8 +20,9 @@ namespace nodecomm::cuda {
 namespace {
 
 template <typename T, int N, bool kVector>
-__global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std::size_t slot_stride, const T* input,
-                                                           T* output, std::size_t count, TaggedCall call) {
+__global__ void __launch_bounds__(kThreads)
+    twoshot_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, const T* input, T* output,
+                   std::size_t count, TaggedCall call) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
@@ -62,8 +63,8 @@ __global__ void __launch_bounds__(kThreads) twoshot_kernel(Signal<N> signal, std
 
 template <typename T, int N, bool kVector>
 __global__ void __launch_bounds__(kThreads)
-    wire_twoshot_kernel(Signal<N> signal, std::size_t slot_stride, const T* input, T* output, std::size_t count,
-                        wire::Wire format, TaggedCall call) {
+    wire_twoshot_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, const T* input, T* output,
+                        std::size_t count, wire::Wire format, TaggedCall call) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
