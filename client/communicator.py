@@ -288,7 +288,12 @@ class Communicator:
                 group=self.group,
                 rank=self.rank,
             )
-        self._run(self._transport.barrier, self._operation_timeout)
+        self._run(self._barrier, self._operation_timeout)
+
+    def _barrier(self, timeout: float) -> None:
+        if not self._transport.barrier(timeout):
+            self._check_usable()  # the wait that gave up aborted the group: its abort is the error
+            raise InternalError("a barrier gave up without aborting the group", group=self.group, rank=self.rank)
 
     def _run(self, operation, *args, sample: tuple[int, int, int] | None = None, capturing: bool | None = None) -> None:
         """Run a transport operation under the lock that close() takes, errors located here; with

@@ -15,7 +15,7 @@ import torch
 
 from nodecomm import _native
 from nodecomm.capabilities import CAPABILITIES
-from nodecomm.errors import GroupMismatchError, PeerLostError
+from nodecomm.errors import GroupMismatchError
 from nodecomm.thresholds import Path, Wire
 
 from .dtypes import DTYPE_CODES
@@ -145,19 +145,14 @@ class CudaTransport:
         with self._enqueueing():
             self.group.all_gather(tensor.data_ptr(), out.data_ptr(), nbytes, timeout, self.stream())
 
-    def barrier(self, timeout: float) -> None:
+    def barrier(self, timeout: float) -> bool:
         stream = torch.cuda.current_stream(self.device)
         with self._enqueueing():
             self.group.barrier(timeout, stream.cuda_stream)
         stream.synchronize()  # bounded: the barrier kernel gives up after `timeout` or an abort
-        # A kernel that gave up says so only in this rank's error record.
-        code, peer, _ = _native.error_record(self._control.address, self.rank)
-        if code == _native.KernelError.MISMATCH:
-            raise mismatch_error(self._control.address, self.world_size)
-        if code == _native.KernelError.TIMEOUT:
-            raise PeerLostError(f"the barrier timed out waiting for rank {peer}")
-        if code == _native.KernelError.ABORTED:
-            raise PeerLostError("the barrier ended: the group was aborted")
+        # A kernel that gave up recorded why and aborted the group; the abort is the error.
+        code, _, _ = _native.error_record(self._control.address, self.rank)
+        return code == _native.KernelError.NONE
 
     # Timing samples of what the CudaLane leaves to Python (NCCL): CUDA events around the call,
     # read once the end event has completed.

@@ -45,8 +45,9 @@ class HostTransport:
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         self.group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)
 
-    def barrier(self, timeout: float) -> None:
-        self.group.barrier(timeout)
+    def barrier(self, timeout: float) -> bool:
+        self.group.barrier(timeout)  # raises what stopped it (native/shm.h)
+        return True
 
     def topk_barrier(self, rows: int, timeout: float) -> None:
         """A top-k stage's barrier: the ranks must stage the same number of rows."""

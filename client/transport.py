@@ -36,7 +36,10 @@ class Transport(Protocol):
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None: ...
 
-    def barrier(self, timeout: float) -> None: ...
+    def barrier(self, timeout: float) -> bool:
+        """Whether every rank entered the barrier. False where this rank's wait gave up (a CUDA
+        kernel cannot raise): that aborted the group, and the abort says why."""
+        ...
 
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph."""

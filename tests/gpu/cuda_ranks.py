@@ -172,17 +172,21 @@ def _time_the_drain(comm: nodecomm.Communicator, calls: int, cases: list, report
     }
 
 
-def wait_alone(rank: int, world_size: int, socket: str) -> tuple[str, str]:
-    """Rank 0 all-reduces; rank 1 joins but never calls. Rank 0's kernel must give up."""
+def wait_alone(rank: int, world_size: int, socket: str, call: str) -> tuple[str, str]:
+    """Rank 0 all-reduces (or enters a barrier); rank 1 joins but never calls. Rank 0's kernel
+    must give up, and the call after it (the barrier itself) raise why."""
     device = device_for(rank)
     torch.cuda.set_device(device)
     with nodecomm.connect("alone", rank, world_size, device=device, socket=socket, timeout=120) as comm:
         if rank == 1:
             time.sleep(8.0)
             return "idle", ""
-        comm.all_reduce(torch.ones(1024, device=device), path="oneshot")
-        torch.cuda.synchronize()  # returns once the kernel times out
         try:
+            if call == "barrier":
+                comm.barrier()  # returns or raises once the kernel gave up
+                return "no error", ""
+            comm.all_reduce(torch.ones(1024, device=device), path="oneshot")
+            torch.cuda.synchronize()  # returns once the kernel times out
             comm.all_reduce(torch.ones(1024, device=device))
         except nodecomm.NodecommError as error:
             return type(error).__name__, str(error)

@@ -66,9 +66,10 @@ def test_killed_rank_makes_the_others_raise(cuda_daemon, spawn_ranks):
         assert when - killed_at < 30
 
 
-def test_peer_that_never_comes_times_out(make_daemon, spawn_ranks):
+@pytest.mark.parametrize("call", ["all_reduce", "barrier"])
+def test_peer_that_never_comes_times_out(make_daemon, spawn_ranks, call):
     daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "1")
-    results = spawn_ranks(cuda_ranks.wait_alone, 2, 2, daemon.socket, timeout=120).values()
+    results = spawn_ranks(cuda_ranks.wait_alone, 2, 2, daemon.socket, call, timeout=120).values()
     name, message = results[0]
     assert name == "PeerLostError" and "rank 0 timed out waiting for rank 1" in message
 
