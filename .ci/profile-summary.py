@@ -1,0 +1,57 @@
+"""Where a profiled eager all-reduce's host time goes: `python .ci/profile-summary.py PROFILE...`,
+each PROFILE py-spy's raw output (collapsed stacks, `--native`) of .ci/profile-eager.py's rank 0.
+Only stacks inside the timed loop count; each sample goes to the code that ran it: the first frame
+from the leaf up that belongs to a known library or Python package (libc and the interpreter's
+own frames go to whoever called them). Prints each owner's share of the loop's samples."""
+
+import collections
+import re
+import sys
+
+# Frame "name (where)": a library file for native frames, path:line for Python ones.
+FRAME = re.compile(r"^(?P<name>.*) \((?P<where>[^()]*)\)$")
+OWNERS = [  # (owner, pattern on `where`), native libraries first
+    ("CUDA driver", r"libcuda\.so"),
+    ("CUDA runtime", r"libcudart"),
+    ("nodecomm native (_native)", r"_native\."),
+    ("nodecomm C++ backend (_c10d)", r"_c10d\."),
+    ("torch C++ (libtorch, c10)", r"libtorch|libc10|_C\.cpython"),
+    ("nodecomm Python", r"^(nodecomm|client|distributed|service)/|/nodecomm/"),
+    ("torch Python", r"^torch/|/torch/"),
+]
+PASS_THROUGH = r"libc\.so|libpthread|ld-linux|libpython|libstdc|^$|python3"
+
+
+def owner_of(frames: list[str]) -> str:
+    for frame in reversed(frames):
+        match = FRAME.match(frame)
+        where = match.group("where") if match else ""
+        for owner, pattern in OWNERS:
+            if re.search(pattern, where):
+                return owner
+        if not re.search(PASS_THROUGH, where) and not where.startswith("0x"):
+            if ".py:" in where:
+                return "Python (other)"
+            return f"other ({where})"
+    return "interpreter / libc"
+
+
+def summary(path: str) -> None:
+    shares: collections.Counter[str] = collections.Counter()
+    for line in open(path):
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        frames = stack.split(";")
+        # The timed loop's calls: frames below main's lambda (profile-eager.py's `call`).
+        lambdas = [i for i, f in enumerate(frames) if re.search(r"<lambda> \(profile-eager\.py", f)]
+        if not lambdas:
+            continue
+        shares[owner_of(frames[lambdas[0] + 1 :])] += int(count)
+    total = sum(shares.values())
+    print(f"{path}: {total} samples in the timed loop")
+    for owner, samples in shares.most_common():
+        print(f"  {owner:34s} {samples / max(total, 1) * 100:5.1f} %")
+
+
+if __name__ == "__main__":
+    for profile in sys.argv[1:]:
+        summary(profile)
