@@ -10,7 +10,7 @@ import warnings
 import grpc
 import torch
 
-from nodecomm import _native
+from nodecomm import _c10d, _native
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
@@ -112,6 +112,11 @@ class Communicator:
         # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
+        # all_reduce's one native call on the table's path (tensor checks, stream, lane).
+        device = transport.device.index if transport.kind == "cuda" else -1
+        self._tensor_call = _c10d.TensorCall(
+            *self._lane.api(), self._lane, device, [DTYPE_CODES[d] for d in self._dtypes]
+        )
 
     def _start(self, timeout: float) -> None:
         try:
@@ -150,6 +155,16 @@ class Communicator:
         completes the call and returns `out`; only the service path runs in the background, the
         others are complete when the work is returned.
         """
+        if path is None and wire is None:
+            done = self._tensor_call(tensor, out)
+            if type(done) is torch.Tensor:
+                return ServiceWork.completed(done) if async_op else done
+            if done is not None:
+                outcome, out, sampled, kind, message = done
+                if outcome == _FAILED:
+                    raise self._lane_error(_native.error(kind, message))
+                return self._after_lane(outcome, tensor, out, sampled, async_op)
+        # Not taken natively: a path or wire forced, or something to say about the tensors.
         self._check_tensor(tensor, "tensor")
         if out is not tensor:  # in place needs no second check
             out = self._output(out, tuple(tensor.shape), tensor.dtype)
@@ -204,12 +219,12 @@ class Communicator:
             error = mismatch_error(self._control.address, self.world_size)
         return self._located(error)
 
-    def native_outcome(self, outcome: int, tensor: torch.Tensor, kind: int, message: str) -> None:
+    def native_outcome(self, outcome: int, tensor: torch.Tensor, sampled: bool, kind: int, message: str) -> None:
         """What the c10d backend's native call (in place on `tensor`, through lane_api.h) left to
         Python: as _after_lane, or its error."""
         if outcome == _FAILED:
             raise self._lane_error(_native.error(kind, message))
-        self._after_lane(outcome, tensor, tensor, False, False)
+        self._after_lane(outcome, tensor, tensor, sampled, False)
 
     def native_lane(self) -> tuple[object, int, object]:
         """(C ABI capsule, lane address, the lane) of this rank's all-reduce, for the c10d backend,

@@ -24,7 +24,7 @@ struct Taken {
   bool sampled = false;
 };
 
-constexpr int kLaneApiVersion = 2;
+constexpr int kLaneApiVersion = 3;
 // nodecomm._native's HostLane.api() and CudaLane.api() return a PyCapsule of this name holding a
 // NodecommLaneApi.
 constexpr const char* kLaneCapsule = "nodecomm.LaneApi";
@@ -35,9 +35,10 @@ extern "C" {
 struct NodecommLaneApi {
   int version;  // kLaneApiVersion
   // A table-decided all-reduce of a contiguous buffer (in may equal out; stream: a cudaStream_t, or
-  // null on the CPU); returns an Outcome. On kFailed, error_kind is a nodecomm::ErrorKind and
-  // message holds its text (NUL-terminated).
-  int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* error_kind,
-                    char* message, std::size_t message_bytes);
+  // null on the CPU); returns an Outcome, and in `sampled` whether the call is to be timed (for a
+  // call left to the caller: NCCL's). On kFailed, error_kind is a nodecomm::ErrorKind and message
+  // holds its text (NUL-terminated).
+  int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* sampled,
+                    int* error_kind, char* message, std::size_t message_bytes);
 };
 }

@@ -12,14 +12,16 @@
 namespace nodecomm::lane {
 
 template <typename Lane>
-int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* error_kind,
-                 char* message, std::size_t message_bytes) {
+int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* sampled,
+                 int* error_kind, char* message, std::size_t message_bytes) {
   return run_reporting(
       [&] {
         Taken taken;
-        return static_cast<Lane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
-                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0,
-                                                    -1, reinterpret_cast<std::uintptr_t>(stream), &taken);
+        const Outcome outcome = static_cast<Lane*>(lane)->all_reduce(
+            reinterpret_cast<std::uintptr_t>(in), reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype), 0, -1,
+            reinterpret_cast<std::uintptr_t>(stream), &taken);
+        *sampled = taken.sampled;
+        return outcome;
       },
       kFailed, error_kind, message, message_bytes);
 }

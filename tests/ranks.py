@@ -121,6 +121,10 @@ def stall_peer(rank: int, world_size: int, socket: str) -> tuple[str, str, float
         return "no error", "", time.monotonic() - started
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass (which may redefine any operation): left to the Python checks."""
+
+
 def misuse(rank: int, world_size: int, socket: str) -> dict:
     """Bad calls on a live communicator: each must raise a clear InvalidArgumentError."""
     seen = {}
@@ -140,6 +144,18 @@ def misuse(rank: int, world_size: int, socket: str) -> dict:
             except nodecomm.InvalidArgumentError as error:
                 seen[name] = str(error)
         seen["still_works"] = comm.all_reduce(torch.ones(4)).tolist()
+        # The native call takes the common case and leaves everything above to the Python checks.
+        declined = {
+            "dtype": (torch.ones(4, dtype=torch.float16), None),
+            "strided": (torch.ones(8)[::2], None),
+            "out_shape": (torch.ones(4), torch.empty(5)),
+            "out_dtype": (torch.ones(4), torch.empty(4, dtype=torch.float64)),
+            "subclass": (torch.ones(4).as_subclass(_Marked), None),
+            "empty": (torch.ones(0), None),
+        }
+        seen["native_declines"] = sorted(name for name, (t, o) in declined.items() if comm._tensor_call(t, o) is None)
+        out = torch.empty(4)
+        seen["native_runs"] = comm._tensor_call(torch.ones(4), out) is out and out.tolist() == [2.0] * 4
         seen["table"] = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
     try:
         comm.all_reduce(torch.ones(4))

@@ -43,6 +43,8 @@ def test_misuse_raises_clear_errors(daemon, spawn_ranks):
     assert "unknown path 'teleport'" in seen["path"]
     assert "not available to a CPU group" in seen["gpu_path"]
     assert seen["still_works"] == [2.0] * 4
+    assert seen["native_declines"] == ["dtype", "empty", "out_dtype", "out_shape", "strided", "subclass"]
+    assert seen["native_runs"]
     assert seen["table"][0][2] == "oneshot" and seen["table"][-1][2] == "twoshot"
     assert "closed" in seen["closed"]
 

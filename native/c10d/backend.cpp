@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "../lane_api.h"
+#include "tensor_call.h"
 
 namespace py = pybind11;
 
@@ -39,16 +40,6 @@ void drop(Objects&... objects) {
     ((objects = std::remove_reference_t<Objects>{}), ...);
   } else {
     ((void)objects.release(), ...);
-  }
-}
-
-// nodecomm.v1.DType codes; 0: a dtype nodecomm does not reduce natively.
-int dtype_code(const at::Tensor& tensor) {
-  switch (tensor.scalar_type()) {
-    case at::kFloat: return 1;
-    case at::kHalf: return 2;
-    case at::kBFloat16: return 3;
-    default: return 0;
   }
 }
 
@@ -132,14 +123,15 @@ class Backend : public ::c10d::Backend {
         void* stream = tensor.is_cuda()
                            ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()).native_handle()
                            : nullptr;
-        int kind = 0;
-        char message[1024] = {0};
+        int sampled = 0, kind = 0;
+        char message[1024];
+        message[0] = '\0';
         const int outcome = bound->api->all_reduce(bound->address, tensor.data_ptr(), tensor.data_ptr(),
-                                                  tensor.numel(), dtype_code(tensor), stream, &kind, message,
-                                                  sizeof message);
+                                                  tensor.numel(), dtype_code(tensor), stream, &sampled, &kind,
+                                                  message, sizeof message);
         if (outcome != lane::kDone) {
           py::gil_scoped_acquire gil;
-          bound->communicator.attr("native_outcome")(outcome, tensor, kind, std::string(message));
+          bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
         }
         return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
       }
@@ -276,12 +268,7 @@ class Backend : public ::c10d::Backend {
       return;
     }
     auto parts = lane.cast<py::tuple>();
-    auto capsule = parts[0].cast<py::capsule>();
-    TORCH_CHECK(std::string(capsule.name()) == lane::kLaneCapsule, "nodecomm: not a lane capsule");
-    const auto* api = capsule.get_pointer<const NodecommLaneApi>();
-    TORCH_CHECK(api->version == lane::kLaneApiVersion, "nodecomm._native's lane ABI is version ", api->version,
-                ", nodecomm._c10d expects ", lane::kLaneApiVersion,
-                ": the two modules come from different builds; reinstall nodecomm");
+    const NodecommLaneApi* api = lane_api_of(parts[0].cast<py::capsule>());
     py::object device = communicator.attr("device").attr("index");
     slot = Lane{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
                 device.is_none() ? -1 : device.cast<int>(), false, parts[2], std::move(communicator)};
@@ -313,4 +300,9 @@ PYBIND11_MODULE(_c10d, m) {
            py::arg("composed"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            "A backend over `composed`, the Python group that runs what this backend does not natively.")
       .def_property_readonly("composed", &b::Backend::composed, "The Python process group composed here.");
+  py::class_<b::TensorCall>(m, "TensorCall", "Communicator.all_reduce's native call (tensor_call.h).")
+      .def(py::init<const py::capsule&, std::uintptr_t, py::object, int, const std::vector<int>&>(), py::arg("api"),
+           py::arg("address"), py::arg("lane"), py::arg("device"), py::arg("dtypes"))
+      .def("__call__", &b::TensorCall::operator(), py::arg("tensor"), py::arg("out"),
+           "None: not taken; the output: done; else (outcome, output, sampled, error kind, message).");
 }

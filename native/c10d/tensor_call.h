@@ -1,0 +1,108 @@
+// tensor_call.h — Communicator.all_reduce's one native call (module nodecomm._c10d): a
+// table-decided all-reduce of torch tensors through the rank's lane (../lane_api.h), the checks
+// its Python made on every call done here, on the tensor's current stream. A call it does not take
+// (a forced path or wire, another dtype, a tensor subclass, anything to complain about) is left to
+// the Communicator's Python, which says what is wrong or runs it.
+#pragma once
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../lane_api.h"
+
+namespace nodecomm::c10d_backend {
+
+namespace py = pybind11;
+
+// nodecomm.v1.DType codes; 0: a dtype nodecomm does not reduce natively.
+inline int dtype_code(const at::Tensor& tensor) {
+  switch (tensor.scalar_type()) {
+    case at::kFloat: return 1;
+    case at::kHalf: return 2;
+    case at::kBFloat16: return 3;
+    default: return 0;
+  }
+}
+
+// The lane's C ABI out of a Lane.api() capsule, checked to come from this build.
+inline const NodecommLaneApi* lane_api_of(const py::capsule& capsule) {
+  TORCH_CHECK(std::string(capsule.name()) == lane::kLaneCapsule, "nodecomm: not a lane capsule");
+  const auto* api = capsule.get_pointer<const NodecommLaneApi>();
+  TORCH_CHECK(api->version == lane::kLaneApiVersion, "nodecomm._native's lane ABI is version ", api->version,
+              ", nodecomm._c10d expects ", lane::kLaneApiVersion,
+              ": the two modules come from different builds; reinstall nodecomm");
+  return api;
+}
+
+class TensorCall {
+ public:
+  // `api`, `address`: the lane's Lane.api(), kept alive by `lane`; `device`: the CUDA index of its
+  // group, -1 for a CPU group; `dtypes`: the codes the group was formed for.
+  TensorCall(const py::capsule& api, std::uintptr_t address, py::object lane, int device,
+             const std::vector<int>& dtypes)
+      : api_(lane_api_of(api)), address_(reinterpret_cast<void*>(address)), lane_(std::move(lane)), device_(device) {
+    for (const int code : dtypes) {
+      if (code > 0 && code < 32) dtypes_ |= 1u << code;
+    }
+  }
+
+  // None: not taken. The output (`out`, or a new tensor where it is None): done. Otherwise
+  // (outcome, output, sampled, error kind, message) for the Communicator to finish.
+  py::object operator()(py::handle tensor, py::handle out) const {
+    if (!THPVariable_CheckExact(tensor.ptr()) || !(out.is_none() || THPVariable_CheckExact(out.ptr()))) {
+      return py::none();
+    }
+    const at::Tensor& in = THPVariable_Unpack(tensor.ptr());
+    if (!takes(in)) return py::none();
+    at::Tensor output;
+    if (out.is_none()) {
+      output = at::empty(in.sizes(), in.options());
+    } else if (out.ptr() == tensor.ptr()) {
+      output = in;
+    } else {
+      output = THPVariable_Unpack(out.ptr());
+      if (!takes(output) || output.sizes() != in.sizes() || output.scalar_type() != in.scalar_type()) {
+        return py::none();
+      }
+    }
+    void* stream =
+        device_ >= 0 ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(in.device()).native_handle() : nullptr;
+    int sampled = 0, kind = 0;
+    char message[1024];
+    message[0] = '\0';
+    int outcome;
+    {
+      py::gil_scoped_release release;
+      outcome = api_->all_reduce(address_, in.data_ptr(), output.data_ptr(), in.numel(), dtype_code(in), stream,
+                                 &sampled, &kind, message, sizeof message);
+    }
+    py::object result = out.is_none() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(output)))
+                                      : py::reinterpret_borrow<py::object>(out);
+    if (outcome == lane::kDone) return result;
+    return py::make_tuple(outcome, result, sampled != 0, kind, std::string(message));
+  }
+
+ private:
+  bool takes(const at::Tensor& tensor) const {
+    const int code = dtype_code(tensor);
+    if (code == 0 || !(dtypes_ & (1u << code)) || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||
+        tensor.numel() == 0) {
+      return false;
+    }
+    return device_ < 0 ? tensor.is_cpu() : tensor.is_cuda() && tensor.device().index() == device_;
+  }
+
+  const NodecommLaneApi* api_;
+  void* address_;
+  py::object lane_;
+  int device_;
+  std::uint32_t dtypes_ = 0;
+};
+
+}  // namespace nodecomm::c10d_backend
