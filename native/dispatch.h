@@ -67,11 +67,21 @@ struct Table {
   Path path_for(std::uint64_t nbytes) const { return range_paths[index(nbytes)]; }
   wire::Wire wire_for(std::uint64_t nbytes) const { return range_wires[index(nbytes)]; }
 
-  // The adjacent range's path where nbytes lies within a factor of 4 of the edge between them.
+  // The path exploration times for nbytes: that of the adjacent range across the nearer edge (by
+  // ratio), or across the other where the nearer one's path is not lossless; kNone where neither
+  // is. Every size has one, however far from an edge: a table wrong by a factor of 10 is found out.
   Path neighbour_path(std::uint64_t nbytes) const {
     const std::size_t i = index(nbytes);
-    if (i > 0 && nbytes <= 4 * range_max[i - 1]) return range_paths[i - 1];
-    if (i < range_max.size() && 4 * nbytes > range_max[i]) return range_paths[i + 1];
+    const bool below = i > 0 && lossless_path(range_paths[i - 1]);
+    const bool above = i < range_max.size() && lossless_path(range_paths[i + 1]);
+    if (below && above) {
+      // How far above the lower edge against how far below the upper one, as ratios.
+      const double up = double(range_max[i]) / double(nbytes ? nbytes : 1);
+      const double down = double(nbytes) / double(range_max[i - 1] + 1);
+      return down <= up ? range_paths[i - 1] : range_paths[i + 1];
+    }
+    if (below) return range_paths[i - 1];
+    if (above) return range_paths[i + 1];
     return Path::kNone;
   }
 

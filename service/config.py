@@ -97,16 +97,16 @@ class DaemonConfig:
     claim_token_ttl_seconds: float = 60.0
     timing_sample_period: int = 64
     # Live recalibration: move a boundary when the ranks' sampled timings show an adjacent
-    # range's path faster by more than live_margin in a size bucket, once every rank has
-    # live_min_samples samples of both paths there. Ranks switch tables together on every
-    # table_switch_period-th all-reduce that is not being captured.
+    # range's path faster by more than live_margin in a size bucket (the part of it on one side of
+    # every boundary), once every rank has live_min_samples samples of both paths there. Ranks
+    # switch tables together on every table_switch_period-th all-reduce that is not being captured.
     live_recalibration: bool = True
     live_margin: float = 0.05
     live_min_samples: int = 8
     table_switch_period: int = 1024
-    # Exploration: every explore_period-th all-reduce within a factor of 4 of a boundary between
-    # two lossless paths runs on the neighbouring one (the same bits) and is timed; never into or
-    # out of NCCL, never while capturing; 0 switches it off.
+    # Exploration: every explore_period-th all-reduce on a lossless path runs on the lossless path
+    # of the adjacent range across its nearer edge (the same bits) and is timed, however far from
+    # that edge; never into or out of NCCL, never while capturing; 0 switches it off.
     explore_period: int = 0
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
@@ -310,7 +310,7 @@ HELP = {
     "live_margin": "how much faster a neighbouring path must be to move a boundary (fraction)",
     "live_min_samples": "samples of both paths every rank needs in a size bucket",
     "table_switch_period": "ranks switch to a new table together every this many all-reduces",
-    "explore_period": "every n-th all-reduce near a boundary runs on the neighbouring path; 0: off",
+    "explore_period": "every n-th all-reduce runs on the adjacent range's lossless path and is timed; 0: off",
     "max_capacity_bytes": "largest slot capacity a group may ask for",
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",

@@ -2,11 +2,14 @@
 path winning, with a margin and enough samples (hysteresis), so that the table follows the machine.
 
 Ranks stream a sample of their operations' times (path, bytes, seconds; CUDA groups time them with
-events). Per path and size bucket (powers of 4, as the metrics use) the estimate is the slowest
-rank's median of its last samples, known once every rank has reported enough of them. Where the
-path the table gives a bucket loses to the path of an adjacent range by more than the margin, the
-boundaries between them move so that the winner takes the bucket, and the bucket's evidence is
-dropped, so it has to build up again before anything moves back. The movable boundaries are
+events). Evidence is kept per path and size bucket (powers of 4, as the metrics use) and compared
+per cell: the part of a bucket on one side of every boundary (a bucket the table splits, such as
+4-16 MiB around a 6 MiB dma_min_bytes, is two cells). A cell's estimate for a path is the slowest
+rank's median of its last samples of sizes in the cell, known once every rank has reported enough
+of them. Where the path the table gives a cell loses to the path of an adjacent range by more than
+the margin, the boundaries between them move so that the winner takes the cell, and the evidence
+of every bucket whose routing changed is dropped, so it has to build up again before anything
+moves back. The movable boundaries are
 oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes; overrides and the service path never move.
 A path's samples come from the sizes the table sends it and from exploration, which only ever
 tries lossless paths: NCCL is timed where it carries sizes, never explored into.
@@ -48,21 +51,31 @@ class LiveEstimates:
     world_size: int
     margin: float
     min_samples: int
-    # (path, bucket index) -> rank -> recent seconds, on the lossless wire and on the group's own
-    samples: dict[tuple[Path, int], dict[int, deque[float]]] = field(default_factory=dict)
-    compressed: dict[tuple[Path, int], dict[int, deque[float]]] = field(default_factory=dict)
+    # (path, bucket index) -> rank -> recent (bytes, seconds), on the lossless wire and on the
+    # group's own
+    samples: dict[tuple[Path, int], dict[int, deque[tuple[int, float]]]] = field(default_factory=dict)
+    compressed: dict[tuple[Path, int], dict[int, deque[tuple[int, float]]]] = field(default_factory=dict)
 
     def add(self, rank: int, path: Path, nbytes: int, seconds: float, compressed: bool = False) -> None:
         key = (path, bucket_index(nbytes))
         per_rank = (self.compressed if compressed else self.samples).setdefault(key, {})
-        per_rank.setdefault(rank, deque(maxlen=SAMPLES_KEPT)).append(seconds)
+        per_rank.setdefault(rank, deque(maxlen=SAMPLES_KEPT)).append((nbytes, seconds))
 
-    def estimate(self, path: Path, bucket: int, compressed: bool = False) -> float | None:
-        """The slowest rank's median, once every rank has min_samples; else None."""
+    def estimate(
+        self, path: Path, bucket: int, compressed: bool = False, cell: tuple[int, int] | None = None
+    ) -> float | None:
+        """The slowest rank's median of its samples (of sizes within `cell`, inclusive, where given),
+        once every rank has min_samples of them; else None."""
         per_rank = (self.compressed if compressed else self.samples).get((path, bucket), {})
-        if len(per_rank) < self.world_size or any(len(s) < self.min_samples for s in per_rank.values()):
+        if len(per_rank) < self.world_size:
             return None
-        return max(statistics.median(s) for s in per_rank.values())
+        medians = []
+        for kept in per_rank.values():
+            times = [seconds for nbytes, seconds in kept if cell is None or cell[0] <= nbytes <= cell[1]]
+            if len(times) < self.min_samples:
+                return None
+            medians.append(statistics.median(times))
+        return max(medians)
 
     def proposed_move(
         self, table: DispatchTable, fallback: Path, fixed: frozenset[str] = frozenset()
@@ -72,28 +85,25 @@ class LiveEstimates:
         drops the evidence of every bucket whose path it changed, so that nothing moves back
         before new timings say so."""
         for bucket in sorted({b for _, b in self.samples}):
-            low, high = bucket_range(bucket)
-            index = _range_of(table, low, high)
-            if index is None:
-                continue  # a bucket a boundary splits: no clean comparison
-            current = table.range_paths[index]
-            mine = self.estimate(current, bucket)
-            if mine is None:
-                continue
-            rivals = []
-            for neighbour in (index - 1, index + 1):
-                if 0 <= neighbour < len(table.range_paths):
-                    theirs = self.estimate(table.range_paths[neighbour], bucket)
-                    if theirs is not None and theirs < mine * (1.0 - self.margin):
-                        rivals.append((theirs, neighbour))
-            for theirs, neighbour in sorted(rivals):  # the faster neighbour first
-                winner = table.range_paths[neighbour]
-                moved = _moved_table(table, min(index, neighbour), winner, fallback, fixed, low, high)
-                if moved is None:
+            for low, high, index in _cells(table, *bucket_range(bucket)):
+                current = table.range_paths[index]
+                mine = self.estimate(current, bucket, cell=(low, high))
+                if mine is None:
                     continue
-                values, new_table = moved
-                self._forget_changed(table, new_table)
-                return BoundaryMove(values, new_table, (low, high), winner, theirs, mine)
+                rivals = []
+                for neighbour in (index - 1, index + 1):
+                    if 0 <= neighbour < len(table.range_paths):
+                        theirs = self.estimate(table.range_paths[neighbour], bucket, cell=(low, high))
+                        if theirs is not None and theirs < mine * (1.0 - self.margin):
+                            rivals.append((theirs, neighbour))
+                for theirs, neighbour in sorted(rivals):  # the faster neighbour first
+                    winner = table.range_paths[neighbour]
+                    moved = _moved_table(table, min(index, neighbour), winner, fallback, fixed, low, high)
+                    if moved is None:
+                        continue
+                    values, new_table = moved
+                    self._forget_changed(table, new_table)
+                    return BoundaryMove(values, new_table, (low, high), winner, theirs, mine)
         return None
 
     def proposed_wire_move(
@@ -134,10 +144,24 @@ class LiveEstimates:
 
     def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:
         for path, bucket in list(self.samples):
-            low, high = bucket_range(bucket)
-            route = (old.path_for(low), old.path_for(high), _range_of(old, low, high) is None)
-            if route != (new.path_for(low), new.path_for(high), _range_of(new, low, high) is None):
+            if _route(old, *bucket_range(bucket)) != _route(new, *bucket_range(bucket)):
                 del self.samples[(path, bucket)]
+
+
+def _cells(table: DispatchTable, low: int, high: int) -> list[tuple[int, int, int]]:
+    """[low, high] cut at the table's range edges: (low, high, range index) of each part."""
+    cells = []
+    index = bisect.bisect_left(table.range_max, low)
+    while index < len(table.range_max) and table.range_max[index] < high:
+        cells.append((low, table.range_max[index], index))
+        low, index = table.range_max[index] + 1, index + 1
+    cells.append((low, high, index))
+    return cells
+
+
+def _route(table: DispatchTable, low: int, high: int) -> list[tuple[int, int, Path]]:
+    """Which path the table gives each part of [low, high]."""
+    return [(lo, hi, table.range_paths[index]) for lo, hi, index in _cells(table, low, high)]
 
 
 def _range_of(table: DispatchTable, low: int, high: int) -> int | None:

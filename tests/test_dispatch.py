@@ -69,13 +69,21 @@ def test_every_explore_period_th_call_takes_the_lossless_neighbour_outside_captu
     ] * 2 + [(Path.TWOSHOT, True)]
     # The ninth call would explore, but a capture is replayed as recorded: no exploring inside one.
     assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [Path.ONESHOT] * 3
-    # dma's neighbour above is the service path, which is not lossless: never explored.
+    # dma's neighbour above is the service path, which is not lossless: its neighbour below instead.
     at_service_edge = 64 << 20
-    assert {cuda_dispatcher(explore_period=1).decide(at_service_edge, forced=None, capturing=False).path} == {Path.DMA}
-    # Far from any edge there is no neighbour to time.
-    assert cuda_dispatcher(explore_period=1).decide(256, forced=None, capturing=False) == (
-        cuda_dispatcher().decide(256, forced=None, capturing=False)
-    )
+    assert cuda_dispatcher(explore_period=1).decide(at_service_edge, forced=None, capturing=False).path is Path.TWOSHOT
+
+
+@pytest.mark.parametrize(
+    "nbytes, explored",
+    [(256, Path.TWOSHOT), (64 * KIB, Path.ONESHOT), (512 * KIB, Path.DMA), (1 << 30, None)],
+)  # fmt: skip
+def test_every_size_explores_across_its_nearer_edge_however_far(nbytes, explored):
+    """A table wrong by far more than a factor of 4 is still found out: 256 bytes, 128x below
+    oneshot's edge, times twoshot; in twoshot's range (32 KiB .. 1 MiB) the nearer edge by ratio
+    decides; the service path's range has no lossless path and explores nothing."""
+    decision = cuda_dispatcher(explore_period=1).decide(nbytes, forced=None, capturing=False)
+    assert (decision.path, decision.explored) == ((explored, True) if explored else (Path.SERVICE, False))
 
 
 def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():

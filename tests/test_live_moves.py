@@ -83,15 +83,25 @@ def test_overrides_and_the_margin_hold_the_table():
     assert moved(close, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
 
 
-def test_evidence_from_too_few_ranks_or_a_split_bucket_moves_nothing():
+def test_evidence_from_too_few_ranks_moves_nothing():
     one_rank = LiveEstimates(2, margin=0.05, min_samples=4)
     for _ in range(4):
         one_rank.add(0, Path.NCCL, 2 * MIB, 60e-6)
         one_rank.add(0, Path.DMA, 2 * MIB, 10e-6)
     assert moved(one_rank, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
-    # 4..16 MiB straddles dma_min_bytes=6MiB: neither path holds the whole bucket.
-    split = evidence(("nccl", 8 * MIB, 90e-6), ("dma", 8 * MIB, 10e-6))
-    assert moved(split, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL) is None
+
+
+def test_a_bucket_a_boundary_splits_is_compared_on_each_side_of_it():
+    # 4..16 MiB straddles dma_min_bytes=6MiB: its part above (6..16 MiB) is dma's, where twoshot,
+    # the fallback's neighbour, wins: dma starts past the bucket (the default table's 16 MiB loss).
+    before = table(Path.TWOSHOT, **CUDA_DEFAULT)
+    live = evidence(("dma", 16 * MIB, 100e-6), ("twoshot", 16 * MIB, 55e-6), ("twoshot", 5 * MIB, 20e-6))
+    move, rows = moved(live, before, Path.TWOSHOT)
+    assert move.values == {"dma_min_bytes": 16 * MIB + 1} and move.bucket == (6 * MIB, 16 * MIB)
+    assert rows == [(0, 262144, "oneshot"), (262145, 16777216, "twoshot"), (16777217, None, "dma")]
+    # Samples below the boundary say nothing about the part above it, however fast.
+    below_only = evidence(("dma", 16 * MIB, 100e-6), ("twoshot", 5 * MIB, 1e-6))
+    assert moved(below_only, before, Path.TWOSHOT) is None
 
 
 def test_a_move_that_would_split_the_bucket_is_not_made():

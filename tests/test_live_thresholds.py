@@ -23,6 +23,17 @@ def test_a_faster_path_moves_the_boundary_for_every_rank_at_once(make_daemon, sp
     assert "boundary moved by live timings" in daemon.log()
 
 
+def test_a_bucket_the_boundary_splits_moves_on_the_side_its_sizes_are(make_daemon, spawn_ranks):
+    """The 64 KiB bucket (16385..65536 bytes) straddles oneshot_max_bytes (32 KiB); timings at
+    24 KiB, in its oneshot part, where twoshot wins, move oneshot down to the bucket's start (a
+    split bucket moved nothing before: a fresh table's loss there never went away)."""
+    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    stream = [("oneshot", 24 << 10, 100e-6)] * 6 + [("twoshot", 24 << 10, 10e-6)] * 6
+    results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, stream, 200, timeout=120).values()
+    assert results[0]["switched_at"] is not None and results[0] == results[1]
+    assert results[0]["rows"] == [(0, 16384, "oneshot"), (16385, None, "twoshot")]
+
+
 def test_timings_within_the_margin_move_nothing(make_daemon, spawn_ranks):
     daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 97e-6), 100, timeout=120).values()
