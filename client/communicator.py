@@ -155,32 +155,33 @@ class Communicator:
         completes the call and returns `out`; only the service path runs in the background, the
         others are complete when the work is returned.
         """
-        if path is None and wire is None:
-            done = self._tensor_call(tensor, out)
-            if type(done) is torch.Tensor:
-                return ServiceWork.completed(done) if async_op else done
-            if done is not None:
-                outcome, out, sampled, kind, message = done
-                if outcome == _FAILED:
-                    raise self._lane_error(_native.error(kind, message))
-                return self._after_lane(outcome, tensor, out, sampled, async_op)
-        # Not taken natively: a path or wire forced, or something to say about the tensors.
-        self._check_tensor(tensor, "tensor")
-        if out is not tensor:  # in place needs no second check
-            out = self._output(out, tuple(tensor.shape), tensor.dtype)
         try:
             forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
-            outcome, _, _, sampled = self._lane.all_reduce(
-                tensor.data_ptr(),
-                out.data_ptr(),
-                tensor.numel(),
-                DTYPE_CODES[tensor.dtype],
-                forced,
-                wanted,
-                self._transport.stream(),
-            )
         except NodecommError as error:
-            raise self._lane_error(error) from None
+            raise self._located(error) from None
+        done = self._tensor_call(tensor, out, forced, wanted)
+        if type(done) is torch.Tensor:
+            return ServiceWork.completed(done) if async_op else done
+        if done is None:  # declined: the checks say what is wrong with the tensors, or a subclass runs here
+            self._check_tensor(tensor, "tensor")
+            if out is not tensor:  # in place needs no second check
+                out = self._output(out, tuple(tensor.shape), tensor.dtype)
+            try:
+                outcome, _, _, sampled = self._lane.all_reduce(
+                    tensor.data_ptr(),
+                    out.data_ptr(),
+                    tensor.numel(),
+                    DTYPE_CODES[tensor.dtype],
+                    forced,
+                    wanted,
+                    self._transport.stream(),
+                )
+            except NodecommError as error:
+                raise self._lane_error(error) from None
+        else:
+            outcome, out, sampled, kind, message = done
+            if outcome == _FAILED:
+                raise self._lane_error(_native.error(kind, message))
         if outcome != _DONE:
             return self._after_lane(outcome, tensor, out, sampled, async_op)
         return ServiceWork.completed(out) if async_op else out

@@ -24,7 +24,7 @@ struct Taken {
   bool sampled = false;
 };
 
-constexpr int kLaneApiVersion = 3;
+constexpr int kLaneApiVersion = 4;
 // nodecomm._native's HostLane.api() and CudaLane.api() return a PyCapsule of this name holding a
 // NodecommLaneApi.
 constexpr const char* kLaneCapsule = "nodecomm.LaneApi";
@@ -34,11 +34,12 @@ constexpr const char* kLaneCapsule = "nodecomm.LaneApi";
 extern "C" {
 struct NodecommLaneApi {
   int version;  // kLaneApiVersion
-  // A table-decided all-reduce of a contiguous buffer (in may equal out; stream: a cudaStream_t, or
-  // null on the CPU); returns an Outcome, and in `sampled` whether the call is to be timed (for a
-  // call left to the caller: NCCL's). On kFailed, error_kind is a nodecomm::ErrorKind and message
-  // holds its text (NUL-terminated).
-  int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, void* stream, int* sampled,
-                    int* error_kind, char* message, std::size_t message_bytes);
+  // An all-reduce of a contiguous buffer (in may equal out; forced: a path code, 0 for the table's;
+  // wire: a wire code, -1 for the table's; stream: a cudaStream_t, or null on the CPU); returns an
+  // Outcome, and in `sampled` whether the call is to be timed (for a call left to the caller:
+  // NCCL's). On kFailed, error_kind is a nodecomm::ErrorKind and message holds its text
+  // (NUL-terminated).
+  int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, int forced, int wire, void* stream,
+                    int* sampled, int* error_kind, char* message, std::size_t message_bytes);
 };
 }

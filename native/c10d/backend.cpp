@@ -127,8 +127,8 @@ class Backend : public ::c10d::Backend {
         char message[1024];
         message[0] = '\0';
         const int outcome = bound->api->all_reduce(bound->address, tensor.data_ptr(), tensor.data_ptr(),
-                                                  tensor.numel(), dtype_code(tensor), stream, &sampled, &kind,
-                                                  message, sizeof message);
+                                                  tensor.numel(), dtype_code(tensor), 0, -1, stream, &sampled,
+                                                  &kind, message, sizeof message);
         if (outcome != lane::kDone) {
           py::gil_scoped_acquire gil;
           bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
@@ -303,6 +303,8 @@ PYBIND11_MODULE(_c10d, m) {
   py::class_<b::TensorCall>(m, "TensorCall", "Communicator.all_reduce's native call (tensor_call.h).")
       .def(py::init<const py::capsule&, std::uintptr_t, py::object, int, const std::vector<int>&>(), py::arg("api"),
            py::arg("address"), py::arg("lane"), py::arg("device"), py::arg("dtypes"))
-      .def("__call__", &b::TensorCall::operator(), py::arg("tensor"), py::arg("out"),
-           "None: not taken; the output: done; else (outcome, output, sampled, error kind, message).");
+      .def("__call__", &b::TensorCall::operator(), py::arg("tensor"), py::arg("out"), py::arg("forced") = 0,
+           py::arg("wire") = -1,
+           "None: not taken; the output: done; else (outcome, output, sampled, error kind, message). forced: a "
+           "path code (0: the table's); wire: a wire code (-1: the table's).");
 }

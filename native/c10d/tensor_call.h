@@ -1,8 +1,8 @@
-// tensor_call.h — Communicator.all_reduce's one native call (module nodecomm._c10d): a
-// table-decided all-reduce of torch tensors through the rank's lane (../lane_api.h), the checks
-// its Python made on every call done here, on the tensor's current stream. A call it does not take
-// (a forced path or wire, another dtype, a tensor subclass, anything to complain about) is left to
-// the Communicator's Python, which says what is wrong or runs it.
+// tensor_call.h — Communicator.all_reduce's one native call (module nodecomm._c10d): an
+// all-reduce of torch tensors through the rank's lane (../lane_api.h) on the path and wire the
+// dispatch decides or the caller forced, the checks its Python made on every call done here, on the
+// tensor's current stream. A call it does not take (another dtype, a tensor subclass, anything to
+// complain about) is left to the Communicator's Python, which says what is wrong.
 #pragma once
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -54,7 +54,7 @@ class TensorCall {
 
   // None: not taken. The output (`out`, or a new tensor where it is None): done. Otherwise
   // (outcome, output, sampled, error kind, message) for the Communicator to finish.
-  py::object operator()(py::handle tensor, py::handle out) const {
+  py::object operator()(py::handle tensor, py::handle out, int forced, int wire) const {
     if (!THPVariable_CheckExact(tensor.ptr()) || !(out.is_none() || THPVariable_CheckExact(out.ptr()))) {
       return py::none();
     }
@@ -79,8 +79,8 @@ class TensorCall {
     int outcome;
     {
       py::gil_scoped_release release;
-      outcome = api_->all_reduce(address_, in.data_ptr(), output.data_ptr(), in.numel(), dtype_code(in), stream,
-                                 &sampled, &kind, message, sizeof message);
+      outcome = api_->all_reduce(address_, in.data_ptr(), output.data_ptr(), in.numel(), dtype_code(in), forced, wire,
+                                 stream, &sampled, &kind, message, sizeof message);
     }
     py::object result = out.is_none() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(output)))
                                       : py::reinterpret_borrow<py::object>(out);
