@@ -253,6 +253,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 2
         print(run_across_nodes_bench(args.nodes, sizes, args.iterations))
         return 0
+    if args.op == "convergence":
+        from nodecomm.client.convergence_bench import run_convergence_bench
+
+        sizes = args.sizes or byte_sizes("4KiB,64KiB,1MiB" if args.device == "cpu" else "16KiB,1MiB,16MiB,64MiB")
+        flags = () if args.explore_period is None else ("--explore-period", str(args.explore_period))
+        print(run_convergence_bench(args.world_size, sizes, args.calls, args.socket, args.device, flags))
+        return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
 
@@ -468,8 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--op",
         default="all_reduce",
-        choices=("all_reduce", "topk", "wire-error", "across-nodes"),
-        help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md)",
+        choices=("all_reduce", "topk", "wire-error", "across-nodes", "convergence"),
+        help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md); "
+        "convergence: the calls a fresh group's table needs to pick each size's fastest path",
     )
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     bench.add_argument("--rows", type=whole_numbers(0), default="64,256,1024,2048", help="topk: rows per stage")
@@ -482,6 +490,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--count", type=whole_number(1), default=1 << 18, help="wire-error: Gaussian elements per rank")
     bench.add_argument("--topk", type=whole_number(1), default=2048, help="topk: candidates per row and rank")
     bench.add_argument("--iterations", type=whole_number(1), default=10, help="topk: timed stages per size")
+    bench.add_argument(
+        "--calls", type=whole_number(50), default=3000, help="convergence: default-dispatched calls per size"
+    )
+    bench.add_argument(
+        "--explore-period",
+        type=whole_number(0),
+        help="convergence: the private daemon's explore_period (default: the daemon's own)",
+    )
     bench.add_argument(
         "--world-size", type=whole_number(1, MAX_RANKS), default=2, help=f"ranks, 1 to {MAX_RANKS} (default: 2)"
     )

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import ranks
+from nodecomm.client.convergence_bench import converged_at
 
 
 def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
@@ -137,6 +138,30 @@ def test_topk_bench_compares_tables_with_the_baseline():
     assert result.returncode == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
     assert [r[0] for r in rows] == ["0", "5", "64"] and all(r[-1] == "yes" for r in rows)
+
+
+def test_convergence_bench_reports_when_auto_reached_the_best_path_and_stayed():
+    """A fresh private daemon exploring every 4th call: a row per size with the best single path,
+    the call from which auto stayed within 5% of it (or never), and the path in force at the end."""
+    result = nodecomm_cli(
+        "bench", "--op", "convergence", "--sizes", "4KiB,256KiB", "--calls", "300", "--explore-period", "4"
+    )
+    assert result.returncode == 0, result.stderr
+    assert "daemon flags: --explore-period 4" in result.stdout
+    rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert [row[0] for row in rows] == ["4KiB", "256KiB"], rows
+    for _size, best, best_us, converged, seconds, last, table in rows:
+        assert best in ("oneshot", "twoshot") and table in ("oneshot", "twoshot") and float(best_us) > 0
+        assert converged == "never" or int(converged) % 50 == 0 and float(seconds) >= 0
+        assert float(last) > 0
+
+
+def test_convergence_is_where_auto_comes_within_five_percent_and_stays():
+    """By the median of 5 windows: one slow window does not count, a slow stretch does."""
+    assert converged_at([2.0] * 5 + [1.0] * 10, 1.0) == 7
+    assert converged_at([1.0] * 4 + [3.0] + [1.0] * 4, 1.0) == 0
+    assert converged_at([1.0] * 5 + [2.0] * 3 + [1.0] * 5, 1.0) == 10
+    assert converged_at([1.0] * 5 + [1.2] * 3, 1.0) is None
 
 
 def test_across_nodes_bench_times_every_form_beside_gloo():

@@ -1,0 +1,127 @@
+"""nodecomm bench --op convergence: how many calls a fresh group's table needs to pick the fastest
+path. A private daemon with an empty state directory (or the one --socket names) serves one group;
+per size, the ranks first make `calls` default-dispatched all-reduces in windows of WINDOW calls
+(live recalibration and exploration as the daemon is set), then time every single path the same
+way, forced, afterwards (forced calls are timed for the daemon too, so they must not come first).
+Reported per size: the best single path, and the call count and seconds from the size's first call
+after which auto stays within 5% of it (the slowest rank's time per window, as the median of 5
+windows)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import statistics
+import time
+
+from nodecomm.byte_size import format_byte_size
+
+from .bench import run_ranks, slowest_rank, start_rank
+
+WINDOW = 50  # calls per timed window
+PROBE_WINDOWS = 20  # windows per forced path
+WITHIN = 1.05  # "converged": auto's window at most this many times the best path's p50
+ROLLING = 5  # windows a window's time is the median of
+
+
+def _window_times(run, windows: int, comm, on_gpu: bool) -> tuple[list[float], list[float]]:
+    """Per-call seconds of `windows` windows of WINDOW calls back to back, and the seconds since
+    the first window began at each window's end (host clock)."""
+    import torch
+
+    comm.barrier()
+    started = time.perf_counter()
+    per_call, elapsed = [], []
+    for _ in range(windows):
+        if on_gpu:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(WINDOW):
+                run()
+            end.record()
+            end.synchronize()
+            per_call.append(begin.elapsed_time(end) / 1e3 / WINDOW)
+        else:
+            window_start = time.perf_counter()
+            for _ in range(WINDOW):
+                run()
+            per_call.append((time.perf_counter() - window_start) / WINDOW)
+        elapsed.append(time.perf_counter() - started)
+    return per_call, elapsed
+
+
+def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+    device = start_rank(rank, world_size, args, port)
+    import torch
+    import torch.distributed as dist
+
+    import nodecomm
+    from nodecomm.capabilities import path_names
+
+    on_gpu = device != "cpu"
+    paths = [name for name in path_names(args["device"]) if name != "service"]
+    out = []
+    with nodecomm.connect("convergence", rank, world_size, device=device, socket=args["socket"], timeout=60) as comm:
+        for nbytes in args["sizes"]:
+            x = torch.ones(nbytes // 4, device=device)
+            result = torch.empty_like(x)
+            auto_call = functools.partial(comm.all_reduce, x, out=result)
+            auto, elapsed = _window_times(auto_call, args["calls"] // WINDOW, comm, on_gpu)
+            auto, _, _ = slowest_rank(auto, 0, world_size)
+            elapsed, _, _ = slowest_rank(elapsed, 0, world_size)
+            best = {}
+            for path in paths:
+                forced = functools.partial(comm.all_reduce, x, out=result, path=path)
+                times, _ = _window_times(forced, PROBE_WINDOWS, comm, on_gpu)
+                best[path] = statistics.median(slowest_rank(times, 0, world_size)[0])
+            table = comm.thresholds().path_for(nbytes).value
+            if rank == 0:
+                out.append((nbytes, auto, elapsed, best, table))
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(out)
+
+
+def converged_at(auto: list[float], best: float) -> int | None:
+    """The first window from which auto stays within WITHIN of `best`, or None. A window counts by
+    the median of it and the ROLLING - 1 before it: one window a busy machine slowed is no reason
+    to say the table left the best path."""
+    at = None
+    for index in range(len(auto)):
+        if statistics.median(auto[max(0, index - ROLLING + 1) : index + 1]) > best * WITHIN:
+            at = None
+        elif at is None:
+            at = index
+    return at
+
+
+def run_convergence_bench(
+    world_size: int, sizes: list[int], calls: int, socket: str | None, device: str, daemon_flags: tuple[str, ...]
+) -> str:
+    flags = daemon_flags
+    if device == "cuda":
+        import torch
+
+        if world_size > torch.cuda.device_count():
+            flags = ("--allow-shared-devices", "true", *flags)
+    args = {"sizes": sizes, "calls": max(calls, WINDOW), "device": device}
+    raw = run_ranks(_rank_main, world_size, args, socket, flags)
+    lines = [
+        f"# nodecomm bench --op convergence: device={device} world_size={world_size} calls={calls} "
+        f"window={WINDOW} host={platform.node()} cpus={os.cpu_count()} daemon flags: {' '.join(daemon_flags) or '-'}",
+        f"# converged: the call (and seconds) from which auto (a median of {ROLLING} windows) stays within "
+        f"{WITHIN:.2f}x of the best single path's p50; last: auto's last window / best; table: the path in force "
+        "at the end",
+        f"# {'size':>8} {'best':>8} {'best(us)':>9} {'converged':>10} {'seconds':>8} {'last':>6} {'table':>8}",
+    ]
+    for nbytes, auto, elapsed, best, table in raw:
+        winner = min(best, key=best.get)
+        at = converged_at(auto, best[winner])
+        calls_at = "never" if at is None else str(at * WINDOW)
+        seconds = "-" if at is None else f"{(elapsed[at - 1] if at else 0.0):.2f}"
+        lines.append(
+            f"  {format_byte_size(nbytes):>8} {winner:>8} {best[winner] * 1e6:>9.1f} {calls_at:>10} {seconds:>8} "
+            f"{auto[-1] / best[winner]:>6.2f} {table:>8}"
+        )
+    return "\n".join(lines)
