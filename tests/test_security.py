@@ -498,7 +498,9 @@ def test_many_sessions_of_one_user_share_one_pace(users, node_daemon):
         flooder.kill()
         flooder.wait()
     pace = session_messages_per_second(3200)
-    assert 0 < taken <= 32 * pace * (elapsed + 1), (taken, pace, elapsed)
+    # A Pace lets a second's worth through at once, both ends of that second included: pace + 1
+    # messages, then pace a second (a run took 859 messages of 32 in 3.25 s at 202 a second).
+    assert 0 < taken <= 32 * (pace * (elapsed + 1) + 1), (taken, pace, elapsed)
     print(
         f"B's 40 sessions: {taken:.0f} timings taken in {elapsed:.1f} s (pace {32 * pace:.0f}/s); GetThresholds "
         f"{quiet[0] * 1e3:.2f} ms quiet, {flooded[0] * 1e3:.2f} ms during the flood"
