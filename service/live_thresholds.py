@@ -9,8 +9,8 @@ rank's median of its last samples of sizes in the cell, known once every rank ha
 of them. Where the path the table gives a cell loses to the path of an adjacent range by more than
 the margin, the boundaries between them move so that the winner takes the cell, and the evidence
 of every bucket whose routing changed is dropped, so it has to build up again before anything
-moves back. The movable boundaries are
-oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes; overrides and the service path never move.
+moves back. The movable boundaries are oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes;
+overrides and the service path never move.
 A path's samples come from the sizes the table sends it and from exploration, which only ever
 tries lossless paths: NCCL is timed where it carries sizes, never explored into.
 
