@@ -62,7 +62,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
     on_gpu = device != "cpu"
     paths = [name for name in path_names(args["device"]) if name != "service"]
     out = []
-    with nodecomm.connect("convergence", rank, world_size, device=device, socket=args["socket"], timeout=60) as comm:
+    with nodecomm.connect(args["group"], rank, world_size, device=device, socket=args["socket"], timeout=60) as comm:
         for nbytes in args["sizes"]:
             x = torch.ones(nbytes // 4, device=device)
             result = torch.empty_like(x)
