@@ -3,23 +3,7 @@
 # in /tmp/nc-NAME). Per tree: .ci/ab-percall.py on CUDA and on the CPU (world 2), and the eager
 # bench of oneshot, auto, dist.all_reduce (torch) and inplace at 1 KiB .. 4 MiB (CUDA) and to
 # 256 KiB with gloo's row (CPU); into $OUT/eager-NAME.txt.
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# ab-percall.py's ranks share GPU 0: the private daemon they start must allow it.
-export NODECOMM_ALLOW_SHARED_DEVICES=true
-here=$(pwd)
-[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-names=()
-for tree in "$@"; do
-  if [ "$tree" = . ]; then name=after; else name=$(basename "$tree" | sed 's/^\.//'); fi
-  names+=("$name")
-  [ -d "/tmp/nc-$name" ] || (cd "$tree" && NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps \
-    --no-compile --target "/tmp/nc-$name" . 2>&1 | tail -3) &
-done
-wait
-python3 -m pip uninstall -q -y nodecomm 2>/dev/null
-export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
-mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
-cd /tmp || exit 1
+. "$(dirname "$0")/device-trees.sh" "$@"
 for name in "${names[@]}"; do
   export PYTHONPATH=/tmp/nc-$name:/tmp/site
   [ "$name" = after ] && unset NC_BEFORE || export NC_BEFORE=1
