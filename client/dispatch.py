@@ -35,7 +35,7 @@ def path_mask(paths: frozenset[Path]) -> int:
 @dataclass(frozen=True)
 class Decision:
     path: Path
-    explored: bool  # the table's neighbour, not its choice: time it for the daemon
+    explored: bool  # not the table's choice but a rival's: time it for the daemon
     wire: Wire = Wire.LOSSLESS
     nbytes: int = 0
     form_of: Callable[[Path, int, Wire], str] = field(default=one_form, repr=False, compare=False)
@@ -52,9 +52,10 @@ class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
     `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes, wire)`: the transport's form of
     a path at a size; `wire_paths`: the paths on which it runs compressed wires; every
-    `explore_period`-th call explores, every `sample_period`-th is timed, after every
-    `switch_period`-th one the ranks agree on the newest table (0: never). `native` is the
-    decider itself, for the hot path."""
+    `sample_period`-th call is timed, after every `switch_period`-th one the ranks agree on the
+    newest table (0: never); exploration times every rival of a size bucket `explore_samples`
+    times, on every `explore_period`-th call there (0: off; native/dispatch.h says how). `native`
+    is the decider itself, for the hot path."""
 
     def __init__(
         self,
@@ -65,6 +66,7 @@ class Dispatcher:
         form_of: Callable[[Path, int, Wire], str] = one_form,
         wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
+        explore_samples: int = 0,
         switch_period: int = 0,
         sample_period: int = 1,
     ):
@@ -73,7 +75,8 @@ class Dispatcher:
         self._form_of = form_of
         self._codes: dict[tuple[str | None, str | None], tuple[int, int]] = {}
         self.native = _native.Dispatch(
-            path_mask(paths), path_mask(wire_paths), kind, explore_period, sample_period, switch_period
+            path_mask(paths), path_mask(wire_paths), kind, explore_period, explore_samples, sample_period,
+            switch_period,
         )
         self.table = table
 

@@ -1,10 +1,10 @@
 // dispatch.h — the one place that decides which path and wire carry a rank's all-reduce, and the
 // counts of what each path carried, both on every call without Python. The table comes from the
 // daemon (nodecomm/thresholds.py builds it; Python installs each one the ranks agree on); the
-// rule is: the path the caller forced, or the table's for the size, now and then the neighbouring
-// lossless path instead (so the daemon gets timings on both sides of a boundary), never a path
-// the stream cannot run (the service path under graph capture). Every rank makes the same calls
-// in the same order, so every rank's Dispatch decides the same.
+// rule is: the path the caller forced, or the table's for the size, now and then another lossless
+// path instead (so the daemon gets timings of every path a size could take), never a path the
+// stream cannot run (the service path under graph capture). Every rank makes the same calls in the
+// same order, so every rank's Dispatch decides the same.
 #pragma once
 
 #include <array>
@@ -67,24 +67,6 @@ struct Table {
   Path path_for(std::uint64_t nbytes) const { return range_paths[index(nbytes)]; }
   wire::Wire wire_for(std::uint64_t nbytes) const { return range_wires[index(nbytes)]; }
 
-  // The path exploration times for nbytes: that of the adjacent range across the nearer edge (by
-  // ratio), or across the other where the nearer one's path is not lossless; kNone where neither
-  // is. Every size has one, however far from an edge: a table wrong by a factor of 10 is found out.
-  Path neighbour_path(std::uint64_t nbytes) const {
-    const std::size_t i = index(nbytes);
-    const bool below = i > 0 && lossless_path(range_paths[i - 1]);
-    const bool above = i < range_max.size() && lossless_path(range_paths[i + 1]);
-    if (below && above) {
-      // How far above the lower edge against how far below the upper one, as ratios.
-      const double up = double(range_max[i]) / double(nbytes ? nbytes : 1);
-      const double down = double(nbytes) / double(range_max[i - 1] + 1);
-      return down <= up ? range_paths[i - 1] : range_paths[i + 1];
-    }
-    if (below) return range_paths[i - 1];
-    if (above) return range_paths[i + 1];
-    return Path::kNone;
-  }
-
   // For a group that asked for a compressed wire: the other wire within a factor of 4 of
   // compressed_min_bytes; -1 elsewhere.
   int wire_neighbour(std::uint64_t nbytes) const {
@@ -112,29 +94,70 @@ inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_ma
   return table;
 }
 
+// Size buckets, as the daemon keeps its evidence (service/metrics.py SIZE_BUCKETS): powers of 4
+// from 1 KiB to 256 MiB, then one for everything larger.
+constexpr int kBuckets = 11;
+
+inline int bucket_of(std::uint64_t nbytes) {
+  int bucket = 0;
+  for (std::uint64_t top = 1024; bucket < kBuckets - 1 && nbytes > top; top <<= 2) ++bucket;
+  return bucket;
+}
+
+inline std::uint64_t bucket_low(int bucket) { return bucket == 0 ? 0 : (std::uint64_t(1024) << 2 * (bucket - 1)) + 1; }
+inline std::uint64_t bucket_high(int bucket) {
+  return bucket == kBuckets - 1 ? ~std::uint64_t(0) : std::uint64_t(1024) << 2 * bucket;
+}
+
+// Whether two tables send some size in [low, high] to different paths or wires. Both are constant
+// between their range ends, so comparing where each piece of either starts is exact.
+inline bool routes_differ(const Table& a, const Table& b, std::uint64_t low, std::uint64_t high) {
+  auto differ_at = [&](std::uint64_t n) { return a.path_for(n) != b.path_for(n) || a.wire_for(n) != b.wire_for(n); };
+  if (differ_at(low)) return true;
+  for (const Table* table : {&a, &b})
+    for (std::uint64_t end : table->range_max)
+      if (end >= low && end < high && differ_at(end + 1)) return true;
+  return false;
+}
+
 struct Decision {
   Path path;
   wire::Wire wire;
-  bool explored;  // the table's neighbour, not its choice: time it for the daemon
+  bool explored;  // not the table's choice but a rival's: time it for the daemon
   bool sampled;   // time this call for the daemon
 };
 
 // Decides one rank's all-reduces. `paths` and `wire_paths` are bit masks (1 << Path) of what the
 // rank runs and on which paths it carries compressed wires; `kind` ("cpu", "cuda") names the group
-// in messages; every explore_period-th call explores, every sample_period-th is timed, after every
-// switch_period-th the ranks agree on the newest table (0: never).
+// in messages; every sample_period-th call is timed, after every switch_period-th the ranks agree
+// on the newest table (0: never).
+//
+// Exploration (explore_period 0: off) is per size bucket, under the table in force: every
+// explore_period-th table-dispatched call of a bucket runs on the rival that has been timed least
+// there (every other lossless path this rank runs, and for a group with a compressed wire near
+// compressed_min_bytes the other wire), until each has explore_samples timings; from then on only
+// every (explore_period * kRefresh)-th call does, so that a settled table costs next to nothing and
+// still notices when the machine changes. While exploring, the first explore_samples calls of a
+// bucket on the table's own path are timed too. A new table restarts this in the buckets whose
+// routing changed.
 class Dispatch {
  public:
+  static constexpr std::uint64_t kRefresh = 256;
+
   // Decides nothing until a table is installed.
   Dispatch(unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
-           std::uint64_t sample_period, std::uint64_t switch_period)
-      : paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)),
-        explore_period_(explore_period), sample_period_(sample_period ? sample_period : 1),
+           std::uint64_t explore_samples, std::uint64_t sample_period, std::uint64_t switch_period)
+      : paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)), explore_period_(explore_period),
+        explore_samples_(explore_samples), sample_period_(sample_period ? sample_period : 1),
         switch_period_(switch_period) {
     for (auto& c : kind_) c = char(std::toupper(static_cast<unsigned char>(c)));
   }
 
-  void install(Table table) { table_ = std::move(table); }
+  void install(Table table) {
+    for (int b = 0; b < kBuckets; ++b)
+      if (table_.range_paths.empty() || routes_differ(table_, table, bucket_low(b), bucket_high(b))) buckets_[b] = {};
+    table_ = std::move(table);
+  }
   const Table& table() const { return table_; }
   std::uint64_t calls() const { return calls_; }
   bool runs(Path path) const { return paths_ >> int(path) & 1u; }
@@ -142,23 +165,31 @@ class Dispatch {
   void refused() { ++calls_; }  // a call refused before it reached decide() counts all the same
   bool switch_due(bool capturing) const { return switch_period_ && calls_ % switch_period_ == 0 && !capturing; }
 
+  // The last decided call failed: its bucket's counts are put back. Ranks that disagreed on a call
+  // (a CPU group raises GroupMismatchError on every rank, and goes on) counted it in different
+  // buckets; putting both back keeps every rank's exploration in step.
+  void undo() {
+    if (undone_ >= 0) buckets_[undone_] = before_;
+    undone_ = -1;
+  }
+
   // The next all-reduce of nbytes; forced: a path code or 0 (the table's); forced_wire: a wire code
   // or -1 (the table's). Counts the call, refused or not: every rank refuses the same ones.
   Decision decide(std::uint64_t nbytes, int forced, int forced_wire, bool capturing) {
     NODECOMM_ASSERT(!table_.range_paths.empty(), "a call was decided before any table was installed");
     ++calls_;
+    undone_ = -1;
     const bool sampled = (calls_ - 1) % sample_period_ == 0;
-    const bool explore = explore_period_ && calls_ % explore_period_ == 0 && !capturing;
     const wire::Wire wanted = forced_wire < 0 ? table_.wire_for(nbytes) : wire::wire_of(forced_wire);
-    if (explore && forced_wire < 0 && forced == 0) {
-      // Across compressed_min_bytes the same path on the other wire (both within the group's opt-in).
-      const int other = table_.wire_neighbour(nbytes);
-      const Path path = table_.path_for(nbytes);
-      if (other >= 0 && carries(path) && runs(path)) return {path, wire::Wire(other), true, true};
+    if (forced == 0 && forced_wire < 0 && !capturing) {
+      undone_ = bucket_of(nbytes);
+      before_ = buckets_[undone_];
+      Decision decision = table_decision(nbytes, buckets_[undone_]);
+      decision.sampled = decision.sampled || sampled;
+      return decision;
     }
-    // A compressed call is not explored onto another path: path moves compare lossless timings.
-    Decision decision = path_decision(nbytes, forced, capturing, explore && wanted == wire::Wire::kLossless);
-    decision.sampled = decision.sampled || sampled;
+    Decision decision = path_decision(nbytes, forced, capturing);
+    decision.sampled = sampled;
     if (wanted == wire::Wire::kLossless) return decision;
     if (!carries(decision.path)) {
       if (forced_wire < 0) return decision;  // the table's wire on a path this rank carries losslessly only
@@ -233,9 +264,45 @@ class Dispatch {
     double seconds;
   };
 
+  // Per size bucket, under the table in force: the calls it dispatched there, and how often
+  // each rival (a path, or kPaths for the other wire) and the table's own path were timed.
+  struct Bucket {
+    std::uint64_t calls = 0, own = 0;
+    std::array<std::uint64_t, kPaths + 1> explored{};
+  };
+
   bool carries(Path path) const { return wire_paths_ >> int(path) & 1u; }
 
-  Decision path_decision(std::uint64_t nbytes, int forced, bool capturing, bool explore) const {
+  // A call the table decides, outside any capture: now and then a rival instead (see the class).
+  Decision table_decision(std::uint64_t nbytes, Bucket& bucket) {
+    Decision decision = path_decision(nbytes, 0, false);
+    const wire::Wire wire = table_.wire_for(nbytes);
+    if (wire != wire::Wire::kLossless && carries(decision.path)) decision.wire = wire;
+    ++bucket.calls;
+    if (explore_period_ && bucket.calls % explore_period_ == 0) {
+      int rival = -1;  // the least timed: a path code, or kPaths for the other wire
+      auto consider = [&](int candidate) {
+        if (rival < 0 || bucket.explored[candidate] < bucket.explored[rival]) rival = candidate;
+      };
+      const int other_wire = table_.wire_neighbour(nbytes);
+      if (other_wire >= 0 && carries(decision.path) && runs(decision.path)) consider(kPaths);
+      // A compressed call is not explored onto another path: path moves compare lossless timings.
+      if (lossless_path(decision.path) && decision.wire == wire::Wire::kLossless)
+        for (Path path : {Path::kOneshot, Path::kTwoshot, Path::kDma})
+          if (path != decision.path && runs(path)) consider(int(path));
+      if (rival >= 0 && (bucket.explored[rival] < explore_samples_ ||
+                         bucket.calls % (explore_period_ * kRefresh) == 0)) {
+        ++bucket.explored[rival];
+        if (rival == kPaths) return {decision.path, wire::Wire(other_wire), true, true};
+        return {Path(rival), wire::Wire::kLossless, true, true};
+      }
+    }
+    decision.sampled = explore_period_ && bucket.own < explore_samples_;
+    bucket.own += decision.sampled;
+    return decision;
+  }
+
+  Decision path_decision(std::uint64_t nbytes, int forced, bool capturing) const {
     if (forced != 0) {
       const Path path = path_of(forced);
       NODECOMM_CHECK(runs(path), std::string("path '") + path_name(path) + "' is not available to a " + kind_ +
@@ -254,18 +321,17 @@ class Dispatch {
                      "the dispatch table sends " + std::to_string(nbytes) +
                          " bytes to the service path (service_min_bytes), which a CUDA graph cannot capture; pass "
                          "path= for captured calls, or turn service_min_bytes off");
-    if (explore && lossless_path(chosen)) {
-      const Path neighbour = table_.neighbour_path(nbytes);
-      if (lossless_path(neighbour) && runs(neighbour)) return {neighbour, wire::Wire::kLossless, true, true};
-    }
     return {chosen, wire::Wire::kLossless, false, false};
   }
 
   Table table_;
   unsigned paths_, wire_paths_;
   std::string kind_;
-  std::uint64_t explore_period_, sample_period_, switch_period_;
+  std::uint64_t explore_period_, explore_samples_, sample_period_, switch_period_;
   std::uint64_t calls_ = 0;
+  std::array<Bucket, kBuckets> buckets_{};
+  int undone_ = -1;  // the bucket the last call counted in, and its counts before: for undo()
+  Bucket before_;
   std::mutex counts_lock_;  // guards counts_ and samples_
   std::vector<Sample> samples_;
   std::array<std::array<std::array<Count, kWires>, kPaths>, kOps> counts_{};

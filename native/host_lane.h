@@ -43,7 +43,12 @@ class HostLane {
     *taken = {int(decision.path), int(decision.wire), decision.sampled};
     if (decision.path == dispatch::Path::kService) return kService;
     const auto start = std::chrono::steady_clock::now();
-    group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), timeout_s_, decision.wire);
+    try {
+      group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), timeout_s_, decision.wire);
+    } catch (...) {
+      dispatch_.undo();
+      throw;
+    }
     if (decision.sampled)
       dispatch_.record(decision.path, decision.wire, nbytes,
                        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());

@@ -126,24 +126,6 @@ class DispatchTable:
     def wires(self) -> tuple[Wire, ...]:
         return self.range_wires or (Wire.LOSSLESS,) * len(self.range_paths)
 
-    def neighbour_path(self, nbytes: int) -> Path | None:
-        """The path of the adjacent range when `nbytes` lies within a factor of 4 of the edge
-        between them (the sizes where the runner-up is worth timing), else None."""
-        index = bisect.bisect_left(self.range_max, nbytes)
-        if index > 0 and nbytes <= 4 * self.range_max[index - 1]:
-            return self.range_paths[index - 1]
-        if index < len(self.range_max) and 4 * nbytes > self.range_max[index]:
-            return self.range_paths[index + 1]
-        return None
-
-    def wire_neighbour(self, nbytes: int) -> Wire | None:
-        """For a group that asked for a compressed wire: the other wire when `nbytes` lies within
-        a factor of 4 of compressed_min_bytes (the sizes where both are worth timing), else None."""
-        start = next((b.value_bytes for b in self.boundaries if b.name == "compressed_min_bytes"), None)
-        if self.wire is Wire.LOSSLESS or start is None or not start // 4 <= nbytes <= 4 * start:
-            return None
-        return Wire.LOSSLESS if self.wire_for(nbytes) is not Wire.LOSSLESS else self.wire
-
     def boundary(self, name: str) -> Boundary:
         for b in self.boundaries:
             if b.name == name:

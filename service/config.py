@@ -96,18 +96,21 @@ class DaemonConfig:
     # A claim token not used within this long is dropped.
     claim_token_ttl_seconds: float = 60.0
     timing_sample_period: int = 64
-    # Live recalibration: move a boundary when the ranks' sampled timings show an adjacent
-    # range's path faster by more than live_margin in a size bucket (the part of it on one side of
-    # every boundary), once every rank has live_min_samples samples of both paths there. Ranks
-    # switch tables together on every table_switch_period-th all-reduce that is not being captured.
+    # Live recalibration: where the ranks' sampled timings show another lossless path faster than
+    # the table's by more than live_margin in a size bucket (the part of it on one side of every
+    # boundary), once every rank has live_min_samples samples of both there, the boundaries move
+    # so that the faster path takes it. Ranks switch tables together on every
+    # table_switch_period-th all-reduce that is not being captured.
     live_recalibration: bool = True
     live_margin: float = 0.05
     live_min_samples: int = 8
-    table_switch_period: int = 1024
-    # Exploration: every explore_period-th all-reduce on a lossless path runs on the lossless path
-    # of the adjacent range across its nearer edge (the same bits) and is timed, however far from
-    # that edge; never into or out of NCCL, never while capturing; 0 switches it off.
-    explore_period: int = 0
+    table_switch_period: int = 256
+    # Exploration, so that a wrong table is found out: every explore_period-th all-reduce of a size
+    # bucket runs on another lossless path (the same bits) and is timed, the least timed one, until
+    # every rank has timed each twice live_min_samples times under the table in force; then one in
+    # 256 times as many (native/dispatch.h). Never into or out of NCCL, never while capturing;
+    # 0 switches it off, as does live_recalibration = false.
+    explore_period: int = 4
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
@@ -307,10 +310,11 @@ HELP = {
     "claim_token_ttl_seconds": "a descriptor claim token unused this long is dropped",
     "timing_sample_period": "each rank times one all-reduce in this many",
     "live_recalibration": "move boundaries from the ranks' sampled timings",
-    "live_margin": "how much faster a neighbouring path must be to move a boundary (fraction)",
+    "live_margin": "how much faster another path must be to move a boundary (fraction)",
     "live_min_samples": "samples of both paths every rank needs in a size bucket",
     "table_switch_period": "ranks switch to a new table together every this many all-reduces",
-    "explore_period": "every n-th all-reduce runs on the adjacent range's lossless path and is timed; 0: off",
+    "explore_period": "every n-th all-reduce of a size bucket runs on another lossless path and is timed until "
+    "each has enough timings, then one in 256n; 0: off",
     "max_capacity_bytes": "largest slot capacity a group may ask for",
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",

@@ -1,18 +1,21 @@
-"""Live recalibration: move a group's boundaries when its ranks' own timings show a neighbouring
-path winning, with a margin and enough samples (hysteresis), so that the table follows the machine.
+"""Live recalibration: move a group's boundaries when its ranks' own timings show another path
+winning, with a margin and enough samples (hysteresis), so that the table follows the machine.
 
 Ranks stream a sample of their operations' times (path, bytes, seconds; CUDA groups time them with
-events). Evidence is kept per path and size bucket (powers of 4, as the metrics use) and compared
-per cell: the part of a bucket on one side of every boundary (a bucket the table splits, such as
-4-16 MiB around a 6 MiB dma_min_bytes, is two cells). A cell's estimate for a path is the slowest
-rank's median of its last samples of sizes in the cell, known once every rank has reported enough
-of them. Where the path the table gives a cell loses to the path of an adjacent range by more than
-the margin, the boundaries between them move so that the winner takes the cell, and the evidence
-of every bucket whose routing changed is dropped, so it has to build up again before anything
-moves back. The movable boundaries are oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes;
-overrides and the service path never move.
-A path's samples come from the sizes the table sends it and from exploration, which only ever
-tries lossless paths: NCCL is timed where it carries sizes, never explored into.
+events), and explore: now and then a call runs on another lossless path (native/dispatch.h).
+Evidence is kept per path and size bucket (powers of 4, as the metrics use) and compared per cell:
+the part of a bucket on one side of every boundary (a bucket the table splits, such as 4-16 MiB
+around a 6 MiB dma_min_bytes, is two cells). A cell's estimate for a path is the slowest rank's
+median of its last samples of sizes in the cell, known once every rank has reported enough of
+them. Where another path beats the table's in a cell by more than the margin, the boundaries
+move so that the fastest such path takes the cell, changing as few of them as will do it, unless
+that sends a part of another bucket to a path its own evidence shows slower there than the one it
+has: boundaries describe paths that take turns as sizes grow, and a machine where they do not is
+left on the best table they can describe rather than moved back and forth. The evidence of every
+bucket whose routing changed is dropped, so it has to build up again before anything moves back.
+The movable boundaries are oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes; overrides and
+the service path never move. NCCL, the fallback of GPU groups that have it, is timed where it
+carries sizes (or a call forces it), never explored into.
 
 A group that asked for a compressed wire also times it (its compressed ranges, and exploration
 across compressed_min_bytes): where a bucket's path is faster on the other wire by the margin,
@@ -22,6 +25,7 @@ compressed_min_bytes moves so that the bucket takes that wire.
 from __future__ import annotations
 
 import bisect
+import itertools
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -91,19 +95,15 @@ class LiveEstimates:
                 if mine is None:
                     continue
                 rivals = []
-                for neighbour in (index - 1, index + 1):
-                    if 0 <= neighbour < len(table.range_paths):
-                        theirs = self.estimate(table.range_paths[neighbour], bucket, cell=(low, high))
-                        if theirs is not None and theirs < mine * (1.0 - self.margin):
-                            rivals.append((theirs, neighbour))
-                for theirs, neighbour in sorted(rivals):  # the faster neighbour first
-                    winner = table.range_paths[neighbour]
-                    moved = _moved_table(table, min(index, neighbour), winner, fallback, fixed, low, high)
-                    if moved is None:
-                        continue
-                    values, new_table = moved
-                    self._forget_changed(table, new_table)
-                    return BoundaryMove(values, new_table, (low, high), winner, theirs, mine)
+                for path in (*LOSSLESS_PATHS, fallback):
+                    theirs = None if path in (current, Path.SERVICE) else self.estimate(path, bucket, cell=(low, high))
+                    if theirs is not None and theirs < mine * (1.0 - self.margin):
+                        rivals.append((theirs, path))
+                for theirs, winner in sorted(rivals):  # the fastest first
+                    for values, moved in _moves(table, winner, fallback, fixed, low, high):
+                        if not self._slows(table, moved):
+                            self._forget_changed(table, moved)
+                            return BoundaryMove(values, moved, (low, high), winner, theirs, mine)
         return None
 
     def proposed_wire_move(
@@ -147,6 +147,21 @@ class LiveEstimates:
             if _route(old, *bucket_range(bucket)) != _route(new, *bucket_range(bucket)):
                 del self.samples[(path, bucket)]
 
+    def _slows(self, old: DispatchTable, new: DispatchTable) -> bool:
+        """Whether `new` sends a part of a bucket to a path that the evidence there shows slower,
+        by more than the margin, than the path `old` gives it."""
+        for bucket in {b for _, b in self.samples}:
+            for low, high, index in _cells(old, *bucket_range(bucket)):
+                was = old.range_paths[index]
+                for part_low, part_high, path in _route(new, low, high):
+                    if path is was:
+                        continue
+                    before = self.estimate(was, bucket, cell=(part_low, part_high))
+                    after = self.estimate(path, bucket, cell=(part_low, part_high))
+                    if before is not None and after is not None and after > before * (1.0 + self.margin):
+                        return True
+        return False
+
 
 def _cells(table: DispatchTable, low: int, high: int) -> list[tuple[int, int, int]]:
     """[low, high] cut at the table's range edges: (low, high, range index) of each part."""
@@ -170,44 +185,48 @@ def _range_of(table: DispatchTable, low: int, high: int) -> int | None:
     return index if bisect.bisect_left(table.range_max, high) == index else None
 
 
-def _moved_table(
-    table: DispatchTable, edge: int, winner: Path, fallback: Path, fixed: frozenset[str], low: int, high: int
-) -> tuple[dict[str, int | None], DispatchTable] | None:
-    """The boundary values, and the table they build, that move the edge between ranges `edge`
-    and `edge + 1` so that `winner` (the path of one of them) takes all of [low, high]: an upper
-    winner's range starts at the bucket, a lower winner's ends with it. None where no movable
-    boundary not in `fixed` does that."""
-    lower, upper = table.range_paths[edge], table.range_paths[edge + 1]
-    upper_wins = winner == upper
-    if upper is Path.DMA:
-        candidates = [{"dma_min_bytes": low if upper_wins else high + 1}]
-        if not upper_wins and lower in _MAX_BOUNDARY:
-            # The lower path may also have to reach the bucket's top.
-            candidates.append({**candidates[0], _MAX_BOUNDARY[lower]: high})
-    elif lower in _MAX_BOUNDARY and upper is not Path.SERVICE:
-        candidates = [{_MAX_BOUNDARY[lower]: (low - 1 if low > 0 else None) if upper_wins else high}]
-    else:
-        return None
+def _moves(
+    table: DispatchTable, winner: Path, fallback: Path, fixed: frozenset[str], low: int, high: int
+) -> list[tuple[dict[str, int | None], DispatchTable]]:
+    """Every change of the movable boundaries not in `fixed` after which `winner` takes all of
+    [low, high], as (the boundaries that change -> new value, the table they build), the fewest
+    changes first, then the fewest buckets rerouted. Each boundary either stays, or has its edge
+    at the cell: a path's range ends with the cell's top or just below its bottom, DMA's starts at
+    either."""
     current = {b.name: b for b in table.boundaries}
-    for values in candidates:
-        if fixed.intersection(values):
+    top = high >= bucket_range(len(SIZE_BUCKETS))[1]  # the unbounded end: nothing lies above it
+    below = low - 1 if low > 0 else None
+    edges = {
+        "oneshot_max_bytes": (high, below),
+        "twoshot_max_bytes": (high, below),
+        "dma_min_bytes": (low, None if top else high + 1),
+    }
+    choices = [
+        [(name, value) for value in values if value != current[name].value_bytes]
+        for name, values in edges.items()
+        if name in current and name not in fixed
+    ]
+    found = []
+    for picked in itertools.product(*[[None, *options] for options in choices]):
+        values = dict(choice for choice in picked if choice is not None)
+        if not values:
             continue
         boundaries = dict(current)
         for name, value in values.items():
             boundaries[name] = Boundary(name, value, Source.CALIBRATED)
         moved = build_table(boundaries, fallback, table.epoch, table.wire)
         index = _range_of(moved, low, high)
-        if index is not None and moved.range_paths[index] == winner:
-            changed = {
-                name: value
-                for name, value in values.items()
-                if current.get(name) is None or current[name].value_bytes != value
-            }
-            return changed, moved
-    return None
+        if index is None or moved.range_paths[index] != winner:
+            continue
+        rerouted = sum(
+            _route(table, *bucket_range(b)) != _route(moved, *bucket_range(b)) for b in range(len(SIZE_BUCKETS) + 1)
+        )
+        found.append((len(values), rerouted, values, moved))
+    found.sort(key=lambda entry: entry[:2])
+    return [(values, moved) for _, _, values, moved in found]
 
 
-_MAX_BOUNDARY = {Path.ONESHOT: "oneshot_max_bytes", Path.TWOSHOT: "twoshot_max_bytes"}
+LOSSLESS_PATHS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 
 
 def bucket_index(nbytes: int) -> int:

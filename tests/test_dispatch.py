@@ -60,30 +60,49 @@ def test_the_service_path_is_refused_under_capture_unless_forced():
     assert dispatcher.decide(128 << 20, forced=None, capturing=False).path is Path.SERVICE
 
 
-def test_every_explore_period_th_call_takes_the_lossless_neighbour_outside_captures():
-    dispatcher = cuda_dispatcher(explore_period=3)
-    near_edge = 30 * KIB  # oneshot, within 4x of the twoshot edge
-    decided = [dispatcher.decide(near_edge, forced=None, capturing=False) for _ in range(6)]
-    assert [(d.path, d.explored) for d in decided] == [(Path.ONESHOT, False)] * 2 + [(Path.TWOSHOT, True)] + [
-        (Path.ONESHOT, False)
-    ] * 2 + [(Path.TWOSHOT, True)]
-    # The ninth call would explore, but a capture is replayed as recorded: no exploring inside one.
-    assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [Path.ONESHOT] * 3
-    # dma's neighbour above is the service path, which is not lossless: its neighbour below instead.
-    at_service_edge = 64 << 20
-    assert cuda_dispatcher(explore_period=1).decide(at_service_edge, forced=None, capturing=False).path is Path.TWOSHOT
+def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_until_each_has_enough():
+    """30 KiB goes to oneshot; every 3rd call of its bucket (16..64 KiB) runs twoshot or dma, the
+    one timed less (the lower code on a tie), until each has 2 timings; the bucket's first 2
+    oneshot calls are timed meanwhile. Calls in other buckets, and captured calls (a capture is
+    replayed as recorded), count for nothing there; from then on only every 3 x 256th call
+    explores."""
+    dispatcher = cuda_dispatcher(explore_period=3, explore_samples=2, sample_period=1 << 20)
+    near_edge = 30 * KIB
+
+    def calls(count: int) -> list[tuple[Path, bool, bool]]:
+        decided = [dispatcher.decide(near_edge, forced=None, capturing=False) for _ in range(count)]
+        return [(d.path, d.explored, d.sampled) for d in decided]
+
+    one, two, dma = Path.ONESHOT, Path.TWOSHOT, Path.DMA
+    assert calls(3) == [(one, False, True), (one, False, True), (two, True, True)]
+    dispatcher.decide(4 * KIB, forced=None, capturing=False)  # another bucket
+    assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [one] * 3
+    assert calls(9) == [
+        (one, False, False), (one, False, False), (dma, True, True),
+        (one, False, False), (one, False, False), (two, True, True),
+        (one, False, False), (one, False, False), (dma, True, True),
+    ]  # fmt: skip
+    assert not any(explored for _, explored, _ in calls(3 * 256 - 13))  # settled: calls 13 .. 767
+    assert calls(1) == [(two, True, True)]  # the 768th refreshes the least timed
+    # dma's range ends at the service path, which is not lossless: its rivals are the SM paths.
+    at_service_edge = cuda_dispatcher(explore_period=1, explore_samples=2)
+    assert [at_service_edge.decide(64 << 20, forced=None, capturing=False).path for _ in range(3)] == [one, two, one]
+    # The service path's range explores nothing.
+    beyond = cuda_dispatcher(explore_period=1, explore_samples=2)
+    assert not any(beyond.decide(1 << 30, forced=None, capturing=False).explored for _ in range(4))
 
 
-@pytest.mark.parametrize(
-    "nbytes, explored",
-    [(256, Path.TWOSHOT), (64 * KIB, Path.ONESHOT), (512 * KIB, Path.DMA), (1 << 30, None)],
-)  # fmt: skip
-def test_every_size_explores_across_its_nearer_edge_however_far(nbytes, explored):
-    """A table wrong by far more than a factor of 4 is still found out: 256 bytes, 128x below
-    oneshot's edge, times twoshot; in twoshot's range (32 KiB .. 1 MiB) the nearer edge by ratio
-    decides; the service path's range has no lossless path and explores nothing."""
-    decision = cuda_dispatcher(explore_period=1).decide(nbytes, forced=None, capturing=False)
-    assert (decision.path, decision.explored) == ((explored, True) if explored else (Path.SERVICE, False))
+def test_a_new_table_restarts_exploration_where_it_routes_differently():
+    dispatcher = cuda_dispatcher(explore_period=1, explore_samples=1)
+    for nbytes in (30 * KIB, 4 << 20):  # settle both buckets: one timing of each rival
+        assert [dispatcher.decide(nbytes, forced=None, capturing=False).explored for _ in range(2)] == [True, True]
+        assert not dispatcher.decide(nbytes, forced=None, capturing=False).explored
+    # dma from 2 MiB instead of 1 MiB: the 1..4 MiB bucket is routed anew, 16..64 KiB is not.
+    dispatcher.table = DispatchTable(
+        epoch=2, range_max=(32 * KIB, (2 << 20) - 1, 64 << 20), range_paths=TABLE.range_paths
+    )
+    assert not dispatcher.decide(30 * KIB, forced=None, capturing=False).explored
+    assert dispatcher.decide(4 << 20, forced=None, capturing=False).explored
 
 
 def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():
@@ -119,37 +138,44 @@ def test_a_decision_carries_the_form_of_the_path_it_chose():
             return ""
         return "push" if nbytes <= 8 * KIB and wire is Wire.LOSSLESS else "pull"
 
-    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2)
+    dispatcher = Dispatcher(
+        TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2, explore_samples=1
+    )
     assert dispatcher.decide(4 * KIB, forced=None, capturing=False).form == "push"
-    explored = dispatcher.decide(33 * KIB, forced=None, capturing=False)  # the second call explores
+    dispatcher.decide(33 * KIB, forced=None, capturing=False)
+    explored = dispatcher.decide(33 * KIB, forced=None, capturing=False)  # the bucket's second call explores
     assert (explored.path, explored.explored, explored.form) == (Path.ONESHOT, True, "pull")
     assert dispatcher.decide(16 * KIB, forced="twoshot", capturing=False).form == ""
     assert dispatcher.form("oneshot", 8 * KIB) == "push" and dispatcher.form("oneshot", 8 * KIB + 1) == "pull"
     assert dispatcher.form("oneshot", 4 * KIB, "int8") == "pull"
     assert dispatcher.decide(4 * KIB, forced="oneshot", capturing=False, wire="fp8").form == "pull"
-    assert dispatcher.calls == 4  # form() decides no call
+    assert dispatcher.calls == 5  # form() decides no call
     assert Dispatcher(TABLE, CUDA_PATHS, "cuda").decide(4, forced=None, capturing=False).form == ""
 
 
 def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():
-    """Within 4x of compressed_min_bytes every explore_period-th call takes the other wire on the
-    same path (so the daemon times both); beyond it, and in a group that did not ask, never."""
+    """Within 4x of compressed_min_bytes every explore_period-th call of a bucket takes the other
+    wire on the same path (so the daemon times both) before another path; beyond it, and in a
+    group that did not ask, never."""
     boundaries = {
         "oneshot_max_bytes": Boundary("oneshot_max_bytes", 32 * KIB, Source.DEFAULT),
         "compressed_min_bytes": Boundary("compressed_min_bytes", 1 << 20, Source.CALIBRATED),
     }
     table = build_table(boundaries, Path.TWOSHOT, 1, Wire.INT8)
     paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.SERVICE})
-    dispatcher = Dispatcher(table, paths, "cpu", wire_paths=paths - {Path.SERVICE}, explore_period=2)
+    dispatcher = Dispatcher(table, paths, "cpu", wire_paths=paths - {Path.SERVICE}, explore_period=2, explore_samples=4)
     below = [dispatcher.decide(512 * KIB, forced=None, capturing=False) for _ in range(2)]
     assert [(d.wire, d.explored) for d in below] == [(Wire.LOSSLESS, False), (Wire.INT8, True)]
     above = [dispatcher.decide(2 << 20, forced=None, capturing=False) for _ in range(2)]
     assert [(d.wire, d.explored) for d in above] == [(Wire.INT8, False), (Wire.LOSSLESS, True)]
     far = [dispatcher.decide(64 << 20, forced=None, capturing=False) for _ in range(2)]
     assert [d.wire for d in far] == [Wire.INT8, Wire.INT8] and not any(d.explored for d in far)
-    dispatcher.decide(512 * KIB, forced=None, capturing=False)  # the 7th call
-    assert dispatcher.decide(512 * KIB, forced=None, capturing=True).wire is Wire.LOSSLESS  # the 8th, in a capture
-    plain = Dispatcher(build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1)
+    dispatcher.decide(512 * KIB, forced=None, capturing=False)  # the bucket's 3rd call
+    captured = dispatcher.decide(512 * KIB, forced=None, capturing=True)  # would be its 4th: no exploring
+    assert (captured.wire, captured.explored) == (Wire.LOSSLESS, False)
+    plain = Dispatcher(
+        build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1, explore_samples=4
+    )
     assert all(plain.decide(512 * KIB, forced=None, capturing=False).wire is Wire.LOSSLESS for _ in range(4))
 
 
@@ -157,9 +183,10 @@ def test_the_sampled_calls_and_the_counts_are_kept_natively():
     """Every sample_period-th call, and every explored one, is timed; the counts of what each path
     carried add up per (op, path, wire) until taken, and a take starts them again. A bad code or
     a table that is not one is refused with what was expected."""
-    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, sample_period=4)
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, explore_samples=1, sample_period=4)
     sampled = [dispatcher.decide(16 * KIB, forced=None, capturing=False).sampled for _ in range(9)]
-    # Calls 1, 5 and 9 by the period; 3, 6 and 9 explore (16 KiB is within 4x of the 32 KiB edge).
+    # Calls 1, 5 and 9 by the period (1 as the bucket's first too); 3 and 6 explore twoshot and dma,
+    # 9 would but both have their timing.
     assert sampled == [True, False, True, False, True, True, False, False, True]
     native = dispatcher.native
     oneshot, dma, int8 = Path.ONESHOT.to_proto(), Path.DMA.to_proto(), Wire.INT8.to_proto()
@@ -178,3 +205,18 @@ def test_the_sampled_calls_and_the_counts_are_kept_natively():
     with pytest.raises(InvalidArgumentError, match="range ends must increase"):
         native.install(2, [64, 32], [1, 2, 3], [], 0, -1)
     assert dispatcher.table is TABLE and native.epoch == 1  # the refused table left the one in force
+
+
+def test_a_failed_call_is_taken_back_from_its_buckets_exploration():
+    """Ranks that disagreed on a call's size counted it in different buckets; the CPU lane undoes
+    the count of a call that raised, so every rank explores the same calls afterwards."""
+    one, other = (
+        cuda_dispatcher(explore_period=2, explore_samples=4),
+        cuda_dispatcher(explore_period=2, explore_samples=4),
+    )
+    one.decide(30 * KIB, forced=None, capturing=False)
+    other.decide(4 * KIB, forced=None, capturing=False)  # the disagreeing call
+    one.native.undo()
+    other.native.undo()
+    both = [[d.decide(30 * KIB, forced=None, capturing=False).explored for _ in range(4)] for d in (one, other)]
+    assert both[0] == both[1] == [False, True, False, True]

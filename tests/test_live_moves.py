@@ -1,6 +1,7 @@
-"""Which boundaries live timings move, on the tables CUDA and CPU groups hold: the path of an
-adjacent range that beats a bucket's path by the margin takes that bucket, overrides stay, and a
-move that cannot hand the winner the whole bucket is not made."""
+"""Which boundaries live timings move, on the tables CUDA and CPU groups hold: the fastest path
+that beats a bucket's path by the margin takes that bucket, however far its range is, with the
+fewest boundaries moved; overrides stay, and no move sends another bucket to a path its evidence
+shows slower."""
 
 from nodecomm.service.live_thresholds import LiveEstimates, bucket_index
 from nodecomm.thresholds import Boundary, Path, Source, Wire, build_table
@@ -104,12 +105,38 @@ def test_a_bucket_a_boundary_splits_is_compared_on_each_side_of_it():
     assert moved(below_only, before, Path.TWOSHOT) is None
 
 
-def test_a_move_that_would_split_the_bucket_is_not_made():
+def test_a_winner_two_boundaries_away_moves_both():
     # twoshot_max_bytes (512 KiB) below oneshot_max_bytes carries nothing today; lowering
-    # oneshot_max_bytes to hand 256 KiB..1 MiB to NCCL would give half of it to twoshot instead.
+    # oneshot_max_bytes alone to hand 256 KiB..1 MiB to NCCL would give half of it to twoshot.
     before = table(Path.NCCL, oneshot_max_bytes=MIB, twoshot_max_bytes=512 * KIB)
     live = evidence(("oneshot", 512 * KIB, 60e-6), ("nccl", 512 * KIB, 20e-6))
-    assert moved(live, before, Path.NCCL) is None
+    move, rows = moved(live, before, Path.NCCL)
+    assert move.values == {"oneshot_max_bytes": 256 * KIB, "twoshot_max_bytes": 256 * KIB}
+    assert rows == [(0, 262144, "oneshot"), (262145, None, "nccl")]
+
+
+def test_a_table_of_one_path_gives_a_bucket_to_a_path_it_never_had():
+    """Every size to dma (a wrong stored table): oneshot, faster at 16 MiB, takes every size up to
+    the bucket's top, the one move that hands it the bucket."""
+    everything_dma = table(Path.TWOSHOT, dma_min_bytes=0)
+    assert [p for _, _, p in everything_dma.rows()] == [Path.DMA]
+    live = evidence(("dma", 16 * MIB, 100e-6), ("twoshot", 16 * MIB, 60e-6), ("oneshot", 16 * MIB, 50e-6))
+    move, rows = moved(live, everything_dma, Path.TWOSHOT)
+    assert move.values == {"oneshot_max_bytes": 16 * MIB, "dma_min_bytes": 16 * MIB + 1}
+    assert move.winner is Path.ONESHOT and rows == [(0, 16777216, "oneshot"), (16777217, None, "dma")]
+
+
+def test_a_move_never_sends_a_bucket_to_a_path_its_evidence_shows_slower():
+    """Handing 16 MiB to oneshot would send 1 MiB to oneshot too, where twoshot is timed 3x faster:
+    the next fastest winner, twoshot, takes 16 MiB instead, and 1 MiB keeps its path."""
+    before = table(Path.TWOSHOT, oneshot_max_bytes=256 * KIB, dma_min_bytes=6 * MIB)
+    live = evidence(
+        ("twoshot", MIB, 10e-6), ("oneshot", MIB, 30e-6),
+        ("dma", 16 * MIB, 100e-6), ("oneshot", 16 * MIB, 50e-6), ("twoshot", 16 * MIB, 60e-6),
+    )  # fmt: skip
+    move, rows = moved(live, before, Path.TWOSHOT)
+    assert move.winner is Path.TWOSHOT and move.values == {"dma_min_bytes": 16 * MIB + 1}
+    assert rows == [(0, 262144, "oneshot"), (262145, 16777216, "twoshot"), (16777217, None, "dma")]
 
 
 def test_evidence_is_dropped_once_it_moved_a_boundary():

@@ -1,9 +1,11 @@
 """Live recalibration: synthetic timing streams through real sessions move a CPU group's boundary
-(every rank switches at the same call), and timings within the margin move nothing."""
+(every rank switches at the same call), and timings within the margin move nothing. The daemons
+of the synthetic streams neither explore nor sample, so that the ranks' own calls add no timings."""
 
 import ranks
 
 SIXTEEN_KIB = 16 << 10
+SYNTHETIC = ("--explore-period", "0", "--timing-sample-period", "100000")
 
 
 def _stream(oneshot_seconds: float, twoshot_seconds: float, count: int = 6) -> list:
@@ -11,7 +13,7 @@ def _stream(oneshot_seconds: float, twoshot_seconds: float, count: int = 6) -> l
 
 
 def test_a_faster_path_moves_the_boundary_for_every_rank_at_once(make_daemon, spawn_ranks):
-    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    daemon = make_daemon(*SYNTHETIC, "--table-switch-period", "16", "--live-min-samples", "4")
     # The 16 KiB bucket (4097..16384 bytes) goes to oneshot by default (up to 32 KiB); twoshot is
     # reported 10x faster there, so oneshot must stop below the bucket.
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 10e-6), 200, timeout=120).values()
@@ -27,7 +29,7 @@ def test_a_bucket_the_boundary_splits_moves_on_the_side_its_sizes_are(make_daemo
     """The 64 KiB bucket (16385..65536 bytes) straddles oneshot_max_bytes (32 KiB); timings at
     24 KiB, in its oneshot part, where twoshot wins, move oneshot down to the bucket's start (a
     split bucket moved nothing before: a fresh table's loss there never went away)."""
-    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    daemon = make_daemon(*SYNTHETIC, "--table-switch-period", "16", "--live-min-samples", "4")
     stream = [("oneshot", 24 << 10, 100e-6)] * 6 + [("twoshot", 24 << 10, 10e-6)] * 6
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, stream, 200, timeout=120).values()
     assert results[0]["switched_at"] is not None and results[0] == results[1]
@@ -35,7 +37,7 @@ def test_a_bucket_the_boundary_splits_moves_on_the_side_its_sizes_are(make_daemo
 
 
 def test_timings_within_the_margin_move_nothing(make_daemon, spawn_ranks):
-    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4")
+    daemon = make_daemon(*SYNTHETIC, "--table-switch-period", "16", "--live-min-samples", "4")
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 97e-6), 100, timeout=120).values()
     for result in results.values():
         assert result["switched_at"] is None
@@ -44,20 +46,25 @@ def test_timings_within_the_margin_move_nothing(make_daemon, spawn_ranks):
 
 
 def test_an_override_is_never_moved(make_daemon, spawn_ranks):
-    daemon = make_daemon("--table-switch-period", "16", "--live-min-samples", "4", "--oneshot-max-bytes", "32KiB")
+    daemon = make_daemon(*SYNTHETIC, "--table-switch-period", "16", "--live-min-samples", "4", "--oneshot-max-bytes", "32KiB")
     results = spawn_ranks(ranks.live_switch, 2, 2, daemon.socket, _stream(100e-6, 10e-6), 100, timeout=120).values()
     assert all(
         r["switched_at"] is None and r["boundary"] == "oneshot_max_bytes=32KiB (override)" for r in results.values()
     )
 
 
-def test_exploration_times_the_neighbouring_path_and_keeps_the_bits(make_daemon, spawn_ranks):
-    """16 KiB goes to oneshot by the table; every 2nd call runs twoshot instead and is timed."""
-    daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-recalibration", "false")
-    assert spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 20, timeout=120).values() == {0: True, 1: True}
+def test_exploration_times_the_other_path_until_it_has_enough_and_keeps_the_bits(make_daemon, spawn_ranks):
+    """16 KiB goes to oneshot by the table; every 2nd call of its bucket runs twoshot instead and is
+    timed until there are 2 x live_min_samples = 6 such timings per rank, and the table's own path
+    is timed as often meanwhile; then (before the 512th call) nothing more is. A 95% margin keeps
+    the table still."""
+    daemon = make_daemon(
+        "--explore-period", "2", "--timing-sample-period", "100000", "--live-min-samples", "3", "--live-margin", "0.95"
+    )
+    assert spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 40, timeout=120).values() == {0: True, 1: True}
     sampled = {
         line.split('path="')[1].split('"')[0]: float(line.split()[-1])
         for line in daemon.metrics_text().splitlines()
         if line.startswith("nodecomm_sampled_operations_total{")
     }
-    assert sampled == {"oneshot": 2.0, "twoshot": 20.0}  # first call of each rank; 10 explored per rank
+    assert sampled == {"oneshot": 12.0, "twoshot": 12.0}

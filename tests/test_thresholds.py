@@ -43,13 +43,3 @@ def test_rows_cover_every_size():
     assert [r[2] for r in t.rows()] == [Path.ONESHOT, Path.TWOSHOT, Path.NCCL, Path.DMA]
     assert t.rows()[0][0] == 0 and t.rows()[-1][1] is None
     assert [label for label, _ in t.labels()] == ["<=1KiB", ">1KiB and <=1MiB", ">1MiB and <6MiB", ">=6MiB"]
-
-
-def test_neighbour_path_within_a_factor_of_four_of_an_edge():
-    t = build_table({"oneshot_max_bytes": Boundary("oneshot_max_bytes", 32 << 10, Source.DEFAULT)}, Path.TWOSHOT, 1)
-    assert t.neighbour_path(4 << 10) is None  # far below the edge
-    assert t.neighbour_path(9 << 10) == Path.TWOSHOT  # 36 KiB > 32 KiB: near the edge from below
-    assert t.neighbour_path(32 << 10) == Path.TWOSHOT
-    assert t.neighbour_path((32 << 10) + 1) == Path.ONESHOT
-    assert t.neighbour_path(128 << 10) == Path.ONESHOT
-    assert t.neighbour_path((128 << 10) + 1) is None  # far above it

@@ -15,9 +15,9 @@ void bind_dispatch(py::module_& m) {
   py::class_<d::Dispatch>(m, "Dispatch",
                           "Decides one rank's all-reduces by the table installed, and counts what each path "
                           "carried. Paths and wires are nodecomm.v1 codes; path masks are sums of 1 << code.")
-      .def(py::init<unsigned, unsigned, std::string, std::uint64_t, std::uint64_t, std::uint64_t>(),
+      .def(py::init<unsigned, unsigned, std::string, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>(),
            py::arg("paths"), py::arg("wire_paths"), py::arg("kind"), py::arg("explore_period"),
-           py::arg("sample_period"), py::arg("switch_period"))
+           py::arg("explore_samples"), py::arg("sample_period"), py::arg("switch_period"))
       .def(
           "install",
           [](d::Dispatch& self, std::uint64_t epoch, std::vector<std::uint64_t> range_max, const std::vector<int>& paths,

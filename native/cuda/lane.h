@@ -81,7 +81,9 @@ class CudaLane {
   }
 
  private:
-  static constexpr std::size_t kTimings = 16;  // sampled calls in flight; more are not timed
+  // Sampled calls in flight, more are not timed: room for a bucket's first calls under a new
+  // table, which are all timed (dispatch.h), when the host runs far ahead of the GPU.
+  static constexpr std::size_t kTimings = 64;
 
   struct Timing {
     cudaEvent_t start = nullptr, end = nullptr;
