@@ -55,6 +55,7 @@ void bind_dispatch(py::module_& m) {
            "(path, wire, bytes, seconds) of every sample since the last take.")
       .def("take_counts", &d::Dispatch::take_counts,
            "(op, path, wire, operations, bytes, wire_bytes) of every count since the last take; resets them.")
+      .def("undo", &d::Dispatch::undo, "Take the last decided call back from its size bucket's exploration counts.")
       .def("refused", &d::Dispatch::refused, "Count a call refused before decide(), as every rank refuses it.")
       .def("accepts", &d::Dispatch::accepts, py::arg("nbytes"), "Whether the table gives nbytes a path run here.")
       .def("switch_due", &d::Dispatch::switch_due, py::arg("capturing"),
