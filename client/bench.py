@@ -26,11 +26,15 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from nodecomm.byte_size import format_byte_size
 
 from .daemon_choice import JobLeaseHandle
 from .daemon_process import start_daemon
+
+if TYPE_CHECKING:
+    from nodecomm.service.calibration import Calibration
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 # Rows of one nodecomm path, forced (the others: auto, the baselines, the backend's).
@@ -340,17 +344,23 @@ class PrivateDaemon:
     job's private daemon (nodecommd --private) whose lease this process holds: however this
     process ends, SIGKILL included, the daemon leaves within its grace and takes its directory."""
 
-    def __init__(self, *flags: str) -> None:
+    def __init__(self, *flags: str, stored: Calibration | None = None) -> None:
         # Its sockets' paths must fit a Unix socket's (108 bytes): a long TMPDIR gives way to /tmp.
         base = tempfile.gettempdir()
         self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-", dir=base if len(base) < 60 else "/tmp")
         self.socket = os.path.join(self.directory, "nodecomm.sock")
-        # A state directory of its own, empty: the machine's stored calibration would make "auto"
-        # the calibrated table on one machine and the built-in one on another.
+        # A state directory and a cache of its own, empty but for `stored`: the machine's stored
+        # calibration, or the user's cache, would make "auto" the calibrated table on one machine
+        # and the built-in one on another.
+        state, cache = os.path.join(self.directory, "state"), os.path.join(self.directory, "cache")
         flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
         try:
+            if stored is not None:
+                from nodecomm.service.calibration import CalibrationStore
+
+                CalibrationStore(state).save(stored)
             self.process = start_daemon(
-                self.socket, "--state-dir", os.path.join(self.directory, "state"), *flags, own_session=True
+                self.socket, "--state-dir", state, "--cache-dir", cache, *flags, own_session=True
             )
             self.lease = JobLeaseHandle.take(self.socket + ".lease", {})
         except BaseException:
@@ -432,14 +442,21 @@ def _ignoring_ctrl_c(target, *args) -> None:
 
 
 def run_ranks(
-    target, world_size: int, args: dict, socket: str | None, daemon_flags: tuple[str, ...] = (), on_part=None
+    target,
+    world_size: int,
+    args: dict,
+    socket: str | None,
+    daemon_flags: tuple[str, ...] = (),
+    on_part=None,
+    stored: Calibration | None = None,
 ):
-    """spawn_ranks against `socket`, or a private daemon when None (args["socket"] is set)."""
+    """spawn_ranks against `socket`, or a private daemon when None (args["socket"] is set), whose
+    state directory holds `stored`."""
     # A group name of its own each run: nobody can know it beforehand to take it first.
     args = {**args, "group": f"bench-{secrets.token_hex(8)}"}
     if socket:
         return spawn_ranks(target, world_size, {**args, "socket": socket}, on_part)
-    with PrivateDaemon(*daemon_flags) as daemon:
+    with PrivateDaemon(*daemon_flags, stored=stored) as daemon:
         return spawn_ranks(target, world_size, {**args, "socket": daemon.socket}, on_part)
 
 

@@ -256,9 +256,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "convergence":
         from nodecomm.client.convergence_bench import run_convergence_bench
 
+        if args.table and args.socket:
+            print("nodecomm bench: --table starts a daemon of its own; it cannot go with --socket", file=sys.stderr)
+            return 2
+
         sizes = args.sizes or byte_sizes("4KiB,64KiB,1MiB" if args.device == "cpu" else "16KiB,1MiB,16MiB,64MiB")
         flags = () if args.explore_period is None else ("--explore-period", str(args.explore_period))
-        print(run_convergence_bench(args.world_size, sizes, args.calls, args.socket, args.device, flags))
+        print(run_convergence_bench(args.world_size, sizes, args.calls, args.socket, args.device, flags, args.table))
         return 0
     if args.op == "topk":
         from nodecomm.client.topk_bench import run_topk_bench
@@ -497,6 +501,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--explore-period",
         type=whole_number(0),
         help="convergence: the private daemon's explore_period (default: the daemon's own)",
+    )
+    bench.add_argument(
+        "--table",
+        choices=("oneshot", "twoshot", "dma"),
+        help="convergence: start from a stored calibration that sends every size to this path (a wrong table)",
     )
     bench.add_argument(
         "--world-size", type=whole_number(1, MAX_RANKS), default=2, help=f"ranks, 1 to {MAX_RANKS} (default: 2)"

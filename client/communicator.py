@@ -395,6 +395,7 @@ class Communicator:
             self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
             return int(gathered.min())
 
+        self._lease.flush_if_full()
         agreed = self._dispatcher.agree(self._lease.offered, lowest_of_ranks)
         if agreed is not None:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})

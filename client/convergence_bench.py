@@ -1,5 +1,6 @@
 """nodecomm bench --op convergence: how many calls a fresh group's table needs to pick the fastest
-path. A private daemon with an empty state directory (or the one --socket names) serves one group;
+path. A private daemon with an empty state directory (or one whose stored calibration sends every
+size to one path, --table; or the daemon --socket names) serves one group;
 per size, the ranks first make `calls` default-dispatched all-reduces in windows of WINDOW calls
 (live recalibration and exploration as the daemon is set), then time every single path the same
 way, forced, afterwards (forced calls are timed for the daemon too, so they must not come first).
@@ -96,9 +97,39 @@ def converged_at(auto: list[float], best: float) -> int | None:
     return at
 
 
+# Boundaries that send every size to one path: the deliberately wrong tables.
+_EVERY_SIZE_TO = {
+    "oneshot": {"oneshot_max_bytes": 1 << 40, "twoshot_max_bytes": None, "dma_min_bytes": None},
+    "twoshot": {"oneshot_max_bytes": None, "twoshot_max_bytes": 1 << 40, "dma_min_bytes": None},
+    "dma": {"oneshot_max_bytes": None, "twoshot_max_bytes": None, "dma_min_bytes": 0},
+}
+
+
+def every_size_to(path: str, device: str):
+    """A stored calibration of this machine (as the daemon fingerprints it) whose boundaries send
+    every all-reduce of `device`'s groups to `path`."""
+    from nodecomm import _native
+    from nodecomm.service.calibration import Calibration, cpu_fingerprint, cuda_fingerprint, fingerprint_key
+
+    if device == "cuda":
+        fingerprint = cuda_fingerprint(_native.cuda_devices(), _native.cuda_peer_links())
+        boundaries = dict(_EVERY_SIZE_TO[path])
+    else:  # CPU groups have oneshot_max_bytes alone, twoshot above it
+        fingerprint = cpu_fingerprint()
+        boundaries = {"oneshot_max_bytes": _EVERY_SIZE_TO[path]["oneshot_max_bytes"]}
+    return Calibration(fingerprint_key(fingerprint), fingerprint, boundaries, {}, time.time())
+
+
 def run_convergence_bench(
-    world_size: int, sizes: list[int], calls: int, socket: str | None, device: str, daemon_flags: tuple[str, ...]
+    world_size: int,
+    sizes: list[int],
+    calls: int,
+    socket: str | None,
+    device: str,
+    daemon_flags: tuple[str, ...],
+    table: str | None = None,
 ) -> str:
+    """`table`: a path every size goes to by a stored calibration (None: the built-in table)."""
     flags = daemon_flags
     if device == "cuda":
         import torch
@@ -106,10 +137,12 @@ def run_convergence_bench(
         if world_size > torch.cuda.device_count():
             flags = ("--allow-shared-devices", "true", *flags)
     args = {"sizes": sizes, "calls": max(calls, WINDOW), "device": device}
-    raw = run_ranks(_rank_main, world_size, args, socket, flags)
+    stored = None if table is None else every_size_to(table, device)
+    raw = run_ranks(_rank_main, world_size, args, socket, flags, stored=stored)
     lines = [
         f"# nodecomm bench --op convergence: device={device} world_size={world_size} calls={calls} "
-        f"window={WINDOW} host={platform.node()} cpus={os.cpu_count()} daemon flags: {' '.join(daemon_flags) or '-'}",
+        f"window={WINDOW} host={platform.node()} cpus={os.cpu_count()} daemon flags: {' '.join(daemon_flags) or '-'}"
+        f" start: {'every size to ' + table + ' (stored)' if table else 'built-in table'}",
         f"# converged: the call (and seconds) from which auto (a median of {ROLLING} windows) stays within "
         f"{WITHIN:.2f}x of the best single path's p50; last: auto's last window / best; table: the path in force "
         "at the end",

@@ -75,7 +75,12 @@ class Dispatcher:
         self._form_of = form_of
         self._codes: dict[tuple[str | None, str | None], tuple[int, int]] = {}
         self.native = _native.Dispatch(
-            path_mask(paths), path_mask(wire_paths), kind, explore_period, explore_samples, sample_period,
+            path_mask(paths),
+            path_mask(wire_paths),
+            kind,
+            explore_period,
+            explore_samples,
+            sample_period,
             switch_period,
         )
         self.table = table

@@ -162,6 +162,12 @@ class Lease:
             return None
         return pb.SessionUp(timings=pb.TimingBatch(timings=timings, counts=counts))
 
+    def flush_if_full(self) -> None:
+        """Send the timings not sent yet once there is a batch of them (the hot path keeps them
+        natively; the daemon's live recalibration is only as quick as they reach it)."""
+        if self._counts.held() >= _BATCH:
+            self.flush()
+
     def flush(self) -> None:
         """Send the timings and counts not sent yet."""
         batch = self._take_batch()

@@ -137,9 +137,10 @@ struct Decision {
 // there (every other lossless path this rank runs, and for a group with a compressed wire near
 // compressed_min_bytes the other wire), until each has explore_samples timings; from then on only
 // every (explore_period * kRefresh)-th call does, so that a settled table costs next to nothing and
-// still notices when the machine changes. While exploring, the first explore_samples calls of a
-// bucket on the table's own path are timed too. A new table restarts this in the buckets whose
-// routing changed.
+// still notices when the machine changes. Until then the call after each explore is timed too,
+// on the table's own path, so that the daemon compares timings taken under the same conditions (a
+// burst of load slows every path alike). A new table restarts this in the buckets whose routing
+// changed.
 class Dispatch {
  public:
   static constexpr std::uint64_t kRefresh = 256;
@@ -224,6 +225,11 @@ class Dispatch {
     return samples_.size();
   }
 
+  std::size_t held() {  // samples not taken yet
+    std::lock_guard<std::mutex> hold(counts_lock_);
+    return samples_.size();
+  }
+
   // (path, wire, bytes, seconds) of every sample since the last take.
   std::vector<std::tuple<int, int, std::uint64_t, double>> take_samples() {
     std::vector<Sample> taken;
@@ -264,11 +270,12 @@ class Dispatch {
     double seconds;
   };
 
-  // Per size bucket, under the table in force: the calls it dispatched there, and how often
-  // each rival (a path, or kPaths for the other wire) and the table's own path were timed.
+  // Per size bucket, under the table in force: the calls it dispatched there, and how often each
+  // rival (a path, or kPaths for the other wire) was timed.
   struct Bucket {
-    std::uint64_t calls = 0, own = 0;
+    std::uint64_t calls = 0;
     std::array<std::uint64_t, kPaths + 1> explored{};
+    bool paired = false;  // the next call on the table's path is timed, beside the last explore
   };
 
   bool carries(Path path) const { return wire_paths_ >> int(path) & 1u; }
@@ -290,15 +297,19 @@ class Dispatch {
       if (lossless_path(decision.path) && decision.wire == wire::Wire::kLossless)
         for (Path path : {Path::kOneshot, Path::kTwoshot, Path::kDma})
           if (path != decision.path && runs(path)) consider(int(path));
-      if (rival >= 0 && (bucket.explored[rival] < explore_samples_ ||
-                         bucket.calls % (explore_period_ * kRefresh) == 0)) {
+      const bool dense = rival >= 0 && bucket.explored[rival] < explore_samples_;
+      if (dense || (rival >= 0 && bucket.calls % (explore_period_ * kRefresh) == 0)) {
         ++bucket.explored[rival];
+        bucket.paired = dense;
         if (rival == kPaths) return {decision.path, wire::Wire(other_wire), true, true};
         return {Path(rival), wire::Wire::kLossless, true, true};
       }
     }
-    decision.sampled = explore_period_ && bucket.own < explore_samples_;
-    bucket.own += decision.sampled;
+    // The table's own path is timed on the call after each explore, while exploring densely: the
+    // daemon compares timings taken under the same conditions (a burst of load at a group's start
+    // slows every path alike).
+    decision.sampled = bucket.paired;
+    bucket.paired = false;
     return decision;
   }
 

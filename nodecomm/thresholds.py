@@ -114,6 +114,9 @@ class DispatchTable:
     boundaries: tuple[Boundary, ...] = field(default=())
     range_wires: tuple[Wire, ...] = field(default=())  # as range_paths; empty: every range lossless
     wire: Wire = Wire.LOSSLESS
+    # Where the calibrated boundaries come from, for people: "built-in defaults", the calibration
+    # file and when it was measured, or the live timings that moved them.
+    origin: str = field(default="", compare=False)
 
     def path_for(self, nbytes: int) -> Path:
         return self.range_paths[bisect.bisect_left(self.range_max, nbytes)]
@@ -161,7 +164,7 @@ class DispatchTable:
         return labels
 
     def to_proto(self) -> pb.ThresholdTable:
-        table = pb.ThresholdTable(epoch=self.epoch, wire=self.wire.to_proto())
+        table = pb.ThresholdTable(epoch=self.epoch, wire=self.wire.to_proto(), origin=self.origin)
         wires = self.wires()
         for high, path, wire in zip(self.range_max, self.range_paths[:-1], wires[:-1], strict=True):
             table.ranges.add(max_bytes=high, path=path.to_proto(), wire=wire.to_proto())
@@ -194,6 +197,7 @@ class DispatchTable:
             boundaries=boundaries,
             range_wires=wires if any(w is not Wire.LOSSLESS for w in wires) else (),
             wire=Wire.from_proto(table.wire),
+            origin=table.origin,
         )
 
 

@@ -52,6 +52,12 @@ def default_state_dir() -> str:
     return os.path.join(base, "nodecomm")
 
 
+def default_cache_dir() -> str:
+    """$XDG_CACHE_HOME/nodecomm, else ~/.cache/nodecomm."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nodecomm")
+
+
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     socket: str = dataclasses.field(default_factory=default_socket_path)
@@ -86,6 +92,10 @@ class DaemonConfig:
     metrics_address: str = "127.0.0.1:9464"
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
     state_dir: str = ""
+    # A private daemon's own calibrations (what it probed, and the boundaries its groups' live
+    # timings moved), kept for the user's next private daemon on this machine; made 0700 and
+    # checked to be the user's own. Empty: $XDG_CACHE_HOME/nodecomm, else ~/.cache/nodecomm.
+    cache_dir: str = ""
     # Probe at start when state_dir holds no calibration for this machine's fingerprint (a new
     # machine, or a changed processor or build); otherwise only `nodecomm calibrate` probes.
     calibrate_on_start: bool = False
@@ -155,8 +165,8 @@ class DaemonConfig:
     allow_shared_devices: bool = False
     # A job's own daemon, started by its ranks where no node daemon answers: it exits once none of
     # the job's processes has held its lease socket (<socket>.lease) for private_grace_seconds,
-    # removing its sockets and directory, and writes no state (calibrations in state_dir are read;
-    # a new one lasts as long as the daemon).
+    # removing its sockets and directory. It reads the calibrations in state_dir and cache_dir (the
+    # newer one for this machine is in force) and writes to cache_dir only.
     private: bool = False
     private_grace_seconds: float = 2.0
     # How CUDA groups' buffers cross to the ranks: "vmm" (POSIX descriptors), "legacy"
@@ -181,6 +191,8 @@ class DaemonConfig:
             object.__setattr__(self, "descriptor_socket", self.socket + ".fd")
         if not self.state_dir:
             object.__setattr__(self, "state_dir", default_state_dir())
+        if not self.cache_dir:
+            object.__setattr__(self, "cache_dir", default_cache_dir())
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key: expected both (PEM files) or neither; tls_client_ca needs them")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -303,6 +315,7 @@ HELP = {
     "operator_uids": "comma-separated uids or user names that may calibrate; empty: root and the daemon's uid",
     "metrics_address": "ip:port of Prometheus /metrics, or off",
     "state_dir": "where calibrations are stored",
+    "cache_dir": "where a private daemon keeps what it measured, for the user's next one",
     "calibrate_on_start": "probe at start where state_dir holds no calibration for this machine",
     "join_timeout_seconds": "longest a Join waits for the group's other ranks",
     "operation_timeout_seconds": "longest one collective waits for a peer",
@@ -399,6 +412,8 @@ def _shown_default(name: str, field: dataclasses.Field) -> str:
         value = field.default
     if name == "state_dir":
         return default_state_dir()  # what an empty value becomes
+    if name == "cache_dir":
+        return default_cache_dir()
     if _is_size(name, field):
         return format_byte_size(value)
     if isinstance(value, bool):

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodecomm import _native
+from nodecomm import _native, trust
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     InvalidArgumentError,
@@ -359,6 +359,17 @@ async def _calibrate_on_start(
             )
 
 
+def _user_cache(directory: str) -> CalibrationStore:
+    """The user's calibration cache, made 0700 and checked to be theirs alone (nodecomm.trust);
+    one that cannot be is left unwritten and unread, said in the log."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(directory)), mode=0o700, exist_ok=True)
+        return CalibrationStore(trust.make_private_directory(directory))
+    except (OSError, NodecommError) as error:
+        log.warning(f"not using the calibration cache {directory}: {error}", extra={"cache_dir": directory})
+        return CalibrationStore(directory, writable=False)
+
+
 def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
     """The caller's rank secret (JoinReply.rank_secret), from the call's metadata; b"" if none."""
     for key, value in context.invocation_metadata() or ():
@@ -375,9 +386,18 @@ async def serve(config: DaemonConfig) -> int:
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
     registry = GroupRegistry(config, metrics, claims, gpus, executor)
-    store = CalibrationStore(config.state_dir, writable=not config.private)
+    # Where calibrations are read, the newer first, and written: the node's state, or for a job's
+    # private daemon the node's state read-only beside the user's own cache.
+    store = CalibrationStore(config.state_dir)
+    stores = [store]
+    if config.private:
+        store = _user_cache(config.cache_dir)
+        stores = [CalibrationStore(config.state_dir, writable=False), *([store] if store.writable else [])]
+        registry.tables.live_store = store if store.writable else None
     # A calibration measured on this machine before (same fingerprint) is used without probing.
-    uncalibrated = registry.tables.reuse_stored(store)
+    uncalibrated = registry.tables.reuse_stored(stores)
+    for kind in registry.tables.fingerprints:
+        log.info("dispatch table in force", extra={"device_kind": kind, "origin": registry.tables.origin(kind)})
     if uncalibrated:
         log.info(
             "no stored calibration for this machine",

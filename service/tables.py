@@ -30,6 +30,7 @@ from .calibration import (
     calibration_point,
     cpu_fingerprint,
     cuda_fingerprint,
+    fingerprint_key,
     probe,
 )
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
@@ -58,6 +59,13 @@ class TableKeeper:
         # Boundaries measured on this machine, per device kind (see service.calibration), and for
         # CUDA groups whose fallback is NCCL where the probe timed it.
         self.calibrated: dict[str, dict[str, int | None]] = {}
+        # The calibration in force per device kind, and why the boundaries are what they are (for
+        # the log and every table's origin).
+        self.calibrations: dict[str, Calibration] = {}
+        self.origins: dict[str, str] = {}
+        # Where a private daemon keeps its groups' live moves for the user's next one (None: a node
+        # daemon, whose groups' timings are each their own user's to make up).
+        self.live_store: CalibrationStore | None = None
         self.calibrated_nccl: dict[str, dict[str, int | None]] = {}
         # compressed_min_bytes per device kind and compressed wire, where the probe timed it.
         self.calibrated_wires: dict[str, dict[str, int | None]] = {}
@@ -99,8 +107,11 @@ class TableKeeper:
                 if boundary.value_bytes is not None:
                     self.metrics.threshold.labels(kind, boundary.name, boundary.source.value).set(boundary.value_bytes)
 
-    def use_calibration(self, calibration: Calibration) -> None:
+    def use_calibration(self, calibration: Calibration, origin: str) -> None:
+        """Use `calibration` for new groups; `origin` says where it comes from."""
         kind = str(calibration.fingerprint["device_kind"])
+        self.calibrations[kind] = calibration
+        self.origins[kind] = origin
         self.calibrated[kind] = dict(calibration.boundaries)
         if calibration.nccl_boundaries is not None:
             self.calibrated_nccl[kind] = dict(calibration.nccl_boundaries)
@@ -113,21 +124,26 @@ class TableKeeper:
             extra={
                 "device_kind": kind,
                 "fingerprint_key": calibration.key,
+                "origin": origin,
                 "thresholds": [b.describe() for b in self.default_boundaries(kind).values()],
             },
         )
 
-    def reuse_stored(self, store: CalibrationStore) -> list[str]:
-        """Use every calibration measured on this machine before (same fingerprint), without
-        probing; returns the device kinds that have none."""
+    def reuse_stored(self, stores: Sequence[CalibrationStore]) -> list[str]:
+        """Use every calibration measured on this machine before (same fingerprint), the newer
+        where several stores hold one, without probing; returns the device kinds that have none."""
         missing = []
         for kind, fingerprint in self.fingerprints.items():
-            stored = store.load(fingerprint)
-            if stored is None:
+            found = [(stored, store) for store in stores if (stored := store.load(fingerprint)) is not None]
+            if not found:
                 missing.append(kind)
-            else:
-                self.use_calibration(stored)
+                continue
+            stored, store = max(found, key=lambda pair: pair[0].measured_at)
+            self.use_calibration(stored, f"{store.path_for(stored.key)}, measured {_when(stored.measured_at)}")
         return missing
+
+    def origin(self, kind: str) -> str:
+        return self.origins.get(kind, "built-in defaults (no calibration of this machine)")
 
     def _probe_world_size(self, kind: str, asked: int) -> int:
         """The probe's ranks: as asked, else 2 on the CPU and one per GPU (at least 2) on GPUs."""
@@ -198,7 +214,7 @@ class TableKeeper:
             raise
         try:
             path = await asyncio.to_thread(store.save, calibration)
-            stored = str(path) if path is not None else "nowhere: a job's private daemon writes no state"
+            stored = str(path) if path is not None else "nowhere: this daemon writes no state"
         except OSError as error:
             # The measurement still takes effect; only a restarted daemon will not find it.
             log.error("storing the calibration failed", extra={"device_kind": kind, "error": str(error)})
@@ -216,7 +232,7 @@ class TableKeeper:
                 "stored_at": stored,
             },
         )
-        self.use_calibration(calibration)
+        self.use_calibration(calibration, f"probed {_when(calibration.measured_at)}, stored in {stored}")
         reply = pb.CalibrateReply(
             fingerprint_key=calibration.key,
             stored_at=stored,
@@ -288,7 +304,8 @@ class TableKeeper:
         wire: Wire = Wire.LOSSLESS,
     ) -> DispatchTable:
         boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback, wire)
-        return build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
+        table = build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
+        return dataclasses.replace(table, origin=self.origin(device_kind))
 
     def _next_epoch(self) -> int:
         self._epoch += 1
@@ -310,16 +327,21 @@ class TableKeeper:
         return build_table({}, Path.NCCL, self._next_epoch())
 
     def follow_evidence(
-        self, group: str, table: DispatchTable, live: LiveEstimates, nccl_fallback: bool
+        self, group: str, kind: str, table: DispatchTable, live: LiveEstimates, nccl_fallback: bool
     ) -> DispatchTable | None:
         """A group's new table where its live timings move a boundary, else None. Overrides are
-        never second-guessed."""
+        never second-guessed. A private daemon also starts its new groups from the move, and keeps
+        it for the user's next private daemon (live_store)."""
         fixed = frozenset(b.name for b in table.boundaries if b.source is Source.OVERRIDE)
         fallback = fallback_path(nccl_fallback)
         move = live.proposed_move(table, fallback, fixed) or live.proposed_wire_move(table, fallback, fixed)
         if move is None:
             return None
-        moved = dataclasses.replace(move.table, epoch=self._next_epoch())
+        started = table.origin.split(LIVE_FROM, 1)[-1]
+        origin = f"live timings of group {shown(group)}{LIVE_FROM}{started}"
+        moved = dataclasses.replace(move.table, epoch=self._next_epoch(), origin=origin)
+        if self.live_store is not None:
+            self._keep(kind, nccl_fallback, table.wire, move.values, group)
         for name in move.values:
             self.metrics.threshold_changes.labels(name).inc()
         log.info(
@@ -336,6 +358,42 @@ class TableKeeper:
             },
         )
         return moved
+
+    def _keep(self, kind: str, nccl_fallback: bool, wire: Wire, values: dict[str, int | None], group: str) -> None:
+        """A live move of a private daemon's group: new groups start from it, and live_store keeps
+        it, as this machine's calibration, for the user's next private daemon."""
+        lossless = {name: value for name, value in values.items() if name != "compressed_min_bytes"}
+        if lossless and nccl_fallback:
+            self.calibrated_nccl[kind] = {
+                **(self.calibrated_nccl.get(kind) or self.calibrated.get(kind, {})),
+                **lossless,
+            }
+        elif lossless:
+            self.calibrated[kind] = {**self.calibrated.get(kind, {}), **lossless}
+        if "compressed_min_bytes" in values:
+            self.calibrated_wires.setdefault(kind, {})[wire.value] = values["compressed_min_bytes"]
+        previous = self.calibrations.get(kind)
+        fingerprint = self.fingerprints[kind]
+        calibration = Calibration(
+            fingerprint_key(fingerprint), fingerprint, dict(self.calibrated.get(kind, {})),
+            previous.medians if previous else {}, time.time(), self.calibrated_nccl.get(kind),
+            previous.forms if previous else {}, dict(self.calibrated_wires.get(kind, {})),
+        )  # fmt: skip
+        try:
+            where = str(self.live_store.save(calibration))
+        except OSError as error:
+            log.error("keeping a live move failed", extra={"device_kind": kind, "error": str(error)})
+            where = f"nowhere: {error}"
+        self.calibrations[kind] = calibration
+        self.origins[kind] = f"live timings of group {shown(group)}, kept in {where}"
+        self._publish_thresholds()
+
+
+LIVE_FROM = ", moved from: "
+
+
+def _when(measured_at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(measured_at))
 
 
 def _with_points(reply: pb.CalibrateReply, medians: dict[str, dict[int, float]]) -> pb.CalibrateReply:

@@ -164,7 +164,9 @@ class TimingIntake:
 
     def _follow_evidence(self, group: Group) -> None:
         """Move the group's boundary where its timings demand, and offer every rank the new table."""
-        table = self.tables.follow_evidence(group.name, group.table, group.live, group.args.nccl_fallback)
+        table = self.tables.follow_evidence(
+            group.name, group.args.device_kind, group.table, group.live, group.args.nccl_fallback
+        )
         if table is not None:
             group.table = table
             group.broadcast(pb.SessionDown(thresholds=table.to_proto()))

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.request
@@ -61,6 +62,8 @@ _STACKS_TO = pytest.StashKey()
 def pytest_configure(config):
     # Capture is suspended here: this is the run's real standard error.
     config.stash[_STACKS_TO] = os.fdopen(os.dup(2), "w")
+    # No private daemon a test starts reads or writes the user's own calibration cache.
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nodecomm-test-cache-")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -105,7 +108,8 @@ class Daemon:
         self.starts += 1
         self.metrics_port = free_port()
         flags = ["--metrics-address", f"127.0.0.1:{self.metrics_port}", "--log-level", "DEBUG"]
-        flags += ["--state-dir", str(self.directory / "state"), *self.extra_args]
+        flags += ["--state-dir", str(self.directory / "state"), "--cache-dir", str(self.directory / "cache")]
+        flags += self.extra_args
         self.process = start_daemon(
             self.socket, *flags, log_path=str(self.log_path), env={**os.environ, **self.env}, timeout=timeout
         )

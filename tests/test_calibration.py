@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -300,7 +301,7 @@ def test_calibrate_probes_through_the_daemon_and_a_restarted_daemon_keeps_the_ou
     "where, writable, stored_at",
     [
         ("a file where the state directory was", True, "nowhere: [Errno 17] File exists: '{state}'"),
-        ("a job's private daemon's store", False, "nowhere: a job's private daemon writes no state"),
+        ("a store that writes nothing", False, "nowhere: this daemon writes no state"),
     ],
 )
 def test_a_calibration_that_is_not_stored_still_takes_effect(tmp_path, caplog, where, writable, stored_at):
@@ -429,15 +430,17 @@ def test_probes_start_without_forking_a_busy_grpc_daemon():
     assert uvloop.run(spawn_under_traffic(1000)) == {0: 1000}
 
 
-def test_private_reads_state_writes_none(make_daemon, tmp_path):
-    """A job's private daemon takes the node's stored calibration and stores none of its own,
-    whether its probe's timings are placed or refused as noise."""
-    state = tmp_path / "state"
+def test_private_reads_state_and_keeps_its_own_calibration_in_the_users_cache(make_daemon, tmp_path):
+    """A job's private daemon takes the node's stored calibration, and keeps what it probes in the
+    user's cache (made 0700), never in the node's state: the user's next private daemon starts
+    from the cache, the newer of the two, and its tables say so."""
+    state, cache = tmp_path / "state", tmp_path / "cache"
     keeper, store = _keeper(state)
     asyncio.run(keeper.conclude("cpu", QUIET, store))  # the node daemon's calibration
     (stored,) = state.glob("calibration-*.json")
     before = stored.read_bytes()
-    private = make_daemon("--private", "true", "--private-grace-seconds", "60", "--state-dir", str(state))
+    flags = ("--private", "true", "--private-grace-seconds", "60", "--state-dir", str(state), "--cache-dir", str(cache))
+    private = make_daemon(*flags)
     with socket.socket(socket.AF_UNIX) as lease:  # a job's process holding the lease, as ranks do
         lease.connect(private.socket + ".lease")
         assert _thresholds(private) == CALIBRATED_8KIB
@@ -446,14 +449,19 @@ def test_private_reads_state_writes_none(make_daemon, tmp_path):
         )  # fmt: skip
         document = json.loads(again.stdout[again.stdout.index("{") :])
         in_force = _thresholds(private)
-    if again.returncode == 0:
-        assert document["stored_at"] == "nowhere: a job's private daemon writes no state"
-        assert document["warnings"] == [] and document["boundaries"] == in_force, again.stdout
-    else:
+    assert [p.name for p in state.iterdir()] == [stored.name] and stored.read_bytes() == before
+    if again.returncode != 0:  # a busy machine: nothing measured, nothing kept
         assert again.returncode == 1 and "calibration refused: " in again.stderr, again.stderr + again.stdout
         assert document["stored_at"] == "nowhere: the measurements were noise"
         assert document["boundaries"] == in_force == CALIBRATED_8KIB  # the node's stays in force
-    assert [p.name for p in state.iterdir()] == [stored.name] and stored.read_bytes() == before
+        return
+    (kept,) = cache.glob("calibration-*.json")
+    assert document["stored_at"] == str(kept) and document["warnings"] == [] and document["boundaries"] == in_force
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o700
+    private.stop()
+    following = make_daemon(*flags)  # the user's next job
+    assert f'"origin": "{kept}, measured ' in following.log()
+    assert _thresholds(following) == in_force
 
 
 def test_a_busy_machine_is_not_calibrated(make_daemon, tmp_path):
@@ -544,7 +552,7 @@ def test_a_group_that_asked_for_a_wire_gets_its_calibrated_boundary_and_no_other
     keeper = TableKeeper(DaemonConfig(state_dir=str(tmp_path)), DaemonMetrics(), 16)
     medians = {p: _times([1e-6 * (i + 1) for i in range(7)]) for p in ("oneshot", "twoshot")}
     calibration = calibration_from(cpu_fingerprint(), medians)
-    keeper.use_calibration(dataclasses.replace(calibration, wire_boundaries={"int8": 16 << 10, "fp8": None}))
+    keeper.use_calibration(dataclasses.replace(calibration, wire_boundaries={"int8": 16 << 10, "fp8": None}), "test")
     int8 = keeper.for_new_group("cpu", False, {}, Wire.INT8)
     assert int8.boundary("compressed_min_bytes").describe() == "compressed_min_bytes=16KiB (calibrated)"
     assert int8.wire_for(16 << 10) is Wire.INT8 and int8.wire_for((16 << 10) - 1) is Wire.LOSSLESS

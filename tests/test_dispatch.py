@@ -62,10 +62,10 @@ def test_the_service_path_is_refused_under_capture_unless_forced():
 
 def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_until_each_has_enough():
     """30 KiB goes to oneshot; every 3rd call of its bucket (16..64 KiB) runs twoshot or dma, the
-    one timed less (the lower code on a tie), until each has 2 timings; the bucket's first 2
-    oneshot calls are timed meanwhile. Calls in other buckets, and captured calls (a capture is
-    replayed as recorded), count for nothing there; from then on only every 3 x 256th call
-    explores."""
+    one timed less (the lower code on a tie), until each has 2 timings, and the call after each
+    is timed on oneshot (the first call is, by the sample period). Calls in other buckets, and
+    captured calls (a capture is replayed as recorded), count for nothing there; from then on
+    only every 3 x 256th call explores."""
     dispatcher = cuda_dispatcher(explore_period=3, explore_samples=2, sample_period=1 << 20)
     near_edge = 30 * KIB
 
@@ -74,16 +74,17 @@ def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_un
         return [(d.path, d.explored, d.sampled) for d in decided]
 
     one, two, dma = Path.ONESHOT, Path.TWOSHOT, Path.DMA
-    assert calls(3) == [(one, False, True), (one, False, True), (two, True, True)]
+    assert calls(3) == [(one, False, True), (one, False, False), (two, True, True)]
     dispatcher.decide(4 * KIB, forced=None, capturing=False)  # another bucket
     assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [one] * 3
-    assert calls(9) == [
-        (one, False, False), (one, False, False), (dma, True, True),
-        (one, False, False), (one, False, False), (two, True, True),
-        (one, False, False), (one, False, False), (dma, True, True),
+    assert calls(10) == [
+        (one, False, True), (one, False, False), (dma, True, True),
+        (one, False, True), (one, False, False), (two, True, True),
+        (one, False, True), (one, False, False), (dma, True, True),
+        (one, False, True),
     ]  # fmt: skip
-    assert not any(explored for _, explored, _ in calls(3 * 256 - 13))  # settled: calls 13 .. 767
-    assert calls(1) == [(two, True, True)]  # the 768th refreshes the least timed
+    assert not any(explored or sampled for _, explored, sampled in calls(3 * 256 - 14))  # settled: 14 .. 767
+    assert calls(2) == [(two, True, True), (one, False, False)]  # the 768th refreshes the least timed
     # dma's range ends at the service path, which is not lossless: its rivals are the SM paths.
     at_service_edge = cuda_dispatcher(explore_period=1, explore_samples=2)
     assert [at_service_edge.decide(64 << 20, forced=None, capturing=False).path for _ in range(3)] == [one, two, one]
@@ -185,9 +186,9 @@ def test_the_sampled_calls_and_the_counts_are_kept_natively():
     a table that is not one is refused with what was expected."""
     dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, explore_samples=1, sample_period=4)
     sampled = [dispatcher.decide(16 * KIB, forced=None, capturing=False).sampled for _ in range(9)]
-    # Calls 1, 5 and 9 by the period (1 as the bucket's first too); 3 and 6 explore twoshot and dma,
-    # 9 would but both have their timing.
-    assert sampled == [True, False, True, False, True, True, False, False, True]
+    # Calls 1, 5 and 9 by the period; 3 and 6 explore twoshot and dma, and 4 and 7 time oneshot
+    # beside them; 9 would explore, but both have their timing.
+    assert sampled == [True, False, True, True, True, True, True, False, True]
     native = dispatcher.native
     oneshot, dma, int8 = Path.ONESHOT.to_proto(), Path.DMA.to_proto(), Wire.INT8.to_proto()
     for nbytes in (100, 200):

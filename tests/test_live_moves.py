@@ -189,8 +189,8 @@ def test_an_override_in_the_table_is_never_moved_by_the_keeper():
     keeper = TableKeeper(DaemonConfig(), DaemonMetrics(), 8)
     live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
     pinned = table(Path.NCCL, source=Source.OVERRIDE, **CUDA_DEFAULT)
-    assert keeper.follow_evidence("g", pinned, live, nccl_fallback=True) is None
-    after = keeper.follow_evidence("g", table(Path.NCCL, **CUDA_DEFAULT), live, nccl_fallback=True)
+    assert keeper.follow_evidence("g", "cuda", pinned, live, nccl_fallback=True) is None
+    after = keeper.follow_evidence("g", "cuda", table(Path.NCCL, **CUDA_DEFAULT), live, nccl_fallback=True)
     assert after.boundary("dma_min_bytes").describe() == "dma_min_bytes=1048577 (calibrated)"
 
 
