@@ -121,6 +121,7 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
             json.dumps(
                 {
                     "epoch": table.epoch,
+                    "origin": table.origin,
                     "wire": table.wire.value,
                     "ranges": [
                         {"from": lo, "to": hi, "path": path.value, "wire": wire.value}
@@ -141,6 +142,8 @@ def cmd_thresholds(args: argparse.Namespace) -> int:
         subject = f"new {args.device.upper()} groups" + (" with an NCCL group" if args.nccl else "")
     print(f"dispatch table (epoch {table.epoch}) for {subject}")
     _print_table(table)
+    if table.origin:
+        print(f"  from: {table.origin}")
     return 0
 
 

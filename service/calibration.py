@@ -30,10 +30,10 @@ from pathlib import Path
 
 import jsonschema
 
-from nodecomm import _native
+from nodecomm import _native, trust
 from nodecomm.byte_size import format_byte_size
 from nodecomm.capabilities import path_names
-from nodecomm.errors import InternalError
+from nodecomm.errors import InternalError, NodecommError
 from nodecomm.thresholds import Boundary, Source, build_table
 from nodecomm.thresholds import Path as ThresholdPath
 from nodecomm.v1 import control_pb2 as pb
@@ -298,11 +298,30 @@ class Calibration:
 
 class CalibrationStore:
     """Calibrations on disk, one JSON file per fingerprint: <state_dir>/calibration-<key>.json.
-    A store that is not writable (a job's private daemon) reads them and saves nothing."""
+    A store that is not writable (the node's state, to a job's private daemon) reads them and saves
+    nothing. A `private` one (a user's cache) is a directory of the user's alone, made 0700 on the
+    first save and checked as the runtime directory is (nodecomm.trust) before every read or
+    write: one that fails the checks is neither."""
 
-    def __init__(self, state_dir: str, writable: bool = True):
+    def __init__(self, state_dir: str, writable: bool = True, private: bool = False):
         self.directory = Path(state_dir)
         self.writable = writable
+        self.private = private
+
+    def _trusted(self, create: bool) -> bool:
+        """For a private store: whether its directory is the user's alone (made so if `create`)."""
+        if not create and not self.directory.exists():
+            return False
+        try:
+            if create:
+                os.makedirs(self.directory.parent, mode=0o700, exist_ok=True)
+            trust.make_private_directory(str(self.directory))
+        except (OSError, NodecommError) as error:
+            log.warning(
+                f"not using the calibration cache {self.directory}: {error}", extra={"path": str(self.directory)}
+            )
+            return False
+        return True
 
     def path_for(self, key: str) -> Path:
         return self.directory / f"calibration-{key}.json"
@@ -312,6 +331,8 @@ class CalibrationStore:
         wrong with it) where the file is unreadable, invalid, or another machine's."""
         key = fingerprint_key(fingerprint)
         path = self.path_for(key)
+        if self.private and not self._trusted(create=False):
+            return None
         try:
             calibration = Calibration.from_json(path.read_text())
         except FileNotFoundError:
@@ -337,7 +358,11 @@ class CalibrationStore:
         this store writes nothing."""
         if not self.writable:
             return None
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if self.private:
+            if not self._trusted(create=True):
+                raise PermissionError(f"{self.directory} is not a directory of this user's alone (see the log)")
+        else:
+            self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path_for(calibration.key)
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as handle:
             handle.write(calibration.to_json())

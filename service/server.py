@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodecomm import _native, trust
+from nodecomm import _native
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     InvalidArgumentError,
@@ -359,17 +359,6 @@ async def _calibrate_on_start(
             )
 
 
-def _user_cache(directory: str) -> CalibrationStore:
-    """The user's calibration cache, made 0700 and checked to be theirs alone (nodecomm.trust);
-    one that cannot be is left unwritten and unread, said in the log."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(directory)), mode=0o700, exist_ok=True)
-        return CalibrationStore(trust.make_private_directory(directory))
-    except (OSError, NodecommError) as error:
-        log.warning(f"not using the calibration cache {directory}: {error}", extra={"cache_dir": directory})
-        return CalibrationStore(directory, writable=False)
-
-
 def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
     """The caller's rank secret (JoinReply.rank_secret), from the call's metadata; b"" if none."""
     for key, value in context.invocation_metadata() or ():
@@ -391,9 +380,9 @@ async def serve(config: DaemonConfig) -> int:
     store = CalibrationStore(config.state_dir)
     stores = [store]
     if config.private:
-        store = _user_cache(config.cache_dir)
-        stores = [CalibrationStore(config.state_dir, writable=False), *([store] if store.writable else [])]
-        registry.tables.live_store = store if store.writable else None
+        store = CalibrationStore(config.cache_dir, private=True)
+        stores = [CalibrationStore(config.state_dir, writable=False), store]
+        registry.tables.live_store = store
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     uncalibrated = registry.tables.reuse_stored(stores)
     for kind in registry.tables.fingerprints:

@@ -64,6 +64,9 @@ def pytest_configure(config):
     config.stash[_STACKS_TO] = os.fdopen(os.dup(2), "w")
     # No private daemon a test starts reads or writes the user's own calibration cache.
     os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nodecomm-test-cache-")
+    # Exploration moves tables by what this machine measures: the tests that assert a table run
+    # without it, and those of exploration and convergence ask for it.
+    os.environ["NODECOMM_EXPLORE_PERIOD"] = "0"
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -109,6 +112,7 @@ class Daemon:
         self.metrics_port = free_port()
         flags = ["--metrics-address", f"127.0.0.1:{self.metrics_port}", "--log-level", "DEBUG"]
         flags += ["--state-dir", str(self.directory / "state"), "--cache-dir", str(self.directory / "cache")]
+        flags += ["--explore-period", "0"]  # as NODECOMM_EXPLORE_PERIOD (pytest_configure) says
         flags += self.extra_args
         self.process = start_daemon(
             self.socket, *flags, log_path=str(self.log_path), env={**os.environ, **self.env}, timeout=timeout
