@@ -70,7 +70,6 @@ class Communicator:
         operation_timeout: float,
         table_switch_period: int = 0,
         explore_period: int = 0,
-        explore_samples: int = 0,
         rank_secret: bytes = b"",
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
@@ -93,7 +92,7 @@ class Communicator:
         self._dispatcher = Dispatcher(
             table, transport.paths | {Path.SERVICE}, transport.kind, form_of=transport.form,
             wire_paths=transport.wire_paths,
-            explore_period=explore_period, explore_samples=explore_samples, switch_period=table_switch_period,
+            explore_period=explore_period, switch_period=table_switch_period,
             sample_period=max(1, timing_sample_period),
         )  # fmt: skip
         self._dispatch = self._dispatcher.native  # what every all_reduce asks, without Python

@@ -236,7 +236,6 @@ def _join(
             operation_timeout=spec.operation_timeout or reply.operation_timeout_seconds,
             table_switch_period=switch_period,
             explore_period=explore_period,
-            explore_samples=reply.explore_samples,
             rank_secret=reply.rank_secret,
             daemon=chosen,
             daemon_lease=lease,

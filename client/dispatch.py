@@ -53,9 +53,8 @@ class Dispatcher:
     `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes, wire)`: the transport's form of
     a path at a size; `wire_paths`: the paths on which it runs compressed wires; every
     `sample_period`-th call is timed, after every `switch_period`-th one the ranks agree on the
-    newest table (0: never); exploration times every rival of a size bucket `explore_samples`
-    times, on every `explore_period`-th call there (0: off; native/dispatch.h says how). `native`
-    is the decider itself, for the hot path."""
+    newest table (0: never); every `explore_period`-th call of a size bucket explores (0: off;
+    native/dispatch.h says how). `native` is the decider itself, for the hot path."""
 
     def __init__(
         self,
@@ -66,7 +65,6 @@ class Dispatcher:
         form_of: Callable[[Path, int, Wire], str] = one_form,
         wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
-        explore_samples: int = 0,
         switch_period: int = 0,
         sample_period: int = 1,
     ):
@@ -75,13 +73,7 @@ class Dispatcher:
         self._form_of = form_of
         self._codes: dict[tuple[str | None, str | None], tuple[int, int]] = {}
         self.native = _native.Dispatch(
-            path_mask(paths),
-            path_mask(wire_paths),
-            kind,
-            explore_period,
-            explore_samples,
-            sample_period,
-            switch_period,
+            path_mask(paths), path_mask(wire_paths), kind, explore_period, sample_period, switch_period
         )
         self.table = table
 
@@ -95,6 +87,7 @@ class Dispatcher:
         self.native.install(
             table.epoch, list(table.range_max), [PATH_CODES[p] for p in table.range_paths],
             [WIRE_CODES[w] for w in table.range_wires], WIRE_CODES[table.wire], -1 if start is None else start,
+            list(table.settled),
         )  # fmt: skip
         self._table = table
 

@@ -55,6 +55,13 @@ struct Table {
   std::vector<wire::Wire> range_wires;  // as range_paths
   wire::Wire wire = wire::Wire::kLossless;  // the compressed wire the group asked for
   std::int64_t compressed_min = -1;         // compressed_min_bytes; -1: none
+  // Per size bucket (bucket_of), a mask (1 << Path) of the paths the daemon found slower there than
+  // the table's by its margin: exploration leaves them to its rare refresh. Empty: none.
+  std::vector<unsigned> settled;
+
+  bool is_settled(int bucket, int path) const {
+    return std::size_t(bucket) < settled.size() && (settled[bucket] >> path & 1u);
+  }
 
   std::size_t index(std::uint64_t nbytes) const {  // the first range whose end is >= nbytes
     std::size_t low = 0, high = range_max.size();
@@ -78,7 +85,8 @@ struct Table {
 };
 
 inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_max, const std::vector<int>& paths,
-                        const std::vector<int>& wires, int group_wire, std::int64_t compressed_min) {
+                        const std::vector<int>& wires, int group_wire, std::int64_t compressed_min,
+                        std::vector<unsigned> settled = {}) {
   Table table;
   table.epoch = epoch;
   NODECOMM_CHECK(paths.size() == range_max.size() + 1, "a table needs one path more than range ends");
@@ -91,6 +99,7 @@ inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_ma
     table.range_wires.push_back(wires.empty() ? wire::Wire::kLossless : wire::wire_of(wires[i]));
   table.wire = wire::wire_of(group_wire);
   table.compressed_min = compressed_min;
+  table.settled = std::move(settled);
   return table;
 }
 
@@ -133,24 +142,23 @@ struct Decision {
 // on the newest table (0: never).
 //
 // Exploration (explore_period 0: off) is per size bucket, under the table in force: every
-// explore_period-th table-dispatched call of a bucket runs on the rival that has been timed least
+// explore_period-th table-dispatched call of a bucket runs on a rival instead, the one timed least
 // there (every other lossless path this rank runs, and for a group with a compressed wire near
-// compressed_min_bytes the other wire), until each has explore_samples timings; from then on only
-// every (explore_period * kRefresh)-th call does, so that a settled table costs next to nothing and
-// still notices when the machine changes. Until then the call after each explore is timed too,
-// on the table's own path, so that the daemon compares timings taken under the same conditions (a
-// burst of load slows every path alike). A new table restarts this in the buckets whose routing
-// changed.
+// compressed_min_bytes the other wire), and the call after it is timed on the table's own path,
+// so that the daemon compares timings taken under the same conditions (a burst of load slows every
+// path alike). Rivals the daemon settled (Table::settled) are left out; once all are, only every
+// (explore_period * kRefresh)-th call explores, so that a settled table costs next to nothing and
+// still notices when the machine changes. A new table restarts the counts in the buckets whose
+// routing changed.
 class Dispatch {
  public:
   static constexpr std::uint64_t kRefresh = 256;
 
   // Decides nothing until a table is installed.
   Dispatch(unsigned paths, unsigned wire_paths, std::string kind, std::uint64_t explore_period,
-           std::uint64_t explore_samples, std::uint64_t sample_period, std::uint64_t switch_period)
+           std::uint64_t sample_period, std::uint64_t switch_period)
       : paths_(paths), wire_paths_(wire_paths), kind_(std::move(kind)), explore_period_(explore_period),
-        explore_samples_(explore_samples), sample_period_(sample_period ? sample_period : 1),
-        switch_period_(switch_period) {
+        sample_period_(sample_period ? sample_period : 1), switch_period_(switch_period) {
     for (auto& c : kind_) c = char(std::toupper(static_cast<unsigned char>(c)));
   }
 
@@ -185,7 +193,7 @@ class Dispatch {
     if (forced == 0 && forced_wire < 0 && !capturing) {
       undone_ = bucket_of(nbytes);
       before_ = buckets_[undone_];
-      Decision decision = table_decision(nbytes, buckets_[undone_]);
+      Decision decision = table_decision(nbytes, undone_, buckets_[undone_]);
       decision.sampled = decision.sampled || sampled;
       return decision;
     }
@@ -281,15 +289,17 @@ class Dispatch {
   bool carries(Path path) const { return wire_paths_ >> int(path) & 1u; }
 
   // A call the table decides, outside any capture: now and then a rival instead (see the class).
-  Decision table_decision(std::uint64_t nbytes, Bucket& bucket) {
+  Decision table_decision(std::uint64_t nbytes, int index, Bucket& bucket) {
     Decision decision = path_decision(nbytes, 0, false);
     const wire::Wire wire = table_.wire_for(nbytes);
     if (wire != wire::Wire::kLossless && carries(decision.path)) decision.wire = wire;
     ++bucket.calls;
     if (explore_period_ && bucket.calls % explore_period_ == 0) {
-      int rival = -1;  // the least timed: a path code, or kPaths for the other wire
-      auto consider = [&](int candidate) {
-        if (rival < 0 || bucket.explored[candidate] < bucket.explored[rival]) rival = candidate;
+      int open = -1, any = -1;  // the least timed rival not settled, and of all: a path, or kPaths for the wire
+      auto consider = [&](int rival) {
+        if (any < 0 || bucket.explored[rival] < bucket.explored[any]) any = rival;
+        if (!table_.is_settled(index, rival) && (open < 0 || bucket.explored[rival] < bucket.explored[open]))
+          open = rival;
       };
       const int other_wire = table_.wire_neighbour(nbytes);
       if (other_wire >= 0 && carries(decision.path) && runs(decision.path)) consider(kPaths);
@@ -297,17 +307,14 @@ class Dispatch {
       if (lossless_path(decision.path) && decision.wire == wire::Wire::kLossless)
         for (Path path : {Path::kOneshot, Path::kTwoshot, Path::kDma})
           if (path != decision.path && runs(path)) consider(int(path));
-      const bool dense = rival >= 0 && bucket.explored[rival] < explore_samples_;
-      if (dense || (rival >= 0 && bucket.calls % (explore_period_ * kRefresh) == 0)) {
+      const int rival = open >= 0 ? open : bucket.calls % (explore_period_ * kRefresh) == 0 ? any : -1;
+      if (rival >= 0) {
         ++bucket.explored[rival];
-        bucket.paired = dense;
+        bucket.paired = open >= 0;
         if (rival == kPaths) return {decision.path, wire::Wire(other_wire), true, true};
         return {Path(rival), wire::Wire::kLossless, true, true};
       }
     }
-    // The table's own path is timed on the call after each explore, while exploring densely: the
-    // daemon compares timings taken under the same conditions (a burst of load at a group's start
-    // slows every path alike).
     decision.sampled = bucket.paired;
     bucket.paired = false;
     return decision;
@@ -338,7 +345,7 @@ class Dispatch {
   Table table_;
   unsigned paths_, wire_paths_;
   std::string kind_;
-  std::uint64_t explore_period_, explore_samples_, sample_period_, switch_period_;
+  std::uint64_t explore_period_, sample_period_, switch_period_;
   std::uint64_t calls_ = 0;
   std::array<Bucket, kBuckets> buckets_{};
   int undone_ = -1;  // the bucket the last call counted in, and its counts before: for undo()

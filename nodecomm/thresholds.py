@@ -117,6 +117,10 @@ class DispatchTable:
     # Where the calibrated boundaries come from, for people: "built-in defaults", the calibration
     # file and when it was measured, or the live timings that moved them.
     origin: str = field(default="", compare=False)
+    # Per size bucket (powers of 4 from 1 KiB to 256 MiB, then one for all larger sizes), a mask
+    # (1 << the path's nodecomm.v1 value) of the paths live recalibration found slower there than
+    # this table's by its margin: exploration leaves them alone (native/dispatch.h).
+    settled: tuple[int, ...] = field(default=())
 
     def path_for(self, nbytes: int) -> Path:
         return self.range_paths[bisect.bisect_left(self.range_max, nbytes)]
@@ -164,7 +168,9 @@ class DispatchTable:
         return labels
 
     def to_proto(self) -> pb.ThresholdTable:
-        table = pb.ThresholdTable(epoch=self.epoch, wire=self.wire.to_proto(), origin=self.origin)
+        table = pb.ThresholdTable(
+            epoch=self.epoch, wire=self.wire.to_proto(), origin=self.origin, settled=list(self.settled)
+        )
         wires = self.wires()
         for high, path, wire in zip(self.range_max, self.range_paths[:-1], wires[:-1], strict=True):
             table.ranges.add(max_bytes=high, path=path.to_proto(), wire=wire.to_proto())
@@ -198,6 +204,7 @@ class DispatchTable:
             range_wires=wires if any(w is not Wire.LOSSLESS for w in wires) else (),
             wire=Wire.from_proto(table.wire),
             origin=table.origin,
+            settled=tuple(table.settled),
         )
 
 

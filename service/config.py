@@ -116,11 +116,12 @@ class DaemonConfig:
     live_min_samples: int = 8
     table_switch_period: int = 256
     # Exploration, so that a wrong table is found out: every explore_period-th all-reduce of a size
-    # bucket runs on another lossless path (the same bits) and is timed, the least timed one, until
-    # every rank has timed each twice live_min_samples times under the table in force; then one in
-    # 256 times as many (native/dispatch.h). Never into or out of NCCL, never while capturing;
-    # 0 switches it off, as does live_recalibration = false.
-    explore_period: int = 4
+    # bucket runs on another lossless path (the same bits) and is timed, the least timed of those
+    # live recalibration has not yet found slower there by live_margin, and the next call is timed
+    # on the table's own path; once none is left, one in 256 times as many does (native/dispatch.h).
+    # Never into or out of NCCL, never while capturing; 0 switches it off, as does
+    # live_recalibration = false.
+    explore_period: int = 8
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
@@ -326,8 +327,8 @@ HELP = {
     "live_margin": "how much faster another path must be to move a boundary (fraction)",
     "live_min_samples": "samples of both paths every rank needs in a size bucket",
     "table_switch_period": "ranks switch to a new table together every this many all-reduces",
-    "explore_period": "every n-th all-reduce of a size bucket runs on another lossless path and is timed until "
-    "each has enough timings, then one in 256n; 0: off",
+    "explore_period": "every n-th all-reduce of a size bucket runs on another lossless path not yet found slower, "
+    "and is timed; once none is left, one in 256n; 0: off",
     "max_capacity_bytes": "largest slot capacity a group may ask for",
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",

@@ -222,7 +222,7 @@ class GroupRegistry:
             args=first,
             memory=memory,
             table=self.tables.for_new_group(
-                first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire)
+                first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire), devices
             ),
             members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
             devices=[a.device for a in joined],

@@ -161,7 +161,6 @@ def join_replies(
             max_blocks=max_blocks,
             table_switch_period=config.table_switch_period,
             explore_period=config.explore_period if config.live_recalibration else 0,
-            explore_samples=2 * config.live_min_samples,  # enough for a move though a batch be dropped
             rank_secret=group.members[rank].secret,
             service_ordering=group.service_ordering,
         )

@@ -142,6 +142,31 @@ class LiveEstimates:
             return BoundaryMove({"compressed_min_bytes": value}, moved, (low, high), path, seconds, loser, winner)
         return None
 
+    def settled(self, old: DispatchTable, new: DispatchTable) -> tuple[int, ...]:
+        """For `new` (the same table as `old`, or one a move made of it): per size bucket, the mask
+        (1 << the path's nodecomm.v1 value) of the lossless paths that every cell of the bucket timed
+        slower than the table's own path there by more than the margin, together with what `old`
+        settled in the buckets `new` routes as it did; exploration need not time them again
+        (native/dispatch.h). Trailing empty buckets are left out."""
+        masks = [0] * (len(SIZE_BUCKETS) + 1)
+        for bucket, mask in enumerate(old.settled):
+            if _route(old, *bucket_range(bucket)) == _route(new, *bucket_range(bucket)):
+                masks[bucket] = mask
+        for bucket in {b for _, b in self.samples}:
+            for path in LOSSLESS_PATHS:
+                verdicts = []
+                for low, high, index in _cells(new, *bucket_range(bucket)):
+                    mine = self.estimate(new.range_paths[index], bucket, cell=(low, high))
+                    if new.range_paths[index] is path or mine is None:
+                        continue
+                    theirs = self.estimate(path, bucket, cell=(low, high))
+                    verdicts.append(theirs is not None and theirs > mine * (1.0 + self.margin))
+                if verdicts and all(verdicts):
+                    masks[bucket] |= 1 << path.to_proto()
+        while masks and not masks[-1]:
+            masks.pop()
+        return tuple(masks)
+
     def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:
         for path, bucket in list(self.samples):
             if _route(old, *bucket_range(bucket)) != _route(new, *bucket_range(bucket)):

@@ -53,8 +53,10 @@ class TableKeeper:
         self.gpu_count = gpu_count
         # What each device kind's calibration depends on on this machine; CUDA only with GPUs.
         self.fingerprints = {"cpu": cpu_fingerprint()}
+        # links[i][j]: (peer access, native atomics, performance rank) of GPU i to GPU j's memory.
+        self.links: list[list[tuple]] = _native.cuda_peer_links() if gpu_count else []
         if gpu_count:
-            self.fingerprints["cuda"] = cuda_fingerprint(_native.cuda_devices(), _native.cuda_peer_links())
+            self.fingerprints["cuda"] = cuda_fingerprint(_native.cuda_devices(), self.links)
         self._epoch = 0
         # Boundaries measured on this machine, per device kind (see service.calibration), and for
         # CUDA groups whose fallback is NCCL where the probe timed it.
@@ -302,19 +304,51 @@ class TableKeeper:
         epoch: int,
         group_overrides: dict[str, int | None] | None = None,
         wire: Wire = Wire.LOSSLESS,
+        topology: tuple[dict[str, int | None], str] | None = None,
     ) -> DispatchTable:
         boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback, wire)
+        origin = self.origin(device_kind)
+        if topology is not None:
+            changed, why = topology
+            for name, value in changed.items():
+                if boundaries[name].source is Source.DEFAULT:
+                    boundaries[name] = Boundary(name, value, Source.DEFAULT)
+                    origin = f"{origin}; {why}"
         table = build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
-        return dataclasses.replace(table, origin=self.origin(device_kind))
+        return dataclasses.replace(table, origin=origin)
 
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch
 
     def for_new_group(
-        self, device_kind: str, nccl_fallback: bool, group_overrides: dict[str, int | None], wire: Wire
+        self,
+        device_kind: str,
+        nccl_fallback: bool,
+        group_overrides: dict[str, int | None],
+        wire: Wire,
+        devices: Sequence[int | None] = (),
     ) -> DispatchTable:
-        return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides, wire)
+        """A new group's table; `devices`, its ranks' CUDA device indices, decide the built-in
+        default where the topology says it loses (topology_default)."""
+        topology = self.topology_default(devices) if device_kind == "cuda" else None
+        return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides, wire, topology)
+
+    def topology_default(self, devices: Sequence[int | None]) -> tuple[dict[str, int | None], str] | None:
+        """The built-in boundaries a CUDA group's topology changes, and why; None where it changes
+        none. The copy engines (dma) lost to the SM paths at every size wherever peer reads are
+        fast: on ranks sharing a GPU (one H200: 1.7-3.6x slower) and on GPUs every pair of which
+        is NVLink-connected, seen as peer access with native atomics (2x H200: about 2x slower,
+        ~104 against ~210 GB/s); docs/calibration-gpu.md has both runs. PCIe keeps 6 MiB."""
+        gpus = sorted({d for d in devices if d is not None})
+        if len(gpus) < len(devices):
+            return {"dma_min_bytes": None}, "dma off: ranks share a GPU"
+        pairs = [(i, j) for i in gpus for j in gpus if i != j]
+        if pairs and all(
+            i < len(self.links) and j < len(self.links[i]) and all(self.links[i][j][:2]) for i, j in pairs
+        ):
+            return {"dma_min_bytes": None}, "dma off: NVLink between every pair of GPUs"
+        return None
 
     def preview(self, device_kind: str, nccl_fallback: bool) -> DispatchTable:
         """What a new group of device_kind would get now (epoch 0: not any group's table)."""
@@ -329,17 +363,24 @@ class TableKeeper:
     def follow_evidence(
         self, group: str, kind: str, table: DispatchTable, live: LiveEstimates, nccl_fallback: bool
     ) -> DispatchTable | None:
-        """A group's new table where its live timings move a boundary, else None. Overrides are
-        never second-guessed. A private daemon also starts its new groups from the move, and keeps
-        it for the user's next private daemon (live_store)."""
+        """A group's new table where its live timings move a boundary or settle a path (found
+        slower, so that exploration leaves it), else None. Overrides are never second-guessed. A
+        private daemon also starts its new groups from a move, and keeps it for the user's next
+        private daemon (live_store)."""
         fixed = frozenset(b.name for b in table.boundaries if b.source is Source.OVERRIDE)
         fallback = fallback_path(nccl_fallback)
         move = live.proposed_move(table, fallback, fixed) or live.proposed_wire_move(table, fallback, fixed)
         if move is None:
-            return None
+            # No move, but paths found slower leave exploration: a new epoch that says so.
+            settled = live.settled(table, table)
+            if settled == table.settled:
+                return None
+            log.debug("exploration settled", extra={"group": group, "settled": list(settled)})
+            return dataclasses.replace(table, epoch=self._next_epoch(), settled=settled)
         started = table.origin.split(LIVE_FROM, 1)[-1]
         origin = f"live timings of group {shown(group)}{LIVE_FROM}{started}"
-        moved = dataclasses.replace(move.table, epoch=self._next_epoch(), origin=origin)
+        settled = live.settled(table, move.table)
+        moved = dataclasses.replace(move.table, epoch=self._next_epoch(), origin=origin, settled=settled)
         if self.live_store is not None:
             self._keep(kind, nccl_fallback, table.wire, move.values, group)
         for name in move.values:

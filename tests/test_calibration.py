@@ -37,7 +37,7 @@ from nodecomm.service.calibration import (
 from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
 from nodecomm.service.metrics import DaemonMetrics
 from nodecomm.service.tables import TableKeeper
-from nodecomm.thresholds import DispatchTable, Source, Wire
+from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
 
@@ -593,3 +593,26 @@ def test_calibrating_a_wire_times_it_beside_lossless_and_stores_its_boundary(mak
     assert [b["name"] for b in document["boundaries"]] == ["oneshot_max_bytes", "service_min_bytes"]  # lossless preview
     wrong = nodecomm_cli("--socket", daemon.socket, "calibrate", "--wire", "int4")
     assert wrong.returncode != 0 and "int4" in wrong.stderr + wrong.stdout
+
+
+@pytest.mark.parametrize(
+    "devices, links, dma_min, why",
+    [
+        ([0, 1], [[(1, 1, 0), (1, 0, 0)], [(1, 0, 0), (1, 1, 0)]], 6 << 20, None),  # PCIe peers
+        ([0, 1], [[(1, 1, 0), (1, 1, 0)], [(1, 1, 0), (1, 1, 0)]], None, "NVLink between every pair of GPUs"),
+        ([0, 0], [[(1, 1, 0)]], None, "ranks share a GPU"),
+    ],
+)  # fmt: skip
+def test_the_built_in_cuda_default_follows_the_topology(tmp_path, devices, links, dma_min, why):
+    """The copy engines lost at every size where peer reads are fast (docs/calibration-gpu.md): a
+    group of ranks sharing a GPU, or of GPUs all NVLink-connected (peer access with native
+    atomics), starts with dma off, and its table says why; PCIe peers keep 6 MiB, and a
+    calibrated dma_min_bytes stays whatever the topology."""
+    keeper, _ = _keeper(tmp_path)
+    keeper.links = links
+    table = keeper.for_new_group("cuda", False, {}, Wire.LOSSLESS, devices)
+    assert table.boundary("dma_min_bytes") == Boundary("dma_min_bytes", dma_min, Source.DEFAULT)
+    assert table.origin.startswith("built-in defaults") and (why is None or table.origin.endswith(why))
+    keeper.calibrated["cuda"] = {"dma_min_bytes": 8 << 20}
+    calibrated = keeper.for_new_group("cuda", False, {}, Wire.LOSSLESS, devices).boundary("dma_min_bytes")
+    assert calibrated == Boundary("dma_min_bytes", 8 << 20, Source.CALIBRATED)

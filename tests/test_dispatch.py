@@ -1,6 +1,8 @@
 """The Dispatcher, without a group: what a call's path is, given the table, the forced path and
 whether the stream captures; when the ranks agree on a table, and which one."""
 
+import dataclasses
+
 import pytest
 
 from nodecomm.client.dispatch import Dispatcher
@@ -60,13 +62,13 @@ def test_the_service_path_is_refused_under_capture_unless_forced():
     assert dispatcher.decide(128 << 20, forced=None, capturing=False).path is Path.SERVICE
 
 
-def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_until_each_has_enough():
+def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_the_daemon_has_not_settled():
     """30 KiB goes to oneshot; every 3rd call of its bucket (16..64 KiB) runs twoshot or dma, the
-    one timed less (the lower code on a tie), until each has 2 timings, and the call after each
-    is timed on oneshot (the first call is, by the sample period). Calls in other buckets, and
-    captured calls (a capture is replayed as recorded), count for nothing there; from then on
-    only every 3 x 256th call explores."""
-    dispatcher = cuda_dispatcher(explore_period=3, explore_samples=2, sample_period=1 << 20)
+    one timed less (the lower code on a tie), and the call after it is timed on oneshot (the first
+    call is, by the sample period). Calls in other buckets, and captured calls (a capture is
+    replayed as recorded), count for nothing there. A rival the table lists as settled there is
+    left out; with both settled only every 3 x 256th call explores."""
+    dispatcher = cuda_dispatcher(explore_period=3, sample_period=1 << 20)
     near_edge = 30 * KIB
 
     def calls(count: int) -> list[tuple[Path, bool, bool]]:
@@ -77,33 +79,36 @@ def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_un
     assert calls(3) == [(one, False, True), (one, False, False), (two, True, True)]
     dispatcher.decide(4 * KIB, forced=None, capturing=False)  # another bucket
     assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [one] * 3
-    assert calls(10) == [
+    assert calls(7) == [
         (one, False, True), (one, False, False), (dma, True, True),
         (one, False, True), (one, False, False), (two, True, True),
-        (one, False, True), (one, False, False), (dma, True, True),
         (one, False, True),
     ]  # fmt: skip
-    assert not any(explored or sampled for _, explored, sampled in calls(3 * 256 - 14))  # settled: 14 .. 767
+    bucket = 3  # 16..64 KiB: 1 KiB, 4 KiB, 16 KiB, 64 KiB
+    dispatcher.table = dataclasses.replace(TABLE, epoch=2, settled=(0,) * bucket + (1 << 2,))  # twoshot
+    assert calls(3) == [(one, False, False), (dma, True, True), (one, False, True)]  # calls 11 .. 13
+    dispatcher.table = dataclasses.replace(TABLE, epoch=3, settled=(0,) * bucket + (1 << 2 | 1 << 3,))
+    assert not any(explored or sampled for _, explored, sampled in calls(3 * 256 - 14))  # calls 14 .. 767
     assert calls(2) == [(two, True, True), (one, False, False)]  # the 768th refreshes the least timed
     # dma's range ends at the service path, which is not lossless: its rivals are the SM paths.
-    at_service_edge = cuda_dispatcher(explore_period=1, explore_samples=2)
+    at_service_edge = cuda_dispatcher(explore_period=1)
     assert [at_service_edge.decide(64 << 20, forced=None, capturing=False).path for _ in range(3)] == [one, two, one]
     # The service path's range explores nothing.
-    beyond = cuda_dispatcher(explore_period=1, explore_samples=2)
+    beyond = cuda_dispatcher(explore_period=1)
     assert not any(beyond.decide(1 << 30, forced=None, capturing=False).explored for _ in range(4))
 
 
-def test_a_new_table_restarts_exploration_where_it_routes_differently():
-    dispatcher = cuda_dispatcher(explore_period=1, explore_samples=1)
-    for nbytes in (30 * KIB, 4 << 20):  # settle both buckets: one timing of each rival
-        assert [dispatcher.decide(nbytes, forced=None, capturing=False).explored for _ in range(2)] == [True, True]
-        assert not dispatcher.decide(nbytes, forced=None, capturing=False).explored
-    # dma from 2 MiB instead of 1 MiB: the 1..4 MiB bucket is routed anew, 16..64 KiB is not.
+def test_a_new_table_restarts_the_count_where_it_routes_differently():
+    """Every 2nd call of a bucket explores: 30 KiB made 3 calls and 4 MiB one before dma moved
+    from 1 MiB to 2 MiB; 16..64 KiB counts on (its 4th call explores), 1..4 MiB starts again."""
+    dispatcher = cuda_dispatcher(explore_period=2)
+    for nbytes in (30 * KIB, 30 * KIB, 30 * KIB, 4 << 20):
+        dispatcher.decide(nbytes, forced=None, capturing=False)
     dispatcher.table = DispatchTable(
         epoch=2, range_max=(32 * KIB, (2 << 20) - 1, 64 << 20), range_paths=TABLE.range_paths
     )
-    assert not dispatcher.decide(30 * KIB, forced=None, capturing=False).explored
-    assert dispatcher.decide(4 << 20, forced=None, capturing=False).explored
+    assert dispatcher.decide(30 * KIB, forced=None, capturing=False).explored
+    assert not dispatcher.decide(4 << 20, forced=None, capturing=False).explored
 
 
 def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():
@@ -139,9 +144,7 @@ def test_a_decision_carries_the_form_of_the_path_it_chose():
             return ""
         return "push" if nbytes <= 8 * KIB and wire is Wire.LOSSLESS else "pull"
 
-    dispatcher = Dispatcher(
-        TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2, explore_samples=1
-    )
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2)
     assert dispatcher.decide(4 * KIB, forced=None, capturing=False).form == "push"
     dispatcher.decide(33 * KIB, forced=None, capturing=False)
     explored = dispatcher.decide(33 * KIB, forced=None, capturing=False)  # the bucket's second call explores
@@ -164,7 +167,7 @@ def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():
     }
     table = build_table(boundaries, Path.TWOSHOT, 1, Wire.INT8)
     paths = frozenset({Path.ONESHOT, Path.TWOSHOT, Path.SERVICE})
-    dispatcher = Dispatcher(table, paths, "cpu", wire_paths=paths - {Path.SERVICE}, explore_period=2, explore_samples=4)
+    dispatcher = Dispatcher(table, paths, "cpu", wire_paths=paths - {Path.SERVICE}, explore_period=2)
     below = [dispatcher.decide(512 * KIB, forced=None, capturing=False) for _ in range(2)]
     assert [(d.wire, d.explored) for d in below] == [(Wire.LOSSLESS, False), (Wire.INT8, True)]
     above = [dispatcher.decide(2 << 20, forced=None, capturing=False) for _ in range(2)]
@@ -174,9 +177,7 @@ def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():
     dispatcher.decide(512 * KIB, forced=None, capturing=False)  # the bucket's 3rd call
     captured = dispatcher.decide(512 * KIB, forced=None, capturing=True)  # would be its 4th: no exploring
     assert (captured.wire, captured.explored) == (Wire.LOSSLESS, False)
-    plain = Dispatcher(
-        build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1, explore_samples=4
-    )
+    plain = Dispatcher(build_table(boundaries, Path.TWOSHOT, 1), paths, "cpu", wire_paths=paths, explore_period=1)
     assert all(plain.decide(512 * KIB, forced=None, capturing=False).wire is Wire.LOSSLESS for _ in range(4))
 
 
@@ -184,10 +185,10 @@ def test_the_sampled_calls_and_the_counts_are_kept_natively():
     """Every sample_period-th call, and every explored one, is timed; the counts of what each path
     carried add up per (op, path, wire) until taken, and a take starts them again. A bad code or
     a table that is not one is refused with what was expected."""
-    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, explore_samples=1, sample_period=4)
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", explore_period=3, sample_period=4)
     sampled = [dispatcher.decide(16 * KIB, forced=None, capturing=False).sampled for _ in range(9)]
-    # Calls 1, 5 and 9 by the period; 3 and 6 explore twoshot and dma, and 4 and 7 time oneshot
-    # beside them; 9 would explore, but both have their timing.
+    # Calls 1, 5 and 9 by the period; 3, 6 and 9 explore twoshot, dma and twoshot, and 4 and 7 time
+    # oneshot beside them.
     assert sampled == [True, False, True, True, True, True, True, False, True]
     native = dispatcher.native
     oneshot, dma, int8 = Path.ONESHOT.to_proto(), Path.DMA.to_proto(), Wire.INT8.to_proto()
@@ -212,8 +213,8 @@ def test_a_failed_call_is_taken_back_from_its_buckets_exploration():
     """Ranks that disagreed on a call's size counted it in different buckets; the CPU lane undoes
     the count of a call that raised, so every rank explores the same calls afterwards."""
     one, other = (
-        cuda_dispatcher(explore_period=2, explore_samples=4),
-        cuda_dispatcher(explore_period=2, explore_samples=4),
+        cuda_dispatcher(explore_period=2),
+        cuda_dispatcher(explore_period=2),
     )
     one.decide(30 * KIB, forced=None, capturing=False)
     other.decide(4 * KIB, forced=None, capturing=False)  # the disagreeing call

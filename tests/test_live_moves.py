@@ -3,6 +3,8 @@ that beats a bucket's path by the margin takes that bucket, however far its rang
 fewest boundaries moved; overrides stay, and no move sends another bucket to a path its evidence
 shows slower."""
 
+import dataclasses
+
 from nodecomm.service.live_thresholds import LiveEstimates, bucket_index
 from nodecomm.thresholds import Boundary, Path, Source, Wire, build_table
 
@@ -238,3 +240,25 @@ def test_no_wire_moves_within_the_margin_under_an_override_or_in_a_lossless_grou
         is None
     )
     assert faster.proposed_wire_move(wire_table(MIB, wire=Wire.LOSSLESS), Path.TWOSHOT) is None
+
+
+def test_a_path_slower_in_every_cell_of_a_bucket_is_settled_there_until_its_routing_changes():
+    """The CUDA default with twoshot up to 6 MiB splits the 4..16 MiB bucket at dma_min_bytes:
+    oneshot is within the margin of dma in the dma part, so only twoshot (slower in both parts)
+    and dma (slower in the one where it is not the table's) are settled there; at 1 MiB (twoshot)
+    dma is. A move that reroutes a bucket drops what was settled there, and keeps the rest."""
+    before = table(Path.TWOSHOT, oneshot_max_bytes=256 * KIB, dma_min_bytes=6 * MIB)
+    one_mib = ("twoshot", MIB, 10e-6), ("dma", MIB, 30e-6), ("oneshot", MIB, 10.2e-6)
+    live = evidence(
+        *one_mib,
+        ("twoshot", 5 * MIB, 40e-6), ("oneshot", 5 * MIB, 60e-6), ("dma", 5 * MIB, 90e-6),
+        ("dma", 16 * MIB, 100e-6), ("oneshot", 16 * MIB, 102e-6), ("twoshot", 16 * MIB, 130e-6),
+    )  # fmt: skip
+    two, dma = (1 << p.to_proto() for p in (Path.TWOSHOT, Path.DMA))
+    settled = live.settled(before, before)
+    assert settled == (0,) * bucket_index(MIB) + (dma, 0, two | dma)
+    # Twoshot 3x faster than dma at 64 MiB moves dma_min_bytes above it, rerouting 4..64 MiB.
+    live = evidence(*one_mib, ("dma", 64 * MIB, 300e-6), ("twoshot", 64 * MIB, 100e-6))
+    move = live.proposed_move(before, Path.TWOSHOT)
+    assert move.values == {"dma_min_bytes": 64 * MIB + 1}
+    assert live.settled(dataclasses.replace(before, settled=settled), move.table) == (0,) * bucket_index(MIB) + (dma,)

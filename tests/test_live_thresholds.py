@@ -55,18 +55,16 @@ def test_an_override_is_never_moved(make_daemon, spawn_ranks):
     )
 
 
-def test_exploration_times_the_other_path_until_it_has_enough_and_keeps_the_bits(make_daemon, spawn_ranks):
+def test_exploration_times_the_other_path_beside_the_tables_and_keeps_the_bits(make_daemon, spawn_ranks):
     """16 KiB goes to oneshot by the table; every 2nd call of its bucket runs twoshot instead and is
-    timed until there are 2 x live_min_samples = 6 such timings per rank, and the call after each
-    is timed on oneshot (and the first, by the sample period); then (before the 512th call) nothing
-    more is. A 95% margin keeps the table still."""
-    daemon = make_daemon(
-        "--explore-period", "2", "--timing-sample-period", "100000", "--live-min-samples", "3", "--live-margin", "0.95"
-    )
+    timed, and so is the call after it, on oneshot (and the first, by the sample period): 20 and 20
+    per rank in 40 calls, fewer than the 256 after which the ranks would take up a table that
+    settled twoshot."""
+    daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-margin", "0.95")
     assert spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 40, timeout=120).values() == {0: True, 1: True}
     sampled = {
         line.split('path="')[1].split('"')[0]: float(line.split()[-1])
         for line in daemon.metrics_text().splitlines()
         if line.startswith("nodecomm_sampled_operations_total{")
     }
-    assert sampled == {"oneshot": 14.0, "twoshot": 12.0}
+    assert sampled == {"oneshot": 40.0, "twoshot": 40.0}

@@ -15,19 +15,21 @@ void bind_dispatch(py::module_& m) {
   py::class_<d::Dispatch>(m, "Dispatch",
                           "Decides one rank's all-reduces by the table installed, and counts what each path "
                           "carried. Paths and wires are nodecomm.v1 codes; path masks are sums of 1 << code.")
-      .def(py::init<unsigned, unsigned, std::string, std::uint64_t, std::uint64_t, std::uint64_t, std::uint64_t>(),
+      .def(py::init<unsigned, unsigned, std::string, std::uint64_t, std::uint64_t, std::uint64_t>(),
            py::arg("paths"), py::arg("wire_paths"), py::arg("kind"), py::arg("explore_period"),
-           py::arg("explore_samples"), py::arg("sample_period"), py::arg("switch_period"))
+           py::arg("sample_period"), py::arg("switch_period"))
       .def(
           "install",
           [](d::Dispatch& self, std::uint64_t epoch, std::vector<std::uint64_t> range_max, const std::vector<int>& paths,
-             const std::vector<int>& wires, int wire, std::int64_t compressed_min) {
-            self.install(d::make_table(epoch, std::move(range_max), paths, wires, wire, compressed_min));
+             const std::vector<int>& wires, int wire, std::int64_t compressed_min, std::vector<unsigned> settled) {
+            self.install(
+                d::make_table(epoch, std::move(range_max), paths, wires, wire, compressed_min, std::move(settled)));
           },
           py::arg("epoch"), py::arg("range_max"), py::arg("paths"), py::arg("wires"), py::arg("wire"),
-          py::arg("compressed_min"),
+          py::arg("compressed_min"), py::arg("settled") = std::vector<unsigned>{},
           "Dispatch by this table from the next call: ranges' inclusive ends (all but the last), a path per "
-          "range, a wire per range (empty: all lossless), the group's wire and compressed_min_bytes (-1: none).")
+          "range, a wire per range (empty: all lossless), the group's wire, compressed_min_bytes (-1: none), and "
+          "per size bucket the mask (1 << path) of the paths exploration leaves to its refresh.")
       .def(
           "decide",
           [](d::Dispatch& self, std::uint64_t nbytes, int forced, int wire, bool capturing) {

@@ -142,7 +142,7 @@ class Segment(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering", "explore_samples")
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -157,7 +157,6 @@ class JoinReply(_message.Message):
     EXPLORE_PERIOD_FIELD_NUMBER: _ClassVar[int]
     RANK_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
-    EXPLORE_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     claim_token: bytes
     descriptor_socket: str
@@ -172,8 +171,7 @@ class JoinReply(_message.Message):
     explore_period: int
     rank_secret: bytes
     service_ordering: ServiceOrdering
-    explore_samples: int
-    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., explore_samples: _Optional[int] = ...) -> None: ...
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("name", "value_bytes", "source")
@@ -198,18 +196,20 @@ class PathRange(_message.Message):
     def __init__(self, max_bytes: _Optional[int] = ..., unbounded: _Optional[bool] = ..., path: _Optional[_Union[Path, str]] = ..., wire: _Optional[_Union[Wire, str]] = ...) -> None: ...
 
 class ThresholdTable(_message.Message):
-    __slots__ = ("epoch", "ranges", "boundaries", "wire", "origin")
+    __slots__ = ("epoch", "ranges", "boundaries", "wire", "origin", "settled")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     RANGES_FIELD_NUMBER: _ClassVar[int]
     BOUNDARIES_FIELD_NUMBER: _ClassVar[int]
     WIRE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     ranges: _containers.RepeatedCompositeFieldContainer[PathRange]
     boundaries: _containers.RepeatedCompositeFieldContainer[Boundary]
     wire: Wire
     origin: str
-    def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., wire: _Optional[_Union[Wire, str]] = ..., origin: _Optional[str] = ...) -> None: ...
+    settled: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., ranges: _Optional[_Iterable[_Union[PathRange, _Mapping]]] = ..., boundaries: _Optional[_Iterable[_Union[Boundary, _Mapping]]] = ..., wire: _Optional[_Union[Wire, str]] = ..., origin: _Optional[str] = ..., settled: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timing(_message.Message):
     __slots__ = ("path", "bytes", "seconds", "wire")
