@@ -1,12 +1,14 @@
 """nodecomm bench --op convergence: how many calls a fresh group's table needs to pick the fastest
 path. A private daemon with an empty state directory (or one whose stored calibration sends every
-size to one path, --table; or the daemon --socket names) serves one group;
-per size, the ranks first make `calls` default-dispatched all-reduces in windows of WINDOW calls
-(live recalibration and exploration as the daemon is set), then time every single path the same
-way, forced, afterwards (forced calls are timed for the daemon too, so they must not come first).
-Reported per size: the best single path, and the call count and seconds from the size's first call
-after which auto stays within 5% of it (the slowest rank's time per window, as the median of 5
-windows)."""
+size to one path, --table; or the daemon --socket names) serves one group. Per size, the ranks
+first make `calls` default-dispatched all-reduces in windows of WINDOW calls (live recalibration
+and exploration as the daemon is set), then time every single path the same way, forced,
+afterwards (forced calls are timed for the daemon too, so they must not come first). Reported per
+size: the best single path; the call count and seconds from the size's first call after which
+the table gives the size the path it ends on, and after which auto stays within 5% of the best
+(the slowest rank's time per window, as the median of 5 windows); auto's last windows against the
+best.
+"""
 
 from __future__ import annotations
 
@@ -26,14 +28,15 @@ WITHIN = 1.05  # "converged": auto's window at most this many times the best pat
 ROLLING = 5  # windows a window's time is the median of
 
 
-def _window_times(run, windows: int, comm, on_gpu: bool) -> tuple[list[float], list[float]]:
-    """Per-call seconds of `windows` windows of WINDOW calls back to back, and the seconds since
-    the first window began at each window's end (host clock)."""
+def _window_times(run, windows: int, comm, on_gpu: bool, nbytes: int) -> tuple[list[float], list[float], list[str]]:
+    """Per-call seconds of `windows` windows of WINDOW calls back to back, the seconds since the
+    first window began at each window's end (host clock), and the path the table in force gave
+    `nbytes` before the first window and at each window's end."""
     import torch
 
     comm.barrier()
     started = time.perf_counter()
-    per_call, elapsed = [], []
+    per_call, elapsed, paths = [], [], [comm.thresholds().path_for(nbytes).value]
     for _ in range(windows):
         if on_gpu:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,7 +52,8 @@ def _window_times(run, windows: int, comm, on_gpu: bool) -> tuple[list[float], l
                 run()
             per_call.append((time.perf_counter() - window_start) / WINDOW)
         elapsed.append(time.perf_counter() - started)
-    return per_call, elapsed
+        paths.append(comm.thresholds().path_for(nbytes).value)
+    return per_call, elapsed, paths
 
 
 def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
@@ -68,15 +72,14 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
             x = torch.ones(nbytes // 4, device=device)
             result = torch.empty_like(x)
             auto_call = functools.partial(comm.all_reduce, x, out=result)
-            auto, elapsed = _window_times(auto_call, args["calls"] // WINDOW, comm, on_gpu)
+            auto, elapsed, table = _window_times(auto_call, args["calls"] // WINDOW, comm, on_gpu, nbytes)
             auto, _, _ = slowest_rank(auto, 0, world_size)
             elapsed, _, _ = slowest_rank(elapsed, 0, world_size)
             best = {}
             for path in paths:
                 forced = functools.partial(comm.all_reduce, x, out=result, path=path)
-                times, _ = _window_times(forced, PROBE_WINDOWS, comm, on_gpu)
+                times, _, _ = _window_times(forced, PROBE_WINDOWS, comm, on_gpu, nbytes)
                 best[path] = statistics.median(slowest_rank(times, 0, world_size)[0])
-            table = comm.thresholds().path_for(nbytes).value
             if rank == 0:
                 out.append((nbytes, auto, elapsed, best, table))
     dist.destroy_process_group()
@@ -143,18 +146,25 @@ def run_convergence_bench(
         f"# nodecomm bench --op convergence: device={device} world_size={world_size} calls={calls} "
         f"window={WINDOW} host={platform.node()} cpus={os.cpu_count()} daemon flags: {' '.join(daemon_flags) or '-'}"
         f" start: {'every size to ' + table + ' (stored)' if table else 'built-in table'}",
-        f"# converged: the call (and seconds) from which auto (a median of {ROLLING} windows) stays within "
-        f"{WITHIN:.2f}x of the best single path's p50; last: auto's last window / best; table: the path in force "
-        "at the end",
-        f"# {'size':>8} {'best':>8} {'best(us)':>9} {'converged':>10} {'seconds':>8} {'last':>6} {'table':>8}",
+        "# on path: the call (and seconds) from which the table gives the size the path it ends on; "
+        f"within: from which auto (a median of {ROLLING} windows) stays within {WITHIN:.2f}x of the best single "
+        f"path's p50; last: auto's median over the last {ROLLING * 2} windows / best",
+        f"# {'size':>8} {'best':>8} {'best(us)':>9} {'table':>8} {'on path':>8} {'seconds':>8} {'within':>8} "
+        f"{'seconds':>8} {'last':>6}",
     ]
-    for nbytes, auto, elapsed, best, table in raw:
+    for nbytes, auto, elapsed, best, paths in raw:
         winner = min(best, key=best.get)
+        settled = next(i for i in range(len(paths)) if set(paths[i:]) == {paths[-1]})
         at = converged_at(auto, best[winner])
-        calls_at = "never" if at is None else str(at * WINDOW)
-        seconds = "-" if at is None else f"{(elapsed[at - 1] if at else 0.0):.2f}"
         lines.append(
-            f"  {format_byte_size(nbytes):>8} {winner:>8} {best[winner] * 1e6:>9.1f} {calls_at:>10} {seconds:>8} "
-            f"{auto[-1] / best[winner]:>6.2f} {table:>8}"
+            f"  {format_byte_size(nbytes):>8} {winner:>8} {best[winner] * 1e6:>9.1f} {paths[-1]:>8} "
+            f"{_calls(settled, elapsed)} {_calls(at, elapsed)} {statistics.median(auto[-ROLLING * 2 :]) / best[winner]:>6.2f}"
         )
     return "\n".join(lines)
+
+
+def _calls(window: int | None, elapsed: list[float]) -> str:
+    """A window's index as calls before it, and seconds (the end of the window before it)."""
+    if window is None:
+        return f"{'never':>8} {'-':>8}"
+    return f"{window * WINDOW:>8} {(elapsed[window - 1] if window else 0.0):>8.2f}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 import time
 
 import torch
@@ -385,3 +386,29 @@ def wait_for_the_abort(rank: int, world_size: int, socket: str, report) -> tuple
             return None
         reason = _native.wait_for_abort(comm._control.address, 30.0)  # 0 if nothing woke it by then
         return int(reason), int(_native.abort_state(comm._control.address)[1])
+
+
+def converge(rank: int, world_size: int, socket: str, nbytes: int, calls: int) -> dict:
+    """`calls` default-dispatched all-reduces of `nbytes`; where the table in force changed (call,
+    epoch, its path for nbytes), then each path's median seconds per call over 200 forced calls
+    (after: forced calls are timed for the daemon too)."""
+    from nodecomm.thresholds import Path
+
+    with nodecomm.connect("converge", rank, world_size, socket=socket, timeout=30) as comm:
+        x = torch.ones(nbytes // 4)
+        out = torch.empty_like(x)
+        epoch, switches = comm.thresholds().epoch, []
+        for call in range(calls):
+            comm.all_reduce(x, out=out)
+            if comm.thresholds().epoch != epoch:
+                epoch = comm.thresholds().epoch
+                switches.append((call, epoch, comm.thresholds().path_for(nbytes).value))
+        forced = {}
+        for path in (Path.ONESHOT, Path.TWOSHOT):
+            times = []
+            for _ in range(200):
+                start = time.perf_counter()
+                comm.all_reduce(x, out=out, path=path.value)
+                times.append(time.perf_counter() - start)
+            forced[path.value] = statistics.median(times)
+        return {"switches": switches, "forced": forced, "origin": comm.thresholds().origin}

@@ -3,6 +3,9 @@
 of the synthetic streams neither explore nor sample, so that the ranks' own calls add no timings."""
 
 import ranks
+from nodecomm.client.convergence_bench import every_size_to
+from nodecomm.service.calibration import CalibrationStore
+from nodecomm.service.config import DaemonConfig
 
 SIXTEEN_KIB = 16 << 10
 SYNTHETIC = ("--explore-period", "0", "--timing-sample-period", "100000")
@@ -68,3 +71,23 @@ def test_exploration_times_the_other_path_beside_the_tables_and_keeps_the_bits(m
         if line.startswith("nodecomm_sampled_operations_total{")
     }
     assert sampled == {"oneshot": 40.0, "twoshot": 40.0}
+
+
+def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switches_at_the_same_call(
+    make_daemon, spawn_ranks, tmp_path
+):
+    """A stored calibration of this machine sends every size to oneshot; at 1 MiB twoshot is the
+    faster CPU path (it moves half the bytes per rank at world 2). With exploration as the daemon
+    has it by default, the table moves to twoshot within 2,000 calls, every rank switching tables
+    at the same calls, and stays there; the path it ends on is the faster of the two by forced
+    timings afterwards, or within 5% of it."""
+    state = tmp_path / "state"
+    CalibrationStore(str(state)).save(every_size_to("oneshot", "cpu"))
+    daemon = make_daemon("--state-dir", str(state), "--explore-period", str(DaemonConfig.explore_period))
+    results = spawn_ranks(ranks.converge, 2, 2, daemon.socket, 1 << 20, 2000, timeout=300).values()
+    assert results[0]["switches"] == results[1]["switches"], results
+    moved = [call for call, _, path in results[0]["switches"] if path == "twoshot"]
+    assert moved and moved[0] < 2000 and results[0]["switches"][-1][2] == "twoshot", (results[0], daemon.log()[-3000:])
+    forced = results[0]["forced"]
+    assert forced["twoshot"] <= 1.05 * forced["oneshot"], forced
+    assert results[0]["origin"].startswith("live timings of group 'converge', moved from: " + str(state))
