@@ -141,19 +141,25 @@ def test_topk_bench_compares_tables_with_the_baseline():
 
 
 def test_convergence_bench_reports_when_auto_reached_the_best_path_and_stayed():
-    """A fresh private daemon exploring every 4th call: a row per size with the best single path,
-    the call from which auto stayed within 5% of it (or never), and the path in force at the end."""
+    """A private daemon exploring every 4th call, from a stored table that sends every size to
+    twoshot: a row per size with the best single path, the path in force at the end, the call (a
+    whole window's) from which the table gave the size that path, the one from which auto stayed
+    within 5% of the best (or never), and auto's last windows against the best."""
     result = nodecomm_cli(
-        "bench", "--op", "convergence", "--sizes", "4KiB,256KiB", "--calls", "300", "--explore-period", "4"
-    )
+        "bench", "--op", "convergence", "--sizes", "4KiB,256KiB", "--calls", "300", "--explore-period", "4",
+        "--table", "twoshot",
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert "daemon flags: --explore-period 4" in result.stdout
+    assert "daemon flags: --explore-period 4 start: every size to twoshot (stored)" in result.stdout
     rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
     assert [row[0] for row in rows] == ["4KiB", "256KiB"], rows
-    for _size, best, best_us, converged, seconds, last, table in rows:
+    for _size, best, best_us, table, on_path, seconds, within, within_seconds, last in rows:
         assert best in ("oneshot", "twoshot") and table in ("oneshot", "twoshot") and float(best_us) > 0
-        assert converged == "never" or int(converged) % 50 == 0 and float(seconds) >= 0
+        assert int(on_path) % 50 == 0 and float(seconds) >= 0
+        assert within == "never" or int(within) % 50 == 0 and float(within_seconds) >= 0
         assert float(last) > 0
+    refused = nodecomm_cli("--socket", "/nowhere", "bench", "--op", "convergence", "--table", "dma")
+    assert refused.returncode == 2 and "--table starts a daemon of its own" in refused.stderr
 
 
 def test_convergence_is_where_auto_comes_within_five_percent_and_stays():
