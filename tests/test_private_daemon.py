@@ -14,6 +14,9 @@ import pytest
 import distributed_ranks
 import nodecomm
 from conftest import free_port
+from nodecomm.client.convergence_bench import every_size_to
+from nodecomm.service.calibration import CalibrationStore
+from nodecomm.service.config import DaemonConfig
 from test_distributed import reports, torchrun
 
 
@@ -143,3 +146,45 @@ def test_a_private_daemon_that_cannot_start_says_why_and_leaves_nothing(runtime_
     with pytest.raises(nodecomm.DaemonUnavailableError, match="log_level 'FOO': expected DEBUG"):
         nodecomm.connect("fails", 0, 1, daemon="private", timeout=30)
     assert os.listdir(os.path.join(runtime_directory, "nodecomm-jobs")) == []
+
+
+def converge_privately(rank: int, world_size: int, runtime: str, nbytes: int, calls: int) -> dict:
+    """`calls` all-reduces of `nbytes` through the job's private daemon; the table's path for
+    nbytes and its origin, first and last."""
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    import torch
+
+    with nodecomm.connect("learns", rank, world_size, daemon="private", timeout=30) as comm:
+        x, out = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        first = comm.thresholds()
+        for _ in range(calls):
+            comm.all_reduce(x, out=out)
+        last = comm.thresholds()
+        return {
+            "socket": comm.daemon.socket,
+            "first": (first.path_for(nbytes).value, first.origin),
+            "last": (last.path_for(nbytes).value, last.origin),
+        }
+
+
+def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
+    runtime_directory, spawn_ranks, monkeypatch, tmp_path
+):
+    """Job 1's private daemon starts from the node's stored table (every size to oneshot), learns
+    from its ranks' timings (exploring, as by default) that twoshot wins at 1 MiB, and keeps that in
+    the user's cache, made 0700; the node's state stays as it was. Job 2's private daemon starts
+    from the cache, the newer: its first table already sends 1 MiB to twoshot and says so."""
+    state, cache = tmp_path / "state", tmp_path / "cache"
+    stored = CalibrationStore(str(state)).save(every_size_to("oneshot", "cpu"))
+    before = stored.read_bytes()
+    monkeypatch.setenv("NODECOMM_STATE_DIR", str(state))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    monkeypatch.setenv("NODECOMM_EXPLORE_PERIOD", str(DaemonConfig.explore_period))
+    first = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 2000, timeout=300).values()
+    assert first[0]["first"] == ("oneshot", f"{stored}, measured " + first[0]["first"][1].split(", measured ")[1])
+    assert first[0]["last"][0] == "twoshot", first
+    assert gone_within(10, first[0]["socket"])
+    (kept,) = (cache / "nodecomm").glob("calibration-*.json")
+    assert (cache / "nodecomm").stat().st_mode & 0o777 == 0o700 and stored.read_bytes() == before
+    second = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 10, timeout=120).values()
+    assert second[0]["first"][0] == "twoshot" and second[0]["first"][1].startswith(f"{kept}, measured "), second
