@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import platform
 import secrets
 from collections.abc import Iterator, Mapping
 
@@ -34,18 +35,60 @@ def _device_of(device: int | str | torch.device) -> torch.device:
     return resolved
 
 
+def node_identity() -> str:
+    """This machine's boot, which every process on it shares (containers too) and no other
+    machine does; the host name where the kernel does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip()
+    except OSError:
+        return platform.node()
+
+
+def _gpu_uuid(device: torch.device) -> str:
+    """The UUID of `device`'s GPU, the same in every process whatever it sees; "" for the CPU or
+    where it cannot be read. Never raises: every rank must reach the collective it is sent in."""
+    if device.type != "cuda":
+        return ""
+    from nodecomm import _native
+
+    try:
+        return _native.cuda_devices()[device.index]["uuid"]
+    except Exception:  # noqa: BLE001 (unknown: fully_connected stays False)
+        return ""
+
+
+def nvlink_between(uuids: list[str]) -> bool:
+    """Whether every pair of these GPUs has peer access with native atomics (NVLink), as far as
+    this process sees them; False where it does not see them all, or for the CPU."""
+    if not all(uuids) or len(set(uuids)) < len(uuids):
+        return False
+    from nodecomm import _native
+
+    visible = [device["uuid"] for device in _native.cuda_devices()]
+    if not set(uuids) <= set(visible):
+        return False
+    links, index = _native.cuda_peer_links(), [visible.index(uuid) for uuid in uuids]
+    return all(all(links[i][j][:2]) for i in index for j in index if i != j)
+
+
 class NodecommAllreduce:
     """The surface vLLM's CudaCommunicator and SGLang's GroupCoordinator call on a custom all-reduce.
 
     group: the engine's CPU (gloo) group for the tensor-parallel ranks; the ranks agree on a
     nodecomm group name over it (collective: every rank constructs together). device: the rank's
     GPU ("cpu" works too, over host shared memory, which is how CI drives this class).
-    max_size: the largest all-reduce taken, in bytes. table_switching: False keeps the dispatch
-    table the group formed with, so no eager call ever does the host all-gather that switches to
-    a live table. symm_mem_enabled and register_graph_buffers are vLLM's arguments: accepted, and
-    they change nothing here. A daemon that cannot be reached leaves the object disabled (every
-    size goes to NCCL), with the reason in `disabled_reason` and the log, as the engines' own
-    classes do when their transport cannot run.
+    max_size: the largest all-reduce taken, in bytes. table_switching: True lets the group switch
+    to the tables live recalibration makes, at the cost of a host all-gather on every 256th eager
+    call; off by default, so the table the group formed with stays. symm_mem_enabled and
+    register_graph_buffers are vLLM's arguments: accepted, and they change nothing here.
+
+    Construction never raises into the engine: a group that spans nodes, a daemon that cannot be
+    reached, or any other failure leaves the object disabled (every size goes to the engine's
+    own all-reduce), with the reason in `disabled_reason` and one warning in the log, as the
+    engines' own classes do when their transport cannot run. The ranks agree on it over the CPU
+    group: where one rank is disabled all are, since ranks that answer should_custom_ar
+    differently would wait for each other forever.
     """
 
     def __init__(
@@ -56,7 +99,7 @@ class NodecommAllreduce:
         *,
         symm_mem_enabled: bool = False,
         register_graph_buffers: bool = True,
-        table_switching: bool = True,
+        table_switching: bool = False,
         socket: str | None = None,
         timeout: float = 60.0,
         thresholds: Mapping[str, str | int | None] | None = None,
@@ -70,15 +113,46 @@ class NodecommAllreduce:
         self.disabled = True
         self.disabled_reason = ""
         self.comm = None
+        self.fully_connected = False  # vLLM's name: NVLink between every pair of the group's GPUs
         self._IS_CAPTURING = False  # noqa: N815 (the engines' attribute name)
         if self.world_size == 1:
             self.disabled_reason = "a group of one rank has nothing to reduce"
             return
-        # Every rank learns rank 0's token (a fresh name per engine) and group key (which admits
-        # this engine's ranks, and no other process, to the group) over the engine's CPU group.
-        shared = [(secrets.token_hex(6), secrets.token_hex(16)) if self.rank == 0 else None]
-        dist.broadcast_object_list(shared, src=dist.get_global_rank(group, 0), group=group)
-        token, group_key = shared[0]
+        try:
+            reason = self._join(socket, timeout, thresholds, table_switching)
+        except Exception as error:  # noqa: BLE001 (whatever failed, the engine runs on without us)
+            reason = f"{type(error).__name__}: {error}"
+        try:
+            usable = [0 if reason else 1]
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, usable[0], group=group)
+            agreed = min(everyone)
+        except Exception as error:  # noqa: BLE001
+            reason, agreed = reason or f"the ranks could not agree over the CPU group: {error}", 0
+        if not agreed:
+            self.disabled_reason = reason or "another rank of the group cannot use nodecomm"
+            log.warning(
+                f"nodecomm custom all-reduce disabled; the engine's own all-reduce takes every size: "
+                f"{self.disabled_reason}",
+                extra={"rank": self.rank, "reason": self.disabled_reason},
+            )
+            self.close()
+            return
+        self.disabled = False
+
+    def _join(
+        self, socket: str | None, timeout: float, thresholds: Mapping[str, str | int | None] | None, switching: bool
+    ) -> str:
+        """Join the group's nodecomm group; the reason this rank cannot, or "". Every rank learns
+        rank 0's token (a fresh name per engine) and group key (which admits this engine's ranks,
+        and no other process, to the group), and every rank's node, over the engine's CPU group."""
+        mine = (node_identity(), secrets.token_hex(6), secrets.token_hex(16), _gpu_uuid(self.device))
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.group)
+        nodes = {node for node, *_ in everyone}
+        if len(nodes) > 1:
+            return f"the group spans {len(nodes)} nodes; nodecomm reduces within one"
+        _, token, group_key, _ = everyone[0]
         import nodecomm
 
         try:
@@ -91,25 +165,24 @@ class NodecommAllreduce:
                 timeout=timeout,
                 nccl_by_caller=self.device.type == "cuda",
                 thresholds=thresholds,
-                table_switching=table_switching,
+                table_switching=switching,
                 group_key=group_key,
             )
         except NodecommError as error:
-            self.disabled_reason = str(error)
-            log.warning("nodecomm custom all-reduce disabled; NCCL takes every size", extra={"reason": str(error)})
-            return
+            return str(error)
         if not self.comm.thresholds().paths() & self.comm.paths:
-            self.disabled_reason = "the dispatch table gives every size to NCCL"
-            return
-        self.disabled = False
+            return "the dispatch table gives every size to NCCL"
+        self.fully_connected = nvlink_between([uuid for *_, uuid in everyone])
+        return ""
 
     # Attributes the engines read.
     @property
-    def fully_connected(self) -> bool:
-        """vLLM's name: whether every rank reaches every peer's memory (the group's peer check passed)."""
-        return not self.disabled
+    def full_nvlink(self) -> bool:
+        """SGLang's name for fully_connected."""
+        return self.fully_connected
 
-    full_nvlink = fully_connected  # SGLang's name for the same
+    # DeepSeek-V4.1 in vLLM reads it while the model is built: no multicast buffer here.
+    mnnvl_lamport_ag_multicast_ptr = 0
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
         """Whether this class takes `inp`: not disabled, at most max_size bytes, and a size the
@@ -150,9 +223,6 @@ class NodecommAllreduce:
 
     def register_graph_buffers(self) -> None:
         """Nothing to register: captured calls address the group's buffers, mapped at join."""
-
-    def finalize_p2p(self) -> None:
-        """vLLM's deferred peer check: nodecomm checked peer memory when the group formed."""
 
     def close(self) -> None:
         """Leave the nodecomm group. Not collective; safe to call twice, and after the engine's

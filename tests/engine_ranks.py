@@ -115,3 +115,24 @@ def engine_sequence(
     if dist.is_initialized():
         dist.destroy_process_group()
     return outcome
+
+
+def construct_slot(rank: int, world_size: int, socket: str, port: int) -> dict:
+    """Build the slot over a gloo group as the engines do, rank 1 pointed at a socket where no
+    daemon serves; what each rank's object says afterwards."""
+    from nodecomm.integrations import NodecommAllreduce
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    try:
+        slot = NodecommAllreduce(
+            dist.new_group(backend="gloo"), "cpu", socket=socket if rank == 0 else socket + ".nowhere", timeout=5
+        )
+        return {
+            "disabled": slot.disabled,
+            "reason": slot.disabled_reason,
+            "taken": slot.should_custom_ar(torch.ones(16)),
+            "fully_connected": slot.fully_connected,
+            "multicast": slot.mnnvl_lamport_ag_multicast_ptr,
+        }
+    finally:
+        dist.destroy_process_group()

@@ -43,3 +43,21 @@ def test_plugins_change_nothing_unless_asked():
     env = {"PATH": "/usr/bin:/bin", "NODECOMM_CUSTOM_ALLREDUCE": "0"}
     printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, env=env)
     assert printed.stdout.strip() == "True"
+
+
+def test_a_slot_one_rank_cannot_join_is_disabled_on_every_rank_without_raising(daemon, spawn_ranks):
+    """Rank 1 finds no daemon; rank 0 waits out its 5 s join for it. Neither raises into the
+    engine, and both end disabled (ranks answering should_custom_ar differently would hang the
+    engine's group), each saying why; the attributes models read are there and truthful."""
+    results = spawn_ranks(engine_ranks.construct_slot, 2, 2, daemon.socket, free_port(), timeout=120).values()
+    assert [results[rank]["disabled"] and not results[rank]["taken"] for rank in (0, 1)] == [True, True]
+    assert "ranks [1] never joined" in results[0]["reason"], results[0]
+    assert ".nowhere" in results[1]["reason"], results[1]
+    assert all(not r["fully_connected"] and r["multicast"] == 0 for r in results.values())
+
+
+def test_the_slot_knows_one_node_from_another_by_the_kernels_boot():
+    from nodecomm.integrations.custom_all_reduce import node_identity, nvlink_between
+
+    assert node_identity() == node_identity() != ""
+    assert not nvlink_between(["", ""])  # the CPU, or GPUs this process cannot name
