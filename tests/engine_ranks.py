@@ -48,8 +48,13 @@ def engine_sequence(
     # so where they do, gloo (which reduces CUDA tensors through the host) stands in for it.
     shared_gpu = cuda and torch.cuda.device_count() < world_size
     device_group = dist.new_group(backend="gloo" if shared_gpu or not cuda else "nccl") if cuda else cpu_group
-    for plugin in entry_points(group=PLUGIN_GROUPS[engine]):  # what the engine's plugin loader does
-        plugin.load()()
+    if engine == "vllm":
+        for plugin in entry_points(group=PLUGIN_GROUPS[engine]):  # what vLLM's plugin loader does
+            plugin.load()()
+    else:
+        from sglang.srt.plugins import load_plugins  # runs the plugins, then applies their hooks
+
+        load_plugins()
     if engine == "vllm":
         from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
