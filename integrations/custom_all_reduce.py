@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import platform
 import secrets
 from collections.abc import Iterator, Mapping
@@ -26,6 +27,21 @@ from nodecomm.errors import NodecommError
 log = logging.getLogger("nodecomm.integrations")
 
 DEFAULT_MAX_SIZE = 8 << 20  # vLLM's default for its own custom all-reduce
+
+
+def deterministic_requested(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the engine runs batch-invariant: vLLM's VLLM_BATCH_INVARIANT (an integer), SGLang's
+    SGLANG_USE_1STAGE_ALLREDUCE where set, else SGLANG_ENABLE_DETERMINISTIC_INFERENCE (booleans),
+    read as the engines read them."""
+    try:
+        if int(environ.get("VLLM_BATCH_INVARIANT", "0") or "0"):
+            return True
+    except ValueError:
+        pass
+    for name in ("SGLANG_USE_1STAGE_ALLREDUCE", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE"):
+        if name in environ:
+            return environ[name].strip().lower() in ("1", "true", "yes", "y", "on")
+    return False
 
 
 def _device_of(device: int | str | torch.device) -> torch.device:
@@ -89,6 +105,11 @@ class NodecommAllreduce:
     engines' own classes do when their transport cannot run. The ranks agree on it over the CPU
     group: where one rank is disabled all are, since ranks that answer should_custom_ar
     differently would wait for each other forever.
+
+    Batch-invariant engines (deterministic_requested(), or deterministic=True) get every size, on
+    nodecomm's lossless paths and never NCCL: each element of the result is the fp32 sum of the
+    ranks' elements in rank order, rounded once, whatever the batch it came in and whatever path
+    its size took, so a row gives the same bits in a batch of 1 and of 300.
     """
 
     def __init__(
@@ -103,11 +124,13 @@ class NodecommAllreduce:
         socket: str | None = None,
         timeout: float = 60.0,
         thresholds: Mapping[str, str | int | None] | None = None,
+        deterministic: bool | None = None,
     ):
         del symm_mem_enabled, register_graph_buffers  # nothing to size or register
         self.group = group
         self.device = _device_of(device)
-        self.max_size = max_size
+        self.deterministic = deterministic_requested() if deterministic is None else deterministic
+        self.max_size = None if self.deterministic else max_size
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.disabled = True
@@ -163,7 +186,7 @@ class NodecommAllreduce:
                 device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index}",
                 socket=socket,
                 timeout=timeout,
-                nccl_by_caller=self.device.type == "cuda",
+                nccl_by_caller=self.device.type == "cuda" and not self.deterministic,
                 thresholds=thresholds,
                 table_switching=switching,
                 group_key=group_key,
@@ -185,9 +208,10 @@ class NodecommAllreduce:
     mnnvl_lamport_ag_multicast_ptr = 0
 
     def should_custom_ar(self, inp: torch.Tensor) -> bool:
-        """Whether this class takes `inp`: not disabled, at most max_size bytes, and a size the
-        dispatch table gives a nodecomm path (not NCCL) for a dtype and device the group has."""
-        if self.disabled or inp.numel() * inp.element_size() > self.max_size:
+        """Whether this class takes `inp`: not disabled, at most max_size bytes (any size when
+        deterministic), and a size the dispatch table gives a nodecomm path (not NCCL) for a
+        dtype and device the group has."""
+        if self.disabled or self.max_size is not None and inp.numel() * inp.element_size() > self.max_size:
             return False
         return self.comm.accepts(inp)
 

@@ -141,3 +141,37 @@ def construct_slot(rank: int, world_size: int, socket: str, port: int) -> dict:
         }
     finally:
         dist.destroy_process_group()
+
+
+def batch_invariant_rows(rank: int, world_size: int, socket: str, port: int, width: int, device_kind: str) -> dict:
+    """With VLLM_BATCH_INVARIANT=1, one row all-reduced inside batches of 1, 7 and 300 rows (at
+    different positions, among other rows) through the slot as the engine calls it: whether the
+    slot took each batch, and the row's result bits in each, with the fp32 rank-order sum's."""
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    from nodecomm.integrations import NodecommAllreduce
+
+    cuda = device_kind == "cuda"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    slot = NodecommAllreduce(dist.new_group(backend="gloo"), device, socket=socket)
+    dtype = torch.bfloat16
+    row = rank_input(rank, width, dtype, 1)
+    taken, bits = {}, {}
+    for rows, at in ((1, 0), (7, 3), (300, 150)):
+        batch = rank_input(rank, rows * width, dtype, 100 + rows).view(rows, width)
+        batch[at] = row
+        batch = batch.to(device)
+        taken[rows] = slot.should_custom_ar(batch)
+        summed = slot.custom_all_reduce(batch) if taken[rows] else None
+        bits[rows] = None if summed is None else summed[at].cpu().view(BITS[dtype]).tolist()
+    want = sum(rank_input(r, width, dtype, 1).float() for r in range(world_size)).to(dtype)
+    outcome = {
+        "taken": taken,
+        "same": len({str(b) for b in bits.values()}) == 1,
+        "exact": bits[1] == want.view(BITS[dtype]).tolist(),
+    }
+    slot.close()
+    dist.destroy_process_group()
+    return outcome

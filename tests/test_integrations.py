@@ -61,3 +61,26 @@ def test_the_slot_knows_one_node_from_another_by_the_kernels_boot():
 
     assert node_identity() == node_identity() != ""
     assert not nvlink_between(["", ""])  # the CPU, or GPUs this process cannot name
+
+
+def test_a_batch_invariant_engine_gets_every_size_and_a_rows_bits_never_depend_on_its_batch(daemon, spawn_ranks):
+    """VLLM_BATCH_INVARIANT=1: the slot takes batches of 1, 7 and 300 rows of 16384 bfloat16 (the
+    last 9.6 MiB, past the 8 MiB it takes otherwise) on nodecomm's lossless paths, and one row
+    among them comes back with the same bits each time: the fp32 rank-order sum, rounded once."""
+    results = spawn_ranks(
+        engine_ranks.batch_invariant_rows, 2, 2, daemon.socket, free_port(), 16384, "cpu", timeout=240
+    ).values()
+    for outcome in results.values():
+        assert outcome == {"taken": {1: True, 7: True, 300: True}, "same": True, "exact": True}, outcome
+
+
+def test_the_engines_batch_invariant_settings_are_read_as_they_read_them():
+    from nodecomm.integrations.custom_all_reduce import deterministic_requested
+
+    assert deterministic_requested({"VLLM_BATCH_INVARIANT": "1"})
+    assert not deterministic_requested({"VLLM_BATCH_INVARIANT": "0"}) and not deterministic_requested({})
+    assert deterministic_requested({"SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "true"})
+    # SGLang's one-stage all-reduce switch, where set, decides over its deterministic-inference one.
+    assert not deterministic_requested(
+        {"SGLANG_USE_1STAGE_ALLREDUCE": "false", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "true"}
+    )

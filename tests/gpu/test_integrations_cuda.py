@@ -27,3 +27,18 @@ def test_engine_call_sequence_with_graphs(make_daemon, spawn_ranks, engine):
         assert outcome["problems"] == []
         assert outcome["taken"] == {count: count * 2 <= 64 << 10 for count in COUNTS}
         assert outcome["released"]
+
+
+def test_a_batch_invariant_engine_gets_every_size_on_lossless_paths_on_cuda(make_daemon, spawn_ranks):
+    """As on the CPU, with a table whose sizes past 64 KiB would go to NCCL for an engine that is
+    not batch-invariant: under VLLM_BATCH_INVARIANT=1 the slot takes 1, 7 and 300 rows of 16384
+    bfloat16 (the last 9.6 MiB) and a row's bits are the same in each, the fp32 rank-order sum."""
+    daemon = make_daemon(
+        "--allow-shared-devices", "true",
+        env={"NODECOMM_ONESHOT_MAX_BYTES": "16KiB", "NODECOMM_TWOSHOT_MAX_BYTES": "64KiB", "NODECOMM_DMA_MIN_BYTES": "off"},
+    )  # fmt: skip
+    results = spawn_ranks(
+        engine_ranks.batch_invariant_rows, 2, 2, daemon.socket, free_port(), 16384, "cuda", timeout=300
+    ).values()
+    for outcome in results.values():
+        assert outcome == {"taken": {1: True, 7: True, 300: True}, "same": True, "exact": True}, outcome
