@@ -9,12 +9,13 @@ import os
 
 log = logging.getLogger("nodecomm.integrations")
 
-ENVIRONMENT_VARIABLE = "NODECOMM_CUSTOM_ALLREDUCE"
+ENVIRONMENT_VARIABLE = "NODECOMM_CUSTOM_ALLREDUCE"  # the custom all-reduce slot, both engines
+PLATFORM_VARIABLE = "NODECOMM_VLLM_PLATFORM"  # vLLM's platform, whose communicator asks nodecomm first
 
 
-def requested() -> bool:
-    """$NODECOMM_CUSTOM_ALLREDUCE is 1, true, yes or on (case-insensitive)."""
-    return os.environ.get(ENVIRONMENT_VARIABLE, "").strip().lower() in ("1", "true", "yes", "on")
+def requested(variable: str = ENVIRONMENT_VARIABLE) -> bool:
+    """$`variable` is 1, true, yes or on (case-insensitive)."""
+    return os.environ.get(variable, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def take_slot(module_name: str, attribute: str, replacement: object, engine: str) -> None:

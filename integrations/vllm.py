@@ -1,5 +1,8 @@
-"""vLLM: the `vllm.general_plugins` entry point that puts NodecommAllreduce in vLLM's custom
-all-reduce slot.
+"""vLLM: two entry points. `vllm.platform_plugins` (platform(), with NODECOMM_VLLM_PLATFORM=1)
+makes vLLM's platform NodecommCudaPlatform, whose communicator asks nodecomm before any other
+all-reduce (vllm_communicator.py); `vllm.general_plugins` (register(), with
+NODECOMM_CUSTOM_ALLREDUCE=1), the lighter option, puts NodecommAllreduce in vLLM's custom
+all-reduce slot, which vLLM tries after FlashInfer, QuickReduce and symmetric memory.
 
 vLLM loads general plugins in every process before its workers build their communicators, and
 its CudaCommunicator imports `CustomAllreduce` from
@@ -10,7 +13,7 @@ module attribute is enough. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engi
 from __future__ import annotations
 
 from .custom_all_reduce import NodecommAllreduce
-from .engine_switch import take_slot
+from .engine_switch import PLATFORM_VARIABLE, requested, take_slot
 
 SLOT_MODULE = "vllm.distributed.device_communicators.custom_all_reduce"
 
@@ -18,3 +21,15 @@ SLOT_MODULE = "vllm.distributed.device_communicators.custom_all_reduce"
 def register() -> None:
     """vLLM calls this with no arguments, possibly several times per process."""
     take_slot(SLOT_MODULE, "CustomAllreduce", NodecommAllreduce, "vLLM")
+
+
+def platform() -> str | None:
+    """vLLM asks every platform plugin for a platform's qualified name, None where it does not
+    apply: nodecomm's CUDA platform where NODECOMM_VLLM_PLATFORM asks for it and vLLM finds CUDA."""
+    if not requested(PLATFORM_VARIABLE):
+        return None
+    from vllm.platforms import cuda_platform_plugin
+
+    if cuda_platform_plugin() is None:
+        return None
+    return "nodecomm.integrations.vllm_platform.NodecommCudaPlatform"

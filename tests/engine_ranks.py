@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pkgutil
 import sys
 import weakref
 from importlib.metadata import entry_points
@@ -14,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 STANDINS = str(Path(__file__).parent / "engine_standins")
-PLUGIN_GROUPS = {"vllm": "vllm.general_plugins", "sglang": "sglang.srt.plugins"}
 BITS = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
@@ -37,6 +37,8 @@ def engine_sequence(
     """Construction, a profile run, graph capture with its warm-up, replay, eager calls, teardown,
     in the engine's order. Returns which sizes the class took and every mismatch."""
     os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_CUSTOM_ALLREDUCE="1")
+    if engine == "vllm-platform":  # nodecomm's platform and its communicator, no slot
+        os.environ.update(NODECOMM_CUSTOM_ALLREDUCE="0", NODECOMM_VLLM_PLATFORM="1")
     sys.path.insert(0, STANDINS)
     cuda = device_kind == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
@@ -48,22 +50,29 @@ def engine_sequence(
     # so where they do, gloo (which reduces CUDA tensors through the host) stands in for it.
     shared_gpu = cuda and torch.cuda.device_count() < world_size
     device_group = dist.new_group(backend="gloo" if shared_gpu or not cuda else "nccl") if cuda else cpu_group
-    if engine == "vllm":
-        for plugin in entry_points(group=PLUGIN_GROUPS[engine]):  # what vLLM's plugin loader does
+    if engine.startswith("vllm"):
+        for plugin in entry_points(group="vllm.general_plugins"):  # what vLLM's plugin loader does
             plugin.load()()
     else:
         from sglang.srt.plugins import load_plugins  # runs the plugins, then applies their hooks
 
         load_plugins()
-    if engine == "vllm":
+    if engine == "vllm-platform":
+        # vLLM takes the one out-of-tree platform that answers, and builds the communicator it names.
+        answers = [plugin.load()() for plugin in entry_points(group="vllm.platform_plugins")]
+        (platform,) = [pkgutil.resolve_name(name) for name in answers if name]
+        communicator = pkgutil.resolve_name(platform.get_device_communicator_cls())(cpu_group, device, device_group)
+        ca_comm = communicator.nodecomm
+    elif engine == "vllm":
         from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
 
         communicator = CudaCommunicator(cpu_group, device, device_group)
+        ca_comm = communicator.ca_comm
     else:
         from sglang.srt.distributed.parallel_state import GroupCoordinator
 
         communicator = GroupCoordinator(cpu_group, device_group, device)
-    ca_comm = communicator.ca_comm
+        ca_comm = communicator.ca_comm
     outcome: dict = {"class": type(ca_comm).__name__, "disabled": ca_comm.disabled, "taken": {}, "problems": []}
     problems = outcome["problems"]
     dtype = torch.bfloat16

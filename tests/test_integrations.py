@@ -13,8 +13,10 @@ from conftest import free_port
 COUNTS = [8, 1000, 4100, (5 << 20) // 2, 9 << 19]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "vllm-platform"])
 def test_engine_call_sequence(daemon, spawn_ranks, engine):
+    """The slot in both engines, and vLLM's communicator from nodecomm's platform (which asks
+    nodecomm first and hands the rest to vLLM's order: here its NCCL)."""
     world_size = 2
     results = spawn_ranks(
         engine_ranks.engine_sequence, world_size, world_size, daemon.socket, free_port(), engine, "cpu", COUNTS,
@@ -25,7 +27,8 @@ def test_engine_call_sequence(daemon, spawn_ranks, engine):
         assert outcome["problems"] == []
         # Everything up to max_size is taken; the 9 MiB call goes to the engine's own all-reduce.
         assert outcome["taken"] == {count: count * 2 <= 8 << 20 for count in COUNTS}
-        assert outcome["capturing_inside"] and not outcome["capturing_after"]
+        if engine != "vllm-platform":  # graph_capture() enters the slot's capture(), not the platform's object
+            assert outcome["capturing_inside"] and not outcome["capturing_after"]
         assert outcome["released"]
     # Both ranks left their nodecomm group when the engine dropped the object: it was released.
     log = daemon.log()
@@ -84,3 +87,28 @@ def test_the_engines_batch_invariant_settings_are_read_as_they_read_them():
     assert not deterministic_requested(
         {"SGLANG_USE_1STAGE_ALLREDUCE": "false", "SGLANG_ENABLE_DETERMINISTIC_INFERENCE": "true"}
     )
+
+
+def test_the_vllm_platform_answers_only_when_asked_and_its_communicator_is_vllms():
+    """vLLM asks every platform plugin; nodecomm's answers None unless NODECOMM_VLLM_PLATFORM is
+    set, and its platform is vLLM's CUDA platform naming a communicator that is a CudaCommunicator
+    (vLLM's graph_capture() checks that)."""
+    probe = (
+        "import pkgutil, sys\n"
+        f"sys.path.insert(0, {engine_ranks.STANDINS!r})\n"
+        "from nodecomm.integrations import vllm as plugin\n"
+        "from vllm.platforms.cuda import CudaPlatform\n"
+        "from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator\n"
+        "name = plugin.platform()\n"
+        "platform = pkgutil.resolve_name(name) if name else None\n"
+        "communicator = platform and pkgutil.resolve_name(platform.get_device_communicator_cls())\n"
+        "print(name, platform is not None and issubclass(platform, CudaPlatform),\n"
+        "      communicator is not None and issubclass(communicator, CudaCommunicator))\n"
+    )
+    for switch, printed in (
+        ("0", "None False False"),
+        ("1", "nodecomm.integrations.vllm_platform.NodecommCudaPlatform True True"),
+    ):
+        env = {"PATH": "/usr/bin:/bin", "NODECOMM_VLLM_PLATFORM": switch}
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+        assert result.stdout.strip() == printed, result.stderr

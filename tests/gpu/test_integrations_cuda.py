@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 COUNTS = [8, 1000, 4100, 40_000, 1 << 20]
 
 
-@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "vllm-platform"])
 def test_engine_call_sequence_with_graphs(make_daemon, spawn_ranks, engine):
     daemon = make_daemon(
         "--allow-shared-devices", "true",

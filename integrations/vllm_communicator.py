@@ -1,0 +1,68 @@
+"""NodecommCudaCommunicator: vLLM's CudaCommunicator with nodecomm ahead of every other all-reduce.
+
+vLLM's CudaCommunicator.all_reduce tries NCCL symmetric memory, QuickReduce, FlashInfer, AITER,
+its custom all-reduce, torch symmetric memory, then PyNccl. This subclass asks nodecomm first: a
+size nodecomm's table gives one of its own paths runs there (NodecommAllreduce, as in the slot:
+every size and never NCCL for a batch-invariant engine); every other size, and every other
+collective, goes through the parent in its own order. It is a CudaCommunicator, so vLLM's
+graph_capture() takes it as one. Imported by vLLM only, after vLLM is.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from vllm.distributed.device_communicators.cuda_communicator import CudaCommunicator
+
+from .custom_all_reduce import NodecommAllreduce
+
+log = logging.getLogger("nodecomm.integrations")
+
+_FUSION_HINT = (
+    "vLLM's fuse_allreduce_rms pass rewrites all-reduce + RMSNorm into FlashInfer's fused kernel, which "
+    "nodecomm never sees: set compilation_config.pass_config.fuse_allreduce_rms=false "
+    '(--compilation-config \'{"pass_config": {"fuse_allreduce_rms": false}}\') to hand those all-reduces to nodecomm'
+)
+_warned = False
+
+
+class NodecommCudaCommunicator(CudaCommunicator):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.nodecomm: NodecommAllreduce | None = None
+        if dist.get_world_size(self.cpu_group) > 1:
+            # The slot may hold nodecomm already (NODECOMM_CUSTOM_ALLREDUCE too): one group, not two.
+            ca_comm = getattr(self, "ca_comm", None)
+            self.nodecomm = ca_comm if isinstance(ca_comm, NodecommAllreduce) else NodecommAllreduce(
+                self.cpu_group, self.device
+            )  # fmt: skip
+        _warn_if_fused()
+
+    def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
+        nodecomm = self.nodecomm
+        if nodecomm is not None and not nodecomm.disabled and nodecomm.should_custom_ar(input_):
+            return nodecomm.custom_all_reduce(input_)
+        return super().all_reduce(input_)
+
+    def destroy(self) -> None:
+        nodecomm, self.nodecomm = self.nodecomm, None
+        if nodecomm is not None and nodecomm is not getattr(self, "ca_comm", None):
+            nodecomm.close()
+        super().destroy()
+
+
+def _warn_if_fused() -> None:
+    """One warning per process where vLLM's fusion pass would take the all-reduces anyway."""
+    global _warned
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        fused = bool(config is not None and config.compilation_config.pass_config.fuse_allreduce_rms)
+    except (ImportError, AttributeError):
+        return
+    if fused and not _warned:
+        _warned = True
+        log.warning(_FUSION_HINT)
