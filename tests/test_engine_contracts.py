@@ -1,0 +1,78 @@
+"""What vLLM and SGLang read on their custom all-reduce object, from their released source: every
+attribute one of them reads without asking first must be on NodecommAllreduce, so that a new
+release that reads one more fails here, naming the file and line, before an engine does."""
+
+import engine_source
+import pytest
+import torch.distributed as dist
+
+from nodecomm.integrations import NodecommAllreduce
+
+# Reads that are not of the slot, or that the engine reaches only where an attribute it probes
+# first is there; each with why (checked against the pinned source).
+NOT_THE_SLOT = {
+    ("vllm", "vllm/compilation/passes/fusion/allreduce_rms_fusion.py"): (
+        "ROCm AITER's all-reduce (rocm_aiter_ops.get_aiter_allreduce()), held in a variable of that name"
+    ),
+}
+PAST_A_PROBE = {
+    ("sglang", "max_push_size"): (
+        "vocab_gather.py reads it only where getattr(ca_comm, 'obj', None) is set (_nvlink_ca_comm), which "
+        "NodecommAllreduce does not have, so SGLang keeps its NCCL vocab gather"
+    ),
+    ("sglang", "obj"): "read as getattr(ca_comm, 'obj', None) first (_nvlink_ca_comm), then in NVLinkVocabGather",
+    ("sglang", "reduce_scatter"): "parallel_state.py asks hasattr(ca_comm, 'reduce_scatter') first (line 1159)",
+    ("sglang", "all_gather_reg"): "parallel_state.py asks hasattr(ca_comm, 'all_gather_reg') first (line 1353)",
+    ("sglang", "all_gather_unreg"): "parallel_state.py asks hasattr(ca_comm, 'all_gather_unreg') first (line 1354)",
+    ("sglang", "should_custom_ag"): "parallel_state.py asks hasattr(ca_comm, 'should_custom_ag') first (line 1352)",
+}
+# What each pinned release reads unasked, with one place it does (the test lists them all).
+READS = {
+    ("vllm", "0.34.0"): {
+        "capture": "vllm/distributed/parallel_state.py:705",
+        "custom_all_gather": "vllm/distributed/device_communicators/cuda_communicator.py:479",
+        "custom_all_reduce": "vllm/distributed/device_communicators/cuda_communicator.py:440",
+        "custom_reduce_scatter": "vllm/distributed/device_communicators/cuda_communicator.py:485",
+        "disabled": "vllm/distributed/device_communicators/cuda_communicator.py:373",
+        "fully_connected": "vllm/models/deepseek_v41/nvidia/model.py:294",
+        "mnnvl_lamport_ag_multicast_ptr": "vllm/models/deepseek_v41/nvidia/ops/mhc.py:73",
+        "should_custom_ar": "vllm/distributed/device_communicators/cuda_communicator.py:438",
+    },
+    ("sglang", "0.5.23"): {
+        "capture": "sglang/srt/distributed/parallel_state.py:625",
+        "custom_all_reduce": "sglang/srt/distributed/parallel_state.py:1047",
+        "disabled": "sglang/srt/distributed/parallel_state.py:751",
+        "should_custom_ar": "sglang/srt/distributed/parallel_state.py:752",
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def slot_attributes() -> set[str]:
+    """What a NodecommAllreduce has: its class's, and those its constructor sets (a group of one
+    rank, which returns before joining anything)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        slot = NodecommAllreduce(dist.group.WORLD, "cpu")
+        return set(dir(slot))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("engine, version", list(READS))
+def test_every_attribute_the_engine_reads_on_the_slot_unasked_is_there(engine, version, slot_attributes):
+    reads = engine_source.slot_reads(engine_source.wheel(engine, version), engine)
+    unasked = {}
+    for attribute, sites in reads.items():
+        sites = [s for s in sites if (engine, s.where.split(":")[0]) not in NOT_THE_SLOT]
+        if not all(s.probed for s in sites):
+            unasked[attribute] = sorted(s.where for s in sites if not s.probed)
+    # Every exception still applies to this release (else it hides nothing and goes).
+    excepted = [a for e, a in PAST_A_PROBE if e == engine]
+    assert [a for a in excepted if a not in unasked] == [], "PAST_A_PROBE lists reads this release no longer makes"
+    unasked = {a: sites for a, sites in unasked.items() if a not in excepted}
+    listed = {attribute: READS[(engine, version)].get(attribute) for attribute in unasked}
+    assert {a: sites[0] for a, sites in unasked.items() if listed[a] not in sites} == {}, unasked
+    assert sorted(unasked) == sorted(READS[(engine, version)]), unasked
+    missing = {attribute: where for attribute, where in unasked.items() if attribute not in slot_attributes}
+    assert missing == {}, f"{engine} {version} reads these on its custom all-reduce, NodecommAllreduce lacks them"
