@@ -184,3 +184,45 @@ def batch_invariant_rows(rank: int, world_size: int, socket: str, port: int, wid
     slot.close()
     dist.destroy_process_group()
     return outcome
+
+
+def vllm_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str, counts: list[int]) -> dict:
+    """vLLM 0.34.0's own CudaCommunicator.all_reduce, compiled from its wheel, run with the slot as
+    its custom all-reduce and nothing else built (its other backends None, gloo as the NCCL it ends
+    on): which sizes reached the slot, and whether every result is right."""
+    import types
+
+    import engine_source
+
+    from nodecomm.integrations import NodecommAllreduce
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    cpu_group = dist.new_group(backend="gloo")
+    slot = NodecommAllreduce(cpu_group, "cpu", socket=socket)
+    served = []
+    custom_all_reduce = slot.custom_all_reduce
+    slot.custom_all_reduce = lambda x: served.append(x.numel()) or custom_all_reduce(x)
+    namespace = {
+        "torch": torch,
+        "envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+        "current_platform": types.SimpleNamespace(is_rocm=lambda: False),
+        "should_nccl_symm_mem_allreduce": lambda world_size, input_: False,
+    }
+    all_reduce = engine_source.method(
+        Path(wheel), "vllm/distributed/device_communicators/cuda_communicator.py", "CudaCommunicator", "all_reduce",
+        namespace,
+    )  # fmt: skip
+    communicator = types.SimpleNamespace(
+        fi_ar_comm=None, pynccl_comm=None, qr_comm=None, fi_pcie_ipc_ar_comm=None, aiter_ar_comm=None,
+        use_aiter_allreduce=False, ca_comm=slot, symm_mem_comm=None, device_group=cpu_group,
+    )  # fmt: skip
+    problems, dtype = [], torch.bfloat16
+    for count in counts:
+        got = all_reduce(communicator, rank_input(rank, count, dtype, count))
+        want = reference(world_size, count, dtype, count)
+        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+        if count in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            problems.append(count)
+    slot.close()
+    dist.destroy_process_group()
+    return {"served": served, "problems": problems}

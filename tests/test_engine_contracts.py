@@ -6,6 +6,8 @@ import engine_source
 import pytest
 import torch.distributed as dist
 
+import engine_ranks
+from conftest import free_port
 from nodecomm.integrations import NodecommAllreduce
 
 # Reads that are not of the slot, or that the engine reaches only where an attribute it probes
@@ -76,3 +78,17 @@ def test_every_attribute_the_engine_reads_on_the_slot_unasked_is_there(engine, v
     assert sorted(unasked) == sorted(READS[(engine, version)]), unasked
     missing = {attribute: where for attribute, where in unasked.items() if attribute not in slot_attributes}
     assert missing == {}, f"{engine} {version} reads these on its custom all-reduce, NodecommAllreduce lacks them"
+
+
+def test_vllms_own_all_reduce_dispatch_hands_the_slot_what_it_accepts(daemon, spawn_ranks):
+    """vLLM 0.34.0's CudaCommunicator.all_reduce, compiled from the released file and run with the
+    slot as its custom all-reduce (its other backends off, gloo standing in for PyNccl): the sizes
+    the slot accepts reach it and come back as the fp32 rank-order sum's bits; the 9 MiB one,
+    past max_size, goes on down vLLM's order."""
+    counts = [8, 1000, 4100, 9 << 19]
+    wheel = str(engine_source.wheel("vllm", "0.34.0"))
+    results = spawn_ranks(
+        engine_ranks.vllm_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
+    ).values()
+    for outcome in results.values():
+        assert outcome == {"served": counts[:3], "problems": []}, outcome
