@@ -12,15 +12,31 @@ module attribute is enough. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engi
 
 from __future__ import annotations
 
+import importlib
+
 from .custom_all_reduce import NodecommAllreduce
 from .engine_switch import PLATFORM_VARIABLE, requested, take_slot
 
 SLOT_MODULE = "vllm.distributed.device_communicators.custom_all_reduce"
+# Static helpers of vLLM's class that code outside the communicator calls on whatever class holds
+# the slot (vLLM 0.34.0: models/minimax_m3/amd/indexer_cp.py:40, ops/index_cp/host.py:44), for
+# buffers of its own: the slot's class keeps vLLM's.
+BUFFER_HELPERS = ("create_shared_buffer", "free_shared_buffer")
 
 
 def register() -> None:
     """vLLM calls this with no arguments, possibly several times per process."""
-    take_slot(SLOT_MODULE, "CustomAllreduce", NodecommAllreduce, "vLLM")
+    if not requested():
+        return
+    original = importlib.import_module(SLOT_MODULE).CustomAllreduce
+    if not (isinstance(original, type) and issubclass(original, NodecommAllreduce)):  # again: a no-op
+        take_slot(SLOT_MODULE, "CustomAllreduce", slot_class(original), "vLLM")
+
+
+def slot_class(original: type) -> type[NodecommAllreduce]:
+    """NodecommAllreduce, with `original`'s static buffer helpers."""
+    helpers = {name: staticmethod(getattr(original, name)) for name in BUFFER_HELPERS if hasattr(original, name)}
+    return type(NodecommAllreduce.__name__, (NodecommAllreduce,), {**helpers, "__module__": __name__})
 
 
 def platform() -> str | None:

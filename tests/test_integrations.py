@@ -112,3 +112,19 @@ def test_the_vllm_platform_answers_only_when_asked_and_its_communicator_is_vllms
         env = {"PATH": "/usr/bin:/bin", "NODECOMM_VLLM_PLATFORM": switch}
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
         assert result.stdout.strip() == printed, result.stderr
+
+
+def test_the_vllm_slot_keeps_vllms_static_buffer_helpers():
+    """Models call CustomAllreduce.create_shared_buffer on whatever class holds the slot, for
+    buffers of their own: the class nodecomm puts there answers with vLLM's own helper."""
+    probe = (
+        "import sys, importlib\n"
+        f"sys.path.insert(0, {engine_ranks.STANDINS!r})\n"
+        "from nodecomm.integrations import vllm as plugin, NodecommAllreduce\n"
+        "plugin.register(); plugin.register()\n"
+        "slot = importlib.import_module(plugin.SLOT_MODULE).CustomAllreduce\n"
+        "print(issubclass(slot, NodecommAllreduce), slot.__name__, slot.create_shared_buffer(4096, group=None))\n"
+    )
+    env = {"PATH": "/usr/bin:/bin", "NODECOMM_CUSTOM_ALLREDUCE": "1"}
+    printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
+    assert printed.stdout.strip() == 'True NodecommAllreduce ["vLLM\'s own", 4096]', printed.stderr

@@ -17,3 +17,12 @@ class CustomAllreduce:
     @contextlib.contextmanager
     def capture(self):
         yield
+
+    @staticmethod
+    def create_shared_buffer(size_in_bytes, group=None, uncached=False):
+        """vLLM's static helper (IPC buffers of the caller's own), here naming what it was asked."""
+        return ["vLLM's own", size_in_bytes]
+
+    @staticmethod
+    def free_shared_buffer(pointers, group=None, rank=None):
+        return None
