@@ -41,22 +41,34 @@ class Read:
     probed: bool  # the same function asks hasattr() or getattr(..., default) for it first
 
 
-def slot_reads(path: Path, package: str) -> dict[str, list[Read]]:
+def slot_reads(path: Path, package: str, slot_class: tuple[str, str] | None = None) -> dict[str, list[Read]]:
     """Every attribute the package's code reads on its custom all-reduce object: on a name
-    `ca_comm`, on an `.ca_comm` attribute, or on a name assigned from one, by attribute."""
+    `ca_comm`, on an `.ca_comm` attribute, or on a name assigned from one, by attribute; and with
+    `slot_class` (module, class name: what the slot replaces), on that class where a file other
+    than its own imports it."""
     reads: dict[str, list[Read]] = defaultdict(list)
     with zipfile.ZipFile(path) as archive:
         for name in archive.namelist():
             if not (name.startswith(package + "/") and name.endswith(".py")):
                 continue
             source = archive.read(name).decode("utf-8", "replace")
-            if "ca_comm" in source:
-                for read in _reads(ast.parse(source), name):
+            tree, classes = None, set()
+            if slot_class is not None and slot_class[1] in source and name != slot_class[0].replace(".", "/") + ".py":
+                tree = ast.parse(source)
+                classes = {
+                    alias.asname or alias.name
+                    for node in ast.walk(tree)
+                    if isinstance(node, ast.ImportFrom) and node.module == slot_class[0]
+                    for alias in node.names
+                    if alias.name == slot_class[1]
+                }
+            if "ca_comm" in source or classes:
+                for read in _reads(tree or ast.parse(source), name, classes):
                     reads[read.attribute].append(read)
     return dict(reads)
 
 
-def _reads(tree: ast.Module, name: str) -> list[Read]:
+def _reads(tree: ast.Module, name: str, classes: set[str] = frozenset()) -> list[Read]:
     """Per function (and the module's own statements): the reads on `ca_comm`, on `.ca_comm`, and on
     names the function assigns from `.ca_comm`. A read the function only reaches for an object of
     the engine's own class (it asks isinstance() of it) is not one of the slot's."""
@@ -65,7 +77,7 @@ def _reads(tree: ast.Module, name: str) -> list[Read]:
     for scope in scopes:
         probed, found = set(), []
         body = [n for n in _own_nodes(scope)]
-        aliases = {"ca_comm"}
+        aliases = {"ca_comm", *classes}
         for node in body:  # comm = <...>.ca_comm
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Attribute) and node.value.attr == "ca_comm":
                 aliases.update(target.id for target in node.targets if isinstance(target, ast.Name))

@@ -1,6 +1,8 @@
-"""What vLLM and SGLang read on their custom all-reduce object, from their released source: every
-attribute one of them reads without asking first must be on NodecommAllreduce, so that a new
-release that reads one more fails here, naming the file and line, before an engine does."""
+"""What vLLM and SGLang read on their custom all-reduce object (and vLLM on the class in its slot),
+from their released source: every attribute one of them reads without asking first must be on
+NodecommAllreduce, so that a new release that reads one more fails here, naming the file and line,
+before an engine does; and vLLM's own dispatch function, run from its file, hands the slot what it
+accepts."""
 
 import engine_source
 import pytest
@@ -9,6 +11,7 @@ import torch.distributed as dist
 import engine_ranks
 from conftest import free_port
 from nodecomm.integrations import NodecommAllreduce
+from nodecomm.integrations import vllm as vllm_plugin
 
 # Reads that are not of the slot, or that the engine reaches only where an attribute it probes
 # first is there; each with why (checked against the pinned source).
@@ -32,6 +35,7 @@ PAST_A_PROBE = {
 READS = {
     ("vllm", "0.34.0"): {
         "capture": "vllm/distributed/parallel_state.py:705",
+        "create_shared_buffer": "vllm/models/minimax_m3/amd/indexer_cp.py:40",
         "custom_all_gather": "vllm/distributed/device_communicators/cuda_communicator.py:479",
         "custom_all_reduce": "vllm/distributed/device_communicators/cuda_communicator.py:440",
         "custom_reduce_scatter": "vllm/distributed/device_communicators/cuda_communicator.py:485",
@@ -49,6 +53,10 @@ READS = {
 }
 
 
+# The class each engine's slot holds, where the plugin names it: reads on it count too.
+SLOT_CLASSES = {"vllm": (vllm_plugin.SLOT_MODULE, "CustomAllreduce")}
+
+
 @pytest.fixture(scope="module")
 def slot_attributes() -> set[str]:
     """What a NodecommAllreduce has: its class's, and those its constructor sets (a group of one
@@ -61,9 +69,14 @@ def slot_attributes() -> set[str]:
         dist.destroy_process_group()
 
 
+def attributes_in_slot(engine: str, slot_attributes: set[str]) -> set[str]:
+    """What the engine's slot holds: vLLM's class keeps vLLM's own static buffer helpers."""
+    return slot_attributes | (set(vllm_plugin.BUFFER_HELPERS) if engine == "vllm" else set())
+
+
 @pytest.mark.parametrize("engine, version", list(READS))
 def test_every_attribute_the_engine_reads_on_the_slot_unasked_is_there(engine, version, slot_attributes):
-    reads = engine_source.slot_reads(engine_source.wheel(engine, version), engine)
+    reads = engine_source.slot_reads(engine_source.wheel(engine, version), engine, SLOT_CLASSES.get(engine))
     unasked = {}
     for attribute, sites in reads.items():
         sites = [s for s in sites if (engine, s.where.split(":")[0]) not in NOT_THE_SLOT]
@@ -76,7 +89,8 @@ def test_every_attribute_the_engine_reads_on_the_slot_unasked_is_there(engine, v
     listed = {attribute: READS[(engine, version)].get(attribute) for attribute in unasked}
     assert {a: sites[0] for a, sites in unasked.items() if listed[a] not in sites} == {}, unasked
     assert sorted(unasked) == sorted(READS[(engine, version)]), unasked
-    missing = {attribute: where for attribute, where in unasked.items() if attribute not in slot_attributes}
+    held = attributes_in_slot(engine, slot_attributes)
+    missing = {attribute: where for attribute, where in unasked.items() if attribute not in held}
     assert missing == {}, f"{engine} {version} reads these on its custom all-reduce, NodecommAllreduce lacks them"
 
 
