@@ -13,9 +13,12 @@ module attribute is enough. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engi
 from __future__ import annotations
 
 import importlib
+import logging
 
 from .custom_all_reduce import NodecommAllreduce
-from .engine_switch import PLATFORM_VARIABLE, requested, take_slot
+from .engine_switch import ENVIRONMENT_VARIABLE, PLATFORM_VARIABLE, requested
+
+log = logging.getLogger("nodecomm.integrations")
 
 SLOT_MODULE = "vllm.distributed.device_communicators.custom_all_reduce"
 # Static helpers of vLLM's class that code outside the communicator calls on whatever class holds
@@ -28,9 +31,12 @@ def register() -> None:
     """vLLM calls this with no arguments, possibly several times per process."""
     if not requested():
         return
-    original = importlib.import_module(SLOT_MODULE).CustomAllreduce
-    if not (isinstance(original, type) and issubclass(original, NodecommAllreduce)):  # again: a no-op
-        take_slot(SLOT_MODULE, "CustomAllreduce", slot_class(original), "vLLM")
+    module = importlib.import_module(SLOT_MODULE)
+    original = module.CustomAllreduce
+    if isinstance(original, type) and issubclass(original, NodecommAllreduce):  # again: a no-op
+        return
+    module.CustomAllreduce = slot_class(original)
+    log.info("nodecomm takes vLLM's custom all-reduce slot", extra={"switch": ENVIRONMENT_VARIABLE})
 
 
 def slot_class(original: type) -> type[NodecommAllreduce]:

@@ -375,8 +375,8 @@ async def serve(config: DaemonConfig) -> int:
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
     registry = GroupRegistry(config, metrics, claims, gpus, executor)
-    # Where calibrations are read, the newer first, and written: the node's state, or for a job's
-    # private daemon the node's state read-only beside the user's own cache.
+    # Where calibrations are read (the newer of them is used) and written: the node's state, or for
+    # a job's private daemon the node's state, read-only, beside the user's own cache.
     store = CalibrationStore(config.state_dir)
     stores = [store]
     if config.private:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import statistics
 import time
 
 import torch
@@ -389,11 +388,8 @@ def wait_for_the_abort(rank: int, world_size: int, socket: str, report) -> tuple
 
 
 def converge(rank: int, world_size: int, socket: str, nbytes: int, calls: int) -> dict:
-    """`calls` default-dispatched all-reduces of `nbytes`; where the table in force changed (call,
-    epoch, its path for nbytes), then each path's median seconds per call over 200 forced calls
-    (after: forced calls are timed for the daemon too)."""
-    from nodecomm.thresholds import Path
-
+    """`calls` default-dispatched all-reduces of `nbytes`: where the table in force changed (call,
+    epoch, its path for nbytes), and the last table's origin."""
     with nodecomm.connect("converge", rank, world_size, socket=socket, timeout=30) as comm:
         x = torch.ones(nbytes // 4)
         out = torch.empty_like(x)
@@ -403,12 +399,4 @@ def converge(rank: int, world_size: int, socket: str, nbytes: int, calls: int) -
             if comm.thresholds().epoch != epoch:
                 epoch = comm.thresholds().epoch
                 switches.append((call, epoch, comm.thresholds().path_for(nbytes).value))
-        forced = {}
-        for path in (Path.ONESHOT, Path.TWOSHOT):
-            times = []
-            for _ in range(200):
-                start = time.perf_counter()
-                comm.all_reduce(x, out=out, path=path.value)
-                times.append(time.perf_counter() - start)
-            forced[path.value] = statistics.median(times)
-        return {"switches": switches, "forced": forced, "origin": comm.thresholds().origin}
+        return {"switches": switches, "origin": comm.thresholds().origin}
