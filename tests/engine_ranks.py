@@ -226,3 +226,173 @@ def vllm_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str
     slot.close()
     dist.destroy_process_group()
     return {"served": served, "problems": problems}
+
+
+class _Backend:
+    """One of vLLM's other all-reduce backends, ready for every size up to `limit` bytes: records
+    what reaches it and sums through the engine's device group."""
+
+    disabled = False
+
+    def __init__(self, name: str, limit: float, group: dist.ProcessGroup, served: list) -> None:
+        self.name, self.limit, self.group, self.served = name, limit, group, served
+
+    def accepts(self, x: torch.Tensor) -> bool:
+        return x.numel() * x.element_size() <= self.limit
+
+    def reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.served.append((self.name, x.numel()))
+        out = x.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    should_quick_allreduce = should_use_fi_ar = accepts
+    quick_all_reduce = all_reduce = reduce
+
+
+def vllm_platform_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str, counts: list[int]) -> dict:
+    """nodecomm's platform communicator with vLLM 0.34.0's own CudaCommunicator.all_reduce, compiled
+    from its wheel, as its parent; QuickReduce (up to 16 MiB) and FlashInfer (every size) stand
+    ready ahead of the custom all-reduce in vLLM's order. Which backend served each size, and
+    whether every result is right."""
+    import types
+
+    import engine_source
+
+    os.environ["NODECOMM_SOCKET"] = socket
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    cpu_group = dist.new_group(backend="gloo")
+    served: list = []
+
+    class CudaCommunicator:  # vLLM's constructor with no backend built; its all_reduce as released
+        def __init__(self, cpu_group, device=None, device_group=None, unique_name=""):
+            self.cpu_group, self.device, self.device_group = cpu_group, device, device_group
+            self.pynccl_comm = self.qr_comm = self.fi_ar_comm = self.fi_pcie_ipc_ar_comm = None
+            self.aiter_ar_comm = self.ca_comm = self.symm_mem_comm = None
+            self.use_aiter_allreduce = False
+
+        def destroy(self) -> None:
+            pass
+
+    CudaCommunicator.all_reduce = engine_source.method(
+        Path(wheel), "vllm/distributed/device_communicators/cuda_communicator.py", "CudaCommunicator", "all_reduce",
+        {"torch": torch, "envs": types.SimpleNamespace(VLLM_BATCH_INVARIANT=False),
+         "current_platform": types.SimpleNamespace(is_rocm=lambda: False),
+         "should_nccl_symm_mem_allreduce": lambda world_size, input_: False},
+    )  # fmt: skip
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.device_communicators"):
+        sys.modules[name] = types.ModuleType(name)
+    module = types.ModuleType("vllm.distributed.device_communicators.cuda_communicator")
+    module.CudaCommunicator = CudaCommunicator
+    sys.modules[module.__name__] = module
+    from nodecomm.integrations.vllm_communicator import NodecommCudaCommunicator
+
+    communicator = NodecommCudaCommunicator(cpu_group, torch.device("cpu"), cpu_group)
+    communicator.qr_comm = _Backend("quick", 16 << 20, cpu_group, served)
+    communicator.fi_ar_comm = _Backend("flashinfer", float("inf"), cpu_group, served)
+    custom_all_reduce = communicator.nodecomm.custom_all_reduce
+    communicator.nodecomm.custom_all_reduce = lambda x: served.append(("nodecomm", x.numel())) or custom_all_reduce(x)
+    problems, dtype = [], torch.bfloat16
+    for count in counts:
+        got = communicator.all_reduce(rank_input(rank, count, dtype, count))
+        want = reference(world_size, count, dtype, count)
+        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+        if ("nodecomm", count) in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            problems.append(count)
+    communicator.destroy()
+    dist.destroy_process_group()
+    return {"served": served, "problems": problems}
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it is not one: SGLang's all_reduce sends CPU tensors to its own
+    shared-memory all-reduce before any dispatch, so this stands in for a GPU's tensor there."""
+
+    @property
+    def is_cpu(self) -> bool:
+        return False
+
+
+SGLANG_ENVIRON = '''import os
+
+
+class _Setting:
+    def __init__(self, name):
+        self.name = name
+
+    def get(self):
+        return os.environ.get(self.name, "")
+
+
+class envs:
+    SGLANG_PLUGINS = _Setting("SGLANG_PLUGINS")
+    SGLANG_PLATFORM = _Setting("SGLANG_PLATFORM")
+'''
+
+
+def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str, counts: list[int]) -> dict:
+    """SGLang 0.5.23's own plugin loader and HookRegistry (the wheel's files, over the stand-in
+    package) apply nodecomm's REPLACE hook; the slot is built as GroupCoordinator builds it, and
+    SGLang's own all-reduce dispatch (GroupCoordinator.all_reduce, the method it resolves, the
+    out-of-place and in-place ops, compiled from parallel_state.py) runs each size. Which sizes
+    reached the slot, and whether every result is right."""
+    import shutil
+    import tempfile
+    import typing
+
+    import engine_source
+
+    os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_CUSTOM_ALLREDUCE="1")
+    root = Path(tempfile.mkdtemp(prefix="sglang-"))
+    shutil.copytree(Path(STANDINS) / "sglang", root / "sglang")
+    released = Path(wheel)
+    engine_source.unpack(released, ["sglang/srt/plugins/__init__.py", "sglang/srt/plugins/hook_registry.py"], root)
+    (root / "sglang/srt/environ.py").write_text(SGLANG_ENVIRON)
+    sys.path.insert(0, str(root))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    cpu_group = dist.new_group(backend="gloo")
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    from sglang.srt.distributed.device_communicators.custom_all_reduce import dispatch_custom_allreduce
+
+    groups: dict = {}
+    namespace = {
+        "torch": torch, "_groups": groups, "is_in_tc_piecewise_cuda_graph": lambda: False,
+        **{name: getattr(typing, name) for name in ("Any", "Optional", "List", "Tuple", "Union")},
+    }  # fmt: skip
+    file = "sglang/srt/distributed/parallel_state.py"
+    engine_source.functions(released, file, ["inplace_all_reduce", "outplace_all_reduce"], namespace)
+    methods = engine_source.functions(
+        released, file,
+        ["all_reduce", "_resolve_outplace_all_reduce_method", "_can_use_flashinfer_allreduce",
+         "_all_reduce_out_place", "_all_reduce_in_place"],
+        namespace, "GroupCoordinator",
+    )  # fmt: skip
+    coordinator = type("GroupCoordinator", (), methods)()
+    coordinator.__dict__.update(
+        world_size=world_size, unique_name="tp:0", cpu_group=cpu_group, device_group=cpu_group,
+        device=torch.device("cpu"), hpu_communicator=None, xpu_communicator=None, pymscclpp_comm=None,
+        pynccl_comm=None, qr_comm=None, torch_symm_mem_comm=None, pcie_ipc_comm=None, _fi_workspace_hint=None,
+        is_symmetric_memory_enabled=lambda: False,
+    )  # fmt: skip
+    ca_class = dispatch_custom_allreduce(group=cpu_group, device=coordinator.device)
+    coordinator.ca_comm = slot = ca_class(group=cpu_group, device=coordinator.device)
+    groups[coordinator.unique_name] = weakref.ref(coordinator)
+    # The slot gets plain tensors again: nodecomm's CPU group asks is_cpu of what it is given.
+    served, should_custom_ar, custom_all_reduce = [], slot.should_custom_ar, slot.custom_all_reduce
+    slot.should_custom_ar = lambda x: should_custom_ar(x.as_subclass(torch.Tensor))
+    slot.custom_all_reduce = lambda x: served.append(x.numel()) or custom_all_reduce(x.as_subclass(torch.Tensor))
+    problems, dtype = [], torch.bfloat16
+    for count in counts:
+        got = coordinator.all_reduce(rank_input(rank, count, dtype, count).as_subclass(_OnDevice))
+        got = got.as_subclass(torch.Tensor)
+        want = reference(world_size, count, dtype, count)
+        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+        if count in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+            problems.append(count)
+    outcome = {"class": type(slot).__name__, "served": served, "problems": problems}
+    slot.close()
+    dist.destroy_process_group()
+    shutil.rmtree(root, ignore_errors=True)
+    return outcome

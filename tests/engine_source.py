@@ -118,13 +118,34 @@ def _own_nodes(scope: ast.AST):
         yield from _own_nodes(child)
 
 
-def method(path: Path, file: str, class_name: str, name: str, namespace: dict):
-    """The engine's own `class_name.name`, compiled from the wheel's `file` alone into `namespace`
-    (which stands in for the module's other names): a dispatch function run as released."""
+def functions(path: Path, file: str, names: list[str], namespace: dict, class_name: str | None = None) -> dict:
+    """The engine's own functions `names` (module-level, or methods of `class_name`), compiled from
+    the wheel's `file` alone into `namespace`, which stands in for the module's other names, with
+    their decorators dropped (the engines' custom-op registration): dispatch code run as released."""
     with zipfile.ZipFile(path) as archive:
         tree = ast.parse(archive.read(file).decode(), file)
-    (owner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
-    (function,) = [n for n in owner.body if isinstance(n, ast.FunctionDef) and n.name == name]
-    function.decorator_list = []
-    exec(compile(ast.Module(body=[function], type_ignores=[]), f"{path.name}/{file}", "exec"), namespace)  # noqa: S102
-    return namespace[name]
+    body = tree.body
+    if class_name is not None:
+        (owner,) = [n for n in body if isinstance(n, ast.ClassDef) and n.name == class_name]
+        body = owner.body
+    found = {n.name: n for n in body if isinstance(n, ast.FunctionDef) and n.name in names}
+    missing = sorted(set(names) - set(found))
+    assert not missing, f"{path.name}/{file} has no {class_name or 'module'} function {missing}"
+    for function in found.values():
+        function.decorator_list = []
+    code = compile(ast.Module(body=list(found.values()), type_ignores=[]), f"{path.name}/{file}", "exec")
+    exec(code, namespace)  # noqa: S102
+    return {name: namespace[name] for name in names}
+
+
+def method(path: Path, file: str, class_name: str, name: str, namespace: dict):
+    """The engine's own `class_name.name`, compiled from the wheel's `file` alone (see functions)."""
+    return functions(path, file, [name], namespace, class_name)[name]
+
+
+def unpack(path: Path, files: list[str], root: Path) -> None:
+    """The wheel's `files`, written under `root` as they are in the wheel."""
+    with zipfile.ZipFile(path) as archive:
+        for file in files:
+            (root / file).parent.mkdir(parents=True, exist_ok=True)
+            (root / file).write_bytes(archive.read(file))

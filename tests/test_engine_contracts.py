@@ -106,3 +106,32 @@ def test_vllms_own_all_reduce_dispatch_hands_the_slot_what_it_accepts(daemon, sp
     ).values()
     for outcome in results.values():
         assert outcome == {"served": counts[:3], "problems": []}, outcome
+
+
+def test_the_vllm_platforms_communicator_goes_first_then_hands_the_rest_to_vllms_order(daemon, spawn_ranks):
+    """nodecomm's communicator over vLLM 0.34.0's CudaCommunicator.all_reduce as released, with
+    QuickReduce (up to 16 MiB) and FlashInfer (every size) ready: what nodecomm's table accepts
+    reaches nodecomm ahead of both, with the fp32 rank-order sum's bits; 9 MiB goes on to
+    QuickReduce and 20 MiB to FlashInfer, in vLLM's order."""
+    counts = [8, 1000, 4100, 9 << 19, 10 << 20]
+    wheel = str(engine_source.wheel("vllm", "0.34.0"))
+    results = spawn_ranks(
+        engine_ranks.vllm_platform_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
+    ).values()
+    served = [("nodecomm", c) for c in counts[:3]] + [("quick", counts[3]), ("flashinfer", counts[4])]
+    for outcome in results.values():
+        assert outcome == {"served": served, "problems": []}, outcome
+
+
+def test_sglangs_own_plugin_loader_and_all_reduce_dispatch_hand_the_slot_what_it_accepts(daemon, spawn_ranks):
+    """SGLang 0.5.23's load_plugins and HookRegistry, from the wheel, apply nodecomm's REPLACE hook,
+    so the slot GroupCoordinator builds is nodecomm's; SGLang's all_reduce, as released, sends the
+    sizes it accepts there (the fp32 rank-order sum's bits) and the 9 MiB one, past its limit, to
+    the in-place all-reduce on the engine's device group."""
+    counts = [8, 1000, 4100, 9 << 19]
+    wheel = str(engine_source.wheel("sglang", "0.5.23"))
+    results = spawn_ranks(
+        engine_ranks.sglang_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
+    ).values()
+    for outcome in results.values():
+        assert outcome == {"class": "NodecommAllreduce", "served": counts[:3], "problems": []}, outcome
