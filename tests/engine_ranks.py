@@ -31,6 +31,15 @@ def reference(world_size: int, count: int, dtype: torch.dtype, seed: int) -> tor
     return total.to(dtype)
 
 
+def wrong(got: torch.Tensor, world_size: int, count: int, dtype: torch.dtype, exact: bool) -> bool:
+    """Whether `got` is not the sum of rank_input(..., seed=count): its bits where nodecomm served
+    it (`exact`), else within the tolerance of an engine's NCCL."""
+    want = reference(world_size, count, dtype, count)
+    if exact:
+        return not torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+    return not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
 def engine_sequence(
     rank: int, world_size: int, socket: str, port: int, engine: str, device_kind: str, counts: list[int]
 ) -> dict:
@@ -219,9 +228,7 @@ def vllm_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str
     problems, dtype = [], torch.bfloat16
     for count in counts:
         got = all_reduce(communicator, rank_input(rank, count, dtype, count))
-        want = reference(world_size, count, dtype, count)
-        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
-        if count in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+        if wrong(got, world_size, count, dtype, exact=count in served):
             problems.append(count)
     slot.close()
     dist.destroy_process_group()
@@ -295,9 +302,7 @@ def vllm_platform_dispatch(rank: int, world_size: int, socket: str, port: int, w
     problems, dtype = [], torch.bfloat16
     for count in counts:
         got = communicator.all_reduce(rank_input(rank, count, dtype, count))
-        want = reference(world_size, count, dtype, count)
-        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
-        if ("nodecomm", count) in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+        if wrong(got, world_size, count, dtype, exact=("nodecomm", count) in served):
             problems.append(count)
     communicator.destroy()
     dist.destroy_process_group()
@@ -313,7 +318,7 @@ class _OnDevice(torch.Tensor):
         return False
 
 
-SGLANG_ENVIRON = '''import os
+SGLANG_ENVIRON = """import os
 
 
 class _Setting:
@@ -327,7 +332,7 @@ class _Setting:
 class envs:
     SGLANG_PLUGINS = _Setting("SGLANG_PLUGINS")
     SGLANG_PLATFORM = _Setting("SGLANG_PLATFORM")
-'''
+"""
 
 
 def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str, counts: list[int]) -> dict:
@@ -387,9 +392,7 @@ def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: s
     for count in counts:
         got = coordinator.all_reduce(rank_input(rank, count, dtype, count).as_subclass(_OnDevice))
         got = got.as_subclass(torch.Tensor)
-        want = reference(world_size, count, dtype, count)
-        exact = torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
-        if count in served and not exact or not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+        if wrong(got, world_size, count, dtype, exact=count in served):
             problems.append(count)
     outcome = {"class": type(slot).__name__, "served": served, "problems": problems}
     slot.close()
