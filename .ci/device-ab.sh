@@ -32,7 +32,7 @@ for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
     echo "== $name, round $round"
     PYTHONPATH=/tmp/nc-$name:/tmp/site timeout 200 python3 -c \
-      "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench "$@" | tee "$OUT/ab-$name-$round.txt"
+      "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench "$@" | tee "$OUT/ab-$name-$round.txt"
   done
 done
 echo quit | nvidia-cuda-mps-control

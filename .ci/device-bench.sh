@@ -10,7 +10,7 @@ fi
 for spec in "$@"; do
   world=${spec%%:*}; mode=${spec##*:}
   flag=""; [ "$mode" = graph ] && flag="--graph"
-  timeout 280 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --device cuda \
+  timeout 280 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench --device cuda \
     --world-size "$world" $flag --json "$OUT/bench-w$world-$mode.json" | tee "$OUT/bench-w$world-$mode.txt"
 done
 [ "${MPS:-0}" = 1 ] && echo quit | nvidia-cuda-mps-control

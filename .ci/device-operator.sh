@@ -6,7 +6,7 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -3
-nodecomm() { python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" "$@"; }
+nodecomm() { python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" "$@"; }
 set -o pipefail
 failed=0
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
@@ -47,14 +47,14 @@ nodecomm --socket $socket status | tee "$OUT/status.txt"
 python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" > "$OUT/metrics.txt"
 wait $holder
 
-timeout 150 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" --socket $socket \
+timeout 150 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" --socket $socket \
   calibrate --device cuda --world-size $world --plot "$OUT/calibration-cuda.png" | tee "$OUT/calibration-cuda.txt" || failed=1
-timeout 180 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" --socket $socket \
+timeout 180 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" --socket $socket \
   bench --device cuda --world-size $world --graph | tee "$OUT/bench-w$world-graph.txt" || failed=1
 kill $daemon; wait $daemon 2>/dev/null
 for w in $(printf '%s\n' ${TOPK_WORLDS:-$world 4 8} | sort -nu); do
   [ "$w" -gt "$gpus" ] && [ ! -e /tmp/mps/control ] && start_mps
-  timeout 80 python3 -c "import sys; from nodecomm.client.cli import main; sys.exit(main())" bench --op topk --device cuda \
+  timeout 80 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench --op topk --device cuda \
     --world-size $w --rows 64,256,1024,2048 --topk 2048 --iterations 20 | tee -a "$OUT/bench-topk.txt" || failed=1
 done
 [ -e /tmp/mps/control ] && echo quit | nvidia-cuda-mps-control

@@ -1,7 +1,7 @@
 """What engine ranks import: connect() and the Communicator it returns; connect_across_nodes()
 and the HierarchicalCommunicator for a group whose ranks sit on several nodes.
 
-Imported lazily, so that the `nodecomm` command (nodecomm.client.cli) and the bench's parent
+Imported lazily, so that the `nodecomm` command (nodecomm.tools.cli) and the bench's parent
 process start without torch or the native module; only the rank processes load them.
 """
 

@@ -486,7 +486,7 @@ async def probe(
     # is left behind by a probe (or a daemon) that is killed.
     args = [
         # -X faulthandler: a probe that crashes prints every thread's stack into the error.
-        sys.executable, "-X", "faulthandler", "-m", "nodecomm.client.cli", "--socket", socket, "bench",
+        sys.executable, "-X", "faulthandler", "-m", "nodecomm.tools.cli", "--socket", socket, "bench",
         *PROBE_FLAGS[device_kind], "--world-size", str(world_size), "--progress",
         *(["--wire", ",".join(wires)] if wires else []),
         *(["--sizes", ",".join(map(str, sizes))] if sizes else ["--min-bytes", str(min_bytes), "--max-bytes", str(max_bytes)]),

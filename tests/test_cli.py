@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 import ranks
-from nodecomm.client.convergence_bench import converged_at
+from nodecomm.tools.convergence_bench import converged_at
 
 
 def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())", *args],
+        [sys.executable, "-c", "import sys; from nodecomm.tools.cli import main; sys.exit(main())", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -71,7 +71,7 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     """Rows print size by size as they are measured; the run's private daemon leaves no folder."""
     out, temporary = tmp_path / "bench.json", tmp_path / "tmp"
     temporary.mkdir()
-    command = [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())"]
+    command = [sys.executable, "-c", "import sys; from nodecomm.tools.cli import main; sys.exit(main())"]
     command += [
         "bench",
         "--world-size",
@@ -116,7 +116,7 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
 
 
 def test_dispatch_regret_divides_auto_by_the_best_other_path():
-    from nodecomm.client.bench import Row, dispatch_regret
+    from nodecomm.tools.bench import Row, dispatch_regret
 
     def row(size: int, path: str, p50: float) -> Row:
         return Row(size, size // 4, "float32", path, p50, p50, 0.0, 0.0, 0, 10, p50, p50)
@@ -233,8 +233,8 @@ def test_cuda_tables_for_new_groups(make_daemon):
 
 
 def test_status_spells_each_range_by_the_boundary_that_ends_it():
-    from nodecomm.client.cli import _paths_summary
     from nodecomm.thresholds import Boundary, Path, Source, build_table
+    from nodecomm.tools.cli import _paths_summary
 
     values = {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20}
     boundaries = {name: Boundary(name, value, Source.DEFAULT) for name, value in values.items()}
@@ -246,7 +246,7 @@ def test_status_spells_each_range_by_the_boundary_that_ends_it():
 def test_a_reader_that_stops_early_gets_no_traceback(daemon):
     """`nodecomm status | head -1`: the command stops quietly, status 0, when the pipe closes (here
     the reader is gone before the command writes)."""
-    command = f"{sys.executable} -c 'import sys; from nodecomm.client.cli import main; sys.exit(main())'"
+    command = f"{sys.executable} -c 'import sys; from nodecomm.tools.cli import main; sys.exit(main())'"
     pipeline = f"set -o pipefail; {command} --socket {daemon.socket} status | true"
     finished = subprocess.run(["bash", "-c", pipeline], capture_output=True, text=True, timeout=60)
     assert finished.returncode == 0 and finished.stderr == "", finished.stderr
@@ -307,7 +307,7 @@ def _interrupted(command: list[str], wait_for: str) -> subprocess.CompletedProce
 def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
     """Ctrl-C in the middle of a bench (its ranks and its private daemon in the same group) and of
     a calibration: exit 130, one line on stderr, no traceback, no bench directory left."""
-    cli = [sys.executable, "-m", "nodecomm.client.cli"]
+    cli = [sys.executable, "-m", "nodecomm.tools.cli"]
     before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
     bench = _interrupted([*cli, "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot,twoshot"], "#wrong")
     assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
@@ -328,7 +328,7 @@ def test_a_killed_bench_leaves_no_daemon_and_no_directory():
     """SIGKILL to a running bench (and to its ranks): its private daemon, whose lease the bench
     held, leaves within seconds and takes its directory with it."""
     before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
-    command = [sys.executable, "-m", "nodecomm.client.cli", "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot"]
+    command = [sys.executable, "-m", "nodecomm.tools.cli", "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot"]
     bench = subprocess.Popen(
         command, stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
     )

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from nodecomm.client.cli import build_parser as cli_parser
 from nodecomm.service.config import ENV_PREFIX, build_parser, load_config
+from nodecomm.tools.cli import build_parser as cli_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"

@@ -3,9 +3,9 @@
 of the synthetic streams neither explore nor sample, so that the ranks' own calls add no timings."""
 
 import ranks
-from nodecomm.client.convergence_bench import every_size_to
 from nodecomm.service.calibration import CalibrationStore
 from nodecomm.service.config import DaemonConfig
+from nodecomm.tools.convergence_bench import every_size_to
 
 SIXTEEN_KIB = 16 << 10
 SYNTHETIC = ("--explore-period", "0", "--timing-sample-period", "100000")

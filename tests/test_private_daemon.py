@@ -14,9 +14,9 @@ import pytest
 import distributed_ranks
 import nodecomm
 from conftest import free_port
-from nodecomm.client.convergence_bench import every_size_to
 from nodecomm.service.calibration import CalibrationStore
 from nodecomm.service.config import DaemonConfig
+from nodecomm.tools.convergence_bench import every_size_to
 from test_distributed import reports, torchrun
 
 

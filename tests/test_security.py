@@ -94,7 +94,7 @@ def test_a_daemon_another_user_placed_at_the_default_paths_gets_nothing(users):
             "except nodecomm.NodecommError as error:\n    print(type(error).__name__, error)\n"
         )
         assert direct.stdout.startswith("PermissionDeniedError") and expected in direct.stdout, direct
-        status = a.run([sys.executable, "-m", "nodecomm.client.cli", "status"])
+        status = a.run([sys.executable, "-m", "nodecomm.tools.cli", "status"])
         assert status.returncode == 1 and expected in status.stderr, status.stderr
         own_runtime = a.home / "run"
         own_runtime.mkdir(mode=0o700)
@@ -275,7 +275,7 @@ print(json.dumps(outcomes))
 
 def status_as(user: User | None, socket: str) -> list[dict]:
     """`nodecomm status --json`'s groups as `user` sees them (None: root, an operator)."""
-    command = [sys.executable, "-m", "nodecomm.client.cli", "--socket", socket, "status", "--json"]
+    command = [sys.executable, "-m", "nodecomm.tools.cli", "--socket", socket, "status", "--json"]
     finished = user.run(command) if user is not None else subprocess.run(command, capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
     return json.loads(finished.stdout)["groups"]
@@ -540,7 +540,7 @@ def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
         seen_by_root = {(g["name"], g["owner"]) for g in status_as(None, daemon.socket)}
         assert {("held", f"uid {a.uid}"), ("tp0", f"uid {b.uid}"), ("bench", f"uid {b.uid}")} <= seen_by_root
         asked = b.run(
-            [sys.executable, "-m", "nodecomm.client.cli", "--socket", daemon.socket, "thresholds", "--group", "held"]
+            [sys.executable, "-m", "nodecomm.tools.cli", "--socket", daemon.socket, "thresholds", "--group", "held"]
         )
         assert asked.returncode == 1 and f"uid {b.uid} has no active group named 'held'" in asked.stderr, asked.stderr
         holder.stdin.write("\n")
@@ -888,7 +888,7 @@ def test_a_killed_calibration_leaves_no_folder(make_daemon, spawn_ranks, tmp_pat
     daemon = make_daemon("--state-dir", str(tmp_path / "state"))
     baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
     calibrate = subprocess.Popen(
-        [sys.executable, "-m", "nodecomm.client.cli", "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"],
+        [sys.executable, "-m", "nodecomm.tools.cli", "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from nodecomm import _native
-from nodecomm.client.topology import format_topology, node_topology
+from nodecomm.tools.topology import format_topology, node_topology
 from test_cli import nodecomm_cli
 
 # Socket 0 (NUMA 0): root complex pci0000:00, GPUs 0 and 1 behind one switch, GPU 2 behind a second
@@ -92,7 +92,7 @@ def test_the_command_on_this_machine():
 def test_no_gpu_says_which_of_the_three_causes():
     """The build, the driver or the devices: the command names the one that holds here."""
     shown = subprocess.run(
-        [sys.executable, "-c", "import sys; from nodecomm.client.cli import main; sys.exit(main())", "topo"],
+        [sys.executable, "-c", "import sys; from nodecomm.tools.cli import main; sys.exit(main())", "topo"],
         capture_output=True, text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
     ).stdout  # fmt: skip
     try:

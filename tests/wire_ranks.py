@@ -1,6 +1,6 @@
 """Compressed wires: a reference written with torch alone (independent of native/wire.h) and the
 rank programs of tests/test_wires.py (importable by spawned children); the error bound and the
-inputs are the error table's (client/wire_error.py)."""
+inputs are the error table's (tools/wire_error.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import time
 import torch
 
 import nodecomm
-from nodecomm.client.wire_error import error_bound, exact_sum, gaussian_input
+from nodecomm.tools.wire_error import gaussian_input
+from nodecomm.wire_bounds import error_bound, exact_sum
 from ranks import BITS, DTYPES
 
 BLOCK = 32
@@ -63,7 +64,7 @@ def rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
 
 
 def activations(rank: int, count: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Gaussian values with rare large outliers, as the error table's (client/wire_error.py)."""
+    """Gaussian values with rare large outliers, as the error table's (tools/wire_error.py)."""
     return gaussian_input(rank, count, seed).to(dtype)
 
 

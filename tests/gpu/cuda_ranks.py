@@ -475,7 +475,7 @@ def isolated_rank(rank: int, world_size: int, socket: str) -> dict:
     import io
     import json
 
-    from nodecomm.client.cli import main as nodecomm_cli
+    from nodecomm.tools.cli import main as nodecomm_cli
 
     device = device_for(rank)
     torch.cuda.set_device(device)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from nodecomm.wire_bounds import error_bound, exact_sum
+
 from .bench import run_ranks, start_rank
 
 PARTIALS = Path(__file__).resolve().parents[1] / "docs" / "data" / "minilm_partials.pt"
@@ -46,36 +48,6 @@ def inputs_of(kind: str, world_size: int, dtype, count: int):
     if kind == "gaussian+outliers":
         return [gaussian_input(r, count, 7).to(dtype) for r in range(world_size)]
     return [minilm_input(r, world_size).to(dtype) for r in range(world_size)]
-
-
-def exact_sum(inputs: list):
-    """The inputs' sum in float64, element by element (flattened): what the errors are against."""
-    import torch
-
-    return torch.stack([x.double().flatten() for x in inputs]).sum(dim=0)
-
-
-def error_bound(inputs: list, wire: str):
-    """The most a compressed sum may differ from the exact sum of `inputs`, per element (float64):
-    each rank's half code step (int8: 1/254 of its block's largest finite magnitude; E4M3: 1/16
-    of the value, or half its smallest step, absmax * 2^-10 / 448), then the one rounding to the
-    dtype that the lossless sum has too."""
-    import torch
-
-    bound = torch.zeros(inputs[0].numel(), dtype=torch.float64)
-    for x in inputs:
-        flat = x.double().flatten()
-        blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % 32)).view(-1, 32)
-        finite = torch.isfinite(blocks)
-        absmax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
-        if wire == "int8":
-            step = (absmax / 254.0).expand_as(blocks)
-        else:
-            step = torch.maximum(blocks.abs() / 16.0, absmax / 448.0 * 2.0**-10)
-        bound += step.flatten()[: flat.numel()] * 1.0001
-    exact = exact_sum(inputs).abs()
-    rounding = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[inputs[0].dtype]
-    return bound + (exact + bound) * rounding + 2.0**-24
 
 
 def errors(result, exact) -> tuple[float, float]:

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 
 from nodecomm.byte_size import format_byte_size
 
-from .daemon_choice import JobLeaseHandle
-from .daemon_process import start_daemon
+from ..client.daemon_choice import JobLeaseHandle
+from ..client.daemon_process import start_daemon
 
 if TYPE_CHECKING:
     from nodecomm.service.calibration import Calibration

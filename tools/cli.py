@@ -194,7 +194,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     for warning in reply.warnings:
         print(f"nodecomm calibrate: {warning}", file=sys.stderr)
     if args.plot:
-        from nodecomm.client.calibration_plot import plot_calibration
+        from nodecomm.tools.calibration_plot import plot_calibration
 
         plot_calibration(reply, table, args.plot)
     if args.json:
@@ -236,7 +236,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "wire-error":
-        from nodecomm.client.wire_error import run_wire_error
+        from nodecomm.tools.wire_error import run_wire_error
 
         if any(8 % world for world in args.worlds):
             print(
@@ -246,7 +246,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(run_wire_error(args.worlds, args.count, args.socket, args.device))
         return 0
     if args.op == "across-nodes":
-        from nodecomm.client.across_nodes_bench import run_across_nodes_bench
+        from nodecomm.tools.across_nodes_bench import run_across_nodes_bench
 
         sizes = args.sizes or byte_sizes("1KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB")
         if len(args.nodes) < 2:
@@ -257,7 +257,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(run_across_nodes_bench(args.nodes, sizes, args.iterations))
         return 0
     if args.op == "convergence":
-        from nodecomm.client.convergence_bench import run_convergence_bench
+        from nodecomm.tools.convergence_bench import run_convergence_bench
 
         if args.table and args.socket:
             print("nodecomm bench: --table starts a daemon of its own; it cannot go with --socket", file=sys.stderr)
@@ -268,11 +268,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(run_convergence_bench(args.world_size, sizes, args.calls, args.socket, args.device, flags, args.table))
         return 0
     if args.op == "topk":
-        from nodecomm.client.topk_bench import run_topk_bench
+        from nodecomm.tools.topk_bench import run_topk_bench
 
         print(run_topk_bench(args.world_size, args.rows, args.topk, args.iterations, args.socket, args.device))
         return 0
-    from nodecomm.client.bench import (
+    from nodecomm.tools.bench import (
         BASELINES,
         BenchSetup,
         format_header,
@@ -344,7 +344,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def cmd_topo(args: argparse.Namespace) -> int:
     from nodecomm import _native
-    from nodecomm.client.topology import format_topology, node_topology, why_no_gpu
+    from nodecomm.tools.topology import format_topology, node_topology, why_no_gpu
 
     devices = _native.cuda_devices() if _native.WITH_CUDA else []
     topology = node_topology(devices, _native.cuda_peer_links() if devices else [])
@@ -360,7 +360,7 @@ DEFAULT_BENCH_PATHS = {
     "cpu": ",".join([*path_names("cpu"), "service", "auto"]),
     "cuda": ",".join([*path_names("cuda"), "auto"]),
 }
-# What --paths may name on each device (client/bench.py times them): the kind's paths, the
+# What --paths may name on each device (tools/bench.py times them): the kind's paths, the
 # daemon's, the table's, the two torch.distributed rows and the baseline.
 BENCH_PATHS = {
     kind: (*path_names(kind), "service", "auto", "torch", "inplace", baseline)

@@ -1,0 +1,55 @@
+"""The README's Layout is the tree: every file it names exists, and every source file of the
+packages and of native/ is named there (or lies in a folder it names, as bindings/ does)."""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = re.compile(r"\.(py|h|cuh|cu|cpp|proto)$")
+NAMED = re.compile(r"[\w./]+?\.(?:py|h|cuh|cu|cpp|proto)(?:/\.cu)?|[\w]+/(?=\s|,|$)")
+
+
+def layout() -> str:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Layout") :]
+    return section[section.index("```") + 3 : section.index("```", section.index("```") + 3)]
+
+
+def named_paths() -> set[str]:
+    """Each name resolved against the top-level folder its line sits under (a name with a slash
+    may also be from the root: native/shm.h on a client/ line)."""
+    named, folder = set(), ""
+    for line in layout().splitlines():
+        top = re.match(r"([\w./]+/)\s", line)
+        if top:
+            folder, line = top.group(1), line[top.end() :]
+        for written in NAMED.findall(line):  # "topk.h/.cu" names topk.h and topk.cu
+            pair = written.endswith("/.cu")
+            for name in [written[: -len("/.cu")], written[: -len(".h/.cu")] + ".cu"] if pair else [written]:
+                candidates = [folder + name, name] if "/" in name else [folder + name]
+                found = [c for c in candidates if (ROOT / c).exists()]
+                named.add(os.path.normpath(found[0] if found else folder + name) + ("/" if name.endswith("/") else ""))
+    return named
+
+
+def test_every_file_the_layout_names_exists():
+    missing = sorted(p for p in named_paths() if not (ROOT / p).exists())
+    assert missing == [], f"the README's Layout names files the tree lacks: {missing}"
+
+
+def test_every_source_file_is_in_the_layout():
+    named = named_paths()
+    folders = tuple(p for p in named if p.endswith("/"))
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    sources = [
+        path
+        for path in tracked.split()
+        if path.split("/")[0]
+        in {"nodecomm", "service", "client", "tools", "distributed", "integrations", "native", "proto"}
+        and SOURCES.search(path)
+        and not path.endswith(("__init__.py", "_pb2.py", "_pb2_grpc.py", "_pb2.pyi"))
+    ]
+    unnamed = sorted(p for p in sources if p not in named and not p.startswith(folders))
+    assert unnamed == [], f"source files the README's Layout does not name: {unnamed}"
