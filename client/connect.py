@@ -13,6 +13,7 @@ import torch
 from nodecomm import _native
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
+from nodecomm.socket_path import descriptor_socket_path
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.trust import checked_target
 from nodecomm.v1 import control_pb2 as pb
@@ -36,12 +37,9 @@ SELF_TEST_TIMEOUT_SECONDS = 5.0
 
 
 def _descriptor_socket_path(target: str, announced: str) -> str:
-    """The daemon names its descriptor socket by its own path; a container that mounts the socket
-    directory elsewhere finds it beside the control socket it dialled."""
-    if os.path.exists(announced) or not target.startswith("unix:"):
-        return announced
-    directory = os.path.dirname(target.removeprefix("unix:"))
-    return os.path.join(directory, os.path.basename(announced))
+    """Beside the Unix socket dialled (the daemon's one rule, which holds wherever the directory is
+    mounted); over TCP, where the daemon says (a client on the daemon's machine)."""
+    return descriptor_socket_path(target.removeprefix("unix:")) if target.startswith("unix:") else announced
 
 
 def _check_peers(
@@ -161,7 +159,7 @@ def _join(
     # daemon that does not admit this uid says so here, in its own words.
     identity = b""
     if target.startswith("unix:"):
-        identity = DescriptorSocket(target.removeprefix("unix:") + ".fd", chosen.daemon_uids).identify(timeout, where)
+        identity = DescriptorSocket(_descriptor_socket_path(target, ""), chosen.daemon_uids).identify(timeout, where)
     channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
     stub = pb_grpc.ControlStub(channel)
     request = spec.join_request(identity)

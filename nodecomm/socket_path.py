@@ -18,6 +18,13 @@ def default_socket_path() -> str:
     return str(Path(runtime) / "nodecomm" / "nodecomm.sock")
 
 
+def descriptor_socket_path(socket: str) -> str:
+    """Where the daemon listening at `socket` hands out file descriptors: beside it, at
+    `<socket>.fd`. The daemon has no other choice, so a client finds it beside the socket it
+    dialled, wherever that directory is mounted, before it joins (its identity comes from there)."""
+    return socket + ".fd"
+
+
 def grpc_target(socket: str) -> str:
     """A gRPC target for a socket path, or a target given as such (unix:..., ipv4:..., ipv6:...)."""
     if socket.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")):

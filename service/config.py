@@ -20,7 +20,7 @@ from typing import Any
 import tomllib
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
-from nodecomm.socket_path import default_socket_path
+from nodecomm.socket_path import default_socket_path, descriptor_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
 
 ENV_PREFIX = "NODECOMM_"
@@ -61,8 +61,6 @@ def default_cache_dir() -> str:
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
     socket: str = dataclasses.field(default_factory=default_socket_path)
-    # The companion socket that passes file descriptors; empty: "<socket>.fd" beside the socket.
-    descriptor_socket: str = ""
     # "host:port" on a loopback address, or empty for no TCP listener. Another address needs TLS:
     # tls_cert and tls_key (PEM files), and tls_client_ca to require client certificates. A Join
     # over TCP needs a group key; a loopback caller counts as the uid that owns its socket.
@@ -185,11 +183,14 @@ class DaemonConfig:
     # Boundary overrides: absent means "not overridden"; None means "switched off".
     overrides: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
 
+    @property
+    def descriptor_socket(self) -> str:
+        """The companion socket that passes file descriptors, always beside the control socket."""
+        return descriptor_socket_path(self.socket)
+
     def __post_init__(self) -> None:
         if not self.socket:
             raise ValueError("socket: expected a filesystem path for the Unix socket, got an empty string")
-        if not self.descriptor_socket:
-            object.__setattr__(self, "descriptor_socket", self.socket + ".fd")
         if not self.state_dir:
             object.__setattr__(self, "state_dir", default_state_dir())
         if not self.cache_dir:
@@ -305,7 +306,6 @@ _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "ove
 # One line per setting for `nodecommd --help` (docs/operator-guide.md says more).
 HELP = {
     "socket": "Unix socket of the gRPC control plane",
-    "descriptor_socket": "Unix socket that hands out buffer descriptors (empty: <socket>.fd)",
     "tcp_address": "extra gRPC listener, ip:port on loopback (or with TLS); empty: none",
     "tls_cert": "PEM certificate for tcp_address beyond loopback",
     "tls_key": "PEM key for tls_cert",
