@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
 import logging
 import math
 import os
@@ -112,22 +113,49 @@ def add_control_servicer(servicer: ControlServicer, server: grpc.aio.Server) -> 
     server.add_registered_method_handlers(service.full_name, handlers)
 
 
-def rpc(method):
-    """Time the handler and answer a NodecommError with its status code and message."""
+def rpc(*, member: bool = False):
+    """The one wrapper of every Control handler, unary or streaming: a request that did not parse,
+    and any NodecommError the handler raises (before or between its replies), end the call with
+    the error's status code and message, counted by method and error; unary calls are timed.
+    member=True: the request names a group_id and rank, and the call must carry that rank's
+    secret from its Join (metadata RANK_SECRET_KEY)."""
 
-    @functools.wraps(method)
-    async def handler(self: ControlServicer, request, context: grpc.aio.ServicerContext):
-        started = time.perf_counter()
-        try:
+    def wrap(method):
+        name = method.__name__
+
+        def admit(self: ControlServicer, request, context: grpc.aio.ServicerContext) -> None:
             if isinstance(request, UndecodableRequest):
                 raise request.error()
-            return await method(self, request, context)
-        except NodecommError as error:
-            await self.refuse(context, method.__name__, error)
-        finally:
-            self.metrics.rpc_seconds.labels(method.__name__).observe(time.perf_counter() - started)
+            if member:
+                self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
 
-    return handler
+        if inspect.isasyncgenfunction(method):
+
+            @functools.wraps(method)
+            async def streaming(self: ControlServicer, request, context: grpc.aio.ServicerContext):
+                try:
+                    admit(self, request, context)
+                    async for reply in method(self, request, context):
+                        yield reply
+                except NodecommError as error:
+                    await self.refuse(context, name, error)
+
+            return streaming
+
+        @functools.wraps(method)
+        async def unary(self: ControlServicer, request, context: grpc.aio.ServicerContext):
+            started = time.perf_counter()
+            try:
+                admit(self, request, context)
+                return await method(self, request, context)
+            except NodecommError as error:
+                await self.refuse(context, name, error)
+            finally:
+                self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - started)
+
+        return unary
+
+    return wrap
 
 
 class ControlServicer(pb_grpc.ControlServicer):
@@ -158,7 +186,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.metrics.errors.labels(type(error).__name__).inc()
         await context.abort(code, status_details(error))
 
-    @rpc
+    @rpc()
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         # The configured join timeout is both the default and the most a rank may ask for.
         timeout = self.config.join_timeout_seconds
@@ -226,24 +254,20 @@ class ControlServicer(pb_grpc.ControlServicer):
             )
         return Caller(uid)
 
+    @rpc()
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
         try:
             first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.config.session_grace_seconds)
         except asyncio.TimeoutError:
             first = None
         if isinstance(first, UndecodableRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, first.message)
+            raise first.error()
         if first is None or first.WhichOneof("kind") != "hello":
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "a Session stream must start with a hello naming group_id and rank"
-            )
+            raise InvalidArgumentError("a Session stream must start with a hello naming group_id and rank")
         group_id, rank = first.hello.group_id, first.hello.rank
-        try:
-            caller, _ = self._caller(context)
-            self.registry.authenticate(group_id, rank, _rank_secret(context))
-            queue = self.registry.open_session(group_id, rank)
-        except NodecommError as error:
-            await self.refuse(context, "Session", error)
+        caller, _ = self._caller(context)
+        self.registry.authenticate(group_id, rank, _rank_secret(context))
+        queue = self.registry.open_session(group_id, rank)
 
         undecodable: list[UndecodableRequest] = []
 
@@ -270,28 +294,22 @@ class ControlServicer(pb_grpc.ControlServicer):
                     break
                 yield message
             if undecodable:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, undecodable[0].message)
+                raise undecodable[0].error()
         finally:
             upstream.cancel()
             self.registry.close_session(group_id, rank)
 
-    @rpc
+    @rpc(member=True)
     async def CheckPeers(self, request: pb.PeerCheckReport, context) -> pb.PeerCheckVerdict:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.check_peers(request, self.config.join_timeout_seconds)
 
-    @rpc
+    @rpc(member=True)
     async def OpenTopkExchange(self, request: pb.TopkExchangeRequest, context) -> pb.TopkExchangeReply:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.open_topk_exchange(request)
 
+    @rpc()
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
-        if isinstance(request, UndecodableRequest):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        try:
-            self._check_operator(self._caller(context)[0])
-        except NodecommError as error:
-            await self.refuse(context, "Calibrate", error)
+        self._check_operator(self._caller(context)[0])
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
         def on_point(label: str, size: int, seconds: float) -> None:
@@ -302,43 +320,35 @@ class ControlServicer(pb_grpc.ControlServicer):
         try:
             while (update := await updates.get()) is not None:
                 yield update
-            try:
-                reply = probe.result()
-            except NodecommError as error:
-                await self.refuse(context, "Calibrate", error)
-            yield pb.CalibrateUpdate(done=reply)
+            yield pb.CalibrateUpdate(done=probe.result())
         finally:
             probe.cancel()  # the caller went away: stop the probe
 
-    @rpc
+    @rpc(member=True)
     async def AllocateMemory(self, request: pb.AllocateMemoryRequest, context) -> pb.AllocateMemoryReply:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return self.registry.allocate_memory(request)
 
-    @rpc
+    @rpc(member=True)
     async def FreeMemory(self, request: pb.FreeMemoryRequest, context) -> pb.FreeMemoryReply:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         self.registry.free_memory(request)
         return pb.FreeMemoryReply()
 
-    @rpc
+    @rpc(member=True)
     async def Submit(self, request: pb.SubmitRequest, context) -> pb.SubmitReply:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         return await self.registry.submit(request)
 
-    @rpc
+    @rpc(member=True)
     async def Leave(self, request: pb.LeaveRequest, context) -> pb.LeaveReply:
-        self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
         self.registry.leave(request.group, request.group_id, request.rank)
         return pb.LeaveReply()
 
-    @rpc
+    @rpc()
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
         caller, _ = self._caller(context)
         table = self.registry.table_for(caller, request.group, request.device_kind or "cpu", request.nccl_fallback)
         return table.to_proto()
 
-    @rpc
+    @rpc()
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
         caller, _ = self._caller(context)
         operator = caller.uid is not None and self.admission.operates(caller.uid)
