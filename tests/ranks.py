@@ -70,6 +70,27 @@ def gather_and_barrier(rank: int, world_size: int, socket: str) -> list[str]:
     return problems
 
 
+def wait_joined(socket: str, group: str, joined: list[int], timeout: float = 60.0) -> None:
+    """Until the daemon shows `joined` (exactly those ranks) waiting in forming group `group`: how a
+    test orders its ranks' arrivals without sleeping. Fails after `timeout` s, saying what it saw."""
+    import grpc
+
+    from nodecomm.socket_path import grpc_target
+    from nodecomm.v1 import control_pb2 as pb
+    from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+    deadline, seen = time.monotonic() + timeout, None
+    with grpc.insecure_channel(grpc_target(socket)) as channel:
+        stub = pb_grpc.ControlStub(channel)
+        while time.monotonic() < deadline:
+            groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=10).groups
+            seen = [sorted(g.joined_ranks) for g in groups if g.name == group and g.state == "joining"]
+            if seen == [sorted(joined)]:
+                return
+            time.sleep(0.01)
+    raise AssertionError(f"group {group!r}: ranks {joined} never waited there together within {timeout} s (saw {seen})")
+
+
 def join_only(rank: int, world_size: int, socket: str, group: str, kwargs: dict) -> str:
     with nodecomm.connect(group, rank, world_size, socket=socket, timeout=kwargs.pop("timeout", 20), **kwargs) as comm:
         y = comm.all_reduce(torch.ones(4))

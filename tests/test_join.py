@@ -49,7 +49,7 @@ def test_last_rank_mismatch_fails_the_waiting_ranks_too(daemon, spawn_ranks):
 
 def _third_differs(rank, socket_path):
     if rank == 2:
-        time.sleep(1.0)  # arrives last
+        ranks.wait_joined(socket_path, "late", [0, 1])  # arrives last
     return ranks.join_only(rank, 3, socket_path, "late", {"capacity_bytes": (2 << 20) if rank == 2 else (1 << 20)})
 
 
@@ -60,7 +60,7 @@ def test_join_deadline_names_who_came_who_gave_up_and_who_never_came(daemon):
     channel, stub = stub_for(daemon)
     with channel:
         waiting = stub.Join.future(join_request(group="lonely", rank=1, world_size=3, timeout=3.0), timeout=10)
-        time.sleep(0.5)  # rank 1 is there
+        ranks.wait_joined(daemon.socket, "lonely", [1])
         with pytest.raises(grpc.RpcError) as raised:
             stub.Join(join_request(group="lonely", rank=0, world_size=3, timeout=1.0), timeout=10)
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -117,7 +117,7 @@ def test_duplicate_rank_is_refused_and_the_first_keeps_waiting(daemon):
     channel, stub = stub_for(daemon)
     with channel:
         first = stub.Join.future(join_request(group="dup", timeout=3.0), timeout=10)
-        time.sleep(0.3)
+        ranks.wait_joined(daemon.socket, "dup", [0])
         with pytest.raises(grpc.RpcError) as raised:
             stub.Join(join_request(group="dup"), timeout=10)
         assert raised.value.code() == grpc.StatusCode.ALREADY_EXISTS
