@@ -43,7 +43,9 @@ from .descriptors import DescriptorSocket
 from .dtypes import DTYPE_CODES
 from .membership import Membership
 
-_STAGING_MIN_BYTES = 64 << 10
+# The smallest staging buffer the service path allocates (larger ones double from it): one per rank
+# for the small copies of a whole job.
+STAGING_MIN_BYTES = 64 << 10
 _ALIGN = 64
 _HOST = torch.device("cpu")
 
@@ -257,7 +259,7 @@ class ServiceClient:
                 buffer = min(fits, key=lambda b: b.size_bytes)
                 self._idle_staging.remove(buffer)
                 return buffer
-        size = _STAGING_MIN_BYTES
+        size = STAGING_MIN_BYTES
         while size < nbytes:
             size *= 2
         return self.allocate(size)

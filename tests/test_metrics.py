@@ -10,6 +10,7 @@ import pytest
 
 import ranks
 from conftest import join_request, stub_for
+from nodecomm.client.service_client import STAGING_MIN_BYTES
 
 
 def sample(text: str, name: str, **labels) -> float | None:
@@ -39,7 +40,8 @@ def test_operation_counts_buffers_and_errors(daemon, spawn_ranks):
     reserved = sample(text, "nodecomm_reserved_bytes", kind="host")
     collectives = sample(text, "nodecomm_buffer_bytes", device="host", use="collectives")
     staging = sample(text, "nodecomm_buffer_bytes", device="host", use="service")  # the service path's copies
-    assert collectives > 0 and staging == 2 * (64 << 10) and reserved == collectives + staging
+    # Each rank's 16 KiB copies fit in one staging buffer of the smallest size.
+    assert collectives > 0 and staging == 2 * STAGING_MIN_BYTES and reserved == collectives + staging
 
     # A Join the daemon refuses (connect() would refuse it before dialling: nodecomm.join_rules).
     channel, stub = stub_for(daemon)
