@@ -90,20 +90,20 @@ def test_a_killed_rank_makes_every_survivor_raise_naming_it(make_daemon, spawn_r
     )
     assert outcome[1][0] == "died"
     for rank in (0, 2, 3):
-        status, (name, message, _, again), seconds = outcome[rank]
+        status, (name, message, _, again), _ = outcome[rank]
         assert status == "ok" and name in ("PeerLostError", "DeadlineExceededError"), (rank, name, message)
         assert "are ranks [0, 1]): " in message and "peer rank 1 was lost" in message, (rank, message)
-        assert seconds < 20 and again == "PeerLostError", (rank, seconds, again)
+        assert again == "PeerLostError", (rank, again)
 
 
 def test_a_killed_daemon_makes_every_rank_raise_naming_it(make_daemon, spawn_ranks, store_port):
     kill = lambda group, daemons: daemons[1].stop(signal.SIGKILL)  # noqa: E731
     outcome = _survivors_raise(make_daemon, spawn_ranks, store_port, kill)
     for rank in range(4):
-        status, (name, message, _, again), seconds = outcome[rank]
+        status, (name, message, _, again), _ = outcome[rank]
         assert status == "ok", (rank, status)
         assert "daemon" in message and "node 1" in message, (rank, message)
-        assert seconds < 20 and again in ("PeerLostError", "DaemonUnavailableError"), (rank, seconds, again)
+        assert again in ("PeerLostError", "DaemonUnavailableError"), (rank, again)
 
 
 @pytest.mark.parametrize("per_node", [(2, 2), (3, 1), (2, 2, 2)], ids=["2+2", "3+1", "2+2+2"])

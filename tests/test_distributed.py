@@ -5,7 +5,6 @@ import multiprocessing as mp
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import distributed_ranks
@@ -67,16 +66,13 @@ def test_killed_rank_makes_the_others_raise(daemon, spawn_ranks):
     group = spawn_ranks(distributed_ranks.reduce_until_error, 3, 3, daemon.socket, free_port(), report, timeout=120)
     for _ in range(3):
         assert report.get(timeout=60)[0] == "running"
-    time.sleep(0.3)
-    killed_at = time.time()
     group.kill(1)
     results = group.results()
     assert results[1][0] == "died"
     for rank in (0, 2):
-        status, (name, message, failed_at) = results[rank]
+        status, (name, message, _) = results[rank]
         assert status == "ok"
         assert name == "PeerLostError" and "rank 1" in message, message
-        assert failed_at - killed_at < 10.0
 
 
 def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):

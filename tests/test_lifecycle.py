@@ -57,11 +57,10 @@ def test_reserved_memory_quota(make_daemon):
 
 def test_join_timeout_is_capped_by_the_daemon(make_daemon):
     daemon = make_daemon("--join-timeout-seconds", "1")
-    started = time.monotonic()
     with grpc.insecure_channel(grpc_target(daemon.socket)) as channel, pytest.raises(grpc.RpcError) as raised:
         pb_grpc.ControlStub(channel).Join(join_request(group="patient", timeout=float("inf")), timeout=30)
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - started < 10
+    assert "rank 0 waited 1.0 s" in raised.value.details(), raised.value.details()  # the daemon's cap, not inf
 
 
 def test_a_live_socket_is_not_taken_over(daemon):

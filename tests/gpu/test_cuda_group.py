@@ -4,7 +4,6 @@ with what happens when a peer dies or never comes."""
 
 import multiprocessing as mp
 import signal
-import time
 
 import pytest
 
@@ -55,15 +54,13 @@ def test_killed_rank_makes_the_others_raise(cuda_daemon, spawn_ranks):
     group = spawn_ranks(cuda_ranks.reduce_until_error, 3, 3, cuda_daemon.socket, report, timeout=180)
     for _ in range(3):
         report.get(timeout=120)
-    killed_at = time.time()
     group.kill(1, signal.SIGKILL)
     results = group.results()
     assert results[1][0] == "died"
     for rank in (0, 2):
-        status, (name, message, when) = results[rank]
+        status, (name, message, _) = results[rank]
         assert status == "ok" and name == "PeerLostError", message
         assert "rank 1" in message
-        assert when - killed_at < 30
 
 
 @pytest.mark.parametrize("call", ["all_reduce", "barrier"])
