@@ -35,7 +35,7 @@ from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .allocator import raise_descriptor_limit
-from .calibration import CalibrationStore, calibration_point
+from .calibration import CalibrationStore
 from .callers import Caller
 from .config import DaemonConfig, load_config, parse_ids
 from .connections import Gate, GateInterceptor
@@ -54,6 +54,7 @@ from .listening import (
 from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .metrics_endpoint import MetricsEndpoint
+from .probe import calibration_point
 from .timings import CallerPaces, Pace
 
 MAX_MESSAGE_BYTES = 1 << 20

@@ -21,21 +21,13 @@ from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommEr
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 from nodecomm.v1 import control_pb2 as pb
 
-from .calibration import (
-    NOISE_RETRIES,
-    Calibration,
-    CalibrationStore,
-    Measured,
-    calibration_from,
-    calibration_point,
-    cpu_fingerprint,
-    cuda_fingerprint,
-    fingerprint_key,
-    probe,
-)
+from .boundaries import calibration_from
+from .calibration import Calibration, CalibrationStore
 from .config import DEFAULT_BOUNDARIES, DaemonConfig
+from .fingerprint import cpu_fingerprint, cuda_fingerprint, fingerprint_key
 from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
+from .probe import NOISE_RETRIES, Measured, calibration_point, probe
 
 log = logging.getLogger("nodecomm.tables")
 

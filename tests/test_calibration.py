@@ -22,20 +22,18 @@ import pytest
 
 from conftest import Daemon, stub_for
 from nodecomm.errors import InternalError
-from nodecomm.service.calibration import (
-    Calibration,
-    CalibrationStore,
-    InvalidCalibrationError,
-    Measured,
+from nodecomm.service.boundaries import (
     calibration_from,
     compressed_min,
-    cpu_fingerprint,
     cuda_boundaries,
     small_path_max,
     wire_boundaries,
-)  # fmt: skip
+)
+from nodecomm.service.calibration import Calibration, CalibrationStore, InvalidCalibrationError
 from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
+from nodecomm.service.fingerprint import cpu_fingerprint
 from nodecomm.service.metrics import DaemonMetrics
+from nodecomm.service.probe import Measured
 from nodecomm.service.tables import TableKeeper
 from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
 from nodecomm.v1 import control_pb2 as pb
@@ -398,7 +396,7 @@ def test_probes_start_without_forking_a_busy_grpc_daemon():
     import uvloop
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from nodecomm.service.calibration import start_probe
+    from nodecomm.service.probe import start_probe
 
     async def spawn_under_traffic(spawns: int) -> dict[int, int]:
         server = grpc.aio.server()

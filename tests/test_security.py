@@ -23,8 +23,8 @@ import ranks
 from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port, results
 from nodecomm.client.daemon_process import daemon_command
 from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
-from nodecomm.service.calibration import cpu_fingerprint, fingerprint_key
 from nodecomm.service.config import DaemonConfig
+from nodecomm.service.fingerprint import cpu_fingerprint, fingerprint_key
 from nodecomm.service.server import session_messages_per_second
 from nodecomm.socket_path import job_digest
 from nodecomm.trust import checked_target, node_daemon_uids

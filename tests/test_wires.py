@@ -9,7 +9,9 @@ import time
 import pytest
 
 import wire_ranks
-from nodecomm.service.calibration import CalibrationStore, calibration_from, cpu_fingerprint
+from nodecomm.service.boundaries import calibration_from
+from nodecomm.service.calibration import CalibrationStore
+from nodecomm.service.fingerprint import cpu_fingerprint
 
 CASES = [
     (dtype, count)
