@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from nodecomm import _c10d, _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
@@ -113,7 +114,7 @@ class Communicator:
         self._lock = _native.CallLock()
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
         # all_reduce's one native call on the table's path (tensor checks, stream, lane).
-        device = transport.device.index if transport.kind == "cuda" else -1
+        device = transport.device.index if transport.kind == DeviceKind.CUDA else -1
         self._tensor_call = _c10d.TensorCall(
             *self._lane.api(), self._lane, device, [DTYPE_CODES[d] for d in self._dtypes]
         )
@@ -216,7 +217,7 @@ class Communicator:
 
     def _lane_error(self, error: NodecommError) -> NodecommError:
         """A lane's error, located; a CUDA group that a mismatch stopped says what every rank called."""
-        if isinstance(error, GroupMismatchError) and self._transport.kind == "cuda":
+        if isinstance(error, GroupMismatchError) and self._transport.kind == DeviceKind.CUDA:
             error = mismatch_error(self._control.address, self.world_size)
         return self._located(error)
 
@@ -291,7 +292,7 @@ class Communicator:
             return work if async_op else work.wait()
         self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
         # CPU groups gather through the staging slots, CUDA groups with copy engines.
-        gathered_by = Path.DMA if self._transport.kind == "cuda" else Path.ONESHOT
+        gathered_by = Path.DMA if self._transport.kind == DeviceKind.CUDA else Path.ONESHOT
         self._lease.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
         return ServiceWork.completed(out) if async_op else out
 
@@ -351,7 +352,7 @@ class Communicator:
             # Every call takes the next number, failed or not, so the ranks' n-th calls meet.
             sequence = self._exchange_calls
             self._exchange_calls += 1
-        device = self.device.index if self._transport.kind == "cuda" else None
+        device = self.device.index if self._transport.kind == DeviceKind.CUDA else None
         layout, slabs, reply = open_slabs(
             self._stub, self.membership, self._metadata, self._descriptor_socket, sequence, max_rows, topk, timeout,
             device,

@@ -14,7 +14,7 @@ import time
 import torch
 
 from nodecomm import _native
-from nodecomm.capabilities import CAPABILITIES
+from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.errors import GroupMismatchError
 from nodecomm.thresholds import Path, Wire
 
@@ -45,7 +45,7 @@ def mismatch_error(control_address: int, world_size: int, **where) -> GroupMisma
 
 
 class CudaTransport:
-    kind = "cuda"
+    kind = DeviceKind.CUDA
 
     def __init__(
         self,
@@ -61,7 +61,7 @@ class CudaTransport:
         self.device = torch.device("cuda", device_index)
         self._index = device_index
         self.rank, self.world_size = rank, world_size
-        capabilities = CAPABILITIES["cuda"]
+        capabilities = CAPABILITIES[DeviceKind.CUDA]
         self.wire_paths = capabilities.wire_paths
         self.paths = capabilities.paths | ({Path.NCCL} if nccl_group else set())
         self._buffers = buffers

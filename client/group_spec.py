@@ -12,6 +12,7 @@ import torch
 
 from nodecomm import _native
 from nodecomm.byte_size import parse_byte_size
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InvalidArgumentError
 from nodecomm.join_rules import check_join
 from nodecomm.thresholds import Wire
@@ -47,7 +48,7 @@ class GroupSpec:
 
     @property
     def device_kind(self) -> str:
-        return "cpu" if self.device_index is None else "cuda"
+        return DeviceKind.CPU if self.device_index is None else DeviceKind.CUDA
 
     @classmethod
     def parse(

@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from nodecomm import _native
-from nodecomm.capabilities import CAPABILITIES
+from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.thresholds import Path, Wire
 
 from .mapping import SegmentMapping
 
 
 class HostTransport:
-    kind = "cpu"
-    paths = CAPABILITIES["cpu"].paths
-    wire_paths = CAPABILITIES["cpu"].wire_paths
+    kind = DeviceKind.CPU
+    paths = CAPABILITIES[DeviceKind.CPU].paths
+    wire_paths = CAPABILITIES[DeviceKind.CPU].wire_paths
 
     def __init__(
         self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, slot_bytes: int

@@ -11,11 +11,12 @@ from typing import Protocol
 import torch
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.thresholds import Path, Wire
 
 
 class Transport(Protocol):
-    kind: str  # "cpu" or "cuda"
+    kind: DeviceKind
     device: torch.device
     paths: frozenset[Path]  # what the dispatch may pick: the kind's (nodecomm.capabilities), NCCL where given
     wire_paths: frozenset[Path]  # those of them that carry compressed wires

@@ -5,9 +5,20 @@ exchanges. The daemon checks Joins against it; a rank's dispatch picks among its
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from nodecomm import _native
 from nodecomm.thresholds import Path
+
+
+class DeviceKind(str, Enum):
+    """What a group runs on: host shared memory or GPUs (the proto's device_kind strings)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -39,8 +50,10 @@ def _record(fields: dict) -> Capabilities:
     )
 
 
-# By device kind ("cpu", and "cuda" in a CUDA build).
-CAPABILITIES: dict[str, Capabilities] = {kind: _record(fields) for kind, fields in _native.CAPABILITIES.items()}
+# By device kind (CUDA in a CUDA build only).
+CAPABILITIES: dict[DeviceKind, Capabilities] = {
+    DeviceKind(kind): _record(fields) for kind, fields in _native.CAPABILITIES.items()
+}
 
 
 def path_names(kind: str) -> list[str]:

@@ -8,7 +8,7 @@ import re
 from collections.abc import Sequence
 
 from nodecomm import _native
-from nodecomm.capabilities import CAPABILITIES, shown_sizes
+from nodecomm.capabilities import CAPABILITIES, DeviceKind, shown_sizes
 from nodecomm.errors import InvalidArgumentError, shown
 from nodecomm.v1 import control_pb2 as pb
 
@@ -46,7 +46,7 @@ def check_join(
         )
     if not 0 <= rank < world_size:
         raise InvalidArgumentError(f"rank {rank}: expected 0..{world_size - 1} for world_size {world_size}", **where)
-    if device_kind == "cpu" and nccl_fallback:
+    if device_kind == DeviceKind.CPU and nccl_fallback:
         raise InvalidArgumentError("nccl_fallback applies to CUDA groups; a CPU group has no NCCL path", **where)
     if capacity_bytes < MIN_CAPACITY_BYTES:
         raise InvalidArgumentError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InternalError
 from nodecomm.thresholds import Boundary, Path, Source, build_table
 
@@ -145,7 +146,7 @@ def _lossless_calibration(
     fingerprint: dict[str, object], medians: dict[str, dict[int, float]], forms: dict[str, dict[int, str]] | None
 ) -> Calibration:
     key = fingerprint_key(fingerprint)
-    if fingerprint["device_kind"] == "cuda":
+    if fingerprint["device_kind"] == DeviceKind.CUDA:
         with_nccl = cuda_boundaries(medians, "nccl") if "nccl" in medians else None
         return Calibration(
             key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl, forms or {}

@@ -20,6 +20,7 @@ from typing import Any
 import tomllib
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
+from nodecomm.capabilities import DeviceKind
 from nodecomm.socket_path import default_socket_path, descriptor_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
 
@@ -33,8 +34,8 @@ ENV_PREFIX = "NODECOMM_"
 # pass an NCCL group (twoshot otherwise) until calibration measures the machine.
 DEFAULT_BOUNDARIES: dict[str, dict[str, int | None]] = {
     # compressed_min_bytes: off until calibrated or overridden, and only for groups that ask.
-    "cpu": {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None, "compressed_min_bytes": None},
-    "cuda": {
+    DeviceKind.CPU: {"oneshot_max_bytes": 32 << 10, "service_min_bytes": None, "compressed_min_bytes": None},
+    DeviceKind.CUDA: {
         "oneshot_max_bytes": 256 << 10,
         "twoshot_max_bytes": None,
         "dma_min_bytes": 6 << 20,

@@ -10,6 +10,7 @@ import os
 import platform
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 
 
 def cpu_fingerprint() -> dict[str, object]:
@@ -21,7 +22,7 @@ def cpu_fingerprint() -> dict[str, object]:
     except OSError:
         pass
     return {
-        "device_kind": "cpu",
+        "device_kind": DeviceKind.CPU.value,
         "machine": platform.machine(),
         "cpu_model": model,
         "cpus": os.cpu_count(),
@@ -34,7 +35,7 @@ def cuda_fingerprint(devices: list[dict], links: list[list[tuple]]) -> dict[str,
     each other, and the native build. `devices` and `links` as _native.cuda_devices() and
     _native.cuda_peer_links() give them."""
     return {
-        "device_kind": "cuda",
+        "device_kind": DeviceKind.CUDA.value,
         "gpus": [f"{d['name']} {d['pci_bus_id']} {d['uuid']}" for d in devices],
         "peer_links": [[list(cell) for cell in row] for row in links],
         "native": native_build(),

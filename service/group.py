@@ -12,6 +12,7 @@ from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import GroupMemory, TopkSlabs
 from .callers import TCP_CALLER, Caller
+from .group_state import GroupState
 from .join_args import JoinArgs
 from .live_thresholds import LiveEstimates
 from .rendezvous import Rendezvous
@@ -44,7 +45,7 @@ class Group:
     memory: GroupMemory
     table: DispatchTable
     members: dict[int, Member]
-    state: str = "active"  # "active" | "aborted"
+    state: GroupState = GroupState.ACTIVE
     # Each stage of a CUDA group's peer-memory check: every rank's (ok, detail), then one verdict.
     peer_checks: dict[int, Rendezvous[tuple[bool, str], pb.PeerCheckVerdict]] = field(default_factory=dict)
     exchanges: dict[int, Rendezvous] = field(default_factory=dict)  # top-k exchanges opening, by sequence

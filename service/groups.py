@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     AlreadyExistsError,
@@ -45,6 +46,7 @@ from .callers import Caller
 from .config import DaemonConfig
 from .cuda_execution import CudaExecution
 from .group import Group, Member
+from .group_state import GroupState
 from .handles import ClaimTable
 from .join_args import JoinArgs, validate_join
 from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
@@ -102,7 +104,7 @@ class GroupRegistry:
             del self._active[key]
 
     def table_for(
-        self, caller: Caller, name: str, device_kind: str = "cpu", nccl_fallback: bool = False
+        self, caller: Caller, name: str, device_kind: str = DeviceKind.CPU, nccl_fallback: bool = False
     ) -> DispatchTable:
         """The table of `caller`'s formed group `name`, or (no name) the table a new group of
         device_kind would get."""
@@ -236,7 +238,7 @@ class GroupRegistry:
         depth = self.config.service_queue_depth
         # CUDA groups run the service path on rank 0's GPU, reading the others' over peer access.
         cuda = None
-        if first.device_kind == "cuda":
+        if first.device_kind == DeviceKind.CUDA:
             executing = self._device_indices(group)[0]
             try:
                 words = self._stream_word_buffers(memory, executing)
@@ -305,9 +307,9 @@ class GroupRegistry:
     async def open_topk_exchange(self, request: pb.TopkExchangeRequest) -> pb.TopkExchangeReply:
         """One rank's call to open a top-k exchange of its group (topk_exchanges.py)."""
         group = self._group_of(request.group, request.group_id, request.rank)
-        if group.state != "active":
+        if group.state != GroupState.ACTIVE:
             raise NotFoundError(f"the group is {group.state}", group=request.group or None, rank=request.rank)
-        devices = self._device_indices(group) if group.args.device_kind == "cuda" else []
+        devices = self._device_indices(group) if group.args.device_kind == DeviceKind.CUDA else []
         return await self.topk_openings.open(group, request, devices)
 
     def _stream_word_buffers(self, memory: GroupMemory, executing: int) -> list[int] | None:
@@ -364,7 +366,7 @@ class GroupRegistry:
 
     def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
         group, service = self._service_of(request.group, request.group_id, request.rank)
-        devices = self._device_indices(group) if group.args.device_kind == "cuda" else []
+        devices = self._device_indices(group) if group.args.device_kind == DeviceKind.CUDA else []
         return self.service_memory.allocate(group, service, request, devices)
 
     def free_memory(self, request: pb.FreeMemoryRequest) -> None:
@@ -405,7 +407,7 @@ class GroupRegistry:
         member = group.members[rank]
         if member.session_seen:
             raise AlreadyExistsError("this rank already opened its session", group=group.name, rank=rank)
-        if member.gone or group.state != "active":
+        if member.gone or group.state != GroupState.ACTIVE:
             raise NotFoundError(
                 f"the group is {group.state} and this rank is no longer a member", group=group.name, rank=rank
             )
@@ -468,14 +470,14 @@ class GroupRegistry:
         group.memory.abort(reason, rank)
         if group.service is not None:
             group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
-            if group.service.cuda is not None and group.state == "active":
+            if group.service.cuda is not None and group.state == GroupState.ACTIVE:
                 group.service.cuda.release()
         # Meetings still under way end with the group: top-k openings and peer checks.
         for meeting in [*group.exchanges.values(), *group.peer_checks.values()]:
             if meeting.failure is None and meeting.waiting():
                 meeting.fail(PeerLostError(f"group aborted: {message}", group=group.name))
-        if group.state == "active":
-            group.state = "aborted"
+        if group.state == GroupState.ACTIVE:
+            group.state = GroupState.ABORTED
             self._release_name(group)
             reason_name = {
                 _native.AbortReason.PEER_LOST: "peer_lost",
@@ -562,9 +564,13 @@ class GroupRegistry:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        self.metrics.groups.labels("joining").set(sum(1 for f in self._forming.values() if f.arrivals))
-        self.metrics.groups.labels("active").set(sum(1 for g in self._groups.values() if g.state == "active"))
-        self.metrics.groups.labels("aborted").set(sum(1 for g in self._groups.values() if g.state == "aborted"))
+        self.metrics.groups.labels(GroupState.JOINING).set(sum(1 for f in self._forming.values() if f.arrivals))
+        self.metrics.groups.labels(GroupState.ACTIVE).set(
+            sum(1 for g in self._groups.values() if g.state == GroupState.ACTIVE)
+        )
+        self.metrics.groups.labels(GroupState.ABORTED).set(
+            sum(1 for g in self._groups.values() if g.state == GroupState.ABORTED)
+        )
         self.metrics.ranks.set(
             sum(1 for g in self._groups.values() for m in g.members.values() if m.session is not None and not m.gone)
         )

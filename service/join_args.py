@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nodecomm.byte_size import format_byte_size
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
 from nodecomm.join_rules import DTYPE_NAMES, check_join
 from nodecomm.v1 import control_pb2 as pb
@@ -53,7 +54,7 @@ class JoinArgs:
 
     @property
     def device_kind(self) -> str:
-        return "cpu" if self.device == "cpu" else "cuda"
+        return DeviceKind.CPU if self.device == "cpu" else DeviceKind.CUDA
 
     def shown(self, name: str) -> str:
         value = getattr(self, name)

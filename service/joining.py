@@ -9,12 +9,14 @@ import hmac
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import GroupMismatchError, NodecommError, PermissionDeniedError, ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
 from .callers import Caller
 from .config import DaemonConfig
 from .group import Group
+from .group_state import GroupState
 from .join_args import JoinArgs
 from .rendezvous import Rendezvous
 
@@ -44,13 +46,13 @@ class FormingGroup:
         """The operator view; the world size and joined ranks only when `detailed`: to anyone
         else those say which rank to pose as."""
         if not detailed:
-            return pb.GroupInfo(name=self.name, state="joining")
+            return pb.GroupInfo(name=self.name, state=GroupState.JOINING)
         any_args = next(iter(self.arrivals.values()))
         return pb.GroupInfo(
             name=self.name,
             world_size=any_args.world_size,
             joined_ranks=sorted(self.arrivals),
-            state="joining",
+            state=GroupState.JOINING,
             device_kind=any_args.device_kind,
         )
 
@@ -129,7 +131,7 @@ def join_mismatch(
     if disagreement is not None:
         name, each = disagreement
         return GroupMismatchError(f"ranks disagree on {name}: {each}; nothing was allocated", group=args.group)
-    if args.device_kind == "cuda" and not config.allow_shared_devices:
+    if args.device_kind == DeviceKind.CUDA and not config.allow_shared_devices:
         for rank, joined in forming.arrivals.items():
             if rank != args.rank and joined.device == args.device:
                 return GroupMismatchError(

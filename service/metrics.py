@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nodecomm.byte_size import format_byte_size
 
+from .group_state import GroupState
+
 # Size buckets for operation latency labels: powers of 4 from 1 KiB to 256 MiB, then "inf".
 SIZE_BUCKETS = [1 << (10 + 2 * i) for i in range(10)]
 
@@ -157,7 +159,7 @@ class DaemonMetrics:
             self.connections_refused.labels(reason)
         for reason in ("batch", "rate"):
             self.timings_dropped.labels(reason)
-        for state in ("joining", "active", "aborted"):
+        for state in GroupState:
             self.groups.labels(state)
         self.reserved.labels("host")
         self.reserved.labels("cuda")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import DeadlineExceededError, InvalidArgumentError, UnsupportedError
 from nodecomm.v1 import control_pb2 as pb
 
@@ -32,7 +33,7 @@ class PeerChecks:
         failed check takes the peer paths away: every size goes to NCCL, or, without an NCCL
         group, the group cannot run and every rank gets UnsupportedError."""
         where = dict(group=report.group or None, rank=report.rank)
-        if group.args.device_kind != "cuda":
+        if group.args.device_kind != DeviceKind.CUDA:
             raise InvalidArgumentError("peer checks apply to CUDA groups", **where)
         if report.stage not in STAGES:
             raise InvalidArgumentError(f"stage {report.stage}: expected one of {sorted(STAGES)}", **where)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodecomm.byte_size import format_byte_size
-from nodecomm.capabilities import path_names
+from nodecomm.capabilities import DeviceKind, path_names
 from nodecomm.errors import InternalError
 from nodecomm.thresholds import Path
 from nodecomm.v1 import control_pb2 as pb
@@ -38,8 +38,8 @@ def start_probe(args: list[str]) -> subprocess.Popen:
 # What each kind's probe times: its paths (nodecomm.capabilities); on GPUs in CUDA graphs, beside
 # which the bench adds NCCL wherever every rank has a GPU of its own.
 PROBE_FLAGS = {
-    "cpu": ["--device", "cpu", "--paths", ",".join(path_names("cpu")), "--no-baseline"],
-    "cuda": ["--device", "cuda", "--paths", ",".join(path_names("cuda")), "--graph"],
+    DeviceKind.CPU: ["--device", "cpu", "--paths", ",".join(path_names(DeviceKind.CPU)), "--no-baseline"],
+    DeviceKind.CUDA: ["--device", "cuda", "--paths", ",".join(path_names(DeviceKind.CUDA)), "--graph"],
 }
 
 
@@ -196,7 +196,7 @@ async def probe(
         for row in rows:
             if row.get("form"):
                 forms.setdefault(row["path"], {})[row["size_bytes"]] = row["form"]
-            if device_kind == "cpu":
+            if device_kind == DeviceKind.CPU:
                 shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
             medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
             middle = row["p75_us"] - row["p25_us"]

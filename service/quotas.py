@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import ResourceExhaustedError
 
 from .allocator import accounted_bytes, check_descriptors
@@ -43,14 +44,14 @@ class Quotas:
         # The segments, each rank's claim of all of them, and one claiming connection.
         segments = args.world_size + 1
         check_descriptors(segments * (args.world_size + 1) + 1, "the group", **where)
-        if args.device_kind == "cpu":
+        if args.device_kind == DeviceKind.CPU:
             buffer_bytes = _native.shm_buffer_bytes(args.capacity_bytes)
         else:
             buffer_bytes = _native.cuda_buffer_bytes(args.capacity_bytes)
             on_gpu = Counter()
             for group in self._groups.values():
                 for kind, device, _, nbytes in group.placement():
-                    if kind == "cuda":
+                    if kind == DeviceKind.CUDA:
                         on_gpu[device] += nbytes
             for device, ranks in Counter(devices).items():
                 if on_gpu[device] + ranks * buffer_bytes > self.config.max_bytes_per_gpu:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     InvalidArgumentError,
@@ -346,7 +347,9 @@ class ControlServicer(pb_grpc.ControlServicer):
     @rpc()
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
         caller, _ = self._caller(context)
-        table = self.registry.table_for(caller, request.group, request.device_kind or "cpu", request.nccl_fallback)
+        table = self.registry.table_for(
+            caller, request.group, request.device_kind or DeviceKind.CPU, request.nccl_fallback
+        )
         return table.to_proto()
 
     @rpc()
@@ -523,8 +526,7 @@ async def serve(config: DaemonConfig) -> int:
             "private": config.private,
             "gpus": gpus,
             "thresholds": {
-                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()]
-                for kind in ("cpu", "cuda")
+                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()] for kind in DeviceKind
             },
         },
     )

@@ -7,11 +7,13 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import allocate_rank_device_memory, allocate_rank_memory
 from .config import DaemonConfig
+from .group_state import GroupState
 from .handles import ClaimTable
 from .metrics import DaemonMetrics
 from .quotas import Quotas
@@ -35,7 +37,7 @@ class ServiceMemory:
         """Memory for `request.rank` of `group` (on a CUDA group, rank r's GPU is daemon index
         devices[r]), mapped by the daemon too, and a claim token for its descriptor."""
         where = dict(group=group.name, rank=request.rank)
-        if group.state != "active":
+        if group.state != GroupState.ACTIVE:
             raise NotFoundError(f"the group is {group.state}", **where)
         size = request.size_bytes
         if not 1 <= size <= self.config.max_capacity_bytes * group.args.world_size:
@@ -47,7 +49,7 @@ class ServiceMemory:
         held = sum(1 for a in service.allocations.values() if a.rank == request.rank and not a.freed)
         self.quotas.check_allocation(group, held, size, where)
         allocation_id = next(self._ids)
-        if group.args.device_kind == "cuda":
+        if group.args.device_kind == DeviceKind.CUDA:
             allocation = allocate_rank_device_memory(
                 group.name, request.rank, allocation_id, size, devices[request.rank], group.devices[request.rank],
                 devices[0],
@@ -70,7 +72,7 @@ class ServiceMemory:
                 f"handing out the allocation's descriptor failed: {error.strerror}; nothing was allocated", **where
             ) from None
         self.metrics.reserve(*allocation.placement, "service", allocation.size_bytes)
-        kind = pb.CUDA_VMM_FD if group.args.device_kind == "cuda" else pb.HOST_MEMFD
+        kind = pb.CUDA_VMM_FD if group.args.device_kind == DeviceKind.CUDA else pb.HOST_MEMFD
         return pb.AllocateMemoryReply(
             allocation_id=allocation.allocation_id,
             claim_token=token,

@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from nodecomm import _native
-from nodecomm.capabilities import CAPABILITIES
+from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.errors import (
     AlreadyExistsError,
     DeadlineExceededError,
@@ -248,7 +248,7 @@ class SubmissionQueue:
                 raise InvalidArgumentError("all_gather moves bytes: leave dtype unspecified, count in bytes", **where)
             element, in_bytes, out_bytes = 1, count, count * self.world_size
         elif op == pb.TOPK_STAGE:
-            sizes = CAPABILITIES["cuda" if self.cuda is not None else "cpu"].topk_world_sizes
+            sizes = CAPABILITIES[DeviceKind.CUDA if self.cuda is not None else DeviceKind.CPU].topk_world_sizes
             if self.world_size not in sizes:
                 raise InvalidArgumentError(
                     f"top-k stages support world sizes {sorted(sizes)}; this group has {self.world_size}", **where

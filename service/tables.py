@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError, shown
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 from nodecomm.v1 import control_pb2 as pb
@@ -44,11 +45,11 @@ class TableKeeper:
         self.max_world_size = max_world_size
         self.gpu_count = gpu_count
         # What each device kind's calibration depends on on this machine; CUDA only with GPUs.
-        self.fingerprints = {"cpu": cpu_fingerprint()}
+        self.fingerprints = {DeviceKind.CPU: cpu_fingerprint()}
         # links[i][j]: (peer access, native atomics, performance rank) of GPU i to GPU j's memory.
         self.links: list[list[tuple]] = _native.cuda_peer_links() if gpu_count else []
         if gpu_count:
-            self.fingerprints["cuda"] = cuda_fingerprint(_native.cuda_devices(), self.links)
+            self.fingerprints[DeviceKind.CUDA] = cuda_fingerprint(_native.cuda_devices(), self.links)
         self._epoch = 0
         # Boundaries measured on this machine, per device kind (see service.calibration), and for
         # CUDA groups whose fallback is NCCL where the probe timed it.
@@ -141,11 +142,11 @@ class TableKeeper:
 
     def _probe_world_size(self, kind: str, asked: int) -> int:
         """The probe's ranks: as asked, else 2 on the CPU and one per GPU (at least 2) on GPUs."""
-        world_size = asked or (max(2, self.gpu_count) if kind == "cuda" else 2)
+        world_size = asked or (max(2, self.gpu_count) if kind == DeviceKind.CUDA else 2)
         most = min(self.max_world_size, self.config.max_ranks_per_group)
         if not 2 <= world_size <= most:
             raise InvalidArgumentError(f"world_size {world_size}: expected 2..{most} probe ranks")
-        if kind == "cuda" and world_size > self.gpu_count and not self.config.allow_shared_devices:
+        if kind == DeviceKind.CUDA and world_size > self.gpu_count and not self.config.allow_shared_devices:
             raise UnsupportedError(
                 f"{world_size} probe ranks on {self.gpu_count} GPUs would share one; a daemon with "
                 "allow_shared_devices lets them (its numbers then show ranks sharing a GPU, and no NCCL)"
@@ -160,14 +161,15 @@ class TableKeeper:
         on_point: Callable[[str, int, float], None] = lambda path, size, seconds: None,
     ) -> pb.CalibrateReply:
         """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
-        kind = request.device_kind or "cpu"
-        if kind not in DEFAULT_BOUNDARIES:
-            raise InvalidArgumentError(f"device_kind {shown(kind)}: expected 'cpu' or 'cuda'")
+        asked = request.device_kind or DeviceKind.CPU
+        if asked not in set(DeviceKind):
+            raise InvalidArgumentError(f"device_kind {shown(asked)}: expected 'cpu' or 'cuda'")
+        kind = DeviceKind(asked)
         if kind not in self.fingerprints:
-            raise UnsupportedError(f"device_kind {kind!r}: this daemon sees no GPU to calibrate")
+            raise UnsupportedError(f"device_kind {kind.value!r}: this daemon sees no GPU to calibrate")
         world_size = self._probe_world_size(kind, request.world_size)
         min_bytes = request.min_bytes or 4 << 10
-        max_bytes = request.max_bytes or (256 << 20 if kind == "cuda" else 64 << 20)
+        max_bytes = request.max_bytes or (256 << 20 if kind == DeviceKind.CUDA else 64 << 20)
         if not 4 <= min_bytes <= max_bytes:
             raise InvalidArgumentError(f"sizes {min_bytes}..{max_bytes}: expected 4 <= min_bytes <= max_bytes")
         wires = self._wires_to_time(kind, request.wires)
@@ -323,7 +325,7 @@ class TableKeeper:
     ) -> DispatchTable:
         """A new group's table; `devices`, its ranks' CUDA device indices, decide the built-in
         default where the topology says it loses (topology_default)."""
-        topology = self.topology_default(devices) if device_kind == "cuda" else None
+        topology = self.topology_default(devices) if device_kind == DeviceKind.CUDA else None
         return self._build_table(device_kind, nccl_fallback, self._next_epoch(), group_overrides, wire, topology)
 
     def topology_default(self, devices: Sequence[int | None]) -> tuple[dict[str, int | None], str] | None:
@@ -346,7 +348,7 @@ class TableKeeper:
         """What a new group of device_kind would get now (epoch 0: not any group's table)."""
         if device_kind not in DEFAULT_BOUNDARIES:
             raise InvalidArgumentError(f"device_kind {shown(device_kind)}: expected 'cpu' or 'cuda'")
-        return self._build_table(device_kind, nccl_fallback and device_kind == "cuda", 0)
+        return self._build_table(device_kind, nccl_fallback and device_kind == DeviceKind.CUDA, 0)
 
     def nccl_only(self) -> DispatchTable:
         """For a group whose peer memory failed its checks: every size to NCCL."""

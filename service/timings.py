@@ -19,6 +19,7 @@ from nodecomm.v1 import control_pb2 as pb
 
 from .callers import Caller
 from .config import DaemonConfig
+from .group_state import GroupState
 from .metrics import DaemonMetrics, size_bucket
 from .tables import TableKeeper
 
@@ -159,7 +160,7 @@ class TimingIntake:
             self.metrics.op_seconds.labels("all_reduce", path.value, bucket, uid).observe(timing.seconds)
             if group.live is not None:
                 group.live.add(rank, path, timing.bytes, timing.seconds)
-        if group.live is not None and group.state == "active":
+        if group.live is not None and group.state == GroupState.ACTIVE:
             self._follow_evidence(group)
 
     def _follow_evidence(self, group: Group) -> None:

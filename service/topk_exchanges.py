@@ -10,7 +10,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from nodecomm import _native
-from nodecomm.capabilities import CAPABILITIES
+from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.errors import (
     DeadlineExceededError,
     GroupMismatchError,
@@ -119,7 +119,7 @@ class TopkOpenings:
     def _form(self, group: Group, sequence: int, forming: Rendezvous, devices: list[int]) -> None:
         first = forming.arrivals[0]
         layout = TopkLayout(first.max_rows, first.topk, group.args.world_size)
-        on_gpus = group.args.device_kind == "cuda"
+        on_gpus = group.args.device_kind == DeviceKind.CUDA
         if on_gpus:
             slab_bytes = _native.cuda_topk_slab_bytes(layout.rows_per_owner, layout.world_size, layout.topk)
             blocks = _native.cuda_topk_blocks(
