@@ -53,3 +53,14 @@ def test_every_source_file_is_in_the_layout():
     ]
     unnamed = sorted(p for p in sources if p not in named and not p.startswith(folders))
     assert unnamed == [], f"source files the README's Layout does not name: {unnamed}"
+
+
+def test_every_file_the_call_flow_walks_through_exists():
+    """docs/call-flow.md names files with their folder, except where a step names one again."""
+    text = (ROOT / "docs" / "call-flow.md").read_text()
+    named = set(re.findall(r"`([\w/]+\.(?:py|h|cuh|cu|cpp|proto))`", text))
+    with_folder = {Path(n).name for n in named if "/" in n}
+    missing = sorted(
+        n for n in named if not (ROOT / n).exists() and not (ROOT / "native/cuda" / n).exists() and n not in with_folder
+    )
+    assert missing == [], f"docs/call-flow.md names files the tree lacks: {missing}"
