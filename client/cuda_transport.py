@@ -1,8 +1,8 @@
 """CudaTransport: a CUDA group's collectives, enqueued on the caller's current stream.
 
-The kernels and copies live in nodecomm._native (CudaGroup); this side splits payloads larger
-than one slot into slot-sized pieces, sends the NCCL path to the engine's own process group, and
-times samples with CUDA events. Nothing here synchronises the host except barrier(), so every
+The kernels and copies live in nodecomm._native (CudaGroup, which also cuts payloads larger than
+one slot into slot-sized pieces); this side sends the NCCL path to the engine's own process
+group and times its samples with CUDA events. Nothing here synchronises the host except barrier(), so every
 collective can be captured in a CUDA graph; a captured graph keeps the path it was captured with.
 """
 

@@ -55,8 +55,7 @@ constexpr std::size_t kHeaderBytes = kMaxRanks * kLineBytes;
 // between the copy in and the peers' reads (measured on the CPU bench; see docs/bench-cpu.md).
 constexpr std::size_t kPipelineChunkBytes = 1 << 20;
 // Outputs at least this large are written with non-temporal stores: they cannot stay in a core's
-// cache anyway, and skipping the read-for-ownership cut twoshot's time at 16-64 MiB by 15-25% on
-// the 2-core bench machine while making no difference from 1 to 4 MiB.
+// cache anyway, and skipping the read-for-ownership pays only at such sizes (docs/bench-cpu.md).
 constexpr std::size_t kStreamOutputBytes = 8 << 20;
 
 using namespace nodecomm::control;  // the abort word and its reasons

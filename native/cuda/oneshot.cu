@@ -169,8 +169,8 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 // The push form while its lines fit a part and every thread of the grid carries at most one: past
-// that the doubled traffic costs more than the round trip it saves (2x H200, world 2, 512 KiB:
-// 6.2 us pushed, 5.7 us pulled).
+// that the doubled traffic costs more than the round trip it saves (docs/bench-gpu.md, "The
+// constants in the kernels").
 bool oneshot_pushes(const GroupView& group, std::size_t nbytes) {
   const std::size_t lines = (nbytes + 7) / 8;
   return lines * sizeof(PushLine) <= push_part_bytes(group) && lines <= std::size_t(group.max_blocks) * kThreads;

@@ -31,8 +31,8 @@ struct Peers {
   std::uint8_t* rank[N];
 
   // Rank r's buffer, selected in registers: indexing a kernel parameter's array at run time would
-  // copy the whole parameter to local memory and every access after would go through it (on the
-  // device that cost the push path 0.2-0.5 us and dma 13% at 8-32 MiB).
+  // copy the whole parameter to local memory and every access after would go through it
+  // (docs/bench-gpu.md, "The constants in the kernels").
   __device__ __forceinline__ std::uint8_t* at(int r) const {
     std::uint8_t* buffer = rank[0];
 #pragma unroll

@@ -95,14 +95,12 @@ struct NoEvidence {
 };
 
 // How often a wait looks at the abort word (host memory: every read crosses PCIe), besides at once
-// when its stop word is set (layout.h; read at every clock check at no cost). With a read every 32
-// spins (and, less often, every 20 us) whole measurements on 2x H200 ran ~50 us slower per barrier:
-// a read delays this rank's next arrival, its peers then wait long enough to read in turn, and the
-// ranks settle into paying a read per barrier. At 100 us a healthy barrier never reads (it is over
-// sooner) and one read's delay cannot push a peer's wait past the interval. It bounds how late an
-// abort is noticed when the stop word's write is late: on one H200 a write queued beside a busy
-// stream landed up to 0.94 ms late, and 200 queued collectives drained in 1.0-1.7 ms with a 1 ms
-// interval against 0.74-0.78 ms with this one (tests/gpu/test_cuda_group.py, the drain test).
+// when its stop word is set (layout.h; read at every clock check at no cost). Frequent reads slow
+// healthy barriers: a read delays this rank's next arrival, its peers then wait long enough to read
+// in turn, and the ranks settle into paying a read per barrier. At this interval a healthy barrier
+// is over before it reads, and one read's delay cannot push a peer's wait past the interval. It
+// also bounds how late an abort is noticed when the stop word's write is late. The measurements
+// behind it: docs/bench-gpu.md, "The constants in the kernels".
 constexpr std::uint64_t kAbortPollNs = 100000;
 
 // How long a wait lasts before it looks for a sign that a peer runs another kernel: a peer that
