@@ -1,5 +1,5 @@
 """Communicator: one rank's handle on a group. Collectives run in this process, on the group's
-shared buffers; the daemon is only consulted for the dispatch table and holds this rank's lease."""
+shared buffers; the daemon is only consulted for the dispatch table and holds this rank's session."""
 
 from __future__ import annotations
 
@@ -31,10 +31,10 @@ from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
 from .dispatch import PATH_CODES, Dispatcher
 from .dtypes import DTYPE_CODES
-from .lease import Lease
 from .mapping import SegmentMapping
 from .membership import Membership
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
+from .session import Session
 from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
 from .transport import Transport
 
@@ -101,7 +101,7 @@ class Communicator:
         self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        self._lease = Lease(self._stub, membership, control.address, self._dispatch, self._metadata)
+        self._session = Session(self._stub, membership, control.address, self._dispatch, self._metadata)
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
@@ -121,7 +121,7 @@ class Communicator:
 
     def _start(self, timeout: float) -> None:
         try:
-            self._lease.start(timeout)
+            self._session.start(timeout)
         except NodecommError as refusal:
             self.close()
             raise self._located(refusal) from None
@@ -288,12 +288,12 @@ class Communicator:
                     f"path {path!r}: all_gather takes path='service' or none", group=self.group, rank=self.rank
                 )
             work = self._submitted(self._service.all_gather, tensor, out)
-            self._lease.count(pb.ALL_GATHER, Path.SERVICE, tensor.numel() * tensor.element_size())
+            self._session.count(pb.ALL_GATHER, Path.SERVICE, tensor.numel() * tensor.element_size())
             return work if async_op else work.wait()
         self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
         # CPU groups gather through the staging slots, CUDA groups with copy engines.
         gathered_by = Path.DMA if self._transport.kind == DeviceKind.CUDA else Path.ONESHOT
-        self._lease.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
+        self._session.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
         return ServiceWork.completed(out) if async_op else out
 
     def barrier(self) -> None:
@@ -339,7 +339,7 @@ class Communicator:
             if seconds is None:
                 return  # still running; reported on a later call
             self._samples.pop(0)
-            self._lease.report(path, nbytes, seconds, wire)
+            self._session.report(path, nbytes, seconds, wire)
 
     def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange | CudaTopkExchange:
         """Open a top-k owner exchange for up to `max_rows` rows of `topk` candidates per rank.
@@ -377,12 +377,12 @@ class Communicator:
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
         work = self._submitted(self._service.topk_stage, local_idx, local_scores)
-        self._lease.count(pb.TOPK_STAGE, Path.SERVICE, 2 * local_idx.numel() * 4)
+        self._session.count(pb.TOPK_STAGE, Path.SERVICE, 2 * local_idx.numel() * 4)
         return work.wait()
 
     def _count_topk_stage(self, nbytes: int) -> None:
         """A stage through the slabs: every source writes straight into its owners' memory, once."""
-        self._lease.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
+        self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
 
     def _agree_on_table(self) -> None:
         """Every rank shares the newest table epoch it was offered; all switch to the lowest of
@@ -395,8 +395,8 @@ class Communicator:
             self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
             return int(gathered.min())
 
-        self._lease.flush_if_full()
-        agreed = self._dispatcher.agree(self._lease.offered, lowest_of_ranks)
+        self._session.flush_if_full()
+        agreed = self._dispatcher.agree(self._session.offered, lowest_of_ranks)
         if agreed is not None:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
 
@@ -431,9 +431,9 @@ class Communicator:
         kernels never ran it)."""
         if self._closed:
             raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
-        if self._lease.lost_reason is not None:
+        if self._session.lost_reason is not None:
             raise DaemonUnavailableError(
-                f"{self._lease.lost_reason}; close this communicator and connect again",
+                f"{self._session.lost_reason}; close this communicator and connect again",
                 group=self.group,
                 rank=self.rank,
             )
@@ -448,8 +448,8 @@ class Communicator:
         the daemon's words for a lost peer, every rank's record of a mismatch."""
         if reason == _native.AbortReason.MISMATCH:
             return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
-        if reason == _native.AbortReason.PEER_LOST and self._lease.event_message:
-            return PeerLostError(f"group aborted: {self._lease.event_message}", group=self.group, rank=self.rank)
+        if reason == _native.AbortReason.PEER_LOST and self._session.event_message:
+            return PeerLostError(f"group aborted: {self._session.event_message}", group=self.group, rank=self.rank)
         return self._located(_native.error(*_native.abort_error(self._control.address, reason, detail)))
 
     def _located(self, error: NodecommError) -> NodecommError:
@@ -510,7 +510,7 @@ class Communicator:
     # -- teardown --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Leave the group, end the lease and unmap the buffers. Calling it again does nothing."""
+        """Leave the group, end the session and unmap the buffers. Calling it again does nothing."""
         with self._lock:
             if self._closed:
                 return
@@ -531,7 +531,7 @@ class Communicator:
                 exchange.close()
             self._transport.close()
         finally:
-            if self._lease.lost_reason is None and self._lease.refusal is None:
+            if self._session.lost_reason is None and self._session.refusal is None:
                 try:
                     self._stub.Leave(
                         pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank),
@@ -541,7 +541,7 @@ class Communicator:
                 except grpc.RpcError as error:
                     where = {"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
                     log.info("leave failed", extra=where)
-            self._lease.close()
+            self._session.close()
             self._control.unmap()
             self._channel.close()
             if self._daemon_lease is not None:

@@ -165,7 +165,7 @@ class Dispatcher:
         if agreed <= self.table.epoch:
             return None
         self.table = offered[agreed]
-        for epoch in list(offered):  # the lease thread may add offers meanwhile
+        for epoch in list(offered):  # the session thread may add offers meanwhile
             if epoch <= agreed:
                 offered.pop(epoch, None)
         return agreed

@@ -217,15 +217,15 @@ class Dispatch {
   // One call of `op` on `path` over `wire`, moving nbytes of this rank's payload as wire_bytes.
   void count(int op, Path path, wire::Wire wire, std::uint64_t nbytes, std::uint64_t wire_bytes) {
     NODECOMM_CHECK(op >= 0 && op < kOps, "unknown op code " + std::to_string(op));
-    std::lock_guard<std::mutex> hold(counts_lock_);  // the lease thread takes them meanwhile
+    std::lock_guard<std::mutex> hold(counts_lock_);  // the session thread takes them meanwhile
     Count& entry = counts_[op][int(path)][int(wire)];
     entry.operations += 1;
     entry.bytes += nbytes;
     entry.wire_bytes += wire_bytes;
   }
 
-  // One sampled call's time, for the lease to send; past kMaxSamples untaken, new ones are dropped
-  // (a rank that samples faster than its lease sends loses samples, not memory). Returns how many
+  // One sampled call's time, for the session to send; past kMaxSamples untaken, new ones are dropped
+  // (a rank that samples faster than its session sends loses samples, not memory). Returns how many
   // are held.
   std::size_t record(Path path, wire::Wire wire, std::uint64_t nbytes, double seconds) {
     std::lock_guard<std::mutex> hold(counts_lock_);

@@ -53,7 +53,7 @@ class DeadlineExceededError(NodecommError, TimeoutError):
 
 
 class PeerLostError(NodecommError):
-    """A peer rank's lease ended (it died or left) while the group was in use; the group is aborted."""
+    """A peer rank's session ended (it died or left) while the group was in use; the group is aborted."""
 
 
 class DaemonUnavailableError(NodecommError, ConnectionError):

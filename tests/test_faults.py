@@ -48,7 +48,7 @@ def test_whoever_aborts_a_group_wakes_the_ranks_sleeping_on_it(make_daemon, spaw
         expected = {(_native.AbortReason.PEER_LOST, 1)}
     else:
         daemon.stop(signal.SIGKILL)
-        # Either rank's lease may put it on the shared segment first, naming itself.
+        # Either rank's session may put it on the shared segment first, naming itself.
         expected = {(_native.AbortReason.DAEMON_LOST, 0), (_native.AbortReason.DAEMON_LOST, 1)}
         group.kill(1)
     status, woken = group.results()[0]

@@ -458,7 +458,7 @@ print("connected", flush=True)
 sys.stdin.readline()
 for _ in range(400):  # what a modified client could send: 400 batches of 32 per session, at once
     for comm in comms:
-        comm._lease._outbox.put(batch)
+        comm._session._outbox.put(batch)
 print("sent", flush=True)
 sys.stdin.readline()
 """
@@ -619,7 +619,7 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
             "import sys, time, nodecomm\nfrom nodecomm.v1 import control_pb2 as pb\n"
             "with nodecomm.connect('poison', 0, 1, socket=sys.argv[1], timeout=30) as comm:\n"
             "    fake = pb.Timing(path=pb.ONESHOT, bytes=1024, seconds=1.0)\n"
-            "    comm._lease._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=[fake] * 32)))\n"
+            "    comm._session._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=[fake] * 32)))\n"
             "    time.sleep(2)\n",
             daemon.socket,
         )
@@ -1018,11 +1018,11 @@ def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks
         def flood() -> None:
             flood_started[0] = time.monotonic()
             for _ in range(5):
-                huge_flooder._lease._outbox.put(huge)  # what a modified client could send
+                huge_flooder._session._outbox.put(huge)  # what a modified client could send
             for _ in range(100):
-                flooder._lease._outbox.put(large)
+                flooder._session._outbox.put(large)
             for _ in range(2000):
-                flooder._lease._outbox.put(small)
+                flooder._session._outbox.put(small)
 
         flooded = _get_thresholds_seconds(daemon, flood)
         attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
@@ -1034,10 +1034,10 @@ def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks
         read = 100 + _dropped(daemon, "rate") / 32
         pace = session_messages_per_second(DaemonConfig().timing_rate_per_rank)
         assert read <= pace * (time.monotonic() - flood_started[0] + 1), (read, pace)
-        while huge_flooder._lease.lost_reason is None:
+        while huge_flooder._session.lost_reason is None:
             assert time.monotonic() < deadline, "the 3.6 MB batches did not end their session"
             time.sleep(0.2)
-        assert not flooder._lease.lost_reason
+        assert not flooder._session.lost_reason
     print(
         f"GetThresholds: {quiet[0] * 1e3:.2f} ms per call quiet (longest {quiet[1] * 1e3:.1f}), "
         f"{flooded[0] * 1e3:.2f} ms during the flood's first second (longest {flooded[1] * 1e3:.1f})"

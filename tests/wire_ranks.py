@@ -221,8 +221,8 @@ def live_wire_switch(rank: int, world_size: int, socket: str, synthetic: list, c
         initial = comm.thresholds().boundary("compressed_min_bytes").describe()
         for path, nbytes, seconds, wire in synthetic:
             # what sampled operations send
-            comm._lease.report(Path(path).to_proto(), nbytes, seconds, Wire(wire).to_proto())
-        comm._lease.flush()
+            comm._session.report(Path(path).to_proto(), nbytes, seconds, Wire(wire).to_proto())
+        comm._session.flush()
         switched_at = None
         x = torch.ones(4096)
         for call in range(calls):

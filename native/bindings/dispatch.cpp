@@ -52,7 +52,7 @@ void bind_dispatch(py::module_& m) {
             return self.record(d::path_of(path), wire::wire_of(wire), nbytes, seconds);
           },
           py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("seconds"),
-          "One sampled call's time, kept for the lease; returns how many are kept (new ones past 4096 are dropped).")
+          "One sampled call's time, kept for the session; returns how many are kept (new ones past 4096 are dropped).")
       .def("held", &d::Dispatch::held, "Samples kept and not taken yet.")
       .def("take_samples", &d::Dispatch::take_samples,
            "(path, wire, bytes, seconds) of every sample since the last take.")

@@ -109,7 +109,7 @@ def test_session_streams(checked, world, data):
 @fuzz(150)
 @given(batch=st.one_of(timings(), evidence()))
 def test_timings_on_a_live_session(checked, world, batch):
-    """Whatever a rank reports as its timings, its session (the lease) must stay open."""
+    """Whatever a rank reports as its timings, its session must stay open."""
     for lease in (world.solo.leases[0], *world.pair.leases.values()):
         lease.send(pb.SessionUp(timings=batch))
     assert_groups_intact(checked, world)

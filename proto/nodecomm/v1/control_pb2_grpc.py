@@ -105,7 +105,7 @@ class ControlServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """One stream per rank, opened right after Join: it is the lease (a closed stream means a dead
+        """One stream per rank, opened right after Join: it is the rank's liveness (a closed stream means a dead
         rank). Up: hello, sampled timings. Down: threshold updates and group events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,8 +1,8 @@
-"""The rank's Session stream: its lease with the daemon, run on a background thread.
+"""The rank's Session: its stream with the daemon while the group lives, run on a background thread.
 
 Down the stream come group events and new tables (kept as offers until the ranks agree to
 switch); up go batches of sampled timings and operation counts. If the stream breaks after
-the daemon accepted it while the communicator is open, the daemon is gone: the lease sets the
+the daemon accepted it while the communicator is open, the daemon is gone: the session sets the
 group's abort word (so peers spinning in a barrier stop too) and the communicator's next call
 raises DaemonUnavailableError. A stream the daemon refuses at the start keeps its status.
 """
@@ -35,7 +35,7 @@ _FLUSH_SECONDS = 1.0
 _MAX_QUEUED_BATCHES = 256
 
 
-class Lease:
+class Session:
     def __init__(
         self,
         stub: pb_grpc.ControlStub,
@@ -63,7 +63,7 @@ class Lease:
         self.event_message: str | None = None  # the last group event's message
         self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
         self._call = None
-        self._thread = threading.Thread(target=self._run, name=f"nodecomm-lease-{membership.rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"nodecomm-session-{membership.rank}", daemon=True)
 
     def start(self, timeout: float) -> None:
         """Open the stream and wait for READY. Raises the daemon's refusal, or TimeoutError."""
