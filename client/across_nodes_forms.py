@@ -11,7 +11,8 @@ ends on every rank within one exchange of the others), every explore_period-th c
 boundary takes the other form, and where the form the table gives a size bucket (powers of 4)
 loses to the other by more than the margin, with min_samples of each, the boundary moves so that
 the winner takes the bucket, and the bucket's evidence is dropped (so nothing moves back before
-new timings say so). After every switch_period-th call rank 0 puts the table in the job's store
+new timings say so): the daemon's live recalibration on the same evidence and buckets
+(nodecomm.evidence), with one rank timing. After every switch_period-th call rank 0 puts the table in the job's store
 and every rank takes it before its next call, so all ranks decide every call alike. Both forms
 give the same bits, so exploring changes no result.
 """
@@ -19,13 +20,10 @@ give the same bits, so exploring changes no result.
 from __future__ import annotations
 
 import enum
-import statistics
-from collections import deque
 from dataclasses import dataclass, field
 
 from nodecomm.byte_size import format_byte_size
-
-SAMPLES_KEPT = 32
+from nodecomm.evidence import Evidence, bucket_index, bucket_range
 
 
 class Form(enum.Enum):
@@ -70,16 +68,6 @@ class AcrossNodesTable:
         return f"flat up to {format_byte_size(self.flat_max_bytes)}, sharded above ({self.source}, epoch {self.epoch})"
 
 
-def bucket_of(nbytes: int) -> int:
-    """The power-of-4 bucket of a size: bucket b holds (4^(b-1), 4^b]."""
-    return (max(nbytes, 1) - 1).bit_length() + 1 >> 1
-
-
-def bucket_range(bucket: int) -> tuple[int, int]:
-    """A bucket's inclusive byte range."""
-    return (0 if bucket == 0 else 4 ** (bucket - 1) + 1, 4**bucket)
-
-
 def probe_boundary(flat_seconds: dict[int, float], sharded_seconds: dict[int, float]) -> int:
     """The boundary a probe's timings give: the largest size up to which flat won at every probed
     size (0: sharded won even the smallest)."""
@@ -105,45 +93,44 @@ class AcrossNodesForms:
     min_samples: int = 5
     reach: int = 3  # buckets either side of the boundary's that explore
     calls: int = 0  # all-reduces decided: the same count on every rank
-    samples: dict[tuple[Form, int], deque[float]] = field(default_factory=dict)
+    evidence: Evidence[Form] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.evidence = Evidence(1, self.min_samples)  # rank 0's timings: the collective ends on every rank alike
 
     def decide(self, nbytes: int) -> tuple[Form, bool]:
         """The form of the next all-reduce of `nbytes`, and whether it explores; counts the call."""
         self.calls += 1
         form = self.table.form_for(nbytes)
-        boundary_bucket = bucket_of(self.table.flat_max_bytes + 1)
+        boundary_bucket = bucket_index(self.table.flat_max_bytes + 1)
         explore = (
             self.live
             and self.calls % self.explore_period == 0
-            and abs(bucket_of(nbytes) - boundary_bucket) <= self.reach
+            and abs(bucket_index(nbytes) - boundary_bucket) <= self.reach
         )
         return (form.other, True) if explore else (form, False)
 
     def record(self, form: Form, nbytes: int, seconds: float) -> None:
-        self.samples.setdefault((form, bucket_of(nbytes)), deque(maxlen=SAMPLES_KEPT)).append(seconds)
+        self.evidence.add(0, form, nbytes, seconds)
 
     def switch_due(self) -> bool:
         return self.live and self.calls % self.switch_period == 0
-
-    def estimate(self, form: Form, bucket: int) -> float | None:
-        times = self.samples.get((form, bucket), ())
-        return statistics.median(times) if len(times) >= self.min_samples else None
 
     def proposed(self) -> AcrossNodesTable:
         """The table after the first move the evidence demands, bucket by bucket from the
         smallest; the current one where none does."""
         flat_max = self.table.flat_max_bytes
-        for bucket in sorted({b for _, b in self.samples}):
+        for bucket in self.evidence.buckets():
             low, high = bucket_range(bucket)
             if low <= flat_max < high:
                 continue  # a bucket the boundary splits: no clean comparison
             current = self.table.form_for(high)
-            mine, theirs = self.estimate(current, bucket), self.estimate(current.other, bucket)
+            mine, theirs = self.evidence.estimate(current, bucket), self.evidence.estimate(current.other, bucket)
             if mine is None or theirs is None or theirs * (1 + self.margin) >= mine:
                 continue
             moved = high if current is Form.SHARDED else low - 1
             below, above = sorted((flat_max, moved))
-            for key in [key for key in self.samples if below < bucket_range(key[1])[1] <= above]:
-                del self.samples[key]  # every bucket whose form this changes starts over
+            # every bucket whose form this changes starts over
+            self.evidence.forget(lambda bucket, below=below, above=above: below < bucket_range(bucket)[1] <= above)
             return AcrossNodesTable(moved, "live", self.table.epoch + 1)
         return self.table

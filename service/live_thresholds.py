@@ -26,15 +26,10 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from nodecomm.evidence import SIZE_BUCKETS, Evidence, bucket_range
 from nodecomm.thresholds import WIRE_PATHS, Boundary, DispatchTable, Path, Source, Wire, build_table
-
-from .metrics import SIZE_BUCKETS
-
-SAMPLES_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -50,36 +45,23 @@ class BoundaryMove:
     winner_wire: Wire = Wire.LOSSLESS
 
 
-@dataclass
 class LiveEstimates:
-    world_size: int
-    margin: float
-    min_samples: int
-    # (path, bucket index) -> rank -> recent (bytes, seconds), on the lossless wire and on the
-    # group's own
-    samples: dict[tuple[Path, int], dict[int, deque[tuple[int, float]]]] = field(default_factory=dict)
-    compressed: dict[tuple[Path, int], dict[int, deque[tuple[int, float]]]] = field(default_factory=dict)
+    """A group's evidence (nodecomm.evidence) per path, on the lossless wire and on the group's own,
+    and the moves it demands of the group's table."""
+
+    def __init__(self, world_size: int, margin: float, min_samples: int) -> None:
+        self.margin = margin
+        self.lossless: Evidence[Path] = Evidence(world_size, min_samples)
+        self.compressed: Evidence[Path] = Evidence(world_size, min_samples)
 
     def add(self, rank: int, path: Path, nbytes: int, seconds: float, compressed: bool = False) -> None:
-        key = (path, bucket_index(nbytes))
-        per_rank = (self.compressed if compressed else self.samples).setdefault(key, {})
-        per_rank.setdefault(rank, deque(maxlen=SAMPLES_KEPT)).append((nbytes, seconds))
+        (self.compressed if compressed else self.lossless).add(rank, path, nbytes, seconds)
 
     def estimate(
         self, path: Path, bucket: int, compressed: bool = False, cell: tuple[int, int] | None = None
     ) -> float | None:
-        """The slowest rank's median of its samples (of sizes within `cell`, inclusive, where given),
-        once every rank has min_samples of them; else None."""
-        per_rank = (self.compressed if compressed else self.samples).get((path, bucket), {})
-        if len(per_rank) < self.world_size:
-            return None
-        medians = []
-        for kept in per_rank.values():
-            times = [seconds for nbytes, seconds in kept if cell is None or cell[0] <= nbytes <= cell[1]]
-            if len(times) < self.min_samples:
-                return None
-            medians.append(statistics.median(times))
-        return max(medians)
+        """Evidence.estimate on the lossless wire, or on the group's compressed one."""
+        return (self.compressed if compressed else self.lossless).estimate(path, bucket, cell)
 
     def proposed_move(
         self, table: DispatchTable, fallback: Path, fixed: frozenset[str] = frozenset()
@@ -88,7 +70,7 @@ class LiveEstimates:
         `table` (built with `fallback`) without touching the `fixed` boundaries, or None. A move
         drops the evidence of every bucket whose path it changed, so that nothing moves back
         before new timings say so."""
-        for bucket in sorted({b for _, b in self.samples}):
+        for bucket in self.lossless.buckets():
             for low, high, index in _cells(table, *bucket_range(bucket)):
                 current = table.range_paths[index]
                 mine = self.estimate(current, bucket, cell=(low, high))
@@ -115,7 +97,7 @@ class LiveEstimates:
         is `fixed`. The bucket's evidence is dropped with the move. None where nothing moves."""
         if table.wire is Wire.LOSSLESS or "compressed_min_bytes" in fixed:
             return None
-        for bucket in sorted({b for _, b in self.compressed}):
+        for bucket in self.compressed.buckets():
             low, high = bucket_range(bucket)
             index = _range_of(table, low, high)
             path = table.range_paths[index] if index is not None else None
@@ -136,9 +118,8 @@ class LiveEstimates:
             moved = build_table(boundaries, fallback, table.epoch, table.wire)
             if moved.wire_for(low) is not winner or moved.wire_for(high) is not winner:
                 continue
-            for evidence in (self.samples, self.compressed):
-                for key in [k for k in evidence if k[1] == bucket]:
-                    del evidence[key]
+            for evidence in (self.lossless, self.compressed):
+                evidence.forget(lambda b, bucket=bucket: b == bucket)
             return BoundaryMove({"compressed_min_bytes": value}, moved, (low, high), path, seconds, loser, winner)
         return None
 
@@ -152,7 +133,7 @@ class LiveEstimates:
         for bucket, mask in enumerate(old.settled):
             if _route(old, *bucket_range(bucket)) == _route(new, *bucket_range(bucket)):
                 masks[bucket] = mask
-        for bucket in {b for _, b in self.samples}:
+        for bucket in self.lossless.buckets():
             for path in LOSSLESS_PATHS:
                 verdicts = []
                 for low, high, index in _cells(new, *bucket_range(bucket)):
@@ -168,14 +149,12 @@ class LiveEstimates:
         return tuple(masks)
 
     def _forget_changed(self, old: DispatchTable, new: DispatchTable) -> None:
-        for path, bucket in list(self.samples):
-            if _route(old, *bucket_range(bucket)) != _route(new, *bucket_range(bucket)):
-                del self.samples[(path, bucket)]
+        self.lossless.forget(lambda bucket: _route(old, *bucket_range(bucket)) != _route(new, *bucket_range(bucket)))
 
     def _slows(self, old: DispatchTable, new: DispatchTable) -> bool:
         """Whether `new` sends a part of a bucket to a path that the evidence there shows slower,
         by more than the margin, than the path `old` gives it."""
-        for bucket in {b for _, b in self.samples}:
+        for bucket in self.lossless.buckets():
             for low, high, index in _cells(old, *bucket_range(bucket)):
                 was = old.range_paths[index]
                 for part_low, part_high, path in _route(new, low, high):
@@ -252,17 +231,3 @@ def _moves(
 
 
 LOSSLESS_PATHS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
-
-
-def bucket_index(nbytes: int) -> int:
-    for index, top in enumerate(SIZE_BUCKETS):
-        if nbytes <= top:
-            return index
-    return len(SIZE_BUCKETS)
-
-
-def bucket_range(index: int) -> tuple[int, int]:
-    """Inclusive (low, high) byte sizes of a bucket."""
-    low = 0 if index == 0 else SIZE_BUCKETS[index - 1] + 1
-    high = SIZE_BUCKETS[index] if index < len(SIZE_BUCKETS) else 1 << 62
-    return low, high

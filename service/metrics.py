@@ -9,11 +9,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nodecomm.byte_size import format_byte_size
+from nodecomm.evidence import SIZE_BUCKETS
 
 from .group_state import GroupState
 
 # Size buckets for operation latency labels: powers of 4 from 1 KiB to 256 MiB, then "inf".
-SIZE_BUCKETS = [1 << (10 + 2 * i) for i in range(10)]
 
 
 def size_bucket(nbytes: int) -> str:

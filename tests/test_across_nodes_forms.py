@@ -3,23 +3,18 @@ tests/test_across_nodes.py drives them through real ranks and daemons."""
 
 import pytest
 
-from nodecomm.client.across_nodes_forms import (
-    AcrossNodesForms,
-    AcrossNodesTable,
-    Form,
-    bucket_of,
-    bucket_range,
-    probe_boundary,
-)
+from nodecomm.client.across_nodes_forms import AcrossNodesForms, AcrossNodesTable, Form, probe_boundary
+from nodecomm.evidence import bucket_index, bucket_range
 
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def test_buckets_are_powers_of_four():
-    assert [bucket_of(n) for n in (0, 1, 2, 4, 5, 16, 17, 64 * KiB, 64 * KiB + 1)] == [0, 0, 1, 1, 2, 2, 3, 8, 9]
-    assert [bucket_range(b) for b in (0, 1, 2, 9)] == [(0, 1), (2, 4), (5, 16), (64 * KiB + 1, 256 * KiB)]
-    for nbytes in range(1, 5000):
-        low, high = bucket_range(bucket_of(nbytes))
+def test_buckets_are_powers_of_four_from_one_kib_as_the_daemons():
+    sizes = (0, 1, KiB, KiB + 1, 4 * KiB, 64 * KiB, 64 * KiB + 1, 256 * MiB, 256 * MiB + 1)
+    assert [bucket_index(n) for n in sizes] == [0, 0, 0, 1, 1, 3, 4, 9, 10]
+    assert [bucket_range(b) for b in (0, 1, 4)] == [(0, KiB), (KiB + 1, 4 * KiB), (64 * KiB + 1, 256 * KiB)]
+    for nbytes in [*range(0, 5000), *(4**k + d for k in range(5, 16) for d in (-1, 0, 1))]:
+        low, high = bucket_range(bucket_index(nbytes))
         assert low <= nbytes <= high
 
 
@@ -45,7 +40,7 @@ def test_calls_near_the_boundary_explore_the_other_form_every_period():
     decided = [forms.decide(64 * KiB) for _ in range(8)]
     assert [explored for _, explored in decided] == [False, False, False, True] * 2
     assert decided[3][0] is Form.SHARDED and decided[0][0] is Form.FLAT
-    far = [forms.decide(16 * MiB) for _ in range(8)]  # bucket 12, the boundary's is 9
+    far = [forms.decide(16 * MiB) for _ in range(8)]  # three buckets past the boundary's
     assert not any(explored for _, explored in far)
     pinned = AcrossNodesForms(AcrossNodesTable(64 * KiB, "caller"), live=False, explore_period=1)
     assert pinned.decide(64 * KiB) == (Form.FLAT, False) and not pinned.switch_due()
@@ -62,7 +57,7 @@ def test_flat_winning_past_the_boundary_moves_it_up_to_the_bucket():
     _timed(forms, 200 * KiB, flat=1.0, sharded=2.0)  # bucket (64 KiB, 256 KiB]
     moved = forms.proposed()
     assert moved == AcrossNodesTable(256 * KiB, "live", 1)
-    assert not forms.samples  # its evidence starts over
+    assert not forms.evidence.buckets()  # its evidence starts over
 
 
 def test_sharded_winning_below_the_boundary_moves_it_down_past_the_bucket():
@@ -70,7 +65,7 @@ def test_sharded_winning_below_the_boundary_moves_it_down_past_the_bucket():
     _timed(forms, 16 * MiB, flat=2.0, sharded=1.0)  # bucket (4 MiB, 16 MiB]
     _timed(forms, 1 * MiB, flat=1.0, sharded=2.0)  # flat still wins (256 KiB, 1 MiB]
     assert forms.proposed() == AcrossNodesTable(4 * MiB, "live", 1)
-    assert set(forms.samples) == {(Form.FLAT, 10), (Form.SHARDED, 10)}
+    assert forms.evidence.buckets() == [bucket_index(1 * MiB)]
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,8 @@ shows slower."""
 
 import dataclasses
 
-from nodecomm.service.live_thresholds import LiveEstimates, bucket_index
+from nodecomm.evidence import bucket_index
+from nodecomm.service.live_thresholds import LiveEstimates
 from nodecomm.thresholds import Boundary, Path, Source, Wire, build_table
 
 KIB, MIB = 1 << 10, 1 << 20
