@@ -13,7 +13,6 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -29,28 +28,20 @@ from nodecomm.errors import (
     NotFoundError,
     PeerLostError,
     PermissionDeniedError,
-    ResourceExhaustedError,
-    UnsupportedError,
     shown,
 )
 from nodecomm.join_rules import MAX_WORLD_SIZE
-from nodecomm.thresholds import DispatchTable, Wire
+from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import (
-    GroupMemory,
-    allocate_group,
-    max_blocks_for,
-)
 from .callers import Caller
 from .config import DaemonConfig
-from .cuda_execution import CudaExecution
-from .group import Group, Member
+from .formation import Formation
+from .group import Group
 from .group_state import GroupState
 from .handles import ClaimTable
 from .join_args import JoinArgs, validate_join
 from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
-from .live_thresholds import LiveEstimates
 from .metrics import DaemonMetrics
 from .peer_checks import PeerChecks
 from .quotas import Quotas
@@ -89,6 +80,7 @@ class GroupRegistry:
         self.timings = TimingIntake(config, metrics, self.tables)
         self.peer_checks = PeerChecks(metrics, self.tables)
         self.service_memory = ServiceMemory(config, metrics, claims, self.quotas)
+        self.formation = Formation(config, gpus, self.quotas, self.tables, claims, executor, self._service_done)
 
     # -- thresholds ----------------------------------------------------------------------------
 
@@ -206,72 +198,13 @@ class GroupRegistry:
             del self._forming[key]
 
     def _form(self, forming: FormingGroup) -> None:
-        first = forming.arrivals[0]
-        joined = [forming.arrivals[rank] for rank in range(first.world_size)]
         try:
-            self.quotas.check_group(first, [a.device for a in joined], forming.creator)
-            devices = [None if a.device == "cpu" else self.gpus.index(a.device) for a in joined]
-            max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
-            memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
+            group, tokens, max_blocks = self.formation.build(forming)
         except NodecommError as error:
             self._fail_forming(forming, error)
             self._drop_forming(forming)
             return
-        group_id = secrets.randbits(63)
-        group = Group(
-            name=first.group,
-            group_id=group_id,
-            args=first,
-            memory=memory,
-            table=self.tables.for_new_group(
-                first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire), devices
-            ),
-            members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
-            devices=[a.device for a in joined],
-            creator=forming.creator,
-            live=(
-                LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
-                if self.config.live_recalibration
-                else None
-            ),
-        )
-        depth = self.config.service_queue_depth
-        # CUDA groups run the service path on rank 0's GPU, reading the others' over peer access.
-        cuda = None
-        if first.device_kind == DeviceKind.CUDA:
-            executing = self._device_indices(group)[0]
-            try:
-                words = self._stream_word_buffers(memory, executing)
-            except NodecommError as error:
-                memory.close()
-                self._fail_forming(forming, error)
-                self._drop_forming(forming)
-                return
-            cuda = CudaExecution(executing, depth + 2, self.config.operation_timeout_seconds, words)
-            if words is not None:
-                memory.unmap_later = cuda.unmap_later  # its stream waits on words in the buffers
-        group.service = SubmissionQueue(
-            group.name, first.world_size, first.dtypes, depth, self.executor, self._service_done, cuda
-        )
-        try:
-            tokens = self.claims.issue_all(
-                group.name,
-                group_id,
-                {rank: a.pid for rank, a in enumerate(joined)},
-                memory.descriptors(),
-                self.config.claim_token_ttl_seconds,
-            )
-        except OSError as error:  # out of descriptors (EMFILE): no rank is answered with a token
-            memory.close()
-            self._fail_forming(
-                forming,
-                ResourceExhaustedError(
-                    f"handing out the group's descriptors failed: {error.strerror}; nothing was allocated",
-                    group=first.group,
-                ),
-            )
-            self._drop_forming(forming)
-            return
+        first, group_id, memory = group.args, group.group_id, group.memory
         self._drop_forming(forming)
         self._active[self._key(group.creator, group.name)] = group
         self._groups[group_id] = group
@@ -311,35 +244,6 @@ class GroupRegistry:
             raise NotFoundError(f"the group is {group.state}", group=request.group or None, rank=request.rank)
         devices = self._device_indices(group) if group.args.device_kind == DeviceKind.CUDA else []
         return await self.topk_openings.open(group, request, devices)
-
-    def _stream_word_buffers(self, memory: GroupMemory, executing: int) -> list[int] | None:
-        """The daemon's address of every rank's buffer where the service path orders its streams by
-        stream words (config cuda_service_ordering), None for IPC events. Stream words need 64-bit
-        stream memory operations on every GPU, and the executing GPU's access to every buffer:
-        granted here for VMM buffers on other GPUs; legacy buffers on other GPUs use IPC events."""
-        setting = self.config.cuda_service_ordering
-        if setting == "ipc-events":
-            return None
-        buffers = memory.rank_buffers
-        devices = {device for device, _ in buffers} | {executing}
-        lacking = sorted(d for d in devices if not _native.cuda_stream_words_supported(d))
-        legacy_across = bool(memory.legacy_buffers) and len(devices) > 1
-        if lacking or legacy_across:
-            if setting == "stream-words":
-                why = (
-                    f"GPU {lacking} lacks 64-bit stream memory operations"
-                    if lacking
-                    else "legacy (cudaIpcMemHandle) buffers on several GPUs"
-                )
-                raise UnsupportedError(
-                    f"cuda_service_ordering 'stream-words' cannot order this group's service path: {why}; "
-                    "use 'auto' or 'ipc-events'"
-                )
-            return None
-        for device, address in buffers:
-            if device != executing:
-                _native.cuda_vmm_grant(executing, address, memory.buffer_bytes)
-        return [address for _, address in buffers]
 
     def _device_indices(self, group: Group) -> list[int]:
         """The daemon's CUDA index of each rank's GPU, in rank order."""
