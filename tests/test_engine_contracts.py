@@ -94,17 +94,21 @@ def test_every_attribute_the_engine_reads_on_the_slot_unasked_is_there(engine, v
     assert missing == {}, f"{engine} {version} reads these on its custom all-reduce, NodecommAllreduce lacks them"
 
 
+def dispatched(spawn_ranks, daemon, program, engine: str, version: str, counts: list[int]) -> list[dict]:
+    """Each of two ranks' outcome of `program` run with the engine's pinned wheel on `counts`."""
+    wheel = str(engine_source.wheel(engine, version))
+    ranks = spawn_ranks(program, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240)
+    return list(ranks.values().values())
+
+
 def test_vllms_own_all_reduce_dispatch_hands_the_slot_what_it_accepts(daemon, spawn_ranks):
     """vLLM 0.34.0's CudaCommunicator.all_reduce, compiled from the released file and run with the
     slot as its custom all-reduce (its other backends off, gloo standing in for PyNccl): the sizes
     the slot accepts reach it and come back as the fp32 rank-order sum's bits; the 9 MiB one,
     past max_size, goes on down vLLM's order."""
     counts = [8, 1000, 4100, 9 << 19]
-    wheel = str(engine_source.wheel("vllm", "0.34.0"))
-    results = spawn_ranks(
-        engine_ranks.vllm_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
-    ).values()
-    for outcome in results.values():
+    results = dispatched(spawn_ranks, daemon, engine_ranks.vllm_dispatch, "vllm", "0.34.0", counts)
+    for outcome in results:
         assert outcome == {"served": counts[:3], "problems": []}, outcome
 
 
@@ -114,12 +118,9 @@ def test_the_vllm_platforms_communicator_goes_first_then_hands_the_rest_to_vllms
     reaches nodecomm ahead of both, with the fp32 rank-order sum's bits; 9 MiB goes on to
     QuickReduce and 20 MiB to FlashInfer, in vLLM's order."""
     counts = [8, 1000, 4100, 9 << 19, 10 << 20]
-    wheel = str(engine_source.wheel("vllm", "0.34.0"))
-    results = spawn_ranks(
-        engine_ranks.vllm_platform_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
-    ).values()
+    results = dispatched(spawn_ranks, daemon, engine_ranks.vllm_platform_dispatch, "vllm", "0.34.0", counts)
     served = [("nodecomm", c) for c in counts[:3]] + [("quick", counts[3]), ("flashinfer", counts[4])]
-    for outcome in results.values():
+    for outcome in results:
         assert outcome == {"served": served, "problems": []}, outcome
 
 
@@ -129,9 +130,6 @@ def test_sglangs_own_plugin_loader_and_all_reduce_dispatch_hand_the_slot_what_it
     sizes it accepts there (the fp32 rank-order sum's bits) and the 9 MiB one, past its limit, to
     the in-place all-reduce on the engine's device group."""
     counts = [8, 1000, 4100, 9 << 19]
-    wheel = str(engine_source.wheel("sglang", "0.5.23"))
-    results = spawn_ranks(
-        engine_ranks.sglang_dispatch, 2, 2, daemon.socket, free_port(), wheel, counts, timeout=240
-    ).values()
-    for outcome in results.values():
+    results = dispatched(spawn_ranks, daemon, engine_ranks.sglang_dispatch, "sglang", "0.5.23", counts)
+    for outcome in results:
         assert outcome == {"class": "NodecommAllreduce", "served": counts[:3], "problems": []}, outcome
