@@ -20,7 +20,8 @@ import torch.distributed as dist
 from nodecomm.errors import InvalidArgumentError, UnsupportedError
 
 RedOp = dist.ReduceOp.RedOpType
-LOSSLESS_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# The dtypes Communicator.all_reduce sums (on its paths or over a wire); complex ones go as real pairs.
+COMMUNICATOR_DTYPES = frozenset({torch.float32, torch.float16, torch.bfloat16})
 _AS_REAL = {torch.complex64: torch.float32, torch.complex32: torch.float16}
 _WIDENED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 
@@ -56,7 +57,7 @@ def reduce_op_type(op: object) -> RedOp:
 
 def check_reducible(dtype: torch.dtype, op: RedOp) -> None:
     """Raise, before anything moves, if `op` cannot reduce `dtype`."""
-    if op == RedOp.SUM and dtype in LOSSLESS_DTYPES:
+    if op == RedOp.SUM and dtype in COMMUNICATOR_DTYPES:
         return  # the common case, checked cheaply
     name = op.name
     if op == RedOp.PREMUL_SUM:
@@ -71,8 +72,9 @@ def check_reducible(dtype: torch.dtype, op: RedOp) -> None:
         raise InvalidArgumentError(f"ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
 
 
-def is_lossless_sum(dtype: torch.dtype, op: RedOp) -> bool:
-    return op == RedOp.SUM and (dtype in LOSSLESS_DTYPES or dtype in _AS_REAL)
+def is_communicator_sum(dtype: torch.dtype, op: RedOp) -> bool:
+    """Whether Communicator.all_reduce runs this reduction (complex dtypes as their real pairs)."""
+    return op == RedOp.SUM and (dtype in COMMUNICATOR_DTYPES or dtype in _AS_REAL)
 
 
 def flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,10 +104,10 @@ def reduce_rows(rows: torch.Tensor, op: RedOp) -> torch.Tensor:
 
 def all_reduce(comm, tensor: torch.Tensor, op: RedOp) -> None:
     """Reduce `tensor` across the ranks, in place."""
-    if op == RedOp.SUM and tensor.dtype in LOSSLESS_DTYPES and tensor.is_contiguous():
+    if op == RedOp.SUM and tensor.dtype in COMMUNICATOR_DTYPES and tensor.is_contiguous():
         comm.all_reduce(tensor, out=tensor)  # the common case, with nothing to reshape
         return
-    if is_lossless_sum(tensor.dtype, op):
+    if is_communicator_sum(tensor.dtype, op):
         values = tensor if tensor.is_contiguous() else tensor.contiguous()
         parts = (torch.view_as_real(values) if values.dtype in _AS_REAL else values).view(-1)
         comm.all_reduce(parts, out=parts)
@@ -117,7 +119,7 @@ def all_reduce(comm, tensor: torch.Tensor, op: RedOp) -> None:
 
 def reduce(comm, tensor: torch.Tensor, op: RedOp, root: int) -> None:
     """The reduction lands in `tensor` on `root`; the other ranks' tensors are left as they were."""
-    if is_lossless_sum(tensor.dtype, op):
+    if is_communicator_sum(tensor.dtype, op):
         result = tensor.clone()
         all_reduce(comm, result, op)
     else:
@@ -143,7 +145,7 @@ def reduce_scatter(comm, output: torch.Tensor, stacked: torch.Tensor, op: RedOp)
             f"({comm.world_size}) times the output's {count}"
         )
     mine = slice(comm.rank * count, (comm.rank + 1) * count)
-    if is_lossless_sum(stacked.dtype, op):
+    if is_communicator_sum(stacked.dtype, op):
         values = flat(stacked).clone()
         all_reduce(comm, values, op)
         output.copy_(values[mine].view(output.shape))
