@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "codes.h"
 #include "numerics.h"
 #include "wire.h"
 
@@ -19,7 +20,7 @@ struct Call {
   Collective collective;
   std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage)
   int dtype = 0;            // DType, all_reduce only
-  int algorithm = 0;        // path code (nodecomm.v1.Path), all_reduce only
+  int path = 0;        // path code (nodecomm.v1.Path), all_reduce only
   int wire = 0;             // wire format (nodecomm.v1.Wire), all_reduce only
 
   // The count in 40 bits (a TiB of bytes; larger counts compare modulo 2^40), 8 bits for the
@@ -27,7 +28,7 @@ struct Call {
   static constexpr int kCountBits = 40;
   constexpr std::uint64_t packed() const {
     return (count & ((std::uint64_t(1) << kCountBits) - 1)) | std::uint64_t(collective) << 56 |
-           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(wire & 0xF) << 44 | std::uint64_t(algorithm & 0xF) << 40;
+           std::uint64_t(dtype & 0xFF) << 48 | std::uint64_t(wire & 0xF) << 44 | std::uint64_t(path & 0xF) << 40;
   }
   static constexpr Call unpack(std::uint64_t word) {
     return Call{Collective(word >> 56), word & ((std::uint64_t(1) << kCountBits) - 1), int((word >> 48) & 0xFF),
@@ -54,13 +55,8 @@ inline std::string dtype_name(int dtype) {
   return "dtype " + std::to_string(dtype);
 }
 
-inline std::string path_name(int algorithm) {
-  switch (algorithm) {
-    case 1: return "oneshot";
-    case 2: return "twoshot";
-    case 3: return "dma";
-  }
-  return "path " + std::to_string(algorithm);
+inline std::string path_shown(int code) {
+  return code >= 1 && code < kPaths ? path_name(Path(code)) : "path " + std::to_string(code);
 }
 
 // "the ranks disagree on <field>: rank 0 has <value>, rank 1 has <value>, ..." for the first field
@@ -97,9 +93,9 @@ inline std::string describe_disagreement(const Call* calls, const bool* known, i
                                                                    : "byte count";
     what = collective_name(call.collective) + std::string("'s ") + unit + ": " +
            each([](const Call& c) { return "has " + std::to_string(c.count); });
-  } else if (differ([](const Call& c) { return c.algorithm; })) {
+  } else if (differ([](const Call& c) { return c.path; })) {
     what = collective_name(call.collective) + std::string("'s path: ") +
-           each([](const Call& c) { return "has " + path_name(c.algorithm); });
+           each([](const Call& c) { return "has " + path_shown(c.path); });
   } else if (differ([](const Call& c) { return c.wire; })) {
     what = collective_name(call.collective) + std::string("'s wire format: ") +
            each([](const Call& c) { return std::string("has ") + wire::wire_name(c.wire); });

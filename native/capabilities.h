@@ -14,8 +14,8 @@
 namespace nodecomm {
 
 struct Capabilities {
-  std::vector<Algorithm> paths;
-  std::vector<Algorithm> wire_paths;  // the paths that carry int8 and fp8 (wire.h)
+  std::vector<Path> paths;
+  std::vector<Path> wire_paths;  // the paths that carry int8 and fp8 (wire.h)
   std::vector<int> world_sizes;
   std::vector<int> topk_world_sizes;
 };
@@ -31,14 +31,14 @@ inline std::vector<int> world_sizes_up_to(int most) {
 
 // The shared-memory transport (shm.h): both paths at any world size, over every wire.
 inline Capabilities host_capabilities() {
-  const std::vector<Algorithm> paths{Algorithm::kOneshot, Algorithm::kTwoshot};
+  const std::vector<Path> paths{Path::kOneshot, Path::kTwoshot};
   return {paths, paths, world_sizes_up_to(kMaxRanks), world_sizes_up_to(kTopkMaxRanks)};
 }
 
 // The CUDA transport: three paths, every one over every wire (cuda/wire_codec.cuh), at the world
 // sizes its kernels are instantiated for (cuda/world.h).
 inline Capabilities cuda_capabilities() {
-  const std::vector<Algorithm> paths{Algorithm::kOneshot, Algorithm::kTwoshot, Algorithm::kDma};
+  const std::vector<Path> paths{Path::kOneshot, Path::kTwoshot, Path::kDma};
   std::vector<int> topk;
   for (const int n : cuda::kWorldSizes) {
     if (n <= kTopkMaxRanks) topk.push_back(n);

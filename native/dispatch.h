@@ -16,31 +16,19 @@
 #include <tuple>
 #include <vector>
 
+#include "codes.h"
 #include "errors.h"
 #include "wire.h"
 
 namespace nodecomm::dispatch {
 
-// Equal to nodecomm.v1.Path values.
-enum class Path : int { kNone = 0, kOneshot = 1, kTwoshot = 2, kDma = 3, kNccl = 4, kService = 5 };
-constexpr int kPaths = 6;
 constexpr int kWires = 3;
 constexpr int kOps = 8;  // nodecomm.v1.Op values are below this
 constexpr int kAllReduce = 1;  // nodecomm.v1.ALL_REDUCE
 
-inline const char* path_name(Path path) {
-  static const char* names[kPaths] = {"none", "oneshot", "twoshot", "dma", "nccl", "service"};
-  return names[int(path)];
-}
-
 inline const char* wire_name(wire::Wire w) {
   static const char* names[kWires] = {"lossless", "int8", "fp8"};
   return names[int(w)];
-}
-
-inline Path path_of(int code) {
-  NODECOMM_CHECK(code >= 1 && code < kPaths, "unknown path code " + std::to_string(code) + ": expected 1-5");
-  return Path(code);
 }
 
 inline bool lossless_path(Path path) {  // paths that give the same bits, so exploring changes no result

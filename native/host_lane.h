@@ -41,10 +41,10 @@ class HostLane {
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, false);
     *taken = {int(decision.path), int(decision.wire), decision.sampled};
-    if (decision.path == dispatch::Path::kService) return kService;
+    if (decision.path == Path::kService) return kService;
     const auto start = std::chrono::steady_clock::now();
     try {
-      group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), timeout_s_, decision.wire);
+      group_.all_reduce(in, out, count, dtype, kernel_path_of(int(decision.path)), timeout_s_, decision.wire);
     } catch (...) {
       dispatch_.undo();
       throw;

@@ -4,7 +4,7 @@
 // Layout of each rank's buffer (shm_buffer_bytes):
 //   [0, kHeaderBytes)       arrival lines, one of 64 bytes per peer: peer p stores its barrier
 //                           epoch into line p of every rank's buffer (no atomics across peers),
-//                           after the call it is in (Call: collective, count, dtype, algorithm,
+//                           after the call it is in (Call: collective, count, dtype, path,
 //                           packed in one word) at [8 + 8 * (epoch % 2), +8) of the line
 //   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
 // The group's abort word lives in its control segment (control.h), written by the daemon or by a
@@ -14,7 +14,7 @@
 // line with release semantics; a reader acquires the flag before reading the slot.
 //
 // Agreement: every barrier compares the calls the ranks arrived with, before anything is written
-// to an output; ranks that disagree (count, dtype, collective, algorithm) all raise
+// to an output; ranks that disagree (count, dtype, collective, path) all raise
 // GroupMismatchError at the same barrier, with every rank's value, and the group stays usable.
 // Two call slots per line: a peer can be one barrier ahead of a reader (it passed the barrier
 // once the reader arrived) but not two, so the slot of the reader's epoch is still its. Payloads move
@@ -107,10 +107,10 @@ class ShmGroup {
 
   // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ),
   // over the lossless wire or a compressed one (wire.h).
-  void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
+  void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Path path,
                   double timeout_s, wire::Wire format = wire::Wire::kLossless) {
     for_dtype<HostElements>(dtype, [&](auto element) {
-      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, algorithm, timeout_s, format);
+      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, path, timeout_s, format);
     });
   }
 
@@ -173,21 +173,21 @@ class ShmGroup {
   }
 
   template <typename T>
-  void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Algorithm algorithm,
+  void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Path path,
                         double timeout_s, wire::Wire format) {
-    NODECOMM_CHECK(algorithm == Algorithm::kOneshot || algorithm == Algorithm::kTwoshot,
-                   "algorithm code " + std::to_string(int(algorithm)) + " on a host group: expected 1 (oneshot) or 2 (twoshot)");
+    NODECOMM_CHECK(path == Path::kOneshot || path == Path::kTwoshot,
+                   "path code " + std::to_string(int(path)) + " on a host group: expected 1 (oneshot) or 2 (twoshot)");
     const T* src = reinterpret_cast<const T*>(in);
     T* dst = reinterpret_cast<T*>(out);
-    const Call call{Collective::kAllReduce, count, int(dtype), int(algorithm), int(format)};
+    const Call call{Collective::kAllReduce, count, int(dtype), int(path), int(format)};
     if (format != wire::Wire::kLossless) {
       // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
       const Chunking chunks{count, wire::elements_per_slot(std::min(slot_bytes_, kPipelineChunkBytes), sizeof(T))};
       NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(slot_bytes_) + " bytes holds no encoded chunk");
-      return reduce_over_wire(src, dst, chunks, algorithm, format, call, timeout_s);
+      return reduce_over_wire(src, dst, chunks, path, format, call, timeout_s);
     }
     const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
-    if (algorithm == Algorithm::kOneshot) {
+    if (path == Path::kOneshot) {
       oneshot(src, dst, chunks, call, timeout_s);
     } else {
       twoshot(src, dst, chunks, call, timeout_s);
@@ -256,7 +256,7 @@ class ShmGroup {
   // the codes in its slot, barrier, and every rank copies the others' segments. Both sum every
   // element the same way, so they give the same bits; the gather moves T, not codes.
   template <typename T>
-  void reduce_over_wire(const T* src, T* dst, const Chunking& chunks, Algorithm algorithm, wire::Wire format,
+  void reduce_over_wire(const T* src, T* dst, const Chunking& chunks, Path path, wire::Wire format,
                         const Call& call, double timeout_s) {
     if (chunks.size() == 0) return barrier(timeout_s, call);  // nothing to move, but the calls meet
     for (std::size_t k = 0; k < chunks.size(); ++k, ++op_epoch_) {
@@ -265,7 +265,7 @@ class ShmGroup {
       barrier(timeout_s, call);
       const std::uint8_t* encoded[kMaxRanks];
       for (int r = 0; r < world_size_; ++r) encoded[r] = peer(r) + slot;
-      if (algorithm == Algorithm::kOneshot) {
+      if (path == Path::kOneshot) {
         reduce_encoded(encoded, world_size_, len, format, dst + begin, 0, len);
         continue;
       }

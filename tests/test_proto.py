@@ -27,7 +27,7 @@ def test_native_codes_are_the_contracts_values():
     from nodecomm import _native
     from nodecomm.v1 import control_pb2 as pb
 
-    for native, proto in ((_native.DType, pb.DType), (_native.Algorithm, pb.Path)):
+    for native, proto in ((_native.DType, pb.DType), (_native.Path, pb.Path)):
         for member in native:
             assert proto.Value(member.name) == member.value, (native.__name__, member.name)
     assert {m.name for m in _native.DType} == {n for n in pb.DType.keys() if not n.endswith("UNSPECIFIED")}

@@ -10,7 +10,7 @@ namespace nodecomm::bindings {
 void bind_control(pybind11::module_& m);  // control.cpp
 void bind_host(pybind11::module_& m);     // host.cpp
 void bind_dispatch(pybind11::module_& m); // dispatch.cpp
-void bind_capabilities(pybind11::module_& m);  // capabilities.cpp: after bind_host, which registers Algorithm
+void bind_capabilities(pybind11::module_& m);  // capabilities.cpp: after bind_host, which registers Path
 
 #ifdef NODECOMM_WITH_CUDA
 void bind_cuda_memory(pybind11::module_& m);   // cuda_memory.cpp

@@ -1,5 +1,5 @@
 // capabilities.cpp — CAPABILITIES: what each device kind this build has runs (../capabilities.h),
-// {kind: {"paths", "wire_paths": Algorithm values; "world_sizes", "topk_world_sizes": ints}}.
+// {kind: {"paths", "wire_paths": Path values; "world_sizes", "topk_world_sizes": ints}}.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 

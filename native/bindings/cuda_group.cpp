@@ -45,15 +45,15 @@ void bind_cuda_group(py::module_& m) {
       .def(
           "all_reduce",
           [](cuda::CudaGroup& self, std::uintptr_t input, std::uintptr_t output, std::size_t count, int dtype,
-             int algorithm, double timeout_s, std::uintptr_t stream, int wire) {
+             int path_code, double timeout_s, std::uintptr_t stream, int wire) {
             const nodecomm::DType element = nodecomm::dtype_of(dtype);
-            const nodecomm::Algorithm path = nodecomm::algorithm_of(algorithm);
+            const nodecomm::Path path = nodecomm::kernel_path_of(path_code);
             py::gil_scoped_release release;
             self.all_reduce(input, output, count, element, path, wire, timeout_s, stream);
           },
-          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("path"),
           py::arg("timeout_s"), py::arg("stream"), py::arg("wire") = 0,
-          "Enqueue an all-reduce (Algorithm) of `count` elements (DType) on `stream`, over a Wire format.")
+          "Enqueue an all-reduce (Path) of `count` elements (DType) on `stream`, over a Wire format.")
       .def("all_gather", &cuda::CudaGroup::all_gather, py::call_guard<py::gil_scoped_release>(), py::arg("input"),
            py::arg("output"), py::arg("nbytes"), py::arg("timeout_s"), py::arg("stream"),
            "Enqueue: rank r's `nbytes` land at output + r * nbytes on every rank.")

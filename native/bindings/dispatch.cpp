@@ -42,14 +42,14 @@ void bind_dispatch(py::module_& m) {
       .def(
           "count",
           [](d::Dispatch& self, int op, int path, int wire, std::uint64_t nbytes, std::uint64_t wire_bytes) {
-            self.count(op, d::path_of(path), wire::wire_of(wire), nbytes, wire_bytes);
+            self.count(op, path_of(path), wire::wire_of(wire), nbytes, wire_bytes);
           },
           py::arg("op"), py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("wire_bytes"),
           "One call of op (nodecomm.v1.Op) on path over wire, moving nbytes as wire_bytes.")
       .def(
           "record",
           [](d::Dispatch& self, int path, int wire, std::uint64_t nbytes, double seconds) {
-            return self.record(d::path_of(path), wire::wire_of(wire), nbytes, seconds);
+            return self.record(path_of(path), wire::wire_of(wire), nbytes, seconds);
           },
           py::arg("path"), py::arg("wire"), py::arg("nbytes"), py::arg("seconds"),
           "One sampled call's time, kept for the session; returns how many are kept (new ones past 4096 are dropped).")

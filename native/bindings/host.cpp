@@ -28,10 +28,12 @@ void bind_host(py::module_& m) {
       .value("FLOAT16", nodecomm::DType::kFloat16)
       .value("BFLOAT16", nodecomm::DType::kBFloat16)
       .finalize();
-  py::native_enum<nodecomm::Algorithm>(m, "Algorithm", "enum.IntEnum", "All-reduce algorithms (nodecomm.v1.Path).")
-      .value("ONESHOT", nodecomm::Algorithm::kOneshot)
-      .value("TWOSHOT", nodecomm::Algorithm::kTwoshot)
-      .value("DMA", nodecomm::Algorithm::kDma)
+  py::native_enum<nodecomm::Path>(m, "Path", "enum.IntEnum", "All-reduce paths (nodecomm.v1.Path).")
+      .value("ONESHOT", nodecomm::Path::kOneshot)
+      .value("TWOSHOT", nodecomm::Path::kTwoshot)
+      .value("DMA", nodecomm::Path::kDma)
+      .value("NCCL", nodecomm::Path::kNccl)
+      .value("SERVICE", nodecomm::Path::kService)
       .finalize();
   py::native_enum<wire::Wire>(m, "Wire", "enum.IntEnum", "Wire formats of an all-reduce (nodecomm.v1.Wire).")
       .value("LOSSLESS", wire::Wire::kLossless)
@@ -56,13 +58,13 @@ void bind_host(py::module_& m) {
       .def(
           "all_reduce",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype,
-             int algorithm, double timeout_s, int wire) {
+             int path, double timeout_s, int wire) {
             const wire::Wire format = wire::wire_of(wire);
             py::gil_scoped_release release;
-            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::algorithm_of(algorithm), timeout_s,
+            self.all_reduce(in, out, count, nodecomm::dtype_of(dtype), nodecomm::kernel_path_of(path), timeout_s,
                             format);
           },
-          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("algorithm"),
+          py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("path"),
           py::arg("timeout_s"), py::arg("wire") = 0,
           "Sum `count` elements across ranks over a Wire format; output may equal input.")
       .def(

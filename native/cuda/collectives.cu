@@ -24,7 +24,7 @@
 namespace nodecomm::cuda {
 
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                std::size_t call_count, DType dtype, Algorithm algorithm, int wire, double timeout_s,
+                std::size_t call_count, DType dtype, Path path, int wire, double timeout_s,
                 cudaStream_t stream, const CopyPipeline& pipeline) {
   check_group(group);
   const wire::Wire format = wire::wire_of(wire);
@@ -38,18 +38,18 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
                      std::to_string(group.slot_bytes) + " bytes");
   NODECOMM_CHECK(count <= call_count, "a piece of " + std::to_string(count) + " elements of a call of " +
                                           std::to_string(call_count));
-  const TaggedCall call = tagged(Call{Collective::kAllReduce, call_count, int(dtype), int(algorithm), wire}.packed());
+  const TaggedCall call = tagged(Call{Collective::kAllReduce, call_count, int(dtype), int(path), wire}.packed());
   const std::uint64_t timeout = timeout_ns(timeout_s);
   if (count == 0) return meet_peers(group, call, timeout, stream);  // the calls still meet
-  switch (algorithm) {
-    case Algorithm::kOneshot:
+  switch (path) {
+    case Path::kOneshot:
       return oneshot_all_reduce(group, input, output, count, dtype, format, call, timeout, stream);
-    case Algorithm::kTwoshot:
+    case Path::kTwoshot:
       return twoshot_all_reduce(group, input, output, count, dtype, format, call, timeout, stream);
-    case Algorithm::kDma:
+    case Path::kDma:
       return dma_all_reduce(group, input, output, count, dtype, format, call, timeout, stream, pipeline);
   }
-  NODECOMM_RAISE(kInvalidArgument, "unknown algorithm code " + std::to_string(int(algorithm)));
+  NODECOMM_RAISE(kInvalidArgument, "unknown path code " + std::to_string(int(path)));
 }
 
 int resident_blocks(int device) {

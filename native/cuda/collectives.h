@@ -39,7 +39,7 @@ struct CopyPipeline {
 
 // Sum `count` elements of `dtype` across ranks into `output` (may equal
 // `input`): fp32 accumulation in rank order 0..n-1, one rounding, the same bits for every
-// algorithm.
+// path.
 //   oneshot  payloads that fit the push slots (layout.h): every rank writes its input, flagged,
 //            into every peer's push slot and sums what arrives in its own; larger ones: stage
 //            into this launch's slot, one barrier, every rank sums every slot
@@ -55,7 +55,7 @@ struct CopyPipeline {
 // compare (so a call in pieces disagrees at its first). A count of 0 still meets the peers at one
 // barrier.
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
-                std::size_t call_count, DType dtype, Algorithm algorithm, int wire, double timeout_s,
+                std::size_t call_count, DType dtype, Path path, int wire, double timeout_s,
                 cudaStream_t stream, const CopyPipeline& pipeline);
 
 // Whether oneshot pushes a piece of `nbytes` (into peers' push slots) rather than pulling it

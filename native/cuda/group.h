@@ -65,10 +65,10 @@ class CudaGroup {
   // A call larger than a slot runs as pieces of a slot each (over a compressed wire, of what a slot
   // holds encoded and reduced), every piece carrying the whole call's count, which the ranks
   // compare; a call of nothing still meets the peers once.
-  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, DType dtype, Algorithm algorithm,
+  void all_reduce(std::uintptr_t input, std::uintptr_t output, std::size_t count, DType dtype, Path path,
                   int wire, double timeout_s, std::uintptr_t stream) {
     const wire::Wire format = wire::wire_of(wire);
-    refuse_if_stopped(Call{Collective::kAllReduce, count, int(dtype), int(algorithm), wire});
+    refuse_if_stopped(Call{Collective::kAllReduce, count, int(dtype), int(path), wire});
     DeviceScope scope(device_);
     const std::size_t element = dtype_bytes(dtype);
     const std::size_t per_piece = format == wire::Wire::kLossless ? view_.slot_bytes / element
@@ -77,7 +77,7 @@ class CudaGroup {
     for (std::size_t start = 0; start < std::max<std::size_t>(count, 1); start += per_piece) {
       const std::size_t offset = start * element;
       cuda::all_reduce(view_, input + offset, output + offset, std::min(per_piece, count - start), count, dtype,
-                       algorithm, wire, timeout_s, reinterpret_cast<cudaStream_t>(stream), pipeline_);
+                       path, wire, timeout_s, reinterpret_cast<cudaStream_t>(stream), pipeline_);
     }
   }
 

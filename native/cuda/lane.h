@@ -59,13 +59,13 @@ class CudaLane {
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, capturing);
     *taken = {int(decision.path), int(decision.wire), decision.sampled && !capturing};
-    if (decision.path == dispatch::Path::kService) return kService;
-    if (decision.path == dispatch::Path::kNccl) return kNccl;
+    if (decision.path == Path::kService) return kService;
+    if (decision.path == Path::kNccl) return kNccl;
     if (!capturing) read_timings();  // nothing is queried while a graph is being captured
     Timing* timing = decision.sampled && !capturing && pending_.size() < kTimings ? &timings_[next_] : nullptr;
     const auto on = reinterpret_cast<cudaStream_t>(stream);
     if (timing) NODECOMM_CUDA(cudaEventRecord(timing->start, on));
-    group_.all_reduce(in, out, count, dtype, algorithm_of(int(decision.path)), int(decision.wire), timeout_s_,
+    group_.all_reduce(in, out, count, dtype, kernel_path_of(int(decision.path)), int(decision.wire), timeout_s_,
                       stream);
     if (timing) {
       NODECOMM_CUDA(cudaEventRecord(timing->end, on));
@@ -87,7 +87,7 @@ class CudaLane {
 
   struct Timing {
     cudaEvent_t start = nullptr, end = nullptr;
-    dispatch::Path path = dispatch::Path::kOneshot;
+    Path path = Path::kOneshot;
     wire::Wire wire = wire::Wire::kLossless;
     std::uint64_t nbytes = 0;
   };
