@@ -375,7 +375,9 @@ class TableKeeper:
         origin = f"live timings of group {shown(group)}{LIVE_FROM}{started}"
         settled = live.settled(table, move.table)
         moved = dataclasses.replace(move.table, epoch=self._next_epoch(), origin=origin, settled=settled)
-        if self.live_store is not None:
+        # While a calibration runs, it decides what this machine keeps: its probe's own groups (and
+        # any other) move only their own tables meanwhile.
+        if self.live_store is not None and not self._calibrating.locked():
             self._keep(kind, nccl_fallback, table.wire, move.values, group)
         for name in move.values:
             self.metrics.threshold_changes.labels(name).inc()

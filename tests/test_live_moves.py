@@ -263,3 +263,32 @@ def test_a_path_slower_in_every_cell_of_a_bucket_is_settled_there_until_its_rout
     move = live.proposed_move(before, Path.TWOSHOT)
     assert move.values == {"dma_min_bytes": 64 * MIB + 1}
     assert live.settled(dataclasses.replace(before, settled=settled), move.table) == (0,) * bucket_index(MIB) + (dma,)
+
+
+def test_a_private_daemon_keeps_no_live_move_while_it_calibrates(tmp_path):
+    """A private daemon keeps a group's live move for its new groups and the user's next daemon, but
+    not while a calibration runs: then the probe decides, and its own groups' timings (paths forced
+    on a machine it is loading) move only their own tables."""
+    import asyncio
+
+    from nodecomm.service.calibration import CalibrationStore
+    from nodecomm.service.config import DaemonConfig
+    from nodecomm.service.metrics import DaemonMetrics
+    from nodecomm.service.tables import TableKeeper
+
+    keeper = TableKeeper(DaemonConfig(state_dir=str(tmp_path / "state")), DaemonMetrics(), 8)
+    keeper.live_store = CalibrationStore(str(tmp_path / "cache"))
+    before = keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS)
+    twoshot_wins = (("oneshot", 8 * KIB, 40e-6), ("twoshot", 8 * KIB, 10e-6))
+
+    async def during_a_calibration():
+        async with keeper._calibrating:
+            return keeper.follow_evidence("g", "cpu", before, evidence(*twoshot_wins), nccl_fallback=False)
+
+    moved = asyncio.run(during_a_calibration())
+    assert moved.path_for(8 * KIB) is Path.TWOSHOT  # the group's own table moved
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).path_for(8 * KIB) is Path.ONESHOT
+    assert list((tmp_path / "cache").glob("calibration-*.json")) == []
+    keeper.follow_evidence("g", "cpu", before, evidence(*twoshot_wins), nccl_fallback=False)
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).path_for(8 * KIB) is Path.TWOSHOT
+    assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 1
