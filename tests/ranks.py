@@ -268,8 +268,8 @@ def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls:
     with nodecomm.connect("live", rank, world_size, device=device, socket=socket, timeout=30) as comm:
         first_epoch = comm.thresholds().epoch
         for path, nbytes, seconds in synthetic:
-            comm._lease.report(Path(path).to_proto(), nbytes, seconds)  # what sampled operations send
-        comm._lease.flush()
+            comm._session.report(Path(path).to_proto(), nbytes, seconds)  # what sampled operations send
+        comm._session.flush()
         switched_at = None
         x = torch.ones(4096, device=device)  # 16 KiB
         for call in range(calls):

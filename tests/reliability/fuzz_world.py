@@ -17,7 +17,7 @@ from conftest import join_request, reserved_bytes
 from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import Checked, Lease, fd_count
+from .harness import Checked, SessionStream, fd_count
 from .rpc_strategies import GROUP_NAMES, INT32, UINT64
 
 # -- the real state the fuzzers aim at ---------------------------------------------------------------
@@ -35,7 +35,7 @@ class RealGroup:
     name: str
     group_id: int
     world_size: int
-    leases: dict[int, Lease] = field(default_factory=dict)
+    sessions: dict[int, SessionStream] = field(default_factory=dict)
     # The service path's sequences the daemon has seen, to steer submits at the next one.
     consumed: set[int] = field(default_factory=set)
     next_sequence: int = 0
@@ -90,7 +90,7 @@ def world(fuzz_daemon, checked) -> World:
     dtypes = (pb.FLOAT32, pb.FLOAT16, pb.BFLOAT16)
     reply = stub.Join(join_request("fz-solo", 0, 1, capacity=4096, dtypes=dtypes), timeout=10)
     solo = RealGroup("fz-solo", reply.group_id, 1)
-    solo.leases[0] = Lease(stub, reply.group_id, 0)
+    solo.sessions[0] = SessionStream(stub, reply.group_id, 0)
 
     replies: dict[int, pb.JoinReply] = {}
 
@@ -104,9 +104,9 @@ def world(fuzz_daemon, checked) -> World:
         thread.join()
     pair = RealGroup("fz-pair", replies[0].group_id, 2)
     for rank in (0, 1):
-        pair.leases[rank] = Lease(stub, pair.group_id, rank)
-    for lease in (*solo.leases.values(), *pair.leases.values()):
-        lease.wait_ready()
+        pair.sessions[rank] = SessionStream(stub, pair.group_id, rank)
+    for session in (*solo.sessions.values(), *pair.sessions.values()):
+        session.wait_ready()
 
     target = allocate(checked, solo, 0, 64 << 10, os.urandom(4096))
     canary = allocate(checked, solo, 0, 4096, b"canary!\x00")
@@ -118,7 +118,7 @@ def world(fuzz_daemon, checked) -> World:
 
 
 def assert_groups_intact(checked: Checked, world: World) -> None:
-    """The real groups are still formed with every lease live, and the canaries are untouched."""
+    """The real groups are still formed with every session live, and the canaries are untouched."""
     reply = checked.call("ListGroups", pb.ListGroupsRequest())
     assert isinstance(reply, pb.ListGroupsReply), reply
     states = {g.group_id: (g.state, list(g.live_ranks)) for g in reply.groups}

@@ -249,7 +249,7 @@ class Checked:
             raise AssertionError(f"daemon not healthy (exit {process.poll()}, health {status}); log tail:\n{tail}")
 
 
-class Lease:
+class SessionStream:
     """A rank's Session stream held open in a thread: `send` puts messages up, `received` holds
     what came down, `close` ends the stream (without Leave: the rank is then lost)."""
 

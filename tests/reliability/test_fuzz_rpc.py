@@ -110,8 +110,8 @@ def test_session_streams(checked, world, data):
 @given(batch=st.one_of(timings(), evidence()))
 def test_timings_on_a_live_session(checked, world, batch):
     """Whatever a rank reports as its timings, its session must stay open."""
-    for lease in (world.solo.leases[0], *world.pair.leases.values()):
-        lease.send(pb.SessionUp(timings=batch))
+    for session in (world.solo.sessions[0], *world.pair.sessions.values()):
+        session.send(pb.SessionUp(timings=batch))
     assert_groups_intact(checked, world)
     checked.assert_alive()
 
@@ -125,13 +125,13 @@ def test_the_leases_survived_the_timings_and_evidence_offers_every_rank_the_new_
         + [pb.Timing(path=pb.TWOSHOT, bytes=4096, seconds=1e-6)] * 40
     )
     for group in (world.solo, world.pair):
-        for lease in group.leases.values():
-            lease.send(pb.SessionUp(timings=oneshot_loses))
+        for session in group.sessions.values():
+            session.send(pb.SessionUp(timings=oneshot_loses))
 
     def epochs(group: RealGroup) -> list[tuple[int, ...]]:
         return [
-            tuple(m.thresholds.epoch for m in lease.received if m.HasField("thresholds"))
-            for lease in group.leases.values()
+            tuple(m.thresholds.epoch for m in session.received if m.HasField("thresholds"))
+            for session in group.sessions.values()
         ]
 
     for group in (world.solo, world.pair):
@@ -142,7 +142,7 @@ def test_the_leases_survived_the_timings_and_evidence_offers_every_rank_the_new_
         )
     assert_groups_intact(checked, world)
     for group in (world.solo, world.pair):
-        assert all(lease.open and lease.error is None for lease in group.leases.values())
+        assert all(session.open and session.error is None for session in group.sessions.values())
 
 
 def _reference(world: World, allocation_id: int) -> Allocation | None:
@@ -527,9 +527,9 @@ def test_everything_is_released_after_every_rank_leaves(fuzz_daemon, checked, wo
     assert_groups_intact(checked, world)
     stub = checked.stub
     for group in (world.solo, world.pair):
-        for rank, lease in group.leases.items():
+        for rank, session in group.sessions.items():
             stub.Leave(pb.LeaveRequest(**group.ids(rank)), timeout=10)
-            lease.close()
+            session.close()
     for allocation in (world.target, world.canary, world.pair0, world.pair1):
         allocation.view.close()
 

@@ -25,7 +25,7 @@ from conftest import join_request
 from nodecomm.service import handles
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import FIGURES, Checked, Lease, fd_count, fuzz, wait_until
+from .harness import FIGURES, Checked, SessionStream, fd_count, fuzz, wait_until
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TOKEN_BYTES = 16
@@ -162,18 +162,18 @@ class Owner:
 @pytest.fixture(scope="module")
 def owner(fuzz_daemon, checked, baseline) -> Owner:
     """Formed world-1 groups, their sessions open: they hand out real tokens."""
-    groups, leases = {}, []
+    groups, sessions = {}, []
     for name, pid in (("garbage-owner", None), ("garbage-stranger", 1)):
         reply = checked.stub.Join(join_request(name, 0, 1, capacity=4096, pid=pid), timeout=5)
-        leases.append(Lease(checked.stub, reply.group_id, 0))
-        leases[-1].wait_ready()
+        sessions.append(SessionStream(checked.stub, reply.group_id, 0))
+        sessions[-1].wait_ready()
         groups[name] = dict(group=name, group_id=reply.group_id, rank=0)
     time.sleep(2.5)  # the joins' unclaimed tokens expire (ttl 2 s): their duplicates are closed
     yield Owner(groups["garbage-owner"], groups["garbage-stranger"], fd_count(fuzz_daemon.process.pid))
     for ids in groups.values():
         checked.stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-    for lease in leases:
-        lease.close()
+    for session in sessions:
+        session.close()
 
 
 def fresh_token(checked: Checked, ids: dict) -> tuple[bytes, int]:

@@ -15,7 +15,7 @@ from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.credentials import rank_metadata
 from nodecomm.v1 import control_pb2 as pb
 
-from .harness import Checked, Lease, wait_until
+from .harness import Checked, SessionStream, wait_until
 
 
 def refused(checked: Checked, method: str, request: object, timeout: float = 5.0) -> grpc.RpcError:
@@ -97,7 +97,7 @@ def test_a_topk_exchange_with_any_timeout_opens(checked, timeout):
     # "cannot convert float NaN to integer" (after the exchange's slabs were allocated).
     stub = checked.stub
     reply = stub.Join(join_request(f"xchg{timeout}", 0, 1, capacity=4096), timeout=5)
-    lease = Lease(stub, reply.group_id, 0)
+    session = SessionStream(stub, reply.group_id, 0)
     ids = dict(group=f"xchg{timeout}", group_id=reply.group_id, rank=0)
     try:
         request = pb.TopkExchangeRequest(**ids, max_rows=4, topk=2, layout_version=1, timeout_seconds=timeout)
@@ -105,7 +105,7 @@ def test_a_topk_exchange_with_any_timeout_opens(checked, timeout):
         assert [s.owner_rank for s in exchange.slabs] == [0]
     finally:
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-        lease.close()
+        session.close()
     checked.assert_alive()
 
 
@@ -114,7 +114,7 @@ def test_a_topk_stage_of_more_rows_than_fit_in_an_int64_is_invalid(checked):
     # large to convert to C ssize_t".
     stub = checked.stub
     reply = stub.Join(join_request("rows", 0, 1, capacity=4096), timeout=5)
-    lease = Lease(stub, reply.group_id, 0)
+    session = SessionStream(stub, reply.group_id, 0)
     ids = dict(group="rows", group_id=reply.group_id, rank=0)
     try:
         allocation = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=5)
@@ -126,10 +126,10 @@ def test_a_topk_stage_of_more_rows_than_fit_in_an_int64_is_invalid(checked):
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and "run past allocation" in error.details(), error
     finally:
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-        lease.close()
+        session.close()
 
 
-def _pair(checked: Checked, name: str) -> tuple[dict[int, dict], list[Lease]]:
+def _pair(checked: Checked, name: str) -> tuple[dict[int, dict], list[SessionStream]]:
     """A formed world-2 group of raw joins (both ranks this process), its sessions open."""
     replies: dict[int, pb.JoinReply] = {}
 
@@ -143,15 +143,15 @@ def _pair(checked: Checked, name: str) -> tuple[dict[int, dict], list[Lease]]:
         thread.join()
     group_id = replies[0].group_id
     return {r: dict(group=name, group_id=group_id, rank=r) for r in (0, 1)}, [
-        Lease(checked.stub, group_id, r) for r in (0, 1)
+        SessionStream(checked.stub, group_id, r) for r in (0, 1)
     ]
 
 
-def _leave_pair(checked: Checked, ids: dict[int, dict], leases: list[Lease]) -> None:
+def _leave_pair(checked: Checked, ids: dict[int, dict], sessions: list[SessionStream]) -> None:
     for rank in (0, 1):
         checked.stub.Leave(pb.LeaveRequest(**ids[rank]), timeout=5)
-    for lease in leases:
-        lease.close()
+    for session in sessions:
+        session.close()
 
 
 @pytest.mark.parametrize("op, topk", [(pb.ALL_GATHER, 0), (pb.TOPK_STAGE, 1)])
@@ -160,7 +160,7 @@ def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked,
     # output's offset ran, and rank 0's part overwrote rank 1's input before it was copied: rank 1
     # (and any rank after it) got rank 0's bytes in rank 1's slot.
     stub = checked.stub
-    ids, leases = _pair(checked, f"inplace{op}")
+    ids, sessions = _pair(checked, f"inplace{op}")
     try:
         refs = {}
         for rank in (0, 1):
@@ -180,7 +180,7 @@ def test_an_all_gather_or_topk_stage_in_place_is_refused_for_every_rank(checked,
             assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
             assert "input and output overlap; expected disjoint ranges" in error.details(), error.details()
     finally:
-        _leave_pair(checked, ids, leases)
+        _leave_pair(checked, ids, sessions)
     checked.assert_alive()
 
 
@@ -189,7 +189,7 @@ def test_a_topk_exchange_whose_caller_goes_away_fails_for_every_rank(checked):
     # the peer's open formed the exchange and allocated slabs with a token for no one, and the
     # cancelled rank's retry got ALREADY_EXISTS "already opened".
     stub = checked.stub
-    ids, leases = _pair(checked, "xcancel")
+    ids, sessions = _pair(checked, "xcancel")
     try:
         request = {
             rank: pb.TopkExchangeRequest(**ids[rank], max_rows=4, topk=2, layout_version=1, timeout_seconds=5)
@@ -211,7 +211,7 @@ def test_a_topk_exchange_whose_caller_goes_away_fails_for_every_rank(checked):
         futures = [stub.OpenTopkExchange.future(r, timeout=10) for r in following]
         assert [len(f.result().slabs) for f in futures] == [2, 2]
     finally:
-        _leave_pair(checked, ids, leases)
+        _leave_pair(checked, ids, sessions)
     checked.assert_alive()
 
 
@@ -234,7 +234,7 @@ def test_a_submit_whose_caller_goes_away_releases_its_part(fuzz_daemon, checked)
     # submitted") and its allocation stayed mapped and open after FreeMemory and the group's release.
     stub = checked.stub
     reply = stub.Join(join_request("cancel", 0, 1, capacity=4096), timeout=5)
-    lease = Lease(stub, reply.group_id, 0)
+    session = SessionStream(stub, reply.group_id, 0)
     ids = dict(group="cancel", group_id=reply.group_id, rank=0)
     allocation = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=5)
     ref = pb.MemoryRef(allocation_id=allocation.allocation_id)
@@ -248,7 +248,7 @@ def test_a_submit_whose_caller_goes_away_releases_its_part(fuzz_daemon, checked)
     assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "rank 0 stopped waiting for it" in again.details()
     stub.FreeMemory(pb.FreeMemoryRequest(**ids, allocation_id=allocation.allocation_id), timeout=5)
     stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-    lease.close()
+    session.close()
     pid = fuzz_daemon.process.pid
     wait_until(lambda: not _memfds_named(pid, "nodecomm:cancel:"), 5, "the group's memfds closed and unmapped")
     checked.assert_alive()
@@ -260,7 +260,7 @@ def test_a_claim_behind_a_burst_of_connections_is_served(fuzz_daemon, checked):
     # ("Resource temporarily unavailable") instead of waiting its turn.
     stub = checked.stub
     reply = stub.Join(join_request("burst", 0, 1, capacity=4096), timeout=5)
-    lease = Lease(stub, reply.group_id, 0)
+    session = SessionStream(stub, reply.group_id, 0)
     ids = dict(group="burst", group_id=reply.group_id, rank=0)
     held: list[socket.socket] = []
     try:
@@ -277,7 +277,7 @@ def test_a_claim_behind_a_burst_of_connections_is_served(fuzz_daemon, checked):
         for sock in held:
             sock.close()
         stub.Leave(pb.LeaveRequest(**ids), timeout=5)
-        lease.close()
+        session.close()
     checked.assert_alive()
 
 
