@@ -10,7 +10,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ import pytest
 from nodecomm.client.daemon_process import answers, start_daemon
 from nodecomm.credentials import rank_metadata
 from nodecomm.socket_path import grpc_target
+from nodecomm.tools.bench import free_port  # noqa: F401 (the tests take it from here)
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -80,12 +80,6 @@ def pytest_runtest_protocol(item, nextitem):
         yield
     finally:
         faulthandler.cancel_dump_traceback_later()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

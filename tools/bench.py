@@ -79,7 +79,8 @@ def iterations_for(nbytes: int) -> int:
     return max(10, min(300, (128 << 20) // max(nbytes, 1)))
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for a rank group's store)."""
     with socketlib.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -414,7 +415,7 @@ def spawn_ranks(target, world_size: int, args: dict, on_part=None):
     what rank 0 puts on `results` (its (PART, payload) messages before that go to on_part)."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     ranks = [
         context.Process(target=_ignoring_ctrl_c, args=(target, r, world_size, args, port, results))
         for r in range(world_size)
