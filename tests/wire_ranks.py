@@ -278,3 +278,14 @@ def compressed_in_graphs(rank: int, world_size: int, socket: str, device: str) -
             if not same_bits(got.cpu(), expected[wire][k]):
                 problems.append(f"back-to-back call {index} ({path} over {wire}) differs")
     return problems
+
+
+def check_special_blocks(seen: dict) -> None:
+    """special_blocks' findings, alike on every device: inf, -inf and NaN on rank 0 are NaN in the
+    sum, the rest of their blocks exact (ones); a zero block stays zero; every E4M3 code decodes."""
+    assert seen[0] == seen[1]
+    for wire in ("int8", "fp8"):
+        assert seen[0][wire]["nan"] == [5, 2 * 32 + 7, 3 * 32 + 1], wire
+        assert seen[0][wire]["zero_block"] == [0.0] * 32, wire
+        assert seen[0][wire]["block_rest"] == [2.0] * 31, wire
+    assert seen[0]["e4m3"] is True and seen[0]["e4m3_count"] > 1000
