@@ -23,11 +23,11 @@ python3 -m nodecomm.service.server --socket $socket --private true --private-gra
   --state-dir /tmp/fm/state2 --cache-dir /tmp/fm/cache/nodecomm --metrics-address off --log-level WARNING &
 daemon=$!
 for _ in $(seq 100); do [ -S $socket ] && break; sleep 0.1; done
-cli() { python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" --socket $socket "$@"; }
+cli() { timeout 300 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" --socket $socket "$@"; }
 echo "== a fresh daemon's table (empty state, the same cache)" | tee -a "$log"
 cli thresholds --device cuda 2>&1 | tee -a "$log"
 echo "== nodecomm bench --device cuda --world-size 2 --graph against it" | tee -a "$log"
-timeout 300 cli bench --device cuda --world-size 2 --graph --paths oneshot,twoshot,dma,auto --sizes $sizes 2>&1 | tee -a "$log"
+cli bench --device cuda --world-size 2 --graph --paths oneshot,twoshot,dma,auto --sizes $sizes 2>&1 | tee -a "$log"
 kill $daemon
 echo quit | nvidia-cuda-mps-control
 true
