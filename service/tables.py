@@ -162,7 +162,7 @@ class TableKeeper:
     ) -> pb.CalibrateReply:
         """Probe, place the boundaries, persist them, and use them for new groups. One at a time."""
         asked = request.device_kind or DeviceKind.CPU
-        if asked not in set(DeviceKind):
+        if asked not in DEFAULT_BOUNDARIES:  # keyed by every DeviceKind
             raise InvalidArgumentError(f"device_kind {shown(asked)}: expected 'cpu' or 'cuda'")
         kind = DeviceKind(asked)
         if kind not in self.fingerprints:
