@@ -2,6 +2,7 @@
 # under MPS: `device-ab.sh ROUNDS TREE... -- BENCH-ARGS`. A TREE is a folder holding an earlier
 # tree (git archive of a commit) or `.` for this one; each round's tables land in
 # $OUT/ab-NAME-ROUND.txt, NAME being the folder's name without its dot ("after" for `.`).
+here=$(pwd)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 rounds=$1
@@ -31,8 +32,7 @@ done
 for round in $(seq "$rounds"); do
   for name in "${names[@]}"; do
     echo "== $name, round $round"
-    PYTHONPATH=/tmp/nc-$name:/tmp/site timeout 200 python3 -c \
-      "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench "$@" | tee "$OUT/ab-$name-$round.txt"
+    PYTHONPATH=/tmp/nc-$name:/tmp/site timeout 200 python3 "$here/.ci/nodecomm-cli.py" bench "$@" | tee "$OUT/ab-$name-$round.txt"
   done
 done
 echo quit | nvidia-cuda-mps-control

@@ -14,10 +14,10 @@ for name in "${names[@]}"; do
       tee -a "$OUT/eager-$name.txt"
   done
   echo "== $name, eager bench" | tee -a "$OUT/eager-$name.txt"
-  timeout 200 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench --device cuda --world-size 2 \
+  timeout 200 python3 "$here/.ci/nodecomm-cli.py" bench --device cuda --world-size 2 \
     --paths oneshot,auto,torch,inplace --sizes 1KiB,16KiB,256KiB,1MiB,4MiB 2>&1 | tee -a "$OUT/eager-$name.txt"
   echo "== $name, CPU bench" | tee -a "$OUT/eager-$name.txt"
-  timeout 200 python3 -c "import sys; from nodecomm.tools.cli import main; sys.exit(main())" bench --device cpu --world-size 2 \
+  timeout 200 python3 "$here/.ci/nodecomm-cli.py" bench --device cpu --world-size 2 \
     --paths oneshot,auto,torch,inplace,gloo --sizes 1KiB,16KiB,256KiB 2>&1 | tee -a "$OUT/eager-$name.txt"
 done
 echo quit | nvidia-cuda-mps-control
