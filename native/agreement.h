@@ -14,13 +14,19 @@
 namespace nodecomm {
 
 // What a rank arrives at a barrier for.
-enum class Collective : std::uint64_t { kAllReduce = 1, kAllGather = 2, kBarrier = 3, kTopkStage = 4 };
+enum class Collective : std::uint64_t {
+  kAllReduce = 1,
+  kAllGather = 2,
+  kBarrier = 3,
+  kTopkStage = 4,
+  kAllReduceRmsNorm = 5,  // all_reduce_rms_norm: the count is the shape, rows << 16 | hidden (rms_norm.h)
+};
 
 struct Call {
   Collective collective;
-  std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage)
+  std::uint64_t count = 0;  // elements (all_reduce), bytes (all_gather), rows (top-k stage), shape
   int dtype = 0;            // DType, all_reduce only
-  int path = 0;        // path code (nodecomm.v1.Path), all_reduce only
+  int path = 0;             // path code (nodecomm.v1.Path), all_reduce only
   int wire = 0;             // wire format (nodecomm.v1.Wire), all_reduce only
 
   // The count in 40 bits (a TiB of bytes; larger counts compare modulo 2^40), 8 bits for the
@@ -42,6 +48,7 @@ inline const char* collective_name(Collective collective) {
     case Collective::kAllGather: return "all_gather";
     case Collective::kBarrier: return "barrier";
     case Collective::kTopkStage: return "top-k stage";
+    case Collective::kAllReduceRmsNorm: return "all_reduce_rms_norm";
   }
   return "an unknown collective";
 }
@@ -86,6 +93,10 @@ inline std::string describe_disagreement(const Call* calls, const bool* known, i
   } else if (differ([](const Call& c) { return c.dtype; })) {
     what = collective_name(call.collective) + std::string("'s dtype: ") +
            each([](const Call& c) { return "has " + dtype_name(c.dtype); });
+  } else if (differ([](const Call& c) { return c.count; }) && call.collective == Collective::kAllReduceRmsNorm) {
+    what = "all_reduce_rms_norm's shape (rows x hidden): " + each([](const Call& c) {
+             return "has " + std::to_string(c.count >> 16) + " x " + std::to_string(c.count & 0xFFFF);
+           });
   } else if (differ([](const Call& c) { return c.count; })) {
     // Before the path: where the table chose the paths, different sizes chose different ones.
     const char* unit = call.collective == Collective::kAllReduce    ? "element count"

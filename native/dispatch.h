@@ -202,6 +202,14 @@ class Dispatch {
     return decision;
   }
 
+  // The path of a call that is neither explored nor timed nor counted towards a table switch: the
+  // forced one (a path code) or the table's, checked as decide() checks them. all_reduce_rms_norm
+  // takes its path so: its timings are not an all-reduce's.
+  Path fixed_path(std::uint64_t nbytes, int forced, bool capturing) const {
+    NODECOMM_ASSERT(!table_.range_paths.empty(), "a call was decided before any table was installed");
+    return path_decision(nbytes, forced, capturing).path;
+  }
+
   // One call of `op` on `path` over `wire`, moving nbytes of this rank's payload as wire_bytes.
   void count(int op, Path path, wire::Wire wire, std::uint64_t nbytes, std::uint64_t wire_bytes) {
     NODECOMM_CHECK(op >= 0 && op < kOps, "unknown op code " + std::to_string(op));

@@ -15,6 +15,7 @@
 #include "dispatch.h"
 #include "errors.h"
 #include "lane_api.h"
+#include "rms_norm.h"
 #include "shm.h"
 #include "wire.h"
 
@@ -55,6 +56,28 @@ class HostLane {
     dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes,
                     wire::payload_bytes(decision.wire, count, dtype_bytes(dtype)));
     return dispatch_.switch_due(false) ? kDoneSwitch : kDone;
+  }
+
+  // all_reduce_rms_norm of `rows` on the forced path (a code, 0: the table's), neither explored nor
+  // timed (dispatch.h's fixed_path): the all-reduce into out, the ranks comparing the shape, then
+  // the add and norm (rms_norm.h). The service path is left to the caller, as for all_reduce.
+  Outcome all_reduce_rms_norm(const norm::Rows& rows, DType dtype, int forced, std::uintptr_t /*stream*/,
+                              Taken* taken) {
+    rows.check();
+    std::lock_guard<std::mutex> hold(lock_);
+    if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
+    const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
+    const Path path = dispatch_.fixed_path(nbytes, forced, false);
+    *taken = {int(path), int(wire::Wire::kLossless), false};
+    if (path == Path::kService) return kService;
+    const Call call = rows.call(dtype, path);
+    group_.all_reduce(rows.input, rows.out, rows.count(), dtype, kernel_path_of(int(path)), timeout_s_,
+                      wire::Wire::kLossless, &call);
+    norm::Rows summed = rows;
+    summed.input = rows.out;
+    norm::add_rms_norm(summed, dtype);
+    dispatch_.count(dispatch::kAllReduce, path, wire::Wire::kLossless, nbytes, nbytes);
+    return kDone;
   }
 
  private:

@@ -106,11 +106,12 @@ class ShmGroup {
   std::uint64_t op_epoch() const { return op_epoch_; }
 
   // out may equal in. count elements of dtype on every rank (GroupMismatchError where they differ),
-  // over the lossless wire or a compressed one (wire.h).
+  // over the lossless wire or a compressed one (wire.h). `compared`: the call the ranks compare
+  // instead of the all-reduce's own (all_reduce_rms_norm's, which carries the shape).
   void all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Path path,
-                  double timeout_s, wire::Wire format = wire::Wire::kLossless) {
+                  double timeout_s, wire::Wire format = wire::Wire::kLossless, const Call* compared = nullptr) {
     for_dtype<HostElements>(dtype, [&](auto element) {
-      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, path, timeout_s, format);
+      all_reduce_typed<typename decltype(element)::type>(in, out, count, dtype, path, timeout_s, format, compared);
     });
   }
 
@@ -174,12 +175,12 @@ class ShmGroup {
 
   template <typename T>
   void all_reduce_typed(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, Path path,
-                        double timeout_s, wire::Wire format) {
+                        double timeout_s, wire::Wire format, const Call* compared) {
     NODECOMM_CHECK(path == Path::kOneshot || path == Path::kTwoshot,
                    "path code " + std::to_string(int(path)) + " on a host group: expected 1 (oneshot) or 2 (twoshot)");
     const T* src = reinterpret_cast<const T*>(in);
     T* dst = reinterpret_cast<T*>(out);
-    const Call call{Collective::kAllReduce, count, int(dtype), int(path), int(format)};
+    const Call call = compared ? *compared : Call{Collective::kAllReduce, count, int(dtype), int(path), int(format)};
     if (format != wire::Wire::kLossless) {
       // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
       const Chunking chunks{count, wire::elements_per_slot(std::min(slot_bytes_, kPipelineChunkBytes), sizeof(T))};

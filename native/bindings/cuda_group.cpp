@@ -10,6 +10,7 @@
 #include "wire.h"
 #include "cuda/group.h"
 #include "cuda/lane.h"
+#include "cuda/collectives.h"
 #include "cuda/layout.h"
 #include "cuda/topk.h"
 
@@ -34,6 +35,20 @@ void bind_cuda_group(py::module_& m) {
         py::arg("topk"), "Bytes of one owner's top-k slab on its GPU: flags, then two slots of planes.");
   m.def("cuda_topk_blocks", &cuda::topk_blocks, py::arg("rows_per_owner"), py::arg("world_size"), py::arg("topk"),
         py::arg("max_blocks"), "The grid every rank of a top-k exchange runs.");
+  m.def(
+      "cuda_add_rms_norm",
+      [](std::uintptr_t summed, std::uintptr_t residual, std::uintptr_t weight, std::uintptr_t out,
+         std::uintptr_t residual_out, std::size_t rows, std::size_t hidden, float eps, int dtype, int device,
+         std::uintptr_t stream) {
+        const nodecomm::DType type = nodecomm::dtype_of(dtype);
+        cuda::DeviceScope scope(device);
+        cuda::add_rms_norm({summed, residual, weight, out, residual_out, rows, hidden, eps}, type,
+                           reinterpret_cast<cudaStream_t>(stream));
+      },
+      py::arg("summed"), py::arg("residual"), py::arg("weight"), py::arg("output"), py::arg("residual_out"),
+      py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      "Enqueued on `stream` (device memory): residual_out = summed + residual, output = rms_norm(residual_out) * "
+      "weight, in the order of nodecomm.rms_norm (output may be summed, residual_out may be residual).");
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CUDA buffer (counters, flags, two staging slots, two push slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",

@@ -8,6 +8,7 @@
 #include "codes.h"
 #include "dispatch.h"
 #include "host_lane.h"
+#include "rms_norm.h"
 #include "service.h"
 #include "shm.h"
 #include "wire.h"
@@ -46,7 +47,20 @@ void bind_host(py::module_& m) {
       .value("ALL_GATHER", nodecomm::Collective::kAllGather)
       .value("BARRIER", nodecomm::Collective::kBarrier)
       .value("TOPK_STAGE", nodecomm::Collective::kTopkStage)
+      .value("ALL_REDUCE_RMS_NORM", nodecomm::Collective::kAllReduceRmsNorm)
       .finalize();
+  m.def(
+      "add_rms_norm",
+      [](std::uintptr_t summed, std::uintptr_t residual, std::uintptr_t weight, std::uintptr_t out,
+         std::uintptr_t residual_out, std::size_t rows, std::size_t hidden, float eps, int dtype) {
+        const nodecomm::DType type = nodecomm::dtype_of(dtype);
+        py::gil_scoped_release release;
+        nodecomm::norm::add_rms_norm({summed, residual, weight, out, residual_out, rows, hidden, eps}, type);
+      },
+      py::arg("summed"), py::arg("residual"), py::arg("weight"), py::arg("output"), py::arg("residual_out"),
+      py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
+      "On host memory: residual_out = summed + residual, output = rms_norm(residual_out) * weight, in the order of "
+      "nodecomm.rms_norm (output may be summed, residual_out may be residual).");
   m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
 
@@ -78,7 +92,7 @@ void bind_host(py::module_& m) {
       .def(
           "barrier",
           [](shm::ShmGroup& self, double timeout_s, int collective, std::uint64_t count) {
-            NODECOMM_CHECK(collective >= 1 && collective <= 4,
+            NODECOMM_CHECK(collective >= 1 && collective <= 5,
                            "unknown collective code " + std::to_string(collective) + ": expected a Collective");
             py::gil_scoped_release release;
             self.barrier(timeout_s, nodecomm::Call{nodecomm::Collective(collective), count});

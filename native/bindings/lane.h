@@ -12,6 +12,7 @@
 #include "dispatch.h"
 #include "lane_api.h"
 #include "lane_call.h"
+#include "rms_norm.h"
 
 namespace nodecomm::bindings {
 
@@ -42,6 +43,27 @@ void bind_lane(pybind11::module_& m, const char* name, const char* doc) {
           "code, 0: the table's; wire: a wire code, -1: the table's), on `stream` (a CUDA lane's; 0 on the CPU). "
           "Outcomes (../lane_api.h): 0 done, 1 done and a table switch is due, 2 not run (closed or aborted), 3 not "
           "run (decided for the service path), 5 not run (decided for the engine's NCCL group).")
+      .def(
+          "all_reduce_rms_norm",
+          [](Lane& self, std::uintptr_t in, std::uintptr_t residual, std::uintptr_t weight, std::uintptr_t out,
+             std::uintptr_t residual_out, std::size_t rows, std::size_t hidden, float eps, int dtype, int forced,
+             std::uintptr_t stream) {
+            const nodecomm::DType type = nodecomm::dtype_of(dtype);
+            const nodecomm::norm::Rows norm_rows{in, residual, weight, out, residual_out, rows, hidden, eps};
+            lane::Taken taken;
+            lane::Outcome outcome;
+            {
+              py::gil_scoped_release release;
+              outcome = self.all_reduce_rms_norm(norm_rows, type, forced, stream, &taken);
+            }
+            return py::make_tuple(int(outcome), taken.path);
+          },
+          py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("output"), py::arg("residual_out"),
+          py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"), py::arg("forced") = 0,
+          py::arg("stream") = 0,
+          "(outcome, path) of an all-reduce of input into output followed by residual_out = output + residual and "
+          "output = rms_norm(residual_out) * weight (../rms_norm.h), on the forced path (a code, 0: the table's), "
+          "untimed; outcomes as all_reduce's.")
       .def("close", &Lane::close, "No call runs after this one (call it holding the lock).")
       .def(
           "api",

@@ -19,6 +19,7 @@
 #include "collectives.h"
 #include "driver.h"
 #include "paths.h"
+#include "rms_norm.cuh"
 #include "topk.h"
 
 namespace nodecomm::cuda {
@@ -50,6 +51,26 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
       return dma_all_reduce(group, input, output, count, dtype, format, call, timeout, stream, pipeline);
   }
   NODECOMM_RAISE(kInvalidArgument, "unknown path code " + std::to_string(int(path)));
+}
+
+bool fused_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Path path) {
+  if (!chunks_pack(rows)) return false;
+  if (path == Path::kOneshot) return rows.count() * dtype_bytes(dtype) <= group.slot_bytes;
+  return path == Path::kTwoshot && twoshot_fuses(group, rows, dtype);
+}
+
+void all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Path path, double timeout_s,
+                         cudaStream_t stream) {
+  check_group(group);
+  rows.check();
+  NODECOMM_CHECK(fused_norm(group, rows, dtype, path),
+                 std::string("all_reduce_rms_norm of ") + std::to_string(rows.rows) + " x " +
+                     std::to_string(rows.hidden) + " on " + path_name(path) + " has no fused kernel");
+  const TaggedCall call = tagged(rows.call(dtype, path).packed());
+  const std::uint64_t timeout = timeout_ns(timeout_s);
+  if (rows.rows == 0) return meet_peers(group, call, timeout, stream);  // the calls still meet
+  if (path == Path::kOneshot) return oneshot_all_reduce_rms_norm(group, rows, dtype, call, timeout, stream);
+  twoshot_all_reduce_rms_norm(group, rows, dtype, call, timeout, stream);
 }
 
 int resident_blocks(int device) {

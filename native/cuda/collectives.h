@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../codes.h"
+#include "../rms_norm.h"
 
 namespace nodecomm::cuda {
 
@@ -57,6 +58,20 @@ struct CopyPipeline {
 void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                 std::size_t call_count, DType dtype, Path path, int wire, double timeout_s,
                 cudaStream_t stream, const CopyPipeline& pipeline);
+
+// all_reduce_rms_norm in one kernel on `path` (oneshot or twoshot): the rows' all-reduce (as
+// all_reduce's), then residual_out = sum + residual and out = rms_norm(residual_out) * weight in
+// the order of ../rms_norm.h, the bits of all_reduce followed by add_rms_norm. The ranks compare
+// the shape (rows and hidden size), not only the count. Only for calls fused_norm() accepts.
+void all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Path path, double timeout_s,
+                         cudaStream_t stream);
+// Whether a call of these rows on `path` runs as one kernel: oneshot or twoshot, 16-byte aligned
+// pointers and rows of whole chunks, and a payload that fits the slot (twoshot: twice, since its
+// owners keep both results there).
+bool fused_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Path path);
+
+// The add and norm alone, rows.input holding the all-reduce's sum: a block per row on `stream`.
+void add_rms_norm(const norm::Rows& rows, DType dtype, cudaStream_t stream);
 
 // Whether oneshot pushes a piece of `nbytes` (into peers' push slots) rather than pulling it
 // (from peers' staging slots): the form a call takes, for whoever times or reports it.

@@ -81,6 +81,23 @@ class CudaGroup {
     }
   }
 
+  // all_reduce_rms_norm on a kernel path (../rms_norm.h's Rows): one kernel where fused_norm
+  // allows, else the all-reduce into out (in pieces, comparing the count) and the norm after it.
+  void all_reduce_rms_norm(const norm::Rows& rows, DType dtype, Path path, double timeout_s, std::uintptr_t stream) {
+    rows.check();
+    const auto on = reinterpret_cast<cudaStream_t>(stream);
+    if (fused_norm(view_, rows, dtype, path)) {
+      refuse_if_stopped(rows.call(dtype, path));
+      DeviceScope scope(device_);
+      return cuda::all_reduce_rms_norm(view_, rows, dtype, path, timeout_s, on);
+    }
+    all_reduce(rows.input, rows.out, rows.count(), dtype, path, int(wire::Wire::kLossless), timeout_s, stream);
+    norm::Rows summed = rows;
+    summed.input = rows.out;
+    DeviceScope scope(device_);
+    cuda::add_rms_norm(summed, dtype, on);
+  }
+
   // Every rank's piece of a call together fills at most a slot; pieces start 256-byte aligned.
   void all_gather(std::uintptr_t input, std::uintptr_t output, std::size_t nbytes, double timeout_s,
                   std::uintptr_t stream) {

@@ -17,6 +17,7 @@
 #include "../dispatch.h"
 #include "../errors.h"
 #include "../lane_api.h"
+#include "../rms_norm.h"
 #include "../wire.h"
 #include "driver.h"
 #include "group.h"
@@ -78,6 +79,25 @@ class CudaLane {
     dispatch_.count(dispatch::kAllReduce, decision.path, decision.wire, nbytes,
                     wire::payload_bytes(decision.wire, count, dtype_bytes(dtype)));
     return dispatch_.switch_due(capturing) ? kDoneSwitch : kDone;
+  }
+
+  // Enqueue on `stream` an all_reduce_rms_norm of `rows` on the forced path (a code, 0: the
+  // table's), neither explored nor timed (../dispatch.h's fixed_path); `taken` says the path. The
+  // service path and NCCL are left to the caller, as for all_reduce.
+  Outcome all_reduce_rms_norm(const norm::Rows& rows, DType dtype, int forced, std::uintptr_t stream, Taken* taken) {
+    std::lock_guard<std::mutex> hold(lock_);
+    const std::uint64_t reason = control::abort_state(control_).first;
+    if (closed_ || (reason != 0 && reason != control::kMismatch)) return kUnusable;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
+    const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
+    const Path path = dispatch_.fixed_path(nbytes, forced, capture != cudaStreamCaptureStatusNone);
+    *taken = {int(path), int(wire::Wire::kLossless), false};
+    if (path == Path::kService) return kService;
+    if (path == Path::kNccl) return kNccl;
+    group_.all_reduce_rms_norm(rows, dtype, path, timeout_s_, stream);
+    dispatch_.count(dispatch::kAllReduce, path, wire::Wire::kLossless, nbytes, nbytes);
+    return kDone;
   }
 
  private:

@@ -20,6 +20,7 @@
 #include "driver.h"
 #include "pack.cuh"
 #include "paths.h"
+#include "rms_norm.cuh"
 #include "signal.cuh"
 #include "wire_codec.cuh"
 #include "world.h"
@@ -166,7 +167,49 @@ __global__ void __launch_bounds__(kThreads)
                        format, threadIdx.x, blockDim.x, [&](std::size_t i, T value) { output[i] = value; });
 }
 
+// all_reduce_rms_norm, pulled: block b stages rows b, b + grid, ..., meets its peers once and
+// sums, adds and normalizes each of those rows from every rank's slot.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    norm_pull_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, NormArgs<T> args,
+                     TaggedCall call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
+  const std::size_t hidden = args.hidden;
+  for (std::size_t row = blockIdx.x; row < args.rows; row += gridDim.x)
+    block_copy<T, true>(args.input, reinterpret_cast<T*>(signal.mine() + slot), row * hidden, (row + 1) * hidden);
+  if (!signal.barrier(&failed, call, true)) return;
+  for (std::size_t row = blockIdx.x; row < args.rows; row += gridDim.x) {
+    const std::size_t base = row * hidden;
+    const auto summed = [&](std::size_t i) {
+      Chunk<T> chunk;
+#pragma unroll
+      for (int k = 0; k < norm::kChunk; k += Pack<T>::kSize) {
+        *reinterpret_cast<Pack<T>*>(chunk.v + k) = sum_pack<T, N>(
+            [&](int r) { return reinterpret_cast<const T*>(signal.peers.at(r) + slot) + base + i + k; });
+      }
+      return chunk;
+    };
+    add_rms_norm_row<T, true>(summed, args.residual + base, args.weight, args.out + base, args.residual_out + base,
+                              hidden, args.eps, KeepNothing{});
+  }
+}
+
 }  // namespace
+
+void oneshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, TaggedCall call,
+                                 std::uint64_t timeout_ns, cudaStream_t stream) {
+  // A block per row up to the grid's limit: the grid follows from the shape alone.
+  const int blocks = int(std::clamp<std::size_t>(rows.rows, 1, std::size_t(group.max_blocks)));
+  for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
+    constexpr int N = decltype(world)::value;
+    using T = typename decltype(element)::type;
+    norm_pull_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns),
+                                                           slot_stride(group.slot_bytes), typed<T>(rows), call);
+    NODECOMM_CUDA(cudaGetLastError());
+  });
+}
 
 // The push form while its lines fit a part and every thread of the grid carries at most one: past
 // that the doubled traffic costs more than the round trip it saves (docs/bench-gpu.md, "The
@@ -214,7 +257,8 @@ int oneshot_blocks_per_sm() {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     per_sm = std::min({per_sm, blocks_per_sm(push_kernel<T, N>, kThreads), blocks_per_sm(pull_kernel<T, N, true>, kThreads),
-                       blocks_per_sm(pull_kernel<T, N, false>, kThreads), blocks_per_sm(wire_pull_kernel<T, N>, kThreads)});
+                       blocks_per_sm(pull_kernel<T, N, false>, kThreads), blocks_per_sm(wire_pull_kernel<T, N>, kThreads),
+                       blocks_per_sm(norm_pull_kernel<T, N>, kThreads)});
   });
   return per_sm;
 }

@@ -10,6 +10,7 @@
 
 #include "../codes.h"
 #include "../errors.h"
+#include "../rms_norm.h"
 #include "../wire.h"
 #include "collectives.h"
 #include "sync.cuh"
@@ -21,12 +22,19 @@ namespace nodecomm::cuda {
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                         DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
                         cudaStream_t stream);
+// all_reduce_rms_norm in one kernel, pulled: every rank sums, adds and normalizes every row.
+void oneshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, TaggedCall call,
+                                 std::uint64_t timeout_ns, cudaStream_t stream);
 int oneshot_blocks_per_sm();
 
 // twoshot.cu
 void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                         DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
                         cudaStream_t stream);
+// all_reduce_rms_norm in one kernel: each rank sums, adds and normalizes its share of the rows.
+void twoshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, TaggedCall call,
+                                 std::uint64_t timeout_ns, cudaStream_t stream);
+bool twoshot_fuses(const GroupView& group, const norm::Rows& rows, DType dtype);
 int twoshot_blocks_per_sm();
 
 // dma.cu: the copy paths (dma all-reduce, all_gather) and the signal between their steps, which

@@ -12,6 +12,7 @@
 #include "driver.h"
 #include "pack.cuh"
 #include "paths.h"
+#include "rms_norm.cuh"
 #include "signal.cuh"
 #include "wire_codec.cuh"
 #include "world.h"
@@ -95,7 +96,73 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// all_reduce_rms_norm, reduce-scattered by rows: block b takes row groups b, b + grid, ... of N
+// consecutive rows, row r of a group being rank r's. Stage the groups, barrier, each rank sums,
+// adds and normalizes its rows and keeps out and residual_out in its slot (out over its staged
+// rows, which no peer reads; residual_out past the staged payload), barrier, every rank gathers
+// the other rows of both. The norm work is split across the ranks like the sum's.
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    norm_twoshot_kernel(__grid_constant__ const Signal<N> signal, std::size_t slot_stride, NormArgs<T> args,
+                        TaggedCall call) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  const std::size_t slot = kSlotOffset + (signal.next_launch() & 1) * slot_stride;
+  const std::size_t hidden = args.hidden, rows = args.rows;
+  const auto staged_of = [&](int r) { return reinterpret_cast<T*>(signal.peers.at(r) + slot); };
+  const auto kept_of = [&](int r) { return staged_of(r) + rows * hidden; };
+  for (std::size_t group = blockIdx.x; group * N < rows; group += gridDim.x)
+    block_copy<T, true>(args.input, staged_of(signal.rank), group * N * hidden, min(rows, (group + 1) * N) * hidden);
+  if (!signal.barrier(&failed, call, true)) return;
+  for (std::size_t group = blockIdx.x; group * N < rows; group += gridDim.x) {
+    const std::size_t row = group * N + signal.rank;
+    if (row >= rows) continue;  // the same for the whole block
+    const std::size_t base = row * hidden;
+    const auto summed = [&](std::size_t i) {
+      Chunk<T> chunk;
+#pragma unroll
+      for (int k = 0; k < norm::kChunk; k += Pack<T>::kSize)
+        *reinterpret_cast<Pack<T>*>(chunk.v + k) = sum_pack<T, N>([&](int r) { return staged_of(r) + base + i + k; });
+      return chunk;
+    };
+    const auto keep = [&](std::size_t i, const Chunk<T>& normed, const Chunk<T>& kept) {
+      store_chunk<T, true>(staged_of(signal.rank) + base, i, hidden, normed);
+      store_chunk<T, true>(kept_of(signal.rank) + base, i, hidden, kept);
+    };
+    add_rms_norm_row<T, true>(summed, args.residual + base, args.weight, args.out + base, args.residual_out + base,
+                              hidden, args.eps, keep);
+  }
+  if (!signal.barrier(&failed, call, true)) return;
+  for (std::size_t group = blockIdx.x; group * N < rows; group += gridDim.x) {
+    for (int r = 0; r < N; ++r) {
+      const std::size_t row = group * N + r;
+      if (r == signal.rank || row >= rows) continue;
+      block_copy<T, true>(staged_of(r), args.out, row * hidden, (row + 1) * hidden);
+      block_copy<T, true>(kept_of(r), args.residual_out, row * hidden, (row + 1) * hidden);
+    }
+  }
+}
+
 }  // namespace
+
+// Whether a call of these rows runs as one twoshot kernel: its owners keep both results in the slot.
+bool twoshot_fuses(const GroupView& group, const norm::Rows& rows, DType dtype) {
+  return 2 * rows.count() * dtype_bytes(dtype) <= group.slot_bytes;
+}
+
+void twoshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, TaggedCall call,
+                                 std::uint64_t timeout_ns, cudaStream_t stream) {
+  // A block per group of world_size rows up to the grid's limit: the grid follows from the shape alone.
+  const std::size_t groups = (rows.rows + group.world_size - 1) / group.world_size;
+  const int blocks = int(std::clamp<std::size_t>(groups, 1, std::size_t(group.max_blocks)));
+  for_instance<DeviceElements>(group.world_size, dtype, [&](auto world, auto element) {
+    constexpr int N = decltype(world)::value;
+    using T = typename decltype(element)::type;
+    norm_twoshot_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns),
+                                                              slot_stride(group.slot_bytes), typed<T>(rows), call);
+    NODECOMM_CUDA(cudaGetLastError());
+  });
+}
 
 void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
                         DType dtype, wire::Wire format, TaggedCall call, std::uint64_t timeout_ns,
@@ -128,7 +195,8 @@ int twoshot_blocks_per_sm() {
     using T = typename decltype(element)::type;
     per_sm = std::min(
         {per_sm, blocks_per_sm(twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(twoshot_kernel<T, N, false>, kThreads),
-         blocks_per_sm(wire_twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(wire_twoshot_kernel<T, N, false>, kThreads)});
+         blocks_per_sm(wire_twoshot_kernel<T, N, true>, kThreads), blocks_per_sm(wire_twoshot_kernel<T, N, false>, kThreads),
+         blocks_per_sm(norm_twoshot_kernel<T, N>, kThreads)});
   });
   return per_sm;
 }
