@@ -43,7 +43,9 @@ def add_rms_norm(
     padded = torch.zeros(value.shape[0], rounds * NORM_LANES * NORM_CHUNK)
     padded[:, :hidden] = value * value
     # [rows, round, lane, element of the chunk] -> each lane's terms in the order it adds them.
-    terms = padded.view(-1, rounds, NORM_LANES, NORM_CHUNK).permute(0, 2, 1, 3).reshape(-1, NORM_LANES, rounds * NORM_CHUNK)
+    terms = (
+        padded.view(-1, rounds, NORM_LANES, NORM_CHUNK).permute(0, 2, 1, 3).reshape(-1, NORM_LANES, rounds * NORM_CHUNK)
+    )
     partial = torch.zeros(value.shape[0], NORM_LANES)
     for k in range(terms.shape[-1]):
         partial = partial + terms[:, :, k]
