@@ -6,5 +6,6 @@ import importlib
 import importlib.util
 import sys
 
-module = "nodecomm.tools.cli" if importlib.util.find_spec("nodecomm.tools") else "nodecomm.client.cli"
-sys.exit(importlib.import_module(module).main())
+if __name__ == "__main__":  # the bench spawns its ranks, which import this module again
+    module = "nodecomm.tools.cli" if importlib.util.find_spec("nodecomm.tools") else "nodecomm.client.cli"
+    sys.exit(importlib.import_module(module).main())

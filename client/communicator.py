@@ -29,7 +29,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 from .cuda_transport import mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
-from .dispatch import PATH_CODES, Dispatcher
+from .dispatch import PATH_CODES, PATHS, Dispatcher
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
 from .membership import Membership
@@ -186,6 +186,67 @@ class Communicator:
         if outcome != _DONE:
             return self._after_lane(outcome, tensor, out, sampled, async_op)
         return ServiceWork.completed(out) if async_op else out
+
+    def all_reduce_rms_norm(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        *,
+        out: torch.Tensor | None = None,
+        residual_out: torch.Tensor | None = None,
+        path: str | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The all-reduce a tensor-parallel layer ends with, the residual add and the RMSNorm after
+        it, as one call: residual_out = all_reduce(x) + residual, out = rms_norm(residual_out) *
+        weight; returns (out, residual_out), new tensors unless given (`out=x`, `residual_out=
+        residual` work in place).
+
+        x, residual, out, residual_out: contiguous [..., hidden] tensors of one of the group's
+        dtypes on its device, the same shape on every rank (ranks that disagree on it, not only on
+        the element count, get GroupMismatchError); weight: [hidden] of the same dtype. The numerics
+        are stated in nodecomm.rms_norm, whose add_rms_norm applied to all_reduce(x) gives the same
+        bits on every rank and path. On a CUDA group, oneshot and twoshot run it as one kernel
+        (twoshot splits the rows' norm work across the ranks) where the pointers are 16-byte
+        aligned, hidden is a multiple of 8 and the payload fits a slot (twoshot: twice); elsewhere
+        the all-reduce runs on its path and a norm kernel follows. It can be captured in a CUDA
+        graph. path: force one, as all_reduce's; by default the table's path for x's size (these
+        calls are not explored or timed: their time is not an all-reduce's).
+        """
+        self._check_tensor(x, "x")
+        shape, dtype = tuple(x.shape), x.dtype
+        if not shape or shape[-1] < 1:
+            raise InvalidArgumentError(
+                f"x has shape {shape}: expected [..., hidden] with hidden at least 1", **self.membership.where
+            )
+        hidden = shape[-1]
+        for name, tensor, expected in (("residual", residual, shape), ("weight", weight, (hidden,))):
+            self._check_tensor(tensor, name)
+            if tuple(tensor.shape) != expected or tensor.dtype != dtype:
+                raise InvalidArgumentError(
+                    f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}: expected {expected} and {dtype}",
+                    **self.membership.where,
+                )
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
+            raise InvalidArgumentError(f"eps {eps!r}: expected a finite number, at least 0", **self.membership.where)
+        out = x if out is x else self._output(out, shape, dtype)
+        residual_out = residual if residual_out is residual else self._output(residual_out, shape, dtype)
+        forced = 0 if path is None else PATH_CODES[self._forced_path(path)]
+        args = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
+        try:
+            outcome, taken = self._lane.all_reduce_rms_norm(
+                *args, x.numel() // hidden, hidden, float(eps), DTYPE_CODES[dtype], forced, self._transport.stream()
+            )
+        except NodecommError as error:
+            raise self._lane_error(error) from None
+        if outcome == _UNUSABLE:
+            self._check_usable()
+            raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
+        if outcome in (_SERVICE_DECIDED, _NCCL_DECIDED):  # the all-reduce runs there, the norm here
+            self.all_reduce(x, out=out, path=PATHS[taken].value)
+            self._transport.add_rms_norm(out, residual, weight, float(eps), out, residual_out)
+        return out, residual_out
 
     def _after_lane(
         self, outcome: int, tensor: torch.Tensor, out: torch.Tensor, sampled: bool, async_op: bool

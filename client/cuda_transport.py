@@ -140,6 +140,16 @@ class CudaTransport:
                 self.stream(), wire,
             )  # fmt: skip
 
+    def add_rms_norm(
+        self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out: torch.Tensor, residual_out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        hidden = weight.numel()
+        _native.cuda_add_rms_norm(
+            summed.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
+            summed.numel() // hidden, hidden, eps, DTYPE_CODES[summed.dtype], self._index, self.stream(),
+        )  # fmt: skip
+
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()
         with self._enqueueing():

@@ -8,6 +8,7 @@ from nodecomm import _native
 from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.thresholds import Path, Wire
 
+from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
 
 
@@ -44,6 +45,16 @@ class HostTransport:
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         self.group.all_gather(tensor.data_ptr(), out.data_ptr(), tensor.numel() * tensor.element_size(), timeout)
+
+    def add_rms_norm(
+        self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out: torch.Tensor, residual_out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        hidden = weight.numel()
+        _native.add_rms_norm(
+            summed.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
+            summed.numel() // hidden, hidden, eps, DTYPE_CODES[summed.dtype],
+        )  # fmt: skip
 
     def barrier(self, timeout: float) -> bool:
         self.group.barrier(timeout)  # raises what stopped it (native/shm.h)

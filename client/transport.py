@@ -37,6 +37,14 @@ class Transport(Protocol):
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None: ...
 
+    def add_rms_norm(
+        self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+        out: torch.Tensor, residual_out: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """residual_out = summed + residual, out = rms_norm(residual_out) * weight in the order of
+        nodecomm.rms_norm, on this rank alone (after an all-reduce that ran apart)."""
+        ...
+
     def barrier(self, timeout: float) -> bool:
         """Whether every rank entered the barrier. False where this rank's wait gave up (a CUDA
         kernel cannot raise): that aborted the group, and the abort says why."""

@@ -57,7 +57,7 @@ def add_rms_norm(
     # Row by row in Python floats, each operation rounded to fp32: correctly rounded, as the
     # kernels' are (torch's own float32 sqrt need not be: 1 ulp off on AVX-512 machines).
     eps32 = _fp32(eps)
-    inverse = torch.tensor([[_inverse_rms(squares, hidden, eps32)] for squares in partial[:, 0].tolist()])
+    inverse = torch.tensor([_inverse_rms(squares, hidden, eps32) for squares in partial[:, 0].tolist()]).view(-1, 1)
     out = ((value * inverse) * weight.detach().float().cpu()).to(dtype)
     return out.reshape(shape), residual_out.reshape(shape)
 

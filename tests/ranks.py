@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 
@@ -54,6 +55,64 @@ def all_reduce_cases(rank: int, world_size: int, socket: str, cases: list[tuple[
             if not torch.equal(inplace.view(BITS[dtype]), expected):
                 problems.append(f"{dtype_name} count={count}: in-place twoshot differs")
     return problems
+
+
+def norm_inputs(rank: int, rows: int, hidden: int, dtype: torch.dtype, seed: int):
+    """(x, residual, weight) of an all_reduce_rms_norm case: x this rank's, the others the same on
+    every rank."""
+    x = rank_input(rank, rows * hidden, dtype, seed).view(rows, hidden)
+    residual = rank_input(0, rows * hidden, dtype, seed + 1000).view(rows, hidden)
+    return x, residual, rank_input(0, hidden, dtype, seed + 2000)
+
+
+def digest(tensor: torch.Tensor) -> str:
+    """The tensor's bytes, hashed: bits compared without sending them back."""
+    flat = tensor.detach().cpu().reshape(-1)
+    return hashlib.sha256(flat.view(torch.uint8).numpy() if flat.numel() else b"").hexdigest()[:16]
+
+
+def rms_norm_cases(
+    rank: int, world_size: int, socket: str, cases: list[tuple[str, int, int, list]], device: str = "cpu",
+    graph: bool = False,
+) -> dict[str, tuple[str, str]]:  # fmt: skip
+    """Every (dtype, rows, hidden, paths) case through all_reduce_rms_norm on each path (None: the
+    table's; "inplace": the table's with out=x, residual_out=residual), eager or (CUDA, graph)
+    captured and replayed: {"dtype rows x hidden path": (digest of out, digest of residual_out)},
+    and "... input" entries where an input was modified."""
+    results = {}
+    with nodecomm.connect(
+        "norm", rank, world_size, socket=socket, device=rank_device(rank, device), timeout=60
+    ) as comm:
+        for index, (dtype_name, rows, hidden, paths) in enumerate(cases):
+            dtype = DTYPES[dtype_name]
+            x, residual, weight = (t.to(comm.device) for t in norm_inputs(rank, rows, hidden, dtype, index))
+            for path in paths:
+                name = f"{dtype_name} {rows}x{hidden} {path}"
+                inplace = path == "inplace"
+                a, b = (x.clone(), residual.clone()) if inplace else (x, residual)
+                kwargs = dict(out=a, residual_out=b) if inplace else dict(path=path)
+                if graph:
+                    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+                    if not inplace:
+                        kwargs.update(out=out, residual_out=residual_out)
+                    comm.all_reduce_rms_norm(a, b, weight, 1e-6, **kwargs)  # warm up outside the capture
+                    if inplace:
+                        a.copy_(x), b.copy_(residual)
+                    captured = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(captured):
+                        comm.all_reduce_rms_norm(a, b, weight, 1e-6, **kwargs)
+                    if inplace:
+                        a.copy_(x), b.copy_(residual)
+                    else:
+                        out.zero_(), residual_out.zero_()
+                    captured.replay()
+                    results[name] = (digest(a if inplace else out), digest(b if inplace else residual_out))
+                else:
+                    out, residual_out = comm.all_reduce_rms_norm(a, b, weight, 1e-6, **kwargs)
+                    results[name] = (digest(out), digest(residual_out))
+            if not (torch.equal(x.cpu(), norm_inputs(rank, rows, hidden, dtype, index)[0])):
+                results[f"{dtype_name} {rows}x{hidden} input"] = ("modified", "")
+    return results
 
 
 def gather_and_barrier(rank: int, world_size: int, socket: str) -> list[str]:
@@ -347,6 +406,14 @@ def disagree(rank: int, world_size: int, socket: str) -> dict:
             ),
             "barrier": lambda out: comm.barrier() if odd else comm.all_reduce(torch.ones(16), out=out[:16]),
             "gather_bytes": lambda out: comm.all_gather(torch.ones(5 if odd else 4)),
+            "norm_shape": lambda out: comm.all_reduce_rms_norm(
+                torch.ones(4096).view(2048, 2) if odd else torch.ones(4096).view(2, 2048),
+                torch.ones(2048, 2) if odd else torch.ones(2, 2048),
+                torch.ones(2 if odd else 2048),
+                1e-6,
+                out=out[:4096].view(2048, 2) if odd else out[:4096].view(2, 2048),
+                residual_out=out[4096:].view(2048, 2) if odd else out[4096:].view(2, 2048),
+            ),
         }
         for name, call in cases.items():
             out = torch.full((8192,), -7.0)
