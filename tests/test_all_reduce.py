@@ -51,7 +51,7 @@ def test_misuse_raises_clear_errors(daemon, spawn_ranks):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_that_disagree_all_get_group_mismatch_and_the_group_goes_on(daemon, spawn_ranks, world_size):
-    """Rank 1 passes another count, dtype, path or collective: every rank raises the same
+    """Rank 1 passes another count, dtype, path, shape or collective: every rank raises the same
     GroupMismatchError at the call's first barrier, naming each rank's value; no output is
     written; the ranks' epochs stay in step, so the next call works."""
     results = spawn_ranks(ranks.disagree, world_size, world_size, daemon.socket, timeout=180).values()
@@ -66,6 +66,7 @@ def test_ranks_that_disagree_all_get_group_mismatch_and_the_group_goes_on(daemon
         "barrier": ("the collective", "calls all_reduce", "calls barrier"),
         "gather_bytes": ("all_gather's byte count", "has 16", "has 20"),
         "topk_rows": ("top-k stage's row count", "has 8", "has 12"),
+        "norm_shape": ("all_reduce_rms_norm's shape (rows x hidden)", "has 2 x 2048", "has 2048 x 2"),
     }
     for rank, outcome in results.items():
         assert set(outcome) == set(cases)

@@ -16,6 +16,10 @@ CASES = [(dtype, rows, hidden, PATHS) for dtype in DTYPES for rows in (1, 7, 128
 ]
 
 
+def expected_names(cases: list) -> list[str]:
+    return [f"{dtype} {rows}x{hidden} {path}" for dtype, rows, hidden, paths in cases for path in paths]
+
+
 def expected(world_size: int, cases: list) -> dict[str, tuple[str, str]]:
     digests = {}
     for index, (dtype_name, rows, hidden, paths) in enumerate(cases):

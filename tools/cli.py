@@ -254,7 +254,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 f"nodecomm bench: --nodes {args.nodes[0]}: expected two or more rank counts, e.g. 2,2", file=sys.stderr
             )
             return 2
-        print(run_across_nodes_bench(args.nodes, sizes, args.iterations))
+        print(run_across_nodes_bench(args.nodes, sizes, args.iterations or 10))
         return 0
     if args.op == "convergence":
         from nodecomm.tools.convergence_bench import run_convergence_bench
@@ -270,7 +270,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.op == "topk":
         from nodecomm.tools.topk_bench import run_topk_bench
 
-        print(run_topk_bench(args.world_size, args.rows, args.topk, args.iterations, args.socket, args.device))
+        rows = args.rows or [64, 256, 1024, 2048]
+        print(run_topk_bench(args.world_size, rows, args.topk, args.iterations or 10, args.socket, args.device))
+        return 0
+    if args.op == "rms-norm":
+        from nodecomm.tools.rms_norm_bench import run_rms_norm_bench
+
+        rows = args.rows or [1 << k for k in range(14)]
+        print(
+            run_rms_norm_bench(
+                args.world_size, rows, args.hidden, args.dtype, args.iterations or 50, args.socket, args.device,
+                args.graph,
+            )
+        )  # fmt: skip
         return 0
     from nodecomm.tools.bench import (
         BASELINES,
@@ -482,12 +494,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--op",
         default="all_reduce",
-        choices=("all_reduce", "topk", "wire-error", "across-nodes", "convergence"),
+        choices=("all_reduce", "topk", "wire-error", "across-nodes", "convergence", "rms-norm"),
         help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md); "
-        "convergence: the calls a fresh group's table needs to pick each size's fastest path",
+        "convergence: the calls a fresh group's table needs to pick each size's fastest path; "
+        "rms-norm: all_reduce_rms_norm against all_reduce and torch's add and RMSNorm",
     )
     bench.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    bench.add_argument("--rows", type=whole_numbers(0), default="64,256,1024,2048", help="topk: rows per stage")
+    bench.add_argument(
+        "--rows",
+        type=whole_numbers(0),
+        help="topk: rows per stage (default: 64,256,1024,2048); rms-norm: tokens per call (default: 1,2,4,...,8192)",
+    )
+    bench.add_argument(
+        "--hidden", type=whole_numbers(1), default="4096,8192", help="rms-norm: hidden sizes (default: 4096,8192)"
+    )
     bench.add_argument(
         "--worlds", type=whole_numbers(1), default="2,4,8", help="wire-error: the world sizes, divisors of 8"
     )
@@ -496,7 +516,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--count", type=whole_number(1), default=1 << 18, help="wire-error: Gaussian elements per rank")
     bench.add_argument("--topk", type=whole_number(1), default=2048, help="topk: candidates per row and rank")
-    bench.add_argument("--iterations", type=whole_number(1), default=10, help="topk: timed stages per size")
+    bench.add_argument(
+        "--iterations", type=whole_number(1), help="topk: timed stages per size (default: 10); rms-norm: calls (50)"
+    )
     bench.add_argument(
         "--calls", type=whole_number(50), default=3000, help="convergence: default-dispatched calls per size"
     )

@@ -405,6 +405,12 @@ def _disagreeing_call(comm, case: str, odd: bool, device: str):
         idx, scores = torch.zeros(rows, 4, dtype=torch.int32, device=device), torch.zeros(rows, 4, device=device)
         return (lambda: exchange.stage(idx, scores)), None  # its tables are new tensors
 
+    def norm(rows: int, hidden: int, path: str):
+        out = torch.full((rows, hidden), -7.0, device=device)
+        x, residual = torch.ones(rows, hidden, device=device), torch.ones(rows, hidden, device=device)
+        weight = torch.ones(hidden, device=device)
+        return (lambda: comm.all_reduce_rms_norm(x, residual, weight, 1e-6, out=out, path=path)), out
+
     pulled, large = 300_000, (1 << 20)
     pieces = 5 * (1 << 20)  # 20 MiB of float32: three slot-sized pieces of the default 8 MiB
     usual, unusual = {
@@ -433,6 +439,8 @@ def _disagreeing_call(comm, case: str, odd: bool, device: str):
         "barrier": (lambda: reduce(16, "oneshot"), lambda: (comm.barrier, None)),
         "gather_bytes": (lambda: gather(16), lambda: gather(20)),
         "topk_rows": (lambda: stage(8), lambda: stage(12)),
+        "norm_shape_oneshot": (lambda: norm(4, 1024, "oneshot"), lambda: norm(8, 512, "oneshot")),
+        "norm_shape_twoshot": (lambda: norm(4, 1024, "twoshot"), lambda: norm(8, 512, "twoshot")),
     }[case]
     return (unusual if odd else usual)()
 

@@ -165,12 +165,14 @@ DISAGREEMENTS = {
     "barrier": ("the collective", "calls all_reduce", "calls barrier"),
     "gather_bytes": ("all_gather's byte count", "has 16", "has 20"),
     "topk_rows": ("top-k stage's row count", "has 8", "has 12"),
+    "norm_shape_oneshot": ("all_reduce_rms_norm's shape (rows x hidden)", "has 4 x 1024", "has 8 x 512"),
+    "norm_shape_twoshot": ("all_reduce_rms_norm's shape (rows x hidden)", "has 4 x 1024", "has 8 x 512"),
 }
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_that_disagree_all_get_group_mismatch_and_nothing_is_written(cuda_daemon, spawn_ranks, world_size):
-    """Rank 1 passes another count, dtype, path or collective, on every kernel path and across
+    """Rank 1 passes another count, dtype, path, shape or collective, on every kernel path and across
     kinds of kernel (pushed lines against barriers): every rank's next call raises the same
     GroupMismatchError, naming each rank's value, no output is written, and the group stays
     aborted (a CUDA group cannot be brought back into step from the device)."""
