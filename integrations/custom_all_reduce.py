@@ -229,6 +229,17 @@ class NodecommAllreduce:
             return None
         return self.comm.all_reduce(input)
 
+    def fused_allreduce_rmsnorm(
+        self, input_: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """SGLang's name (GroupCoordinator.fused_allreduce_rmsnorm asks the slot for it): (normed,
+        residual_out) of all_reduce_rms_norm, new tensors on the current stream (capturable), with
+        the bits nodecomm.rms_norm states; None where should_custom_ar declines the input, and the
+        engine runs its own."""
+        if not self.should_custom_ar(input_):
+            return None
+        return self.comm.all_reduce_rms_norm(input_, residual, weight, eps)
+
     # The other collectives vLLM asks its custom all-reduce for: declined, so its NCCL runs them.
     def custom_all_gather(self, inp: torch.Tensor) -> None:
         return None

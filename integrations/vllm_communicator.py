@@ -6,6 +6,13 @@ size nodecomm's table gives one of its own paths runs there (NodecommAllreduce, 
 every size and never NCCL for a batch-invariant engine); every other size, and every other
 collective, goes through the parent in its own order. It is a CudaCommunicator, so vLLM's
 graph_capture() takes it as one. Imported by vLLM only, after vLLM is.
+
+It also runs the all-reduce a tensor-parallel layer ends with fused with the residual add and
+RMSNorm after it (all_reduce_rms_norm), and registers that as the torch op
+torch.ops.nodecomm.all_reduce_rms_norm(x, residual, weight, eps, group_name), which a model (or a
+compile pass) calls with vLLM's group name, as vLLM's own torch.ops.vllm.all_reduce is called:
+nodecomm's fused kernels where the group's communicator is this one and takes the size, vLLM's
+all-reduce and torch's add and RMSNorm otherwise.
 """
 
 from __future__ import annotations
@@ -46,6 +53,21 @@ class NodecommCudaCommunicator(CudaCommunicator):
             return nodecomm.custom_all_reduce(input_)
         return super().all_reduce(input_)
 
+    def all_reduce_rms_norm(
+        self, input_: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(all_reduce(input_) + residual) * weight, all_reduce(input_) + residual), new
+        tensors: one nodecomm call where nodecomm takes the size (nodecomm.rms_norm's bits), else
+        this communicator's all_reduce and torch's add and RMSNorm."""
+        nodecomm = self.nodecomm
+        fused = None if nodecomm is None or nodecomm.disabled else nodecomm.fused_allreduce_rmsnorm(
+            input_, residual, weight, eps
+        )  # fmt: skip
+        if fused is not None:
+            return fused
+        residual_out = self.all_reduce(input_) + residual
+        return torch.nn.functional.rms_norm(residual_out, (weight.numel(),), weight, eps), residual_out
+
     def destroy(self) -> None:
         nodecomm, self.nodecomm = self.nodecomm, None
         if nodecomm is not None and nodecomm is not getattr(self, "ca_comm", None):
@@ -66,3 +88,25 @@ def _warn_if_fused() -> None:
     if fused and not _warned:
         _warned = True
         log.warning(_FUSION_HINT)
+
+
+@torch.library.custom_op("nodecomm::all_reduce_rms_norm", mutates_args=())
+def all_reduce_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, residual_out) of the vLLM group named `group_name` (GroupCoordinator.unique_name):
+    its communicator's all_reduce_rms_norm where it is nodecomm's, else its all-reduce and torch's
+    add and RMSNorm."""
+    from vllm.distributed.parallel_state import _groups
+
+    group = _groups[group_name]()
+    communicator = getattr(group, "device_communicator", None)
+    if isinstance(communicator, NodecommCudaCommunicator):
+        return communicator.all_reduce_rms_norm(x, residual, weight, eps)
+    residual_out = group.all_reduce(x) + residual
+    return torch.nn.functional.rms_norm(residual_out, (weight.numel(),), weight, eps), residual_out
+
+
+@all_reduce_rms_norm.register_fake
+def _(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, group_name: str):
+    return torch.empty_like(x), torch.empty_like(x)

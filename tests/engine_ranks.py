@@ -304,6 +304,30 @@ def vllm_platform_dispatch(rank: int, world_size: int, socket: str, port: int, w
         got = communicator.all_reduce(rank_input(rank, count, dtype, count))
         if wrong(got, world_size, count, dtype, exact=("nodecomm", count) in served):
             problems.append(count)
+    # The fused op, as a model calls it with vLLM's group name: nodecomm's kernels up to the slot's
+    # limit (nodecomm.rms_norm's bits), vLLM's all-reduce order and torch's norm past it.
+    groups = types.ModuleType("vllm.distributed.parallel_state")
+    group = types.SimpleNamespace(device_communicator=communicator, all_reduce=communicator.all_reduce)
+    groups._groups = {"tp:0": lambda: group}  # vLLM keeps weak references; the group lives here
+    sys.modules[groups.__name__] = groups
+    from nodecomm.rms_norm import add_rms_norm
+
+    hidden = 4096
+    for rows in (1, 7, 1152):
+        count = rows * hidden
+        x = rank_input(rank, count, dtype, count).view(rows, hidden)
+        residual, weight = rank_input(0, count, dtype, 1).view(rows, hidden), rank_input(0, hidden, dtype, 2)
+        got = torch.ops.nodecomm.all_reduce_rms_norm(x, residual, weight, 1e-6, "tp:0")
+        summed = reference(world_size, count, dtype, count).view(rows, hidden)
+        if rows < 1152:
+            want = add_rms_norm(summed, residual, weight, 1e-6)
+            exact = all(torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want, strict=True))
+            served.append(("fused", rows) if exact else ("fused, wrong bits", rows))
+        else:
+            residual_out = summed + residual
+            normed = torch.nn.functional.rms_norm(residual_out, (hidden,), weight, 1e-6)
+            if not (torch.equal(got[1], residual_out) and torch.allclose(got[0], normed)):
+                problems.append(("rms_norm", rows))
     communicator.destroy()
     dist.destroy_process_group()
     return {"served": served, "problems": problems}
@@ -333,6 +357,43 @@ class envs:
     SGLANG_PLUGINS = _Setting("SGLANG_PLUGINS")
     SGLANG_PLATFORM = _Setting("SGLANG_PLATFORM")
 """
+
+
+def sglang_fused_norm(rank: int, world_size: int, coordinator) -> dict:
+    """The fused all-reduce, residual add and RMSNorm two ways SGLang asks for it: its
+    GroupCoordinator.fused_allreduce_rmsnorm (the wheel's), which asks the slot by name, and the
+    flashinfer_allreduce_residual_rmsnorm that its RMSNorm calls on CUDA, which nodecomm's hook
+    wraps. Which token counts nodecomm served (bits against nodecomm.rms_norm) and which went on to
+    FlashInfer's function (the stand-in, which declines)."""
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.layers import flashinfer_comm_fusion
+
+    from nodecomm.rms_norm import add_rms_norm
+
+    parallel_state._TP_GROUP = coordinator  # the engine's attention tensor-parallel group
+    hidden, dtype, problems = 4096, torch.bfloat16, []
+    asks = {
+        "coordinator": lambda x, r, w: coordinator.fused_allreduce_rmsnorm(x, r, w, 1e-6),
+        "flashinfer": lambda x, r, w: flashinfer_comm_fusion.flashinfer_allreduce_residual_rmsnorm(
+            input_tensor=x, residual=r, weight=w, eps=1e-6, max_token_num=2048, use_attn_tp_group=True
+        ),
+    }
+    for name, ask in asks.items():
+        for rows in (1, 7, 1152):  # 1152 rows: 9 MiB, past the slot's max_size
+            count = rows * hidden
+            x = rank_input(rank, count, dtype, count).view(rows, hidden)
+            residual, weight = rank_input(0, count, dtype, 1).view(rows, hidden), rank_input(0, hidden, dtype, 2)
+            got = ask(x, residual, weight)
+            if rows == 1152:
+                if got is not None and got[0] is not None:
+                    problems.append((name, rows, "served past max_size"))
+                continue
+            want = add_rms_norm(reference(world_size, count, dtype, count).view(rows, hidden), residual, weight, 1e-6)
+            if got is None or not all(
+                torch.equal(g.view(torch.int16), w.view(torch.int16)) for g, w in zip(got, want, strict=True)
+            ):
+                problems.append((name, rows, "differs from nodecomm.rms_norm"))
+    return {"flashinfer_asked": flashinfer_comm_fusion.calls, "problems": problems}
 
 
 def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: str, counts: list[int]) -> dict:
@@ -371,7 +432,7 @@ def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: s
     methods = engine_source.functions(
         released, file,
         ["all_reduce", "_resolve_outplace_all_reduce_method", "_can_use_flashinfer_allreduce",
-         "_all_reduce_out_place", "_all_reduce_in_place"],
+         "_all_reduce_out_place", "_all_reduce_in_place", "fused_allreduce_rmsnorm"],
         namespace, "GroupCoordinator",
     )  # fmt: skip
     coordinator = type("GroupCoordinator", (), methods)()
@@ -395,6 +456,7 @@ def sglang_dispatch(rank: int, world_size: int, socket: str, port: int, wheel: s
         if wrong(got, world_size, count, dtype, exact=count in served):
             problems.append(count)
     outcome = {"class": type(slot).__name__, "served": served, "problems": problems}
+    outcome["norm"] = sglang_fused_norm(rank, world_size, coordinator)
     slot.close()
     dist.destroy_process_group()
     shutil.rmtree(root, ignore_errors=True)

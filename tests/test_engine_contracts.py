@@ -116,10 +116,13 @@ def test_the_vllm_platforms_communicator_goes_first_then_hands_the_rest_to_vllms
     """nodecomm's communicator over vLLM 0.34.0's CudaCommunicator.all_reduce as released, with
     QuickReduce (up to 16 MiB) and FlashInfer (every size) ready: what nodecomm's table accepts
     reaches nodecomm ahead of both, with the fp32 rank-order sum's bits; 9 MiB goes on to
-    QuickReduce and 20 MiB to FlashInfer, in vLLM's order."""
+    QuickReduce and 20 MiB to FlashInfer, in vLLM's order. torch.ops.nodecomm.all_reduce_rms_norm
+    runs nodecomm's fused call up to the slot's limit (nodecomm.rms_norm's bits) and vLLM's
+    all-reduce, then torch's add and RMSNorm, past it."""
     counts = [8, 1000, 4100, 9 << 19, 10 << 20]
     results = dispatched(spawn_ranks, daemon, engine_ranks.vllm_platform_dispatch, "vllm", "0.34.0", counts)
     served = [("nodecomm", c) for c in counts[:3]] + [("quick", counts[3]), ("flashinfer", counts[4])]
+    served += [("fused", 1), ("fused", 7), ("quick", 1152 * 4096)]  # torch.ops.nodecomm.all_reduce_rms_norm
     for outcome in results:
         assert outcome == {"served": served, "problems": []}, outcome
 
@@ -128,8 +131,12 @@ def test_sglangs_own_plugin_loader_and_all_reduce_dispatch_hand_the_slot_what_it
     """SGLang 0.5.23's load_plugins and HookRegistry, from the wheel, apply nodecomm's REPLACE hook,
     so the slot GroupCoordinator builds is nodecomm's; SGLang's all_reduce, as released, sends the
     sizes it accepts there (the fp32 rank-order sum's bits) and the 9 MiB one, past its limit, to
-    the in-place all-reduce on the engine's device group."""
+    the in-place all-reduce on the engine's device group. The fused all-reduce and RMSNorm, asked
+    through the wheel's GroupCoordinator.fused_allreduce_rmsnorm and through the FlashInfer
+    function nodecomm's AROUND hook wraps, is nodecomm's up to the limit (nodecomm.rms_norm's
+    bits) and FlashInfer's past it."""
     counts = [8, 1000, 4100, 9 << 19]
     results = dispatched(spawn_ranks, daemon, engine_ranks.sglang_dispatch, "sglang", "0.5.23", counts)
     for outcome in results:
-        assert outcome == {"class": "NodecommAllreduce", "served": counts[:3], "problems": []}, outcome
+        norm = {"flashinfer_asked": [1152], "problems": []}  # the rows nodecomm declines go on to FlashInfer's
+        assert outcome == {"class": "NodecommAllreduce", "served": counts[:3], "problems": [], "norm": norm}, outcome

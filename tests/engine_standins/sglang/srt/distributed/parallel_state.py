@@ -7,9 +7,23 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+# SGLang's ParallelContext holds the attention and MoE tensor-parallel groups; here the group last
+# built is both.
+_TP_GROUP = None
+
+
+def get_attn_tp_group():
+    return _TP_GROUP
+
+
+def get_moe_tp_group():
+    return _TP_GROUP
+
 
 class GroupCoordinator:
     def __init__(self, cpu_group, device_group, device):
+        global _TP_GROUP
+        _TP_GROUP = self
         self.cpu_group, self.device_group, self.device = cpu_group, device_group, device
         from sglang.srt.distributed.device_communicators.custom_all_reduce import dispatch_custom_allreduce
 
