@@ -91,7 +91,7 @@ class Communicator:
         self.device = transport.device
         self._dtypes = dtypes
         self._dispatcher = Dispatcher(
-            table, transport.paths | {Path.SERVICE}, transport.kind, form_of=transport.form,
+            table, transport.paths | {Path.SERVICE}, transport.kind, variant_of=transport.variant,
             wire_paths=transport.wire_paths,
             explore_period=explore_period, switch_period=table_switch_period,
             sample_period=max(1, timing_sample_period),
@@ -471,11 +471,11 @@ class Communicator:
         """The paths this rank runs (the table may hold others: NCCL where the caller runs it)."""
         return self._dispatcher.paths
 
-    def path_form(self, path: str, nbytes: int, wire: str | None = None) -> str:
+    def path_variant(self, path: str, nbytes: int, wire: str | None = None) -> str:
         """How `path` moves an all-reduce of `nbytes` (over `wire`) here: "push" or "pull" for
-        oneshot on a CUDA group, "" where a path has one form (what the bench and calibration report)."""
+        oneshot on a CUDA group, "" where a path has one variant (what the bench and calibration report)."""
         try:
-            return self._dispatcher.form(path, nbytes, wire)
+            return self._dispatcher.variant(path, nbytes, wire)
         except NodecommError as error:
             raise self._located(error) from None
 

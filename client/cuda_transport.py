@@ -98,7 +98,7 @@ class CudaTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.get_device() == self._index  # an int, not a torch.device made per call
 
-    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
+    def variant(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
         """How `path` moves an all-reduce of `nbytes`: oneshot "push" (into peers' push slots) or
         "pull" (from their staging slots; always over a compressed wire), as the native group
         decides; "" for the other paths."""

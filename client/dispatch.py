@@ -23,8 +23,8 @@ WIRE_CODES = {wire: wire.to_proto() for wire in Wire}
 WIRES = {code: wire for wire, code in WIRE_CODES.items()}
 
 
-def one_form(path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
-    """The form of a transport whose paths have one each."""
+def one_variant(path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
+    """The variant of a transport whose paths have one each."""
     return ""
 
 
@@ -38,19 +38,19 @@ class Decision:
     explored: bool  # not the table's choice but a rival's: time it for the daemon
     wire: Wire = Wire.LOSSLESS
     nbytes: int = 0
-    form_of: Callable[[Path, int, Wire], str] = field(default=one_form, repr=False, compare=False)
+    variant_of: Callable[[Path, int, Wire], str] = field(default=one_variant, repr=False, compare=False)
     sampled: bool = False  # time this call for the daemon
 
     @property
-    def form(self) -> str:
+    def variant(self) -> str:
         """How the path moves this size ("push" or "pull" for CUDA oneshot): asked of the
         transport only when someone reads it, not on every call."""
-        return self.form_of(self.path, self.nbytes, self.wire)
+        return self.variant_of(self.path, self.nbytes, self.wire)
 
 
 class Dispatcher:
     """Decides every all-reduce of one rank. `paths`: what the rank runs (service included);
-    `kind`: "cpu" or "cuda", for messages; `form_of(path, nbytes, wire)`: the transport's form of
+    `kind`: "cpu" or "cuda", for messages; `variant_of(path, nbytes, wire)`: the transport's variant of
     a path at a size; `wire_paths`: the paths on which it runs compressed wires; every
     `sample_period`-th call is timed, after every `switch_period`-th one the ranks agree on the
     newest table (0: never); every `explore_period`-th call of a size bucket explores (0: off;
@@ -62,7 +62,7 @@ class Dispatcher:
         paths: frozenset[Path],
         kind: str,
         *,
-        form_of: Callable[[Path, int, Wire], str] = one_form,
+        variant_of: Callable[[Path, int, Wire], str] = one_variant,
         wire_paths: frozenset[Path] = frozenset(),
         explore_period: int = 0,
         switch_period: int = 0,
@@ -70,7 +70,7 @@ class Dispatcher:
     ):
         self.paths = paths
         self._kind = kind
-        self._form_of = form_of
+        self._variant_of = variant_of
         self._codes: dict[tuple[str | None, str | None], tuple[int, int]] = {}
         self.native = _native.Dispatch(
             path_mask(paths), path_mask(wire_paths), kind, explore_period, sample_period, switch_period
@@ -117,7 +117,7 @@ class Dispatcher:
         the path or carry the wire on it."""
         forced_code, wire_code = self.codes(forced, wire)
         path, on_wire, explored, sampled = self.native.decide(nbytes, forced_code, wire_code, capturing)
-        return Decision(PATHS[path], explored, WIRES[on_wire], nbytes, self._form_of, sampled)
+        return Decision(PATHS[path], explored, WIRES[on_wire], nbytes, self._variant_of, sampled)
 
     @staticmethod
     def _parsed_wire(name: str) -> Wire:
@@ -126,10 +126,12 @@ class Dispatcher:
         except (ValueError, AttributeError):
             raise InvalidArgumentError(f"wire {name!r}: expected one of lossless, int8, fp8") from None
 
-    def form(self, path: str, nbytes: int, wire: str | None = None) -> str:
-        """The form `path` takes for an all-reduce of `nbytes` (over `wire`) on this rank, without
+    def variant(self, path: str, nbytes: int, wire: str | None = None) -> str:
+        """The variant `path` takes for an all-reduce of `nbytes` (over `wire`) on this rank, without
         deciding a call."""
-        return self._form_of(self.forced_path(path), nbytes, Wire.LOSSLESS if wire is None else self._parsed_wire(wire))
+        return self._variant_of(
+            self.forced_path(path), nbytes, Wire.LOSSLESS if wire is None else self._parsed_wire(wire)
+        )
 
     def accepts(self, nbytes: int) -> bool:
         """Whether the table gives `nbytes` a path this rank runs."""

@@ -39,8 +39,8 @@ class HostTransport:
     def on_device(self, tensor: torch.Tensor) -> bool:
         return tensor.is_cpu
 
-    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
-        """Host paths have one form each."""
+    def variant(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
+        """Host paths have one variant each."""
         return ""
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:

@@ -31,8 +31,8 @@ class Transport(Protocol):
 
     def on_device(self, tensor: torch.Tensor) -> bool: ...
 
-    def form(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
-        """How `path` moves `nbytes` ("push", "pull" or "" where a path has one form)."""
+    def variant(self, path: Path, nbytes: int, wire: Wire = Wire.LOSSLESS) -> str:
+        """How `path` moves `nbytes`: its variant ("push", "pull"), or "" where a path has one."""
         ...
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None: ...

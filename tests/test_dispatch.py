@@ -135,26 +135,26 @@ def test_the_ranks_switch_to_the_lowest_newest_table_they_hold():
     assert not cuda_dispatcher().switch_due(capturing=False)
 
 
-def test_a_decision_carries_the_form_of_the_path_it_chose():
-    """The transport's form of the path decided, forced, chosen or explored (here a stand-in for
+def test_a_decision_carries_the_variant_of_the_path_it_chose():
+    """The transport's variant of the path decided, forced, chosen or explored (here a stand-in for
     CUDA oneshot's: pushed up to 8 KiB, pulled over a compressed wire)."""
 
-    def form_of(path: Path, nbytes: int, wire: Wire) -> str:
+    def variant_of(path: Path, nbytes: int, wire: Wire) -> str:
         if path is not Path.ONESHOT:
             return ""
         return "push" if nbytes <= 8 * KIB and wire is Wire.LOSSLESS else "pull"
 
-    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", form_of=form_of, wire_paths=CUDA_PATHS, explore_period=2)
-    assert dispatcher.decide(4 * KIB, forced=None, capturing=False).form == "push"
+    dispatcher = Dispatcher(TABLE, CUDA_PATHS, "cuda", variant_of=variant_of, wire_paths=CUDA_PATHS, explore_period=2)
+    assert dispatcher.decide(4 * KIB, forced=None, capturing=False).variant == "push"
     dispatcher.decide(33 * KIB, forced=None, capturing=False)
     explored = dispatcher.decide(33 * KIB, forced=None, capturing=False)  # the bucket's second call explores
-    assert (explored.path, explored.explored, explored.form) == (Path.ONESHOT, True, "pull")
-    assert dispatcher.decide(16 * KIB, forced="twoshot", capturing=False).form == ""
-    assert dispatcher.form("oneshot", 8 * KIB) == "push" and dispatcher.form("oneshot", 8 * KIB + 1) == "pull"
-    assert dispatcher.form("oneshot", 4 * KIB, "int8") == "pull"
-    assert dispatcher.decide(4 * KIB, forced="oneshot", capturing=False, wire="fp8").form == "pull"
-    assert dispatcher.calls == 5  # form() decides no call
-    assert Dispatcher(TABLE, CUDA_PATHS, "cuda").decide(4, forced=None, capturing=False).form == ""
+    assert (explored.path, explored.explored, explored.variant) == (Path.ONESHOT, True, "pull")
+    assert dispatcher.decide(16 * KIB, forced="twoshot", capturing=False).variant == ""
+    assert dispatcher.variant("oneshot", 8 * KIB) == "push" and dispatcher.variant("oneshot", 8 * KIB + 1) == "pull"
+    assert dispatcher.variant("oneshot", 4 * KIB, "int8") == "pull"
+    assert dispatcher.decide(4 * KIB, forced="oneshot", capturing=False, wire="fp8").variant == "pull"
+    assert dispatcher.calls == 5  # variant() decides no call
+    assert Dispatcher(TABLE, CUDA_PATHS, "cuda").decide(4, forced=None, capturing=False).variant == ""
 
 
 def test_an_opted_in_group_explores_the_other_wire_near_compressed_min():

@@ -60,11 +60,11 @@ class Row:
     # The least CPU time any rank had while timed, per second of wall time: ranks that spin on
     # host memory (CPU groups) use a whole core each on an idle machine, and less on a busy one.
     cpu_share: float = 1.0
-    form: str = ""  # how a forced path moved this size: "push" or "pull" for CUDA oneshot
+    variant: str = ""  # how a forced path moved this size: "push" or "pull" for CUDA oneshot
 
     @property
     def label(self) -> str:
-        return f"{self.path}/{self.form}" if self.form else self.path
+        return f"{self.path}/{self.variant}" if self.variant else self.path
 
 
 def sizes_between(low: int, high: int) -> list[int]:
@@ -268,8 +268,8 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                 slowest, wrong, share = slowest_rank(times, _flaws(path, out, expected), world_size, share)
                 if rank == 0:
                     base, _, wire = path.partition("+")
-                    form = comm.path_form(base, nbytes, wire or None) if base in NODECOMM_PATHS else ""
-                    rows.append((nbytes, count, path, slowest, wrong, share, form))
+                    variant = comm.path_variant(base, nbytes, wire or None) if base in NODECOMM_PATHS else ""
+                    rows.append((nbytes, count, path, slowest, wrong, share, variant))
                     if args.get("progress"):
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)
@@ -325,7 +325,7 @@ def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
 
 
 def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int,
-         cpu_share: float, form: str) -> Row:  # fmt: skip
+         cpu_share: float, variant: str) -> Row:  # fmt: skip
     ordered = sorted(times)
     p50 = statistics.median(ordered)
 
@@ -336,7 +336,7 @@ def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wro
     busbw = algbw * (2 * (world_size - 1) / world_size) if world_size > 1 else 0.0
     return Row(
         nbytes, count, dtype, path, p50 * 1e6, quantile(0.99) * 1e6, algbw, busbw, wrong, len(times),
-        quantile(0.25) * 1e6, quantile(0.75) * 1e6, cpu_share, form,
+        quantile(0.25) * 1e6, quantile(0.75) * 1e6, cpu_share, variant,
     )  # fmt: skip
 
 

@@ -74,7 +74,7 @@ bool fused_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Pat
 void add_rms_norm(const norm::Rows& rows, DType dtype, cudaStream_t stream);
 
 // Whether oneshot pushes a piece of `nbytes` (into peers' push slots) rather than pulling it
-// (from peers' staging slots): the form a call takes, for whoever times or reports it.
+// (from peers' staging slots): the variant a call takes, for whoever times or reports it.
 bool oneshot_pushes(const GroupView& group, std::size_t nbytes);
 
 // Rank r's `nbytes` land at output + r * output_stride on every rank (copy engines into this

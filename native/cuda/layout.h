@@ -28,7 +28,7 @@
 //   slots                         two staging slots of slot_stride bytes each; the copy paths stage
 //                                 in slot 0 and pull peers' data into slot 1, from where a kernel
 //                                 copies it to the output unless this rank gave up
-//   push slots                    two of push_slot_bytes each, written only by the push form of
+//   push slots                    two of push_slot_bytes each, written only by the push variant of
 //                                 oneshot: rank p's lines for this rank go to part p of the slot
 // The group's abort word and the ranks' error records live in its control segment (../control.h),
 // host memory mapped into the device, so the daemon and the host read and write them directly.
@@ -67,7 +67,7 @@ inline constexpr std::size_t slot_stride(std::size_t slot_bytes) {
   return (slot_bytes + kSlotSlack + 255) / 256 * 256;
 }
 // The push slots hold every rank's payload twice over (a flag beside every 4 bytes), so they are
-// capped: small payloads, where a round trip is most of the cost, are what the push form is for.
+// capped: small payloads, where a round trip is most of the cost, are what the push variant is for.
 constexpr std::size_t kPushSlotMax = std::size_t(2) << 20;
 inline constexpr std::size_t push_slot_bytes(std::size_t slot_bytes) {
   return slot_stride(slot_bytes) < kPushSlotMax ? slot_stride(slot_bytes) : kPushSlotMax;

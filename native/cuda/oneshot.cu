@@ -1,4 +1,4 @@
-// oneshot.cu — oneshot all-reduce: every rank sums every rank's whole payload, in one of two forms.
+// oneshot.cu — oneshot all-reduce: every rank sums every rank's whole payload, in one of two variants.
 //
 // Pushed, while the payload fits the push slots and every thread carries at most one line: each
 // rank writes its input, 4 bytes beside a flag in every 8-byte word, into its part of every peer's
@@ -211,7 +211,7 @@ void oneshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows,
   });
 }
 
-// The push form while its lines fit a part and every thread of the grid carries at most one: past
+// The push variant while its lines fit a part and every thread of the grid carries at most one: past
 // that the doubled traffic costs more than the round trip it saves (docs/bench-gpu.md, "The
 // constants in the kernels").
 bool oneshot_pushes(const GroupView& group, std::size_t nbytes) {

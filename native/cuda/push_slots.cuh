@@ -1,4 +1,4 @@
-// push_slots.cuh — the lines the push form of oneshot writes into its peers' push slots
+// push_slots.cuh — the lines the push variant of oneshot writes into its peers' push slots
 // (layout.h), which the barriers also look at: a line where a barrier was expected is a sign that
 // the peer pushes in this launch, that is, makes another call.
 #pragma once
@@ -32,7 +32,7 @@ __device__ __forceinline__ PushLine load_line(const PushLine* from) {
   return line;
 }
 
-// Where the push form of oneshot puts its lines: `stride` bytes per slot from `at`, two slots by
+// Where the push variant of oneshot puts its lines: `stride` bytes per slot from `at`, two slots by
 // launch parity, `part` bytes of each for every source rank.
 struct PushSlots {
   std::size_t at, stride, part;

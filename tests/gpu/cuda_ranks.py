@@ -87,10 +87,10 @@ def exact_everywhere(rank: int, world_size: int, socket: str, cases: list[tuple[
                 if not _same_bits(got, expected[k]):
                     problems.append(f"graph replay {k} {path} differs")
 
-        # The cases cover both forms of oneshot, by the rule the native group launches by.
-        forms = {comm.path_form("oneshot", count * DTYPES[name].itemsize) for name, count in cases}
-        if forms != {"push", "pull"} or comm.path_form("twoshot", 4) != "":
-            problems.append(f"oneshot's forms over the cases: {sorted(forms)}, expected push and pull")
+        # The cases cover both variants of oneshot, by the rule the native group launches by.
+        variants = {comm.path_variant("oneshot", count * DTYPES[name].itemsize) for name, count in cases}
+        if variants != {"push", "pull"} or comm.path_variant("twoshot", 4) != "":
+            problems.append(f"oneshot's variants over the cases: {sorted(variants)}, expected push and pull")
 
         gathered = comm.all_gather(torch.full((5,), rank, dtype=torch.int32, device=device))
         if gathered.cpu().tolist() != [[r] * 5 for r in range(world_size)]:
