@@ -54,7 +54,7 @@ class CudaTransport:
         device_index: int,
         buffers: list[SegmentMapping],
         control: SegmentMapping,
-        slot_bytes: int,
+        capacity_bytes: int,
         max_blocks: int,
         nccl_group: object | None,
     ):
@@ -68,7 +68,7 @@ class CudaTransport:
         self._control = control
         self._nccl_group = nccl_group
         self.group = _native.CudaGroup(
-            rank, world_size, [b.address for b in buffers], control.address, slot_bytes, device_index, max_blocks
+            rank, world_size, [b.address for b in buffers], control.address, capacity_bytes, device_index, max_blocks
         )
 
     # -- the checks connect() runs before the group is used ----------------------------------

@@ -18,13 +18,13 @@ class HostTransport:
     wire_paths = CAPABILITIES[DeviceKind.CPU].wire_paths
 
     def __init__(
-        self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, slot_bytes: int
+        self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, capacity_bytes: int
     ):
         self.device = torch.device("cpu")
         self._buffers = buffers
         # The native group chunks payloads past one slot itself; all-reduces run through a
         # HostLane made on it (the Communicator's).
-        self.group = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, slot_bytes)
+        self.group = _native.ShmGroup(rank, world_size, [b.address for b in buffers], control.address, capacity_bytes)
 
     def lane(
         self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock

@@ -159,32 +159,32 @@ def allocate_on_gpus(devices: list[int], nbytes: int, fds: list[int], mappings: 
     return size
 
 
-def allocate_group(name: str, slot_bytes: int, devices: list[int | None], cuda_memory: str = "vmm") -> GroupMemory:
+def allocate_group(name: str, capacity_bytes: int, devices: list[int | None], cuda_memory: str = "vmm") -> GroupMemory:
     """Allocate a group whose rank r lives on `devices[r]`: None for a CPU rank (then all are
     None), else the daemon's CUDA index of the rank's GPU. cuda_memory: "vmm", "legacy", or
     "auto" (vmm, then legacy if that fails)."""
     if devices[0] is not None and cuda_memory != "vmm":
         if cuda_memory == "legacy":
-            return _allocate_legacy_group(name, slot_bytes, devices)
+            return _allocate_legacy_group(name, capacity_bytes, devices)
         try:
-            return allocate_group(name, slot_bytes, devices, "vmm")
+            return allocate_group(name, capacity_bytes, devices, "vmm")
         except ResourceExhaustedError as error:
             log.warning(
                 "VMM buffers failed; trying cudaIpcMemHandle buffers", extra={"group": name, "error": str(error)}
             )
-            return _allocate_legacy_group(name, slot_bytes, devices)
+            return _allocate_legacy_group(name, capacity_bytes, devices)
     made_fds: list[int] = []
     mappings: list[DeviceMapping] = []
     try:
         control_fd = host_memory.create_segment(f"nodecomm:{name}:control", _native.CONTROL_BYTES)
         made_fds.append(control_fd)
         if devices[0] is None:
-            kind, buffer_bytes = pb.HOST_MEMFD, _native.shm_buffer_bytes(slot_bytes)
+            kind, buffer_bytes = pb.HOST_MEMFD, _native.shm_buffer_bytes(capacity_bytes)
             for rank in range(len(devices)):
                 made_fds.append(host_memory.create_segment(f"nodecomm:{name}:rank{rank}", buffer_bytes))
         else:
             kind = pb.CUDA_VMM_FD
-            buffer_bytes = allocate_on_gpus(devices, _native.cuda_buffer_bytes(slot_bytes), made_fds, mappings)
+            buffer_bytes = allocate_on_gpus(devices, _native.cuda_buffer_bytes(capacity_bytes), made_fds, mappings)
         control_address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
     except (MemoryError, OSError, NodecommError) as error:
         for mapping in mappings:
@@ -193,7 +193,7 @@ def allocate_group(name: str, slot_bytes: int, devices: list[int | None], cuda_m
             os.close(fd)
         where = "host" if devices[0] is None else f"GPUs {sorted(set(devices))}"
         raise ResourceExhaustedError(
-            f"allocating {len(devices)} buffers for {slot_bytes}-byte slots on {where} failed: {error}", group=name
+            f"allocating {len(devices)} buffers for {capacity_bytes}-byte slots on {where} failed: {error}", group=name
         ) from None
     return GroupMemory(kind, control_fd, control_address, made_fds[1:], buffer_bytes, mappings)
 
@@ -207,9 +207,9 @@ def free_legacy_buffers(buffers: list[tuple[int, int, bytes]]) -> None:
             log.error("freeing a cudaIpcMemHandle buffer failed", extra={"device": device, "error": str(error)})
 
 
-def _allocate_legacy_group(name: str, slot_bytes: int, devices: list[int]) -> GroupMemory:
+def _allocate_legacy_group(name: str, capacity_bytes: int, devices: list[int]) -> GroupMemory:
     """A CUDA group whose buffers cross as cudaIpcMemHandle bytes (only the control page as a descriptor)."""
-    buffer_bytes = _native.cuda_buffer_bytes(slot_bytes)
+    buffer_bytes = _native.cuda_buffer_bytes(capacity_bytes)
     made: list[tuple[int, int, bytes]] = []
     control_fd = -1
     try:
@@ -223,7 +223,7 @@ def _allocate_legacy_group(name: str, slot_bytes: int, devices: list[int]) -> Gr
         if control_fd >= 0:
             os.close(control_fd)
         raise ResourceExhaustedError(
-            f"allocating {len(devices)} cudaIpcMemHandle buffers for {slot_bytes}-byte slots on GPUs "
+            f"allocating {len(devices)} cudaIpcMemHandle buffers for {capacity_bytes}-byte slots on GPUs "
             f"{sorted(set(devices))} failed: {error}",
             group=name,
         ) from None

@@ -25,7 +25,8 @@
 //                                 sequence + 1 once the input is written and the daemon's stream
 //                                 waits on; "done", which the daemon's stream raises after the
 //                                 collective and this rank's stream waits on
-//   slots                         two staging slots of slot_stride bytes each; the copy paths stage
+//   slots                         two staging slots of slot_stride bytes each (slot_bytes, the
+//                                 group's capacity_bytes, usable); the copy paths stage
 //                                 in slot 0 and pull peers' data into slot 1, from where a kernel
 //                                 copies it to the output unless this rank gave up
 //   push slots                    two of push_slot_bytes each, written only by the push variant of
