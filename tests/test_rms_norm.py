@@ -45,9 +45,9 @@ def test_bits_equal_the_unfused_reference_on_every_rank_and_path(daemon, spawn_r
     assert_bits(results, expected(world_size, CASES))
 
 
-@pytest.mark.parametrize("hidden", [1, 5, 7, 4100])
+@pytest.mark.parametrize("hidden", [1, 5, 7, 4100, 16384])
 def test_rows_of_any_width_on_the_cpu(daemon, spawn_ranks, hidden):
-    """Hidden sizes that are not whole chunks (NORM_CHUNK) or fill the lanes unevenly."""
+    """Hidden sizes that are not whole chunks (NORM_CHUNK), fill the lanes unevenly, or take four rounds of them."""
     cases = [(dtype, rows, hidden, ["oneshot", "twoshot"]) for dtype in DTYPES for rows in (0, 3)]
     results = spawn_ranks(ranks.rms_norm_cases, 2, 2, daemon.socket, cases, timeout=300)
     assert_bits(results, expected(2, cases))

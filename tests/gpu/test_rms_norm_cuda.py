@@ -11,8 +11,11 @@ pytestmark = pytest.mark.gpu
 
 PATHS = ["oneshot", "twoshot", "dma", None, "inplace"]
 CASES = [(dtype, rows, hidden, PATHS) for dtype in DTYPES for rows in (1, 7, 128, 4096) for hidden in (4096, 8192)]
-ODD_CASES = [  # rows of no whole chunks and unaligned rows: the norm kernel after the all-reduce
-    (dtype, rows, hidden, ["oneshot", "twoshot", None]) for dtype in DTYPES for rows in (0, 3) for hidden in (1, 4100)
+ODD_CASES = [  # rows of no whole chunks (the norm kernel after the all-reduce), and the widest
+    (dtype, rows, hidden, ["oneshot", "twoshot", None])
+    for dtype in DTYPES
+    for rows in (0, 3)
+    for hidden in (1, 4100, 16384)
 ]
 
 
