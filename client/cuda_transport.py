@@ -20,6 +20,7 @@ from nodecomm.thresholds import Path, Wire
 
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
+from .transport import rms_norm_arguments
 
 _RECORDS_WAIT_SECONDS = 0.5
 _NCCL = Path.NCCL.to_proto()
@@ -144,11 +145,8 @@ class CudaTransport:
         self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
         out: torch.Tensor, residual_out: torch.Tensor,
     ) -> None:  # fmt: skip
-        hidden = weight.numel()
-        _native.cuda_add_rms_norm(
-            summed.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
-            summed.numel() // hidden, hidden, eps, DTYPE_CODES[summed.dtype], self._index, self.stream(),
-        )  # fmt: skip
+        arguments = rms_norm_arguments(summed, residual, weight, eps, out, residual_out)
+        _native.cuda_add_rms_norm(*arguments, self._index, self.stream())
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor, timeout: float) -> None:
         nbytes = tensor.numel() * tensor.element_size()

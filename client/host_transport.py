@@ -8,8 +8,8 @@ from nodecomm import _native
 from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.thresholds import Path, Wire
 
-from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
+from .transport import rms_norm_arguments
 
 
 class HostTransport:
@@ -50,11 +50,7 @@ class HostTransport:
         self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
         out: torch.Tensor, residual_out: torch.Tensor,
     ) -> None:  # fmt: skip
-        hidden = weight.numel()
-        _native.add_rms_norm(
-            summed.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr(),
-            summed.numel() // hidden, hidden, eps, DTYPE_CODES[summed.dtype],
-        )  # fmt: skip
+        _native.add_rms_norm(*rms_norm_arguments(summed, residual, weight, eps, out, residual_out))
 
     def barrier(self, timeout: float) -> bool:
         self.group.barrier(timeout)  # raises what stopped it (native/shm.h)

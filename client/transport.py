@@ -14,6 +14,8 @@ from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.thresholds import Path, Wire
 
+from .dtypes import DTYPE_CODES
+
 
 class Transport(Protocol):
     kind: DeviceKind
@@ -59,3 +61,14 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def rms_norm_arguments(
+    summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    out: torch.Tensor, residual_out: torch.Tensor,
+) -> tuple:  # fmt: skip
+    """add_rms_norm's arguments as the native functions take them: the five addresses, rows,
+    hidden, eps and the dtype's code."""
+    hidden = weight.numel()
+    addresses = (summed.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
+    return (*addresses, summed.numel() // hidden, hidden, eps, DTYPE_CODES[summed.dtype])

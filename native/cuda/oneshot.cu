@@ -183,13 +183,7 @@ __global__ void __launch_bounds__(kThreads)
   for (std::size_t row = blockIdx.x; row < args.rows; row += gridDim.x) {
     const std::size_t base = row * hidden;
     const auto summed = [&](std::size_t i) {
-      Chunk<T> chunk;
-#pragma unroll
-      for (int k = 0; k < norm::kChunk; k += Pack<T>::kSize) {
-        *reinterpret_cast<Pack<T>*>(chunk.v + k) = sum_pack<T, N>(
-            [&](int r) { return reinterpret_cast<const T*>(signal.peers.at(r) + slot) + base + i + k; });
-      }
-      return chunk;
+      return summed_chunk<T, N>([&](int r) { return reinterpret_cast<const T*>(signal.peers.at(r) + slot) + base; }, i);
     };
     add_rms_norm_row<T, true>(summed, args.residual + base, args.weight, args.out + base, args.residual_out + base,
                               hidden, args.eps, KeepNothing{});

@@ -73,6 +73,17 @@ __device__ __forceinline__ void store_chunk(T* row, std::size_t i, std::size_t h
   }
 }
 
+// The all-reduce's chunk at i of a row from every rank's staged copy of the row (`row(r)`): the
+// rank-order sum of pack.cuh, a pack at a time.
+template <typename T, int N, typename Row>
+__device__ __forceinline__ Chunk<T> summed_chunk(Row row, std::size_t i) {
+  Chunk<T> chunk;
+#pragma unroll
+  for (int k = 0; k < norm::kChunk; k += Pack<T>::kSize)
+    *reinterpret_cast<Pack<T>*>(chunk.v + k) = sum_pack<T, N>([&](int r) { return row(r) + i + k; });
+  return chunk;
+}
+
 // The row's 1 / sqrt(mean + eps), in every thread, from each lane's partial sum of squares.
 __device__ __forceinline__ float block_inverse_rms(float partial, std::size_t hidden, float eps) {
   __shared__ float lanes[norm::kLanes];

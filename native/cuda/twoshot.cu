@@ -118,13 +118,7 @@ __global__ void __launch_bounds__(kThreads)
     const std::size_t row = group * N + signal.rank;
     if (row >= rows) continue;  // the same for the whole block
     const std::size_t base = row * hidden;
-    const auto summed = [&](std::size_t i) {
-      Chunk<T> chunk;
-#pragma unroll
-      for (int k = 0; k < norm::kChunk; k += Pack<T>::kSize)
-        *reinterpret_cast<Pack<T>*>(chunk.v + k) = sum_pack<T, N>([&](int r) { return staged_of(r) + base + i + k; });
-      return chunk;
-    };
+    const auto summed = [&](std::size_t i) { return summed_chunk<T, N>([&](int r) { return staged_of(r) + base; }, i); };
     const auto keep = [&](std::size_t i, const Chunk<T>& normed, const Chunk<T>& kept) {
       store_chunk<T, true>(staged_of(signal.rank) + base, i, hidden, normed);
       store_chunk<T, true>(kept_of(signal.rank) + base, i, hidden, kept);
