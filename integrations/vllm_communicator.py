@@ -65,8 +65,7 @@ class NodecommCudaCommunicator(CudaCommunicator):
         )  # fmt: skip
         if fused is not None:
             return fused
-        residual_out = self.all_reduce(input_) + residual
-        return torch.nn.functional.rms_norm(residual_out, (weight.numel(),), weight, eps), residual_out
+        return _add_rms_norm(self.all_reduce(input_), residual, weight, eps)
 
     def destroy(self) -> None:
         nodecomm, self.nodecomm = self.nodecomm, None
@@ -103,7 +102,14 @@ def all_reduce_rms_norm(
     communicator = getattr(group, "device_communicator", None)
     if isinstance(communicator, NodecommCudaCommunicator):
         return communicator.all_reduce_rms_norm(x, residual, weight, eps)
-    residual_out = group.all_reduce(x) + residual
+    return _add_rms_norm(group.all_reduce(x), residual, weight, eps)
+
+
+def _add_rms_norm(
+    summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What nodecomm does not fuse: torch's add and RMSNorm after vLLM's all-reduce."""
+    residual_out = summed + residual
     return torch.nn.functional.rms_norm(residual_out, (weight.numel(),), weight, eps), residual_out
 
 

@@ -73,9 +73,7 @@ class HostLane {
     const Call call = rows.call(dtype, path);
     group_.all_reduce(rows.input, rows.out, rows.count(), dtype, kernel_path_of(int(path)), timeout_s_,
                       wire::Wire::kLossless, &call);
-    norm::Rows summed = rows;
-    summed.input = rows.out;
-    norm::add_rms_norm(summed, dtype);
+    norm::add_rms_norm(rows.summed(), dtype);
     dispatch_.count(dispatch::kAllReduce, path, wire::Wire::kLossless, nbytes, nbytes);
     return kDone;
   }

@@ -36,6 +36,12 @@ struct Rows {
                    "hidden size " + std::to_string(hidden) + ": expected 1.." + std::to_string(kMaxHidden));
     NODECOMM_CHECK(rows < (std::size_t(1) << 24), "row count " + std::to_string(rows) + ": expected fewer than 2^24");
   }
+  // The same rows once the all-reduce has put its sum in out: the norm's input.
+  Rows summed() const {
+    Rows after = *this;
+    after.input = out;
+    return after;
+  }
   // What the ranks compare: the shape, not only the element count.
   Call call(DType dtype, Path path) const {
     return Call{Collective::kAllReduceRmsNorm, rows << 16 | hidden, int(dtype), int(path), 0};

@@ -92,10 +92,8 @@ class CudaGroup {
       return cuda::all_reduce_rms_norm(view_, rows, dtype, path, timeout_s, on);
     }
     all_reduce(rows.input, rows.out, rows.count(), dtype, path, int(wire::Wire::kLossless), timeout_s, stream);
-    norm::Rows summed = rows;
-    summed.input = rows.out;
     DeviceScope scope(device_);
-    cuda::add_rms_norm(summed, dtype, on);
+    cuda::add_rms_norm(rows.summed(), dtype, on);
   }
 
   // Every rank's piece of a call together fills at most a slot; pieces start 256-byte aligned.
