@@ -1,6 +1,14 @@
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit 1
 (time NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps -e . ) 2>&1 | tail -5
+# NC_MPS=1: the ranks share GPU 0 under MPS (worlds past 4 time-slice it without); the fault tests
+# run without, where one context's fault cannot reach the others.
+if [ -n "$NC_MPS" ]; then
+  export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps CUDA_MPS_LOG_DIRECTORY=/tmp/mpslog
+  mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
 python3 -m pytest -v -p no:cacheprovider -rs --durations=0 "$@" 2>&1 | tee "${OUT:-/tmp}/pytest.log" | grep -v PASSED | tail -150
-exit "${PIPESTATUS[0]}"
+rc=${PIPESTATUS[0]}
+[ -n "$NC_MPS" ] && echo quit | nvidia-cuda-mps-control
+exit "$rc"
