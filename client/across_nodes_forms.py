@@ -6,14 +6,14 @@ forms follows the machine.
 
 Flat wins small messages (a step fewer), sharded large ones (each rank moves 1/S of the bytes
 between nodes). The boundary, flat_max_bytes, comes from the caller or from a probe the ranks run
-when they connect, and then moves with live timings: rank 0 times its all-reduces (a collective
-ends on every rank within one exchange of the others), every explore_period-th call near the
-boundary takes the other form, and where the form the table gives a size bucket (powers of 4)
-loses to the other by more than the margin, with min_samples of each, the boundary moves so that
-the winner takes the bucket, and the bucket's evidence is dropped (so nothing moves back before
-new timings say so): the daemon's live recalibration on the same evidence and buckets
-(nodecomm.evidence), with one rank timing. After every switch_period-th call rank 0 puts the table in the job's store
-and every rank takes it before its next call, so all ranks decide every call alike. Both forms
+when they connect, and then moves with live timings by the daemon's own rules and defaults
+(nodecomm.evidence: LivePolicy, the same evidence and size buckets), with rank 0 the one rank that
+times (a collective ends on every rank within one exchange of the others): every
+explore_period-th call near the boundary takes the other form; where the form the table gives a
+bucket loses to the other by more than the margin, with min_samples of each, the boundary moves
+so that the winner takes the bucket, and the bucket's evidence is dropped (so nothing moves back
+before new timings say so). After every switch_period-th call rank 0 puts the table in the job's
+store and every rank takes it before its next call, so all ranks decide every call alike. Both forms
 give the same bits, so exploring changes no result.
 """
 
@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 
 from nodecomm.byte_size import format_byte_size
-from nodecomm.evidence import Evidence, bucket_index, bucket_range
+from nodecomm.evidence import Evidence, LivePolicy, bucket_index, bucket_range
 
 
 class Form(enum.Enum):
@@ -87,16 +87,14 @@ class AcrossNodesForms:
 
     table: AcrossNodesTable
     live: bool = True
-    explore_period: int = 16
-    switch_period: int = 64
-    margin: float = 0.1
-    min_samples: int = 5
+    policy: LivePolicy = LivePolicy()
     reach: int = 3  # buckets either side of the boundary's that explore
     calls: int = 0  # all-reduces decided: the same count on every rank
     evidence: Evidence[Form] = field(init=False)
 
     def __post_init__(self) -> None:
-        self.evidence = Evidence(1, self.min_samples)  # rank 0's timings: the collective ends on every rank alike
+        # rank 0's timings: the collective ends on every rank alike
+        self.evidence = Evidence(1, self.policy.min_samples)
 
     def decide(self, nbytes: int) -> tuple[Form, bool]:
         """The form of the next all-reduce of `nbytes`, and whether it explores; counts the call."""
@@ -105,7 +103,7 @@ class AcrossNodesForms:
         boundary_bucket = bucket_index(self.table.flat_max_bytes + 1)
         explore = (
             self.live
-            and self.calls % self.explore_period == 0
+            and self.calls % self.policy.explore_period == 0
             and abs(bucket_index(nbytes) - boundary_bucket) <= self.reach
         )
         return (form.other, True) if explore else (form, False)
@@ -114,7 +112,7 @@ class AcrossNodesForms:
         self.evidence.add(0, form, nbytes, seconds)
 
     def switch_due(self) -> bool:
-        return self.live and self.calls % self.switch_period == 0
+        return self.live and self.calls % self.policy.switch_period == 0
 
     def proposed(self) -> AcrossNodesTable:
         """The table after the first move the evidence demands, bucket by bucket from the
@@ -126,7 +124,7 @@ class AcrossNodesForms:
                 continue  # a bucket the boundary splits: no clean comparison
             current = self.table.form_for(high)
             mine, theirs = self.evidence.estimate(current, bucket), self.evidence.estimate(current.other, bucket)
-            if mine is None or theirs is None or theirs * (1 + self.margin) >= mine:
+            if mine is None or theirs is None or theirs * (1 + self.policy.margin) >= mine:
                 continue
             moved = high if current is Form.SHARDED else low - 1
             below, above = sorted((flat_max, moved))

@@ -288,14 +288,14 @@ class HierarchicalCommunicator:
     def _switch_table(self) -> None:
         """Every rank takes the table rank 0 holds after this call: rank 0 reads its timings,
         moves the boundary where they demand it and puts the table in the store."""
-        key = f"{self._prefix}/table/{self.forms.calls // self.forms.switch_period}"
+        key = f"{self._prefix}/table/{self.forms.calls // self.forms.policy.switch_period}"
         if self.rank == 0:
             for form, nbytes, seconds in self._timed:
                 self.forms.record(form, nbytes, seconds())
             self._timed.clear()
             self.forms.table = self.forms.proposed()
             self._store.set(key, self.forms.table.encoded())
-            previous = f"{self._prefix}/table/{self.forms.calls // self.forms.switch_period - 1}"
+            previous = f"{self._prefix}/table/{self.forms.calls // self.forms.policy.switch_period - 1}"
             self._store.delete_key(previous)  # every rank read it before the call just made
         else:
             self.forms.table = AcrossNodesTable.decoded(self._read(key))

@@ -25,6 +25,20 @@ SAMPLES_KEPT = 32
 Choice = TypeVar("Choice", bound=Hashable)
 
 
+@dataclass(frozen=True)
+class LivePolicy:
+    """How a table follows live timings, the same for the daemon's paths and the forms across
+    nodes: every explore_period-th call (near a boundary) takes another choice and is timed; a
+    choice beating the table's by more than `margin`, with min_samples timings of each on every
+    rank that times, takes the bucket; every switch_period-th call the ranks take the newest table
+    together."""
+
+    margin: float = 0.05
+    min_samples: int = 8
+    explore_period: int = 8
+    switch_period: int = 256
+
+
 def bucket_index(nbytes: int) -> int:
     """The bucket of a size: 0 up to 1 KiB, then one per power of 4, len(SIZE_BUCKETS) past them."""
     for index, top in enumerate(SIZE_BUCKETS):

@@ -21,6 +21,7 @@ import tomllib
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.capabilities import DeviceKind
+from nodecomm.evidence import LivePolicy
 from nodecomm.socket_path import default_socket_path, descriptor_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
 
@@ -111,16 +112,16 @@ class DaemonConfig:
     # so that the faster path takes it. Ranks switch tables together on every
     # table_switch_period-th all-reduce that is not being captured.
     live_recalibration: bool = True
-    live_margin: float = 0.05
-    live_min_samples: int = 8
-    table_switch_period: int = 256
+    live_margin: float = LivePolicy.margin
+    live_min_samples: int = LivePolicy.min_samples
+    table_switch_period: int = LivePolicy.switch_period
     # Exploration, so that a wrong table is found out: every explore_period-th all-reduce of a size
     # bucket runs on another lossless path (the same bits) and is timed, the least timed of those
     # live recalibration has not yet found slower there by live_margin, and the next call is timed
     # on the table's own path; once none is left, one in 256 times as many does (native/dispatch.h).
     # Never into or out of NCCL, never while capturing; 0 switches it off, as does
     # live_recalibration = false.
-    explore_period: int = 8
+    explore_period: int = LivePolicy.explore_period
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30

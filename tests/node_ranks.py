@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import nodecomm
+from nodecomm.client.across_nodes_forms import AcrossNodesForms
+from nodecomm.evidence import LivePolicy
 from ranks import BITS, DTYPES, rank_input
 
 HALF_ULP = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}  # relative
@@ -110,7 +112,8 @@ def live_table_across_nodes(rank: int, world_size: int, sockets: list[str], port
     with nodecomm.connect_across_nodes(
         "moving", rank, world_size, store=store, socket=sockets[rank], timeout=60, flat_max_bytes=64 << 20
     ) as comm:
-        comm.forms.explore_period, comm.forms.switch_period, comm.forms.min_samples = 2, 8, 3
+        quick = LivePolicy(explore_period=2, switch_period=8, min_samples=3)
+        comm.forms = AcrossNodesForms(comm.table, policy=quick, calls=comm.forms.calls)
         x = rank_input(rank, count, torch.float32, 0)
         for call in range(1, 65):
             digest.update(comm.all_reduce(x).view(torch.uint8).numpy().tobytes())

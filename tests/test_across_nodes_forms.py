@@ -4,7 +4,7 @@ tests/test_across_nodes.py drives them through real ranks and daemons."""
 import pytest
 
 from nodecomm.client.across_nodes_forms import AcrossNodesForms, AcrossNodesTable, Form, probe_boundary
-from nodecomm.evidence import bucket_index, bucket_range
+from nodecomm.evidence import LivePolicy, bucket_index, bucket_range
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -36,17 +36,17 @@ def test_the_probe_keeps_flat_up_to_where_it_first_loses():
 
 
 def test_calls_near_the_boundary_explore_the_other_form_every_period():
-    forms = AcrossNodesForms(AcrossNodesTable(64 * KiB, "probe"), explore_period=4, reach=1)
+    forms = AcrossNodesForms(AcrossNodesTable(64 * KiB, "probe"), policy=LivePolicy(explore_period=4), reach=1)
     decided = [forms.decide(64 * KiB) for _ in range(8)]
     assert [explored for _, explored in decided] == [False, False, False, True] * 2
     assert decided[3][0] is Form.SHARDED and decided[0][0] is Form.FLAT
     far = [forms.decide(16 * MiB) for _ in range(8)]  # three buckets past the boundary's
     assert not any(explored for _, explored in far)
-    pinned = AcrossNodesForms(AcrossNodesTable(64 * KiB, "caller"), live=False, explore_period=1)
+    pinned = AcrossNodesForms(AcrossNodesTable(64 * KiB, "caller"), live=False, policy=LivePolicy(explore_period=1))
     assert pinned.decide(64 * KiB) == (Form.FLAT, False) and not pinned.switch_due()
 
 
-def _timed(forms: AcrossNodesForms, nbytes: int, flat: float, sharded: float, samples: int = 5) -> None:
+def _timed(forms: AcrossNodesForms, nbytes: int, flat: float, sharded: float, samples: int = 8) -> None:
     for _ in range(samples):
         forms.record(Form.FLAT, nbytes, flat)
         forms.record(Form.SHARDED, nbytes, sharded)
@@ -71,8 +71,8 @@ def test_sharded_winning_below_the_boundary_moves_it_down_past_the_bucket():
 @pytest.mark.parametrize(
     "flat, sharded, samples",
     [
-        (1.05, 1.0, 5),  # within the margin
-        (3.0, 1.0, 4),  # too few samples
+        (1.04, 1.0, 8),  # within the 5% margin
+        (3.0, 1.0, 7),  # too few samples (8 of each)
     ],
 )
 def test_no_move_without_enough_evidence(flat, sharded, samples):
