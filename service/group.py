@@ -73,6 +73,22 @@ class Group:
             placed += [(*on(device), "topk", exchange.slab_bytes) for device in self.devices]
         return placed
 
+    def held(self) -> list[tuple[str, str, str, int]]:
+        """placement() and the service path's allocations: all that is given back with the group."""
+        service = self.service.allocations.values() if self.service is not None else ()
+        return self.placement() + [(*allocation.placement, "service", allocation.size_bytes) for allocation in service]
+
+    def close(self) -> None:
+        """Give back what the group holds: the service path's stream first (one waiting on a rank
+        that left runs out), then its memory, top-k slabs and service allocations."""
+        if self.service is not None and self.service.cuda is not None:
+            self.service.cuda.release()
+        self.memory.close()
+        for slabs in self.topk_slabs:
+            slabs.close()
+        if self.service is not None:
+            self.service.close()
+
     @property
     def reserved_bytes(self) -> int:
         service = self.service.reserved_bytes if self.service is not None else 0

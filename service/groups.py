@@ -402,24 +402,9 @@ class GroupRegistry:
         if all(m.gone and m.session is None for m in group.members.values()):
             self._release_name(group)
             del self._groups[group.group_id]
-            for kind, device, use, nbytes in group.placement():
-                self.metrics.reserve(kind, device, use, -nbytes)
             self.claims.drop_group(group.group_id)
-            if group.service is not None and group.service.cuda is not None:
-                group.service.cuda.release()  # a stream waiting on a rank that left runs out
-            group.memory.close()
-            for slabs in group.topk_slabs:
-                slabs.close()
-            if group.service is not None:
-                for allocation in group.service.allocations.values():
-                    self.metrics.reserve(*allocation.placement, "service", -allocation.size_bytes)
-                group.service.close()
-            for op, path in group.counted:
-                self.metrics.operations.remove(group.name, op, path)
-                self.metrics.operation_bytes.remove(group.name, op, path)
-            for wire in group.wires:
-                self.metrics.wire_operations.remove(group.name, wire)
-                self.metrics.wire_bytes.remove(group.name, wire)
+            self.metrics.forget_group(group.name, group.held(), group.counted, group.wires)
+            group.close()
             self._update_gauges()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})
 

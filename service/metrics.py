@@ -6,6 +6,8 @@ ranks report, for at most timings.MAX_REPORTING_UIDS uids)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from nodecomm.byte_size import format_byte_size
@@ -174,3 +176,21 @@ class DaemonMetrics:
         ("host" or a GPU UUID) for `use`."""
         self.reserved.labels(kind).inc(nbytes)
         self.buffer_bytes.labels(device, use).inc(nbytes)
+
+    def forget_group(
+        self,
+        name: str,
+        held: Iterable[tuple[str, str, str, int]],
+        counted: Iterable[tuple[str, str]],
+        wires: Iterable[str],
+    ) -> None:
+        """A released group: what it `held` (kind, device, use, bytes) no longer reserved, and the
+        series its name labels (its operation counts by (op, path) and by wire) gone."""
+        for kind, device, use, nbytes in held:
+            self.reserve(kind, device, use, -nbytes)
+        for op, path in counted:
+            self.operations.remove(name, op, path)
+            self.operation_bytes.remove(name, op, path)
+        for wire in wires:
+            self.wire_operations.remove(name, wire)
+            self.wire_bytes.remove(name, wire)
