@@ -129,6 +129,8 @@ def test_dispatch_regret_divides_auto_by_the_best_other_path():
         "#        2KiB  1.000  best nccl",
     ]
     assert dispatch_regret([row(1024, "oneshot", 4.0)]) == []
+    # auto against the baseline alone says nothing of the table: no single path of nodecomm's ran
+    assert dispatch_regret([row(1024, "auto", 5.0), row(1024, "gloo", 400.0), row(1024, "torch", 8.0)]) == []
 
 
 def test_topk_bench_compares_tables_with_the_baseline():

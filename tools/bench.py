@@ -547,8 +547,8 @@ def dispatch_regret(rows: list[Row]) -> list[str]:
     lines = []
     for size, paths in by_size.items():
         others = {n: r for n, r in paths.items() if n not in ("auto", BACKEND_ROW, DIRECT_ROW) and "+" not in n}
-        if "auto" not in paths or not others:
-            continue
+        if "auto" not in paths or not NODECOMM_PATHS & others.keys():
+            continue  # no single path of nodecomm's to weigh the table against
         best = min(others.values(), key=lambda r: r.p50_us)
         lines.append(f"#   {format_byte_size(size):>9} {paths['auto'].p50_us / best.p50_us:>6.3f}  best {best.path}")
     header = (
