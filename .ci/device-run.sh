@@ -8,7 +8,13 @@ if [ -n "$NC_MPS" ]; then
   mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY && nvidia-cuda-mps-control -d && echo "MPS started"
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
-python3 -m pytest -v -p no:cacheprovider -rs --durations=0 "$@" 2>&1 | tee "${OUT:-/tmp}/pytest.log" | grep -v PASSED | tail -150
-rc=${PIPESTATUS[0]}
+# The run's own deadline (NC_TIMEOUT seconds, default 540: under the tool's 600 s limit), so that a
+# hung test still returns its log: pytest is stopped, then the ranks and daemons it left (into a
+# file, not a pipe, which those would hold open).
+log=${OUT:-/tmp}/pytest.log
+timeout -k 10 "${NC_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 "$@" > "$log" 2>&1
+rc=$?
+[ "$rc" = 124 ] && echo "pytest stopped after ${NC_TIMEOUT:-540} s" && pkill -9 -f "multiprocessing|nodecommd|nodecomm.service"
+grep -v PASSED "$log" | tail -150
 [ -n "$NC_MPS" ] && echo quit | nvidia-cuda-mps-control
 exit "$rc"
