@@ -1,4 +1,4 @@
-"""Who a rank is in its group: what the Communicator, its lease, its service client and its
+"""Who a rank is in its group: what the Communicator, its session, its service client and its
 exchanges name in every call to the daemon and in every error they raise."""
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ class Options:
 # How many process groups of each name this process has created: a group destroyed and created
 # again under the same name (torch reuses names after destroy_process_group) draws a new token.
 _creations: collections.Counter[str] = collections.Counter()
-# Groups still open at exit leave their nodecomm groups (peers hear a Leave, not a lost lease).
+# Groups still open at exit leave their nodecomm groups (peers hear a Leave, not a lost session).
 _open_groups: weakref.WeakSet[NodecommProcessGroup] = weakref.WeakSet()
 
 

@@ -1,8 +1,8 @@
 """GroupRegistry: groups from their first Join to their last departure.
 
 Lifecycle: ranks arrive (Join) into a forming group; once all `world_size` ranks agree, memory is
-allocated and every rank is answered at once; each rank then holds a Session stream (its lease).
-A lease that ends without Leave means a dead rank: the group's abort word is set so peers spinning
+allocated and every rank is answered at once; each rank then holds a Session stream.
+A session that ends without Leave means a dead rank: the group's abort word is set so peers spinning
 in a barrier return an error, and the name is free to form again at once. The memory is released
 when every rank is gone. Everything here runs on the daemon's event loop.
 """

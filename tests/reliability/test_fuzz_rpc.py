@@ -116,7 +116,7 @@ def test_timings_on_a_live_session(checked, world, batch):
     checked.assert_alive()
 
 
-def test_the_leases_survived_the_timings_and_evidence_offers_every_rank_the_new_table(checked, world):
+def test_the_sessions_survived_the_timings_and_evidence_offers_every_rank_the_new_table(checked, world):
     """After whatever the fuzzers sent, every session is open, and evidence that twoshot wins at
     4 KiB (oneshot's range in the built-in table) moves the boundary: every rank of a group is
     offered the same tables. (Where earlier evidence moved it there already, those tables.)"""
