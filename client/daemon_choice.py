@@ -33,6 +33,7 @@ from nodecomm.socket_path import (
     PRIVATE_LOCK_NAME,
     PRIVATE_LOG_NAME,
     default_socket_path,
+    lease_socket_path,
     private_socket_path,
 )
 
@@ -123,7 +124,7 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
                 _remove_job_directory(directory)  # its log's end is in the error; nothing of it stays
                 raise
             started = True
-        lease = JobLeaseHandle.take(socket + ".lease", where)
+        lease = JobLeaseHandle.take(lease_socket_path(socket), where)
     finally:
         os.close(lock)  # and with it the lock
     choice = DaemonChoice("private", socket, started)

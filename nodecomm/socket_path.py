@@ -25,6 +25,12 @@ def descriptor_socket_path(socket: str) -> str:
     return socket + ".fd"
 
 
+def lease_socket_path(socket: str) -> str:
+    """Where the private daemon listening at `socket` holds its job's lease: beside it, at
+    `<socket>.lease` (service/job_lease.py); a rank that started or found it connects there."""
+    return socket + ".lease"
+
+
 def grpc_target(socket: str) -> str:
     """A gRPC target for a socket path, or a target given as such (unix:..., ipv4:..., ipv6:...)."""
     if socket.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")):
@@ -50,7 +56,7 @@ def private_socket_path(job: str) -> str:
     runtimes = [r for r in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/nodecomm-{os.geteuid()}") if r]
     paths = [str(Path(r) / "nodecomm-jobs" / digest / "nodecomm.sock") for r in runtimes]
     # A runtime directory too deep for a Unix socket's path gives way to the short one.
-    return next((p for p in paths if len(p + ".lease") < UNIX_PATH_MAX), paths[-1])
+    return next((p for p in paths if len(lease_socket_path(p)) < UNIX_PATH_MAX), paths[-1])
 
 
 # sockaddr_un's sun_path holds 108 bytes, the terminating NUL among them.

@@ -19,14 +19,14 @@ import logging
 import os
 from collections.abc import Callable
 
-from nodecomm.socket_path import PRIVATE_LOCK_NAME, PRIVATE_LOG_NAME
+from nodecomm.socket_path import PRIVATE_LOCK_NAME, PRIVATE_LOG_NAME, lease_socket_path
 
 log = logging.getLogger("nodecomm.server")
 
 
 class JobLease:
     def __init__(self, socket_path: str, grace_seconds: float, on_idle: Callable[[], None]):
-        self.path = socket_path + ".lease"
+        self.path = lease_socket_path(socket_path)
         self.directory = os.path.dirname(socket_path) or "."
         self.lock_path = os.path.join(self.directory, PRIVATE_LOCK_NAME)
         self._grace = grace_seconds

@@ -35,6 +35,7 @@ from nodecomm.service.fingerprint import cpu_fingerprint
 from nodecomm.service.metrics import DaemonMetrics
 from nodecomm.service.probe import Measured
 from nodecomm.service.tables import TableKeeper
+from nodecomm.socket_path import lease_socket_path
 from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
@@ -440,7 +441,7 @@ def test_private_reads_state_and_keeps_its_own_calibration_in_the_users_cache(ma
     flags = ("--private", "true", "--private-grace-seconds", "60", "--state-dir", str(state), "--cache-dir", str(cache))
     private = make_daemon(*flags)
     with socket.socket(socket.AF_UNIX) as lease:  # a job's process holding the lease, as ranks do
-        lease.connect(private.socket + ".lease")
+        lease.connect(lease_socket_path(private.socket))
         assert _thresholds(private) == CALIBRATED_8KIB
         again = nodecomm_cli(
             "--socket", private.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "8KiB", "--json"

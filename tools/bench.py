@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 from nodecomm.byte_size import format_byte_size
+from nodecomm.socket_path import lease_socket_path
 
 from ..client.daemon_choice import JobLeaseHandle
 from ..client.daemon_process import start_daemon
@@ -363,7 +364,7 @@ class PrivateDaemon:
             self.process = start_daemon(
                 self.socket, "--state-dir", state, "--cache-dir", cache, *flags, own_session=True
             )
-            self.lease = JobLeaseHandle.take(self.socket + ".lease", {})
+            self.lease = JobLeaseHandle.take(lease_socket_path(self.socket), {})
         except BaseException:
             if getattr(self, "process", None) is not None:
                 self.process.kill()
