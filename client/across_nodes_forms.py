@@ -23,7 +23,7 @@ import enum
 from dataclasses import dataclass, field
 
 from nodecomm.byte_size import format_byte_size
-from nodecomm.evidence import Evidence, LivePolicy, bucket_index, bucket_range
+from nodecomm.evidence import Evidence, LivePolicy, beats, bucket_index, bucket_range
 
 
 class Form(enum.Enum):
@@ -124,7 +124,7 @@ class AcrossNodesForms:
                 continue  # a bucket the boundary splits: no clean comparison
             current = self.table.form_for(high)
             mine, theirs = self.evidence.estimate(current, bucket), self.evidence.estimate(current.other, bucket)
-            if mine is None or theirs is None or theirs * (1 + self.policy.margin) >= mine:
+            if mine is None or theirs is None or not beats(theirs, mine, self.policy.margin):
                 continue
             moved = high if current is Form.SHARDED else low - 1
             below, above = sorted((flat_max, moved))

@@ -39,6 +39,12 @@ class LivePolicy:
     switch_period: int = 256
 
 
+def beats(challenger: float, incumbent: float, margin: float) -> bool:
+    """Whether a choice's estimate beats another's by more than `margin`, a fraction of the other's
+    time: the one test every move on this evidence passes."""
+    return challenger < incumbent * (1.0 - margin)
+
+
 def bucket_index(nbytes: int) -> int:
     """The bucket of a size: 0 up to 1 KiB, then one per power of 4, len(SIZE_BUCKETS) past them."""
     for index, top in enumerate(SIZE_BUCKETS):

@@ -28,7 +28,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 
-from nodecomm.evidence import SIZE_BUCKETS, Evidence, bucket_range
+from nodecomm.evidence import SIZE_BUCKETS, Evidence, beats, bucket_range
 from nodecomm.thresholds import WIRE_PATHS, Boundary, DispatchTable, Path, Source, Wire, build_table
 
 
@@ -79,7 +79,7 @@ class LiveEstimates:
                 rivals = []
                 for path in (*LOSSLESS_PATHS, fallback):
                     theirs = None if path in (current, Path.SERVICE) else self.estimate(path, bucket, cell=(low, high))
-                    if theirs is not None and theirs < mine * (1.0 - self.margin):
+                    if theirs is not None and beats(theirs, mine, self.margin):
                         rivals.append((theirs, path))
                 for theirs, winner in sorted(rivals):  # the fastest first
                     for values, moved in _moves(table, winner, fallback, fixed, low, high):
@@ -107,9 +107,9 @@ class LiveEstimates:
             if lossless is None or compressed is None:
                 continue
             on_wire = table.wire_for(low) is not Wire.LOSSLESS
-            if not on_wire and compressed < lossless * (1.0 - self.margin):
+            if not on_wire and beats(compressed, lossless, self.margin):
                 value, winner, seconds, loser = low, table.wire, compressed, lossless
-            elif on_wire and lossless < compressed * (1.0 - self.margin):
+            elif on_wire and beats(lossless, compressed, self.margin):
                 value, winner, seconds, loser = high + 1, Wire.LOSSLESS, lossless, compressed
             else:
                 continue
