@@ -130,12 +130,12 @@ def cuda_boundaries(
 def calibration_from(
     fingerprint: dict[str, object],
     medians: dict[str, dict[int, float]],
-    forms: dict[str, dict[int, str]] | None = None,
+    variants: dict[str, dict[int, str]] | None = None,
     wires: list[str] = (),
 ) -> Calibration:
     """The boundaries the medians place, for the fingerprint's device kind, and compressed_min_bytes
-    per compressed wire in `wires` (timed as "path+wire" rows); `forms` kept beside them."""
-    calibration = _lossless_calibration(fingerprint, medians, forms)
+    per compressed wire in `wires` (timed as "path+wire" rows); `variants` kept beside them."""
+    calibration = _lossless_calibration(fingerprint, medians, variants)
     if not wires:
         return calibration
     placed = wire_boundaries(calibration.boundaries, "twoshot", medians, list(wires))
@@ -143,13 +143,13 @@ def calibration_from(
 
 
 def _lossless_calibration(
-    fingerprint: dict[str, object], medians: dict[str, dict[int, float]], forms: dict[str, dict[int, str]] | None
+    fingerprint: dict[str, object], medians: dict[str, dict[int, float]], variants: dict[str, dict[int, str]] | None
 ) -> Calibration:
     key = fingerprint_key(fingerprint)
     if fingerprint["device_kind"] == DeviceKind.CUDA:
         with_nccl = cuda_boundaries(medians, "nccl") if "nccl" in medians else None
         return Calibration(
-            key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl, forms or {}
+            key, fingerprint, cuda_boundaries(medians, "twoshot"), medians, time.time(), with_nccl, variants or {}
         )
     sizes = sorted(medians["oneshot"])
     boundaries = {"oneshot_max_bytes": small_path_max(sizes, medians["oneshot"], medians["twoshot"])}

@@ -56,7 +56,7 @@ CALIBRATION_SCHEMA = {
             },
         },
         "measured_at": {"type": "number"},
-        "forms": {
+        "variants": {
             "type": "object",
             "additionalProperties": {
                 "type": "object",
@@ -83,8 +83,8 @@ class Calibration:
     measured_at: float
     # CUDA, where the probe timed NCCL: the boundaries for groups whose fallback is NCCL.
     nccl_boundaries: dict[str, int | None] | None = None
-    # How a path moved each size where it has several forms: CUDA oneshot's "push" or "pull".
-    forms: dict[str, dict[int, str]] = field(default_factory=dict)
+    # How a path moved each size where it has several variants: CUDA oneshot's "push" or "pull".
+    variants: dict[str, dict[int, str]] = field(default_factory=dict)
     # compressed_min_bytes per compressed wire the probe timed (None: it never won).
     wire_boundaries: dict[str, int | None] = field(default_factory=dict)
 
@@ -109,12 +109,13 @@ class Calibration:
         def whole(boundaries: dict | None) -> dict[str, int | None] | None:  # 5.0 is an integer to JSON Schema
             return None if boundaries is None else {k: None if v is None else int(v) for k, v in boundaries.items()}
 
-        forms = {
-            path: {int(size): form for size, form in by_size.items()} for path, by_size in raw.get("forms", {}).items()
+        variants = {
+            path: {int(size): variant for size, variant in by_size.items()}
+            for path, by_size in raw.get("variants", {}).items()
         }
         return cls(
             raw["key"], raw["fingerprint"], whole(raw["boundaries"]), medians, raw["measured_at"],
-            whole(raw.get("nccl_boundaries")), forms, whole(raw.get("wire_boundaries", {})),
+            whole(raw.get("nccl_boundaries")), variants, whole(raw.get("wire_boundaries", {})),
         )  # fmt: skip
 
 

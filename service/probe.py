@@ -64,12 +64,12 @@ NOISE_RETRIES = 3
 @dataclass(frozen=True)
 class Measured:
     """What the probe measured: the slowest rank's median seconds and the relative interquartile
-    range, per path and size, and the form a path took where it has several (CUDA oneshot)."""
+    range, per path and size, and the variant a path took where it has several (CUDA oneshot)."""
 
     medians: dict[str, dict[int, float]]
     spreads: dict[str, dict[int, float]]
     cpu_shares: dict[str, dict[int, float]] = field(default_factory=dict)  # CPU probes
-    forms: dict[str, dict[int, str]] = field(default_factory=dict)
+    variants: dict[str, dict[int, str]] = field(default_factory=dict)
 
     def noisy_sizes(self) -> list[int]:
         """The sizes to measure again: those of noisy points, and both sizes of a jump."""
@@ -89,7 +89,7 @@ class Measured:
             merged(self.medians, again.medians),
             merged(self.spreads, again.spreads),
             merged(self.cpu_shares, again.cpu_shares),
-            merged(self.forms, again.forms),
+            merged(self.variants, again.variants),
         )
 
     def _noise(self) -> list[tuple[int, str]]:
@@ -187,23 +187,28 @@ async def probe(
     if process.returncode != 0 or not tables:
         tail = "".join(output)[-2000:]
         raise InternalError(f"the calibration probe failed (exit {process.returncode}): {tail}")
+    return measured_from_rows(tables[-1].get("rows"), device_kind)
+
+
+def measured_from_rows(rows: list[dict], device_kind: str) -> Measured:
+    """What the probe measured, from the rows of the bench's JSON table (tools/bench.py's Row);
+    InternalError where they are unreadable."""
+    medians: dict[str, dict[int, float]] = {}
+    spreads: dict[str, dict[int, float]] = {}
+    shares: dict[str, dict[int, float]] = {}
+    variants: dict[str, dict[int, str]] = {}
     try:
-        rows = tables[-1]["rows"]
-        medians: dict[str, dict[int, float]] = {}
-        spreads: dict[str, dict[int, float]] = {}
-        shares: dict[str, dict[int, float]] = {}
-        forms: dict[str, dict[int, str]] = {}
         for row in rows:
-            if row.get("form"):
-                forms.setdefault(row["path"], {})[row["size_bytes"]] = row["form"]
+            if row.get("variant"):
+                variants.setdefault(row["path"], {})[row["size_bytes"]] = row["variant"]
             if device_kind == DeviceKind.CPU:
                 shares.setdefault(row["path"], {})[row["size_bytes"]] = row["cpu_share"]
             medians.setdefault(row["path"], {})[row["size_bytes"]] = row["p50_us"] / 1e6
             middle = row["p75_us"] - row["p25_us"]
             spreads.setdefault(row["path"], {})[row["size_bytes"]] = middle / row["p50_us"] if row["p50_us"] else 0.0
-    except (ValueError, KeyError, TypeError, ZeroDivisionError) as error:
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError) as error:
         raise InternalError(f"the calibration probe's results are unreadable: {error!r}") from None
-    return Measured(medians, spreads, shares, forms)
+    return Measured(medians, spreads, shares, variants)
 
 
 def calibration_point(label: str, size: int, seconds: float) -> pb.CalibrationPoint:

@@ -203,7 +203,7 @@ class TableKeeper:
         try:
             # The boundary search tries every assignment of boundaries: off the event loop.
             calibration = await asyncio.to_thread(
-                calibration_from, self.fingerprints[kind], medians, measured.forms, list(wires)
+                calibration_from, self.fingerprints[kind], medians, measured.variants, list(wires)
             )
         except NodecommError:
             self.metrics.calibrations.labels("failed").inc()
@@ -221,7 +221,7 @@ class TableKeeper:
             extra={
                 "device_kind": kind,
                 "boundaries": calibration.boundaries,
-                "forms": calibration.forms,
+                "variants": calibration.variants,
                 "wire_boundaries": calibration.wire_boundaries,
                 "medians_us": {p: {s: round(t * 1e6, 1) for s, t in m.items()} for p, m in medians.items()},
                 "seconds": None if started is None else round(time.monotonic() - started, 1),
@@ -414,7 +414,7 @@ class TableKeeper:
         calibration = Calibration(
             fingerprint_key(fingerprint), fingerprint, dict(self.calibrated.get(kind, {})),
             previous.medians if previous else {}, time.time(), self.calibrated_nccl.get(kind),
-            previous.forms if previous else {}, dict(self.calibrated_wires.get(kind, {})),
+            previous.variants if previous else {}, dict(self.calibrated_wires.get(kind, {})),
         )  # fmt: skip
         try:
             where = str(self.live_store.save(calibration))

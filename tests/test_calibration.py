@@ -33,7 +33,7 @@ from nodecomm.service.calibration import Calibration, CalibrationStore, InvalidC
 from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
 from nodecomm.service.fingerprint import cpu_fingerprint
 from nodecomm.service.metrics import DaemonMetrics
-from nodecomm.service.probe import Measured
+from nodecomm.service.probe import Measured, measured_from_rows
 from nodecomm.service.tables import TableKeeper
 from nodecomm.socket_path import lease_socket_path
 from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
@@ -517,20 +517,33 @@ def test_a_point_measured_without_a_whole_core_is_noise():
     ]
 
 
-def test_a_stored_calibration_keeps_the_forms_the_probe_saw():
-    """The form a path took per size (CUDA oneshot: push or pull) is stored beside the medians and
-    read back; a form that is neither is refused, naming the field."""
+def test_a_stored_calibration_keeps_the_variants_the_probe_saw():
+    """The variant a path took per size (CUDA oneshot: push or pull), as the bench's rows carry it,
+    is stored beside the medians and read back; a variant that is neither is refused, naming the
+    field."""
+    from nodecomm.tools.bench import Row
+
+    rows = [
+        dataclasses.asdict(Row(size, size // 4, "float32", path, 2.0, 3.0, 0.0, 0.0, 0, 10, 1.5, 2.5, 1.0, variant))
+        for size, path, variant in ((1024, "oneshot", "push"), (1 << 20, "oneshot", "pull"), (1024, "twoshot", ""))
+    ]
+    measured = measured_from_rows(rows, "cuda")
+    assert measured.variants == {"oneshot": {1024: "push", 1 << 20: "pull"}}
+    assert measured.medians["twoshot"] == {1024: 2e-6} and measured.spreads["oneshot"][1024] == 0.5
+    with pytest.raises(InternalError, match="the calibration probe's results are unreadable"):
+        measured_from_rows([{"path": "oneshot"}], "cuda")
+
     medians = {p: _times([1e-6 * (i + 1) for i in range(7)]) for p in ("oneshot", "twoshot", "dma")}
-    forms = {"oneshot": {size: "push" if size <= 8 << 10 else "pull" for size in SIZES}}
-    calibration = calibration_from({"device_kind": "cuda"}, medians, forms)
+    variants = {"oneshot": {size: "push" if size <= 8 << 10 else "pull" for size in SIZES}}
+    calibration = calibration_from({"device_kind": "cuda"}, medians, variants)
     assert type(calibration).from_json(calibration.to_json()) == calibration
-    assert calibration_from({"device_kind": "cuda"}, medians).forms == {}
+    assert calibration_from({"device_kind": "cuda"}, medians).variants == {}
     wrong = json.loads(calibration.to_json())
-    wrong["forms"]["oneshot"]["1024"] = "sideways"
-    with pytest.raises(InvalidCalibrationError, match=r"forms.oneshot.1024: 'sideways' is not one of"):
+    wrong["variants"]["oneshot"]["1024"] = "sideways"
+    with pytest.raises(InvalidCalibrationError, match=r"variants.oneshot.1024: 'sideways' is not one of"):
         type(calibration).from_json(json.dumps(wrong))
-    again = Measured(medians, {}, forms={"oneshot": {1024: "pull"}})
-    assert Measured(medians, {}, forms=forms).remeasured(again).forms["oneshot"][1024] == "pull"
+    again = Measured(medians, {}, variants={"oneshot": {1024: "pull"}})
+    assert Measured(medians, {}, variants=variants).remeasured(again).variants["oneshot"][1024] == "pull"
 
 
 def test_compressed_min_is_where_a_wire_wins_to_the_end_of_the_sweep():
