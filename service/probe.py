@@ -46,9 +46,8 @@ PROBE_FLAGS = {
 # A point is noise when the middle half of its iterations spans more than its median (the
 # interquartile range over the median), or when its median and the next larger size's of the
 # same path differ by more than NOISE_JUMP times either way: doubling a size moves an
-# all-reduce's latency by at most ~2.5x on every machine measured (bench-cpu.md, bench-gpu.md).
-# Loaded 2-core machines went far past both (4 KiB twoshot 13 us against 282 us at 8 KiB; middle
-# halves of 100x the median); quiet ones stayed below 0.5 and 2.5x.
+# all-reduce's latency by at most ~2.5x on every machine measured (bench-cpu.md, bench-gpu.md),
+# while loaded machines went far past both (docs/calibration-cpu.md, "What the probe calls noise").
 NOISE_SPREAD = 1.0
 NOISE_JUMP = 4.0
 # CPU probes only: a point measured while its ranks, which spin on host memory and so use a

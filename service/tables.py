@@ -331,9 +331,8 @@ class TableKeeper:
     def topology_default(self, devices: Sequence[int | None]) -> tuple[dict[str, int | None], str] | None:
         """The built-in boundaries a CUDA group's topology changes, and why; None where it changes
         none. The copy engines (dma) lost to the SM paths at every size wherever peer reads are
-        fast: on ranks sharing a GPU (one H200: 1.9-5.8x oneshot's time) and on GPUs every pair of which
-        is NVLink-connected, seen as peer access with native atomics (2x H200: about 2x slower,
-        ~104 against ~210 GB/s); docs/calibration-gpu.md has both runs. PCIe keeps 6 MiB."""
+        fast: on ranks sharing a GPU and on GPUs every pair of which is NVLink-connected, seen as
+        peer access with native atomics (docs/calibration-gpu.md has both runs). PCIe keeps 6 MiB."""
         gpus = sorted({d for d in devices if d is not None})
         if len(gpus) < len(devices):
             return {"dma_min_bytes": None}, "dma off: ranks share a GPU"

@@ -89,8 +89,7 @@ struct Signal {
   __device__ __forceinline__ bool gave_up() const { return load_volatile(word(mine(), kGaveUpOffset)) != 0; }
   // Whether this rank must not start anything more: it gave up, or was asked to stop. Both words
   // in one load: read one after the other, the second waited for the first, and every kernel start
-  // and barrier paid one more round trip to memory (graph replay on one H200, world 2: 0.8-0.9 us
-  // per oneshot call at 1-16 KiB, 1.1 us per twoshot call).
+  // and barrier paid one more round trip to memory (docs/bench-gpu.md, "The constants in the kernels").
   __device__ __forceinline__ bool stopped() const {
     std::uint64_t gave, asked;
     asm volatile("ld.volatile.global.v2.u64 {%0, %1}, [%2];"
