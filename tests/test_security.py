@@ -296,7 +296,10 @@ def test_over_tcp_a_join_needs_a_group_key_and_counts_against_its_uid(users, nod
     target = f"ipv4:127.0.0.1:{port}"
     baseline = ordinary_group(a, daemon.socket, "before")
     victims = a.start_ranks("legitimate_traffic", 2, target, "victim", 100, "k", 4.0)
-    time.sleep(2.0)  # rank 0 has joined; rank 1 is late
+    deadline = time.monotonic() + 60  # rank 0 has joined; rank 1 is 4 s late
+    while not any(g["name"] == "victim" and 0 in g.get("joined_ranks", []) for g in status_as(None, daemon.socket)):
+        assert time.monotonic() < deadline, "A's rank 0 never joined its group"
+        time.sleep(0.2)
     unkeyed, keyed = raw_joins(b, target, ["victim"]) + raw_joins(b, target, ["victim"], key="k")
     assert unkeyed.startswith("PERMISSION_DENIED") and "a Join over TCP must carry a group key" in unkeyed, unkeyed
     assert keyed == "ok"  # B's own one-rank "victim", in B's namespace: A's rank 0 never saw it
