@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import grpc
 
-from nodecomm.errors import NodecommError, PermissionDeniedError, ResourceExhaustedError, status_code_for
+from nodecomm.errors import (
+    NodecommError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+    status_code_for,
+    status_details,
+)
 from nodecomm.trust import peer_credentials
 
 from .callers import TCP_CALLER, Caller
@@ -196,7 +202,7 @@ class GateInterceptor(grpc.aio.ServerInterceptor):
         async def refuse(context: grpc.aio.ServicerContext) -> None:
             error = gate.refusal_of(context.peer())
             if error is not None:
-                await context.abort(status_code_for(error), str(error))
+                await context.abort(status_code_for(error), status_details(error))
 
         kind = f"{'stream' if handler.request_streaming else 'unary'}_{'stream' if handler.response_streaming else 'unary'}"
         inner = getattr(handler, kind)
