@@ -7,7 +7,7 @@ the stream lookups, an event record (what the bench adds per call) and one torch
 than a call's GPU time shows that. Start one process per rank:
     python .ci/ab-percall.py RANK WORLD STORE_FILE [cpu|cuda]   (rank 0 prints "call bytes us")
 NC_BEFORE=1 with an earlier tree's install first on PYTHONPATH runs that tree (the editable
-install's finder is dropped so that it cannot shadow it)."""
+install's finder is dropped so that it cannot shadow it), without the rows it lacks."""
 
 import os
 import statistics
@@ -35,13 +35,14 @@ def per_call_us(call, calls: int) -> float:
 def rows_for(x: torch.Tensor, comm, gloo) -> dict:
     from nodecomm.client.dtypes import DTYPE_CODES
 
-    lane, stream = comm._lane, comm._transport.stream()
-    args = (x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], 0, -1, stream)
     rows = {
         "dist.all_reduce nodecomm": lambda: dist.all_reduce(x),
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
-        "native lane call": lambda: lane.all_reduce(*args),
     }
+    if hasattr(comm, "_lane"):  # trees from before the native hot path have no lane
+        lane, stream = comm._lane, comm._transport.stream()
+        args = (x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], 0, -1, stream)
+        rows["native lane call"] = lambda: lane.all_reduce(*args)
     if not x.is_cuda:
         return rows | {"dist.all_reduce gloo": lambda: dist.all_reduce(x, group=gloo)}
     index, event = x.device.index, torch.cuda.Event(enable_timing=True)
@@ -58,9 +59,12 @@ def main() -> None:
     cuda = len(sys.argv) > 4 and sys.argv[4] == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     store = dist.FileStore(store_path, world)
-    if cuda:
+    if cuda and not os.environ.get("NC_BEFORE"):  # device_id= needs the C++ backend
         torch.cuda.set_device(device)
         dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, device_id=device)
+    elif cuda:
+        torch.cuda.set_device(device)
+        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store)
     else:
         dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store)
     gloo = dist.new_group(backend="gloo")
