@@ -59,14 +59,11 @@ def main() -> None:
     cuda = len(sys.argv) > 4 and sys.argv[4] == "cuda"
     device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
     store = dist.FileStore(store_path, world)
-    if cuda and not os.environ.get("NC_BEFORE"):  # device_id= needs the C++ backend
+    if cuda:
         torch.cuda.set_device(device)
-        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, device_id=device)
-    elif cuda:
-        torch.cuda.set_device(device)
-        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store)
-    else:
-        dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store)
+    # device_id= needs the C++ backend, which trees from before it lack
+    bound = {"device_id": device} if cuda and not os.environ.get("NC_BEFORE") else {}
+    dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, **bound)
     gloo = dist.new_group(backend="gloo")
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)

@@ -12,7 +12,7 @@ import ranks
 from conftest import join_request, rank_channel, reserved_bytes
 from nodecomm.client.daemon_process import daemon_command
 from nodecomm.client.descriptors import DescriptorSocket, claim_descriptors
-from nodecomm.socket_path import grpc_target
+from nodecomm.socket_path import descriptor_socket_path, grpc_target
 from nodecomm.trust import node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -77,16 +77,17 @@ def test_a_live_socket_is_not_taken_over(daemon):
 
 
 def test_a_silent_descriptor_client_delays_nobody(daemon, spawn_ranks):
+    descriptors = descriptor_socket_path(daemon.socket)
     with socket.socket(socket.AF_UNIX) as silent:
-        silent.connect(daemon.socket + ".fd")  # sends nothing
-        token = DescriptorSocket(daemon.socket + ".fd", node_daemon_uids(daemon.socket + ".fd")).identify(5.0, {})
+        silent.connect(descriptors)  # sends nothing
+        token = DescriptorSocket(descriptors, node_daemon_uids(descriptors)).identify(5.0, {})
         assert len(token) == 16
         # answered while the silent connection is still open: the daemon did not wait it out
         with pytest.raises(BlockingIOError):
             silent.recv(1, socket.MSG_DONTWAIT)
         results = spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "beside-silent", {}).values()
         assert set(results.values()) == {"ok [2.0, 2.0, 2.0, 2.0]"}
-    assert os.path.exists(daemon.socket + ".fd")
+    assert os.path.exists(descriptors)
 
 
 def test_a_closed_communicator_accepts_nothing_and_a_bad_size_is_named(daemon):

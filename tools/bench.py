@@ -162,8 +162,7 @@ def host_times(run, iterations: int, comm) -> list[float]:
 def cuda_times(run, iterations: int, comm, graph: bool) -> list[float]:
     """Eager: per-call times of `iterations` batches of EAGER_BATCH calls back to back (an event
     recorded around every call would add its own enqueue to each: docs/bench-gpu.md, "Eager
-    calls"). Graph:
-    per-call times of GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
+    calls"). Graph: per-call times of GRAPH_REPLAYS replays of one graph holding `iterations` calls."""
     import torch
 
     if graph:
