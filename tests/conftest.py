@@ -6,15 +6,12 @@ import collections
 import faulthandler
 import itertools
 import json
-import multiprocessing as mp
 import os
-import queue
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +23,7 @@ import pytest
 from nodecomm.client.daemon_process import answers, start_daemon
 from nodecomm.credentials import rank_metadata
 from nodecomm.socket_path import grpc_target
-from nodecomm.tools.bench import free_port  # noqa: F401 (the tests take it from here)
+from nodecomm.tools.ranks import RankProcesses, free_port  # free_port: the tests take it from here
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -163,81 +160,14 @@ def make_daemon(tmp_path: Path):
             instance.stop(signal.SIGKILL)
 
 
-def _rank_entry(target: Callable, rank: int, args: tuple, results: mp.Queue) -> None:
-    try:
-        results.put((rank, "ok", target(rank, *args)))
-    except BaseException as error:  # reported to the test, which decides
-        results.put((rank, "error", (type(error).__name__, str(error), traceback.format_exc())))
-
-
-@dataclass
-class Ranks:
-    """Rank processes started together; `results()` waits for all of them against one deadline."""
-
-    processes: dict[int, mp.Process]
-    queue: mp.Queue
-    deadline: float
-    _dead_since: dict[int, float] = field(default_factory=dict)
-
-    def results(self) -> dict[int, tuple[str, object]]:
-        collected: dict[int, tuple[str, object]] = {}
-        while len(collected) < len(self.processes):
-            remaining = self.deadline - time.monotonic()
-            try:
-                rank, status, value = self.queue.get(timeout=min(max(0.1, remaining), 0.5))
-            except queue.Empty:
-                if remaining <= 0:
-                    missing = sorted(set(self.processes) - set(collected))
-                    raise TimeoutError(f"ranks {missing} did not finish before the deadline") from None
-                # A process that exited without reporting died; give its last report a moment to arrive.
-                now = time.monotonic()
-                for r, p in self.processes.items():
-                    if r not in collected and p.exitcode is not None:
-                        first_seen = self._dead_since.setdefault(r, now)
-                        if now - first_seen > 1.0:
-                            collected[r] = ("died", p.exitcode)
-                continue
-            collected[rank] = (status, value)
-        return collected
-
-    def values(self) -> dict[int, object]:
-        """Every rank's return value; fails the test with the first rank's traceback otherwise."""
-        out, failures = {}, []
-        for rank, (status, value) in sorted(self.results().items()):
-            if status != "ok":
-                detail = value[2] if isinstance(value, tuple) else value
-                failures.append(f"rank {rank} {status}: {detail}")
-            out[rank] = value
-        if failures:
-            pytest.fail("\n".join(failures))  # every rank's: the first to fail is not always the cause
-        return out
-
-    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
-        os.kill(self.processes[rank].pid, sig)
-
-    def close(self) -> None:
-        for process in self.processes.values():
-            if process.is_alive():
-                process.kill()
-        for process in self.processes.values():
-            process.join(timeout=10)
-
-
 @pytest.fixture
 def spawn_ranks():
-    """spawn_ranks(target, world_size, *args, timeout=...) -> Ranks; survivors are killed afterwards."""
-    started: list[Ranks] = []
-    context = mp.get_context("spawn")
+    """spawn_ranks(target, world_size, *args, timeout=...) -> RankProcesses (nodecomm.tools.ranks);
+    survivors are killed afterwards."""
+    started: list[RankProcesses] = []
 
-    def spawn(target: Callable, ranks: int | list[int], *args, timeout: float = 120.0) -> Ranks:
-        results = context.Queue()
-        numbers = list(range(ranks)) if isinstance(ranks, int) else ranks
-        processes = {
-            r: context.Process(target=_rank_entry, args=(target, r, args, results), daemon=True) for r in numbers
-        }
-        for process in processes.values():
-            process.start()
-        group = Ranks(processes, results, time.monotonic() + timeout)
+    def spawn(target: Callable, ranks: int | list[int], *args, timeout: float = 120.0) -> RankProcesses:
+        group = RankProcesses.start(target, ranks, *args, timeout=timeout)
         started.append(group)
         return group
 

@@ -15,7 +15,7 @@ import statistics
 from .bench import PrivateDaemon, slowest_rank, spawn_ranks
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> object:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import time
 
@@ -52,8 +52,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                 if rank == 0:
                     rows.append((nbytes, name, statistics.median(slowest)))
     dist.destroy_process_group()
-    if rank == 0:
-        results.put({"table": table, "rows": rows})
+    return {"table": table, "rows": rows} if rank == 0 else None
 
 
 def run_across_nodes_bench(nodes: list[int], sizes: list[int], iterations: int) -> str:

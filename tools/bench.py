@@ -14,14 +14,10 @@ counts elements that differ from it.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
 import secrets
 import shutil
-import signal
-import socket as socketlib
 import statistics
 import tempfile
 import time
@@ -33,6 +29,7 @@ from nodecomm.socket_path import lease_socket_path
 
 from ..client.daemon_choice import JobLeaseHandle
 from ..client.daemon_process import start_daemon
+from .ranks import RankProcesses, free_port
 
 if TYPE_CHECKING:
     from nodecomm.service.calibration import Calibration
@@ -78,13 +75,6 @@ def sizes_between(low: int, high: int) -> list[int]:
 
 def iterations_for(nbytes: int) -> int:
     return max(10, min(300, (128 << 20) // max(nbytes, 1)))
-
-
-def free_port() -> int:
-    """A TCP port on loopback that was free a moment ago (for a rank group's store)."""
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Not paths: dist.all_reduce through the "nodecomm" torch.distributed backend, and what it runs
@@ -208,7 +198,7 @@ def start_rank(rank: int, world_size: int, args: dict, port: int) -> str:
     return device
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Queue) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> tuple | None:
     device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
@@ -275,10 +265,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results: mp.Qu
                         point = {"size_bytes": nbytes, "path": path, "p50_us": statistics.median(slowest) * 1e6}
                         print(json.dumps({"progress": point}), flush=True)
             if rank == 0:
-                results.put((PART, [row for row in rows if row[0] == nbytes]))  # shown as soon as measured
+                report([row for row in rows if row[0] == nbytes])  # shown as soon as measured
     dist.destroy_process_group()
-    if rank == 0:
-        results.put((rows, notes))
+    return (rows, notes) if rank == 0 else None
 
 
 def _empty_submit_note(comm, world_size: int, iterations: int = 300) -> str:
@@ -299,30 +288,6 @@ def _empty_submit_note(comm, world_size: int, iterations: int = 300) -> str:
         f"service path control plane: an empty submit (gRPC round trip, matching, no data) costs "
         f"p50 {statistics.median(ordered) * 1e6:.1f} us, p99 {p99 * 1e6:.1f} us ({iterations} iterations)"
     )
-
-
-# A message rank 0 sends before its result: (PART, payload), handed to run_ranks' on_part.
-PART = "part"
-
-
-def _wait_for_rows(results: mp.Queue, ranks: list, on_part=None) -> list:
-    """Rank 0's result, its parts passed to on_part on the way; fails as soon as any rank dies
-    instead of waiting on the survivors."""
-    deadline = time.monotonic() + 3600
-    while time.monotonic() < deadline:
-        try:
-            message = results.get(timeout=0.5)
-        except queue.Empty:
-            failed = {r: p.exitcode for r, p in enumerate(ranks) if p.exitcode not in (None, 0)}
-            if failed:
-                raise RuntimeError(f"bench ranks failed (rank: exit code): {failed}") from None
-            continue
-        if isinstance(message, tuple) and len(message) == 2 and message[0] == PART:
-            if on_part is not None:
-                on_part(message[1])
-            continue
-        return message
-    raise TimeoutError("the bench did not finish within an hour")
 
 
 def _row(nbytes: int, count: int, dtype: str, path: str, times: list[float], wrong: int, world_size: int,
@@ -412,35 +377,17 @@ class BenchSetup:
 
 
 def spawn_ranks(target, world_size: int, args: dict, on_part=None):
-    """Run target(rank, world_size, args, port, results) in `world_size` spawned processes; returns
-    what rank 0 puts on `results` (its (PART, payload) messages before that go to on_part)."""
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = free_port()
-    ranks = [
-        context.Process(target=_ignoring_ctrl_c, args=(target, r, world_size, args, port, results))
-        for r in range(world_size)
-    ]
-    for process in ranks:
-        process.start()
+    """Run target(rank, world_size, args, port, report) in `world_size` spawned processes (tools/ranks.py)
+    and return what rank 0 returns; the parts a rank reports go to on_part. The first rank to fail
+    ends the run."""
+    ranks = RankProcesses.start(target, world_size, world_size, args, free_port(), timeout=3600, report=True)
     try:
-        return _wait_for_rows(results, ranks, on_part)
+        result = ranks.values(on_part, first_failure=True)[0]
     except BaseException:
-        for process in ranks:  # interrupted or failed: the ranks go at once
-            process.kill()
+        ranks.close()  # interrupted or failed: the ranks go at once
         raise
-    finally:
-        for process in ranks:
-            process.join(timeout=60)
-            if process.is_alive():
-                process.kill()
-
-
-def _ignoring_ctrl_c(target, *args) -> None:
-    """A rank process: Ctrl-C reaches the whole process group, and the bench's own process
-    answers it (it ends the ranks), so a rank ignores it rather than print a traceback."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    target(*args)
+    ranks.close(grace=60)
+    return result
 
 
 def run_ranks(

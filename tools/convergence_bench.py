@@ -56,7 +56,7 @@ def _window_times(run, windows: int, comm, on_gpu: bool, nbytes: int) -> tuple[l
     return per_call, elapsed, paths
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> object:
     device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
@@ -83,8 +83,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
             if rank == 0:
                 out.append((nbytes, auto, elapsed, best, table))
     dist.destroy_process_group()
-    if rank == 0:
-        results.put(out)
+    return out if rank == 0 else None
 
 
 def converged_at(auto: list[float], best: float) -> int | None:

@@ -45,7 +45,7 @@ def _unfused_vllm(comm, vllm_norm, x, residual, weight, summed) -> None:
     vllm_norm(summed, residual, weight, EPS)  # in place, as vLLM calls it
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> object:
     device = start_rank(rank, world_size, args, port)
     import torch
 
@@ -86,8 +86,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                     slowest, flaws, _ = slowest_rank(times, wrong if name == "fused" else 0, world_size)
                     if rank == 0:
                         out_rows.append((hidden, rows, name, statistics.median(slowest), flaws))
-    if rank == 0:
-        results.put(out_rows)
+    return out_rows if rank == 0 else None
 
 
 def run_rms_norm_bench(

@@ -33,7 +33,7 @@ def _gather_then_slice(idx, scores, span: range, world_size: int, group=None, vi
     return torch.stack([t[mine] for t in all_idx], 1), torch.stack([t[mine] for t in all_scores], 1)
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> object:
     device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
@@ -71,8 +71,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                 if rank == 0:
                     out.append((rows, name, slowest, differ))
     dist.destroy_process_group()
-    if rank == 0:
-        results.put(out)
+    return out if rank == 0 else None
 
 
 def run_topk_bench(

@@ -64,7 +64,7 @@ def dtype_accumulation(inputs: list):
     return acc
 
 
-def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> None:
+def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> object:
     device = start_rank(rank, world_size, args, port)
     import torch
     import torch.distributed as dist
@@ -93,8 +93,7 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, results) -> No
                 accumulated = errors(dtype_accumulation(inputs), exact)
                 rows.append((kind, dtype_name, world_size, f"{dtype_name} accumulation", *accumulated, ""))
     dist.destroy_process_group()
-    if rank == 0:
-        results.put(rows)
+    return rows if rank == 0 else None
 
 
 def run_wire_error(world_sizes: list[int], count: int, socket: str | None, device: str = "cpu") -> str:
