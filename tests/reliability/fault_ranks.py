@@ -18,8 +18,8 @@ torch.set_num_threads(1)
 STAGES = ("joining", "idle", "collective", "topk", "service")
 
 
-def _failure(error: Exception, signalled) -> tuple[str, str, float]:
-    return type(error).__name__, str(error), time.time() - signalled.get(timeout=60)
+def _failure(error: Exception, signalled, at: float | None = None) -> tuple[str, str, float]:
+    return type(error).__name__, str(error), time.time() - (signalled.get(timeout=60) if at is None else at)
 
 
 def work_until_error(
@@ -32,7 +32,7 @@ def work_until_error(
     if stage == "joining":
         report.put(("ready", rank))
         if rank == 1:
-            time.sleep(2.0)  # the victim is stopped or killed before it gets to join
+            time.sleep(600)  # the victim never joins: the test stops or kills it here
         try:
             nodecomm.connect(group, rank, world_size, device=device, socket=socket, timeout=5).close()
         except nodecomm.NodecommError as error:
@@ -42,10 +42,13 @@ def work_until_error(
     exchange = comm.topk_exchange(64, 8) if stage == "topk" else None
     x = torch.ones(4096, device=device)
     comm.all_reduce(x)
+    at = None
     try:
         report.put(("ready", rank))
+        if stage == "idle" and rank == 1:
+            time.sleep(600)  # mapped and idle: the test stops or kills the victim here
         if stage == "idle":
-            time.sleep(1.0)  # mapped and idle: the test signals the victim meanwhile
+            at = signalled.get(timeout=60)  # the survivor idles until the victim has been signalled
         while True:
             if stage in ("idle", "collective"):
                 comm.all_reduce(x)
@@ -58,7 +61,7 @@ def work_until_error(
             if device != "cpu":
                 torch.cuda.synchronize()
     except nodecomm.NodecommError as error:
-        return _failure(error, signalled)
+        return _failure(error, signalled, at)
     finally:
         comm.close()
 
