@@ -1,6 +1,8 @@
 """Per-call host time of all-reduces at world 2, back to back (median of 5 runs), in one run.
 CPU: dist.all_reduce on the "nodecomm" group, comm.all_reduce in place, the native lane's call
-beneath it (what the Communicator wraps), and dist.all_reduce on a gloo group of the same ranks.
+beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
+on torch's "fake" backend, which moves nothing and returns a completed Work: torch.distributed's
+own cost per call, which every backend pays (CPU and CUDA alike).
 CUDA (ranks sharing a GPU under MPS have no NCCL): the same nodecomm rows and, each timed alone,
 the stream lookups, an event record (what the bench adds per call) and one torch kernel
 (x.mul_(1)). A launch queued behind kernels that have not run waits for one, so a row cheaper
@@ -19,6 +21,7 @@ if os.environ.get("NC_BEFORE"):
 
 import torch  # noqa: E402 (after the finder is dropped)
 import torch.distributed as dist  # noqa: E402
+import torch.testing._internal.distributed.fake_pg  # noqa: E402, F401 (registers the "fake" backend)
 
 import nodecomm  # noqa: E402
 import nodecomm.distributed  # noqa: E402
@@ -32,11 +35,12 @@ def per_call_us(call, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e6
 
 
-def rows_for(x: torch.Tensor, comm, gloo) -> dict:
+def rows_for(x: torch.Tensor, comm, gloo, fake) -> dict:
     from nodecomm.client.dtypes import DTYPE_CODES
 
     rows = {
         "dist.all_reduce nodecomm": lambda: dist.all_reduce(x),
+        "dist.all_reduce fake": lambda: dist.all_reduce(x, group=fake),
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
     }
     if hasattr(comm, "_lane"):  # trees from before the native hot path have no lane
@@ -65,12 +69,13 @@ def main() -> None:
     bound = {"device_id": device} if cuda and not os.environ.get("NC_BEFORE") else {}
     dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, **bound)
     gloo = dist.new_group(backend="gloo")
+    fake = dist.new_group(backend="fake")
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)
     comm = nodecomm.distributed.communicator(device=device)
     for nbytes in (1024, 16384, 262144):
         x = torch.ones(nbytes // 4, device=device)
-        for name, call in rows_for(x, comm, gloo).items():
+        for name, call in rows_for(x, comm, gloo, fake).items():
             calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1)
             call()
             runs = [per_call_us(call, calls) for _ in range(5)]
