@@ -10,8 +10,8 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv
 # The run's own deadline (NC_TIMEOUT seconds, default 540: under the tool's 600 s limit), so that a
 # hung test still returns its log: pytest is stopped, then the ranks and daemons it left (into a
-# file, not a pipe, which those would hold open).
-log=${OUT:-/tmp}/pytest.log
+# file, not a pipe, which those would hold open). NC_LOG names the log, for calls that run several.
+log=${OUT:-/tmp}/${NC_LOG:-pytest}.log
 timeout -k 10 "${NC_TIMEOUT:-540}" python3 -m pytest -v -p no:cacheprovider -rs --durations=0 "$@" > "$log" 2>&1
 rc=$?
 [ "$rc" = 124 ] && echo "pytest stopped after ${NC_TIMEOUT:-540} s" && pkill -9 -f "multiprocessing|nodecommd|nodecomm.service"
