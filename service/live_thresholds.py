@@ -29,7 +29,7 @@ import itertools
 from dataclasses import dataclass
 
 from nodecomm.evidence import SIZE_BUCKETS, Evidence, beats, bucket_range
-from nodecomm.thresholds import WIRE_PATHS, Boundary, DispatchTable, Path, Source, Wire, build_table
+from nodecomm.thresholds import PEER_PATHS, WIRE_PATHS, Boundary, DispatchTable, Path, Source, Wire, build_table
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class LiveEstimates:
                 if mine is None:
                     continue
                 rivals = []
-                for path in (*LOSSLESS_PATHS, fallback):
+                for path in (*PEER_PATHS, fallback):
                     theirs = None if path in (current, Path.SERVICE) else self.estimate(path, bucket, cell=(low, high))
                     if theirs is not None and beats(theirs, mine, self.margin):
                         rivals.append((theirs, path))
@@ -134,7 +134,7 @@ class LiveEstimates:
             if _route(old, *bucket_range(bucket)) == _route(new, *bucket_range(bucket)):
                 masks[bucket] = mask
         for bucket in self.lossless.buckets():
-            for path in LOSSLESS_PATHS:
+            for path in PEER_PATHS:
                 verdicts = []
                 for low, high, index in _cells(new, *bucket_range(bucket)):
                     mine = self.estimate(new.range_paths[index], bucket, cell=(low, high))
@@ -228,6 +228,3 @@ def _moves(
         found.append((len(values), rerouted, values, moved))
     found.sort(key=lambda entry: entry[:2])
     return [(values, moved) for _, _, values, moved in found]
-
-
-LOSSLESS_PATHS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
