@@ -170,21 +170,28 @@ def converge_privately(rank: int, world_size: int, runtime: str, nbytes: int, ca
 def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
     runtime_directory, spawn_ranks, monkeypatch, tmp_path
 ):
-    """Job 1's private daemon starts from the node's stored table (every size to oneshot), learns
-    from its ranks' timings (exploring, as by default) that twoshot wins at 1 MiB, and keeps that in
-    the user's cache, made 0700; the node's state stays as it was. Job 2's private daemon starts
-    from the cache, the newer: its first table already sends 1 MiB to twoshot and says so."""
-    state, cache = tmp_path / "state", tmp_path / "cache"
-    stored = CalibrationStore(str(state)).save(every_size_to("oneshot", "cpu"))
-    before = stored.read_bytes()
-    monkeypatch.setenv("NODECOMM_STATE_DIR", str(state))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    """Job 1's private daemon starts from the node's stored table (every size to one path), learns
+    from its ranks' timings (exploring, as by default) that the other is faster at 1 MiB, and keeps
+    that in the user's cache, made 0700; the node's state stays as it was. Job 2's private daemon
+    starts from the cache, the newer: its first table already sends 1 MiB to that path and says so.
+    Which path is faster at 1 MiB depends on where the host runs the VM's cores
+    (test_live_thresholds.py): the node's table sends every size to oneshot, and where job 1 keeps
+    it, to twoshot, and so on (up to four jobs 1)."""
     monkeypatch.setenv("NODECOMM_EXPLORE_PERIOD", str(DaemonConfig.explore_period))
-    first = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 2000, timeout=300).values()
-    assert first[0]["first"] == ("oneshot", f"{stored}, measured " + first[0]["first"][1].split(", measured ")[1])
-    assert first[0]["last"][0] == "twoshot", first
-    assert gone_within(10, first[0]["socket"])
+    for attempt, stored_path in enumerate(("oneshot", "twoshot") * 2):
+        state, cache = tmp_path / str(attempt) / "state", tmp_path / str(attempt) / "cache"
+        stored = CalibrationStore(str(state)).save(every_size_to(stored_path, "cpu"))
+        before = stored.read_bytes()
+        monkeypatch.setenv("NODECOMM_STATE_DIR", str(state))
+        monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+        first = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 2000, timeout=300).values()
+        assert first[0]["first"] == (stored_path, f"{stored}, measured " + first[0]["first"][1].split(", measured ")[1])
+        assert gone_within(10, first[0]["socket"])
+        if first[0]["last"][0] != stored_path:
+            break
+    learned = first[0]["last"][0]
+    assert learned == ("twoshot" if stored_path == "oneshot" else "oneshot"), first
     (kept,) = (cache / "nodecomm").glob("calibration-*.json")
     assert (cache / "nodecomm").stat().st_mode & 0o777 == 0o700 and stored.read_bytes() == before
     second = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 10, timeout=120).values()
-    assert second[0]["first"][0] == "twoshot" and second[0]["first"][1].startswith(f"{kept}, measured "), second
+    assert second[0]["first"][0] == learned and second[0]["first"][1].startswith(f"{kept}, measured "), second
