@@ -22,7 +22,7 @@ import pytest
 
 from nodecomm.client.daemon_process import answers, start_daemon
 from nodecomm.credentials import rank_metadata
-from nodecomm.socket_path import grpc_target
+from nodecomm.socket_path import descriptor_socket_path, grpc_target
 from nodecomm.tools.ranks import RankProcesses, free_port  # free_port: the tests take it from here
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -93,6 +93,10 @@ class Daemon:
     @property
     def socket(self) -> str:
         return str(self.directory / "nodecomm.sock")
+
+    @property
+    def descriptor_socket(self) -> str:
+        return descriptor_socket_path(self.socket)
 
     @property
     def log_path(self) -> Path:

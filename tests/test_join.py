@@ -148,8 +148,8 @@ def test_unknown_claim_token_and_garbage_on_both_sockets(daemon, spawn_ranks):
     from nodecomm.client.descriptors import claim_descriptors
 
     with pytest.raises(PermissionError, match="unknown, already used or expired"):
-        claim_descriptors(daemon.socket + ".fd", b"\x00" * 16, 8, 5.0)
-    for path in (daemon.socket, daemon.socket + ".fd"):
+        claim_descriptors(daemon.descriptor_socket, b"\x00" * 16, 8, 5.0)
+    for path in (daemon.socket, daemon.descriptor_socket):
         for payload in (b"\x00" * 3, b"GET / HTTP/1.1\r\n\r\n", bytes(range(256)) * 64):
             with socket.socket(socket.AF_UNIX) as raw:
                 raw.settimeout(5)

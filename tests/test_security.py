@@ -26,7 +26,7 @@ from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
 from nodecomm.service.config import DaemonConfig
 from nodecomm.service.fingerprint import cpu_fingerprint, fingerprint_key
 from nodecomm.service.server import session_messages_per_second
-from nodecomm.socket_path import job_digest
+from nodecomm.socket_path import descriptor_socket_path, job_digest
 from nodecomm.trust import checked_target, node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
@@ -56,11 +56,11 @@ def start_as(user: User, socket: str, *flags: str) -> subprocess.Popen:
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not os.path.exists(socket + ".fd") or not os.path.exists(socket):
+    while not os.path.exists(descriptor_socket_path(socket)) or not os.path.exists(socket):
         assert daemon.poll() is None, daemon.stdout.read().decode()
         assert time.monotonic() < deadline, "the other user's daemon did not start"
         time.sleep(0.1)
-    for path in (socket, socket + ".fd"):
+    for path in (socket, descriptor_socket_path(socket)):
         os.chmod(path, 0o666)
     return daemon
 
@@ -718,9 +718,9 @@ def test_one_user_cannot_fill_the_daemon_with_forming_groups(users, node_daemon)
 
 _SILENT = """
 import socket, sys
-path, count = sys.argv[1], int(sys.argv[2])
+count = int(sys.argv[3])
 held = []
-for target in (path, path + ".fd"):
+for target in sys.argv[1:3]:
     for _ in range(count):
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         connection.connect(target)
@@ -741,7 +741,7 @@ def test_silent_connections_neither_exhaust_descriptors_nor_threads(users, node_
     baseline = ordinary_group(a, daemon.socket, "before")
     pid = daemon.process.pid
     before = resources(pid)
-    silent = b.start(_SILENT, daemon.socket, "2000")
+    silent = b.start(_SILENT, daemon.socket, daemon.descriptor_socket, "2000")
     try:
         assert silent.stdout.readline().strip() == "held"
         most = resources(pid)
@@ -872,9 +872,9 @@ def test_an_unreachable_descriptor_socket_is_named_as_the_cause(spawn_ranks):
     try:
         daemon.start()
         baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
-        assert identify_as_nobody(daemon.socket + ".fd") == "no error"  # admitted while it may open it
-        os.chmod(daemon.socket + ".fd", 0o600)
-        answer = identify_as_nobody(daemon.socket + ".fd")
+        assert identify_as_nobody(daemon.descriptor_socket) == "no error"  # admitted while it may open it
+        os.chmod(daemon.descriptor_socket, 0o600)
+        answer = identify_as_nobody(daemon.descriptor_socket)
         assert answer == f"DaemonUnavailableError descriptor socket {daemon.socket}.fd: [Errno 13] Permission denied"
         report(
             "a caller the descriptor socket refuses", baseline, legitimate_group(spawn_ranks, daemon.socket, "after")

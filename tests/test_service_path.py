@@ -112,7 +112,7 @@ def test_the_daemon_refuses_ranges_it_does_not_own(daemon):
         ids = dict(group="raw", group_id=group_id, rank=0)
         reply = stub.AllocateMemory(pb.AllocateMemoryRequest(**ids, size_bytes=4096), timeout=10)
         assert reserved_bytes(daemon) == before + 4096
-        (fd,) = claim_descriptors(daemon.socket + ".fd", reply.claim_token, 1, 5.0)
+        (fd,) = claim_descriptors(daemon.descriptor_socket, reply.claim_token, 1, 5.0)
         assert os.fstat(fd).st_size == 4096
         os.pwrite(fd, torch.full((16,), 2.5).numpy().tobytes(), 64)
         _submit(stub, "raw", group_id, 0, reply.allocation_id, offset=64)  # one rank: the sum is itself

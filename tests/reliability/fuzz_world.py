@@ -74,7 +74,7 @@ class World:
 
 def allocate(checked: Checked, group: RealGroup, rank: int, size: int, fill: bytes) -> Allocation:
     reply = checked.stub.AllocateMemory(pb.AllocateMemoryRequest(**group.ids(rank), size_bytes=size), timeout=10)
-    (fd,) = claim_descriptors(checked.daemon.socket + ".fd", reply.claim_token, 1, 5.0)
+    (fd,) = claim_descriptors(checked.daemon.descriptor_socket, reply.claim_token, 1, 5.0)
     view = mmap.mmap(fd, size)
     os.close(fd)
     view[:] = (fill * (size // len(fill) + 1))[:size]

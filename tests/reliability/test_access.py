@@ -59,12 +59,12 @@ def test_sockets_are_private_to_their_group(open_directory):
     daemon = SocketDaemon(open_directory, ["--socket-group", "nogroup"]).start()
     try:
         run = Path(daemon.socket).parent
-        for path, mode in ((run, 0o750), (Path(daemon.socket), 0o660), (Path(daemon.socket + ".fd"), 0o660)):
+        for path, mode in ((run, 0o750), (Path(daemon.socket), 0o660), (Path(daemon.descriptor_socket), 0o660)):
             info = path.stat()
             assert stat.S_IMODE(info.st_mode) == mode and info.st_gid == NOBODY, (path, oct(info.st_mode), info.st_gid)
         # A member of the group reaches the descriptor socket; anyone else is stopped by the mode.
-        assert identify_as(NOBODY, NOBODY, daemon.socket + ".fd")[:1] == b"\x00"
-        assert identify_as(4242, 4242, daemon.socket + ".fd")[:1] == b"\x03"  # EACCES on connect
+        assert identify_as(NOBODY, NOBODY, daemon.descriptor_socket)[:1] == b"\x00"
+        assert identify_as(4242, 4242, daemon.descriptor_socket)[:1] == b"\x03"  # EACCES on connect
     finally:
         daemon.stop(signal.SIGKILL)
     _checked("socket modes and group")
@@ -74,7 +74,7 @@ def test_sockets_are_private_to_their_group(open_directory):
 def test_only_admitted_callers_join(open_directory):
     daemon = SocketDaemon(open_directory, ["--socket-group", "nogroup", "--allowed-uids", "4242"]).start()
     try:
-        refused = identify_as(NOBODY, NOBODY, daemon.socket + ".fd")
+        refused = identify_as(NOBODY, NOBODY, daemon.descriptor_socket)
         assert refused[:1] == b"\x01" and b"uid 65534" in refused and b"may not use this daemon" in refused
         # The control socket closes a connection from a uid it does not admit as it arrives, saying why.
         answer = as_user(NOBODY, NOBODY, "health", daemon.socket).decode()
@@ -87,7 +87,7 @@ def test_only_admitted_callers_join(open_directory):
             with nodecomm.connect("admitted", 0, 1, socket=f"unix:{daemon.socket}", timeout=10) as comm:
                 assert comm.all_reduce(torch.ones(4)).tolist() == [1.0] * 4  # a gRPC target finds it too
             # An identity works once, and only for the process it was issued to.
-            token = identify_as(0, 0, daemon.socket + ".fd")[1:]  # issued to a forked child
+            token = identify_as(0, 0, daemon.descriptor_socket)[1:]  # issued to a forked child
             for attempt in range(2):
                 request = join_request(group="raw", world_size=1)
                 request.identity = token
@@ -101,7 +101,7 @@ def test_only_admitted_callers_join(open_directory):
     (open_directory / "again").mkdir()
     daemon.start()
     try:
-        assert identify_as(NOBODY, NOBODY, daemon.socket + ".fd")[:1] == b"\x00"  # a member of an allowed group
+        assert identify_as(NOBODY, NOBODY, daemon.descriptor_socket)[:1] == b"\x00"  # a member of an allowed group
         assert as_user(NOBODY, NOBODY, "health", daemon.socket) == b"SERVING"
     finally:
         daemon.stop(signal.SIGKILL)

@@ -53,7 +53,7 @@ def grpc_connection(daemon) -> socket.socket:
 def descriptor_connection(daemon) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(5.0)
-    sock.connect(daemon.socket + ".fd")
+    sock.connect(daemon.descriptor_socket)
     return sock
 
 

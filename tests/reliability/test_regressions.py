@@ -268,8 +268,8 @@ def test_a_claim_behind_a_burst_of_connections_is_served(fuzz_daemon, checked):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             held.append(sock)
             sock.settimeout(5)
-            sock.connect(fuzz_daemon.socket + ".fd")  # and says nothing
-        fds = claim_descriptors(fuzz_daemon.socket + ".fd", reply.claim_token, 4, 10.0)
+            sock.connect(fuzz_daemon.descriptor_socket)  # and says nothing
+        fds = claim_descriptors(fuzz_daemon.descriptor_socket, reply.claim_token, 4, 10.0)
         assert len(fds) == 2  # the control segment and the one rank's buffer
         for fd in fds:
             os.close(fd)
