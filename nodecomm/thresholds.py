@@ -62,8 +62,8 @@ class Wire(ContractName):
 
 
 WIRE_BLOCK = 32  # elements per scale on a compressed wire
-# The peer paths: the ranks run them among themselves over the group's memory, in this order of
-# preference. Each can carry a compressed wire (where the transport runs it).
+# The peer paths: the ranks run them among themselves over the group's memory. Each can carry a
+# compressed wire (where the transport runs it).
 PEER_PATHS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 WIRE_PATHS = frozenset(PEER_PATHS)
 

@@ -174,9 +174,9 @@ def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
     from its ranks' timings (exploring, as by default) that the other is faster at 1 MiB, and keeps
     that in the user's cache, made 0700; the node's state stays as it was. Job 2's private daemon
     starts from the cache, the newer: its first table already sends 1 MiB to that path and says so.
-    Which path is faster at 1 MiB depends on where the host runs the VM's cores
-    (test_live_thresholds.py): the node's table sends every size to oneshot, and where job 1 keeps
-    it, to twoshot, and so on (up to four jobs 1)."""
+    Which path is faster at 1 MiB depends on the run (test_live_thresholds.py): the node's table
+    sends every size to oneshot, and where job 1 keeps it, to twoshot, and so on, up to four first
+    jobs."""
     monkeypatch.setenv("NODECOMM_EXPLORE_PERIOD", str(DaemonConfig.explore_period))
     for attempt, stored_path in enumerate(("oneshot", "twoshot") * 2):
         state, cache = tmp_path / str(attempt) / "state", tmp_path / str(attempt) / "cache"
