@@ -16,7 +16,7 @@ import torch
 from nodecomm import _native
 from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.errors import GroupMismatchError
-from nodecomm.thresholds import Path, Wire
+from nodecomm.thresholds import PEER_PATHS, Path, Wire
 
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
@@ -82,7 +82,7 @@ class CudaTransport:
         """One small all-reduce through every peer path, checked exactly: "" or what was wrong."""
         pattern = torch.arange(1000, device=self.device, dtype=torch.float32) % 7
         expected = pattern * self.world_size + self.world_size * (self.world_size - 1) // 2
-        for path in (Path.ONESHOT, Path.TWOSHOT, Path.DMA):
+        for path in PEER_PATHS:
             out = torch.empty_like(pattern)
             self.all_reduce(pattern + self.rank, out, path.to_proto(), timeout)
             torch.cuda.synchronize(self.device)

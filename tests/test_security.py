@@ -875,7 +875,10 @@ def test_an_unreachable_descriptor_socket_is_named_as_the_cause(spawn_ranks):
         assert identify_as_nobody(daemon.descriptor_socket) == "no error"  # admitted while it may open it
         os.chmod(daemon.descriptor_socket, 0o600)
         answer = identify_as_nobody(daemon.descriptor_socket)
-        assert answer == f"DaemonUnavailableError descriptor socket {daemon.socket}.fd: [Errno 13] Permission denied"
+        assert (
+            answer
+            == f"DaemonUnavailableError descriptor socket {daemon.descriptor_socket}: [Errno 13] Permission denied"
+        )
         report(
             "a caller the descriptor socket refuses", baseline, legitimate_group(spawn_ranks, daemon.socket, "after")
         )

@@ -18,7 +18,7 @@ from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.capabilities import path_names
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
-from nodecomm.thresholds import DispatchTable, Wire, range_end
+from nodecomm.thresholds import PEER_PATHS, DispatchTable, Wire, range_end
 from nodecomm.trust import checked_target, node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -529,7 +529,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--table",
-        choices=("oneshot", "twoshot", "dma"),
+        choices=tuple(path.value for path in PEER_PATHS),
         help="convergence: start from a stored calibration that sends every size to this path (a wrong table)",
     )
     bench.add_argument(
