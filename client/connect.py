@@ -129,7 +129,7 @@ def connect(
     where = spec.where
     # node by default: an engine that builds its own groups runs where nodecommd is deployed, and an
     # unreachable node daemon should fail its connect, not hide behind a job's own daemon.
-    mode = daemon_choice.resolve_mode(daemon, "node", where)
+    mode = daemon_choice.resolve_mode(daemon, daemon_choice.DaemonMode.NODE, where)
     chosen, lease = daemon_choice.choose(mode, socket, job or group, timeout, where)
     try:
         communicator = _join(spec, chosen, lease, nccl_group)

@@ -26,6 +26,7 @@ import socket as socketlib
 import threading
 import time
 from dataclasses import dataclass
+from enum import Enum
 
 from nodecomm import trust
 from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError, NodecommError
@@ -41,7 +42,19 @@ from .daemon_process import answers, start_daemon
 
 log = logging.getLogger("nodecomm.client")
 
-MODES = ("auto", "node", "private")
+
+class DaemonMode(str, Enum):
+    """Which daemon a rank asks for (AUTO) or got (NODE, PRIVATE)."""
+
+    AUTO = "auto"
+    NODE = "node"
+    PRIVATE = "private"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+MODES = tuple(mode.value for mode in DaemonMode)
 ENVIRONMENT_VARIABLE = "NODECOMM_DAEMON"
 ENVIRONMENT_SOCKET = "NODECOMM_SOCKET"
 NODE_STATE_DIR = "/var/lib/nodecomm"  # the node daemon's, where it runs as root
@@ -49,61 +62,62 @@ NODE_STATE_DIR = "/var/lib/nodecomm"  # the node daemon's, where it runs as root
 
 @dataclass(frozen=True)
 class DaemonChoice:
-    """The daemon a rank uses: kind "node" or "private", its socket, and whether this process
+    """The daemon a rank uses: kind NODE or PRIVATE, its socket, and whether this process
     started it."""
 
-    kind: str
+    kind: DaemonMode
     socket: str
     started_here: bool = False
 
     @property
     def daemon_uids(self) -> frozenset[int]:
         """Who the daemon may run as (nodecomm.trust): the caller for a private one."""
-        if self.kind == "private":
+        if self.kind is DaemonMode.PRIVATE:
             return trust.private_daemon_uids()
         return trust.node_daemon_uids(self.socket)
 
     def __str__(self) -> str:
-        if self.kind == "node":
+        if self.kind is DaemonMode.NODE:
             return f"the node daemon at {self.socket}"
         return f"a private daemon at {self.socket}" + (" (started by this process)" if self.started_here else "")
 
 
-def resolve_mode(mode: str | None, default: str, where: dict) -> str:
-    """`mode`, else $NODECOMM_DAEMON, else `default`; one of MODES."""
+def resolve_mode(mode: str | None, default: DaemonMode, where: dict) -> DaemonMode:
+    """`mode`, else $NODECOMM_DAEMON, else `default`."""
     chosen = mode if mode is not None else os.environ.get(ENVIRONMENT_VARIABLE) or default
     if chosen not in MODES:
         source = "daemon" if mode is not None else ENVIRONMENT_VARIABLE
         raise InvalidArgumentError(f"{source} {chosen!r}: expected one of {', '.join(MODES)}", **where)
-    return chosen
+    return DaemonMode(chosen)
 
 
-def decide(mode: str, socket: str | None, job: str) -> tuple[str, str]:
-    """The kind ("node" or "private") and socket of the daemon `mode` picks, attaching to none."""
+def decide(mode: DaemonMode, socket: str | None, job: str) -> tuple[DaemonMode, str]:
+    """The kind (NODE or PRIVATE) and socket of the daemon `mode` picks, attaching to none."""
     node = socket or default_socket_path()
-    if mode == "node" or (mode == "auto" and answers(node, daemon_uids=trust.node_daemon_uids(node))):
-        return "node", node
+    auto = mode is DaemonMode.AUTO
+    if mode is DaemonMode.NODE or (auto and answers(node, daemon_uids=trust.node_daemon_uids(node))):
+        return DaemonMode.NODE, node
     named = "socket" if socket else ENVIRONMENT_SOCKET if os.environ.get(ENVIRONMENT_SOCKET) else ""
-    if mode == "auto" and named and node not in _warned:
+    if auto and named and node not in _warned:
         # An explicit socket meant a daemon there: say once that this job runs without it.
         _warned.add(node)
         log.warning(
             f"{named} {node} names a node daemon, but none answers there: this job uses a daemon private to it "
             f"(start nodecommd there, or set {ENVIRONMENT_VARIABLE}=node to fail instead)"
         )
-    return "private", socket if mode == "private" and socket else private_socket_path(job)
+    return DaemonMode.PRIVATE, socket if mode is DaemonMode.PRIVATE and socket else private_socket_path(job)
 
 
 _warned: set[str] = set()  # the explicit sockets already warned about, once per process
 
 
 def choose(
-    mode: str, socket: str | None, job: str, timeout: float, where: dict
+    mode: DaemonMode, socket: str | None, job: str, timeout: float, where: dict
 ) -> tuple[DaemonChoice, JobLeaseHandle | None]:
     """The daemon to use, and for a private one the lease this process now holds on it."""
     kind, path = decide(mode, socket, job)
-    if kind == "node":
-        return DaemonChoice("node", path), None
+    if kind is DaemonMode.NODE:
+        return DaemonChoice(DaemonMode.NODE, path), None
     return attach_private(path, timeout, where)
 
 
@@ -127,7 +141,7 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
         lease = JobLeaseHandle.take(lease_socket_path(socket), where)
     finally:
         os.close(lock)  # and with it the lock
-    choice = DaemonChoice("private", socket, started)
+    choice = DaemonChoice(DaemonMode.PRIVATE, socket, started)
     log.info(f"using {choice}", extra={**where, "socket": socket})
     return choice, lease
 

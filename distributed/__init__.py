@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from nodecomm.client import daemon_choice
+from nodecomm.client.daemon_choice import DaemonMode
 from nodecomm.client.hierarchical import node_name
 from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
 
@@ -109,22 +110,23 @@ def _shared_daemon(
     nodes (`names` differ) each rank takes its own node's daemon, a private one per node."""
     global _job_token
     entry = f"nodecomm/group/{generation}"
-    mode = daemon_choice.resolve_mode(options.daemon, "auto", {})
+    mode = daemon_choice.resolve_mode(options.daemon, DaemonMode.AUTO, {})
     across = len(set(names)) > 1
     if rank == 0:
         token, group_key = secrets.token_hex(6), secrets.token_hex(16)
         _job_token = _job_token or token
-        kind, socket = daemon_choice.decide(mode, options.socket, _job_token) if not across else ("-", "-")
-        store.set(entry, f"{token} {group_key} {kind} {socket}")
+        kind, socket = daemon_choice.decide(mode, options.socket, _job_token) if not across else (None, "-")
+        store.set(entry, f"{token} {group_key} {kind or '-'} {socket}")
     else:
         store.wait([entry], timeout)
-        token, group_key, kind, socket = store.get(entry).decode().split(" ", 3)
+        token, group_key, announced, socket = store.get(entry).decode().split(" ", 3)
+        kind = DaemonMode(announced) if announced != "-" else None
         _job_token = _job_token or token
     if across:
         node = names[rank]
         kind, socket = daemon_choice.decide(mode, options.socket, f"{_job_token}.{names.index(node)}")
-    if kind == "node":
-        return token, group_key, daemon_choice.DaemonChoice("node", socket), None
+    if kind is DaemonMode.NODE:
+        return token, group_key, daemon_choice.DaemonChoice(DaemonMode.NODE, socket), None
     choice, lease = daemon_choice.attach_private(socket, timeout.total_seconds(), {"rank": rank})
     return token, group_key, choice, lease
 

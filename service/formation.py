@@ -44,7 +44,7 @@ class Formation:
         first = forming.arrivals[0]
         joined = [forming.arrivals[rank] for rank in range(first.world_size)]
         self.quotas.check_group(first, [a.device for a in joined], forming.creator)
-        devices = [None if a.device == "cpu" else self.gpus.index(a.device) for a in joined]
+        devices = [None if a.device == DeviceKind.CPU else self.gpus.index(a.device) for a in joined]
         max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
         memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
         try:

@@ -7,6 +7,7 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
+from nodecomm.capabilities import DeviceKind
 from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
@@ -63,7 +64,7 @@ class Group:
         only those). Service allocations are accounted one by one as they come and go."""
 
         def on(device: str) -> tuple[str, str]:
-            return ("host", "host") if device == "cpu" else ("cuda", device)
+            return ("host", "host") if device == DeviceKind.CPU else ("cuda", device)
 
         placed = []
         if slabs is None:

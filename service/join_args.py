@@ -53,8 +53,8 @@ class JoinArgs:
     AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides", "wire")
 
     @property
-    def device_kind(self) -> str:
-        return DeviceKind.CPU if self.device == "cpu" else DeviceKind.CUDA
+    def device_kind(self) -> DeviceKind:
+        return DeviceKind.CPU if self.device == DeviceKind.CPU else DeviceKind.CUDA
 
     def shown(self, name: str) -> str:
         value = getattr(self, name)
@@ -79,7 +79,7 @@ def validate_join(args: JoinArgs, config: DaemonConfig, gpus: list[str]) -> None
             f"world_size {args.world_size} exceeds this daemon's max_ranks_per_group {config.max_ranks_per_group}",
             **where,
         )
-    if args.device != "cpu" and args.device not in gpus:
+    if args.device != DeviceKind.CPU and args.device not in gpus:
         seen = f"the GPUs it sees are {gpus}" if gpus else "it sees no GPUs (no CUDA build, driver or device)"
         raise InvalidArgumentError(
             f"device {args.device[:80]!r}: expected 'cpu' or the UUID of a GPU this daemon sees; {seen}", **where
