@@ -6,7 +6,7 @@
 //                           epoch into line p of every rank's buffer (no atomics across peers),
 //                           after the call it is in (Call: collective, count, dtype, path,
 //                           packed in one word) at [8 + 8 * (epoch % 2), +8) of the line
-//   then kNumSlots slots    staging slots of round_up(slot_bytes, 64) bytes each
+//   then kNumSlots slots    staging slots of round_up(capacity_bytes, 64) bytes each
 // The group's abort word lives in its control segment (control.h), written by the daemon or by a
 // rank that gives up on the group.
 //
@@ -78,25 +78,25 @@ inline void store_fence() {
 }
 
 inline std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
-inline std::size_t slot_stride(std::size_t slot_bytes) { return round_up(slot_bytes, kLineBytes); }
-inline std::size_t shm_buffer_bytes(std::size_t slot_bytes) {
-  return kHeaderBytes + kNumSlots * slot_stride(slot_bytes);
+inline std::size_t slot_stride(std::size_t capacity_bytes) { return round_up(capacity_bytes, kLineBytes); }
+inline std::size_t shm_buffer_bytes(std::size_t capacity_bytes) {
+  return kHeaderBytes + kNumSlots * slot_stride(capacity_bytes);
 }
 
 class ShmGroup {
  public:
   // buffers: each rank's buffer as mapped in this process, in rank order.
   ShmGroup(int rank, int world_size, std::vector<std::uintptr_t> buffers, std::uintptr_t control,
-           std::size_t slot_bytes)
+           std::size_t capacity_bytes)
       : rank_(rank), world_size_(world_size), buffers_(std::move(buffers)), control_(control),
-        slot_bytes_(slot_bytes) {
+        capacity_bytes_(capacity_bytes) {
     NODECOMM_CHECK(world_size >= 1 && world_size <= kMaxRanks,
                    "world_size " + std::to_string(world_size) + " is outside 1.." + std::to_string(kMaxRanks));
     NODECOMM_CHECK(rank >= 0 && rank < world_size,
                    "rank " + std::to_string(rank) + " is outside 0.." + std::to_string(world_size - 1));
     NODECOMM_CHECK(int(buffers_.size()) == world_size,
                    "expected " + std::to_string(world_size) + " buffers, got " + std::to_string(buffers_.size()));
-    NODECOMM_CHECK(slot_bytes >= kLineBytes, "slot_bytes must be at least 64");
+    NODECOMM_CHECK(capacity_bytes >= kLineBytes, "capacity_bytes must be at least 64");
     NODECOMM_CHECK(control != 0, "control segment address is null");
   }
 
@@ -118,7 +118,7 @@ class ShmGroup {
   // out holds world_size * nbytes: rank r's input lands at out + r * nbytes. Even 0 bytes meet
   // at one barrier, where the ranks' sizes are compared.
   void all_gather(std::uintptr_t in, std::uintptr_t out, std::size_t nbytes, double timeout_s) {
-    const std::size_t chunk = slot_bytes_ / kLineBytes * kLineBytes;
+    const std::size_t chunk = capacity_bytes_ / kLineBytes * kLineBytes;
     const Call call{Collective::kAllGather, nbytes};
     for (std::size_t offset = 0; offset < nbytes || offset == 0; offset += chunk) {
       const std::size_t len = std::min(chunk, nbytes - offset);
@@ -164,7 +164,7 @@ class ShmGroup {
   std::uint8_t* peer(int r) const { return reinterpret_cast<std::uint8_t*>(buffers_[r]); }
   std::size_t slot_offset() const { return slot_offset(op_epoch_); }
   std::size_t slot_offset(std::uint64_t epoch) const {
-    return kHeaderBytes + (epoch % kNumSlots) * slot_stride(slot_bytes_);
+    return kHeaderBytes + (epoch % kNumSlots) * slot_stride(capacity_bytes_);
   }
 
   std::uint8_t* stage(const std::uint8_t* src, std::size_t len) {
@@ -183,11 +183,11 @@ class ShmGroup {
     const Call call = compared ? *compared : Call{Collective::kAllReduce, count, int(dtype), int(path), int(format)};
     if (format != wire::Wire::kLossless) {
       // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
-      const Chunking chunks{count, wire::elements_per_slot(std::min(slot_bytes_, kPipelineChunkBytes), sizeof(T))};
-      NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(slot_bytes_) + " bytes holds no encoded chunk");
+      const Chunking chunks{count, wire::elements_per_slot(std::min(capacity_bytes_, kPipelineChunkBytes), sizeof(T))};
+      NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(capacity_bytes_) + " bytes holds no encoded chunk");
       return reduce_over_wire(src, dst, chunks, path, format, call, timeout_s);
     }
-    const Chunking chunks{count, std::min(slot_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
+    const Chunking chunks{count, std::min(capacity_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};
     if (path == Path::kOneshot) {
       oneshot(src, dst, chunks, call, timeout_s);
     } else {
@@ -374,7 +374,7 @@ class ShmGroup {
   int world_size_;
   std::vector<std::uintptr_t> buffers_;
   std::uintptr_t control_;
-  std::size_t slot_bytes_;
+  std::size_t capacity_bytes_;
   std::uint64_t barrier_epoch_ = 0;
   std::uint64_t op_epoch_ = 0;
 };

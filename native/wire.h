@@ -132,10 +132,10 @@ inline constexpr std::uint64_t payload_bytes(Wire wire, std::size_t count, std::
 }
 // Where a two-phase path keeps its reduced segment (in the element type) behind the encoding.
 NODECOMM_HOST_DEVICE constexpr std::size_t reduced_offset(std::size_t count) { return (encoded_bytes(count) + 255) / 256 * 256; }
-// The most elements of `element_bytes` one piece of a call takes where a slot has `slot_bytes`:
+// The most elements of `element_bytes` one piece of a call takes where a slot has `capacity_bytes`:
 // its encoding and, behind it, its reduced values fit, in whole multiples of 512.
-NODECOMM_HOST_DEVICE constexpr std::size_t elements_per_slot(std::size_t slot_bytes, std::size_t element_bytes) {
-  return slot_bytes / (element_bytes + 2) / 512 * 512;
+NODECOMM_HOST_DEVICE constexpr std::size_t elements_per_slot(std::size_t capacity_bytes, std::size_t element_bytes) {
+  return capacity_bytes / (element_bytes + 2) / 512 * 512;
 }
 
 inline Wire wire_of(int code) {

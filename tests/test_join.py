@@ -252,7 +252,7 @@ def _join_with_a_larger_layout(rank, socket_path):
     from nodecomm import _native
 
     laid_out = _native.shm_buffer_bytes
-    _native.shm_buffer_bytes = lambda slot_bytes: laid_out(slot_bytes) + 4096
+    _native.shm_buffer_bytes = lambda capacity_bytes: laid_out(capacity_bytes) + 4096
     return ranks.join_only(rank, 2, socket_path, "layout", {})
 
 

@@ -49,13 +49,13 @@ void bind_cuda_group(py::module_& m) {
       py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
       "Enqueued on `stream` (device memory): residual_out = summed + residual, output = rms_norm(residual_out) * "
       "weight, in the order of nodecomm.rms_norm (output may be summed, residual_out may be residual).");
-  m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("slot_bytes"),
+  m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("capacity_bytes"),
         "Bytes of one rank's CUDA buffer (counters, flags, two staging slots, two push slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",
                               "One rank's view of a CUDA group: every rank's buffer mapped on this "
                               "rank's device, the control segment registered with it, the dma copy stream.")
       .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t, int, int>(),
-           py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"),
+           py::arg("rank"), py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("capacity_bytes"),
            py::arg("device"), py::arg("max_blocks"))
       .def(
           "all_reduce",

@@ -61,14 +61,14 @@ void bind_host(py::module_& m) {
       py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"),
       "On host memory: residual_out = summed + residual, output = rms_norm(residual_out) * weight, in the order of "
       "nodecomm.rms_norm (output may be summed, residual_out may be residual).");
-  m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("slot_bytes"),
+  m.def("shm_buffer_bytes", &shm::shm_buffer_bytes, py::arg("capacity_bytes"),
         "Bytes of one rank's CPU buffer (flags and two staging slots) for a slot capacity.");
 
   py::class_<shm::ShmGroup>(m, "ShmGroup",
                             "One rank's view of a CPU group: every rank's buffer mapped here, and the "
                             "epochs that order this rank's operations.")
       .def(py::init<int, int, std::vector<std::uintptr_t>, std::uintptr_t, std::size_t>(), py::arg("rank"),
-           py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("slot_bytes"))
+           py::arg("world_size"), py::arg("buffers"), py::arg("control"), py::arg("capacity_bytes"))
       .def(
           "all_reduce",
           [](shm::ShmGroup& self, std::uintptr_t in, std::uintptr_t out, std::size_t count, int dtype,

@@ -31,12 +31,12 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   const wire::Wire format = wire::wire_of(wire);
   NODECOMM_CHECK(group.max_blocks >= 1 && group.max_blocks <= kMaxBlocks,
                  "max_blocks " + std::to_string(group.max_blocks) + ": expected 1.." + std::to_string(kMaxBlocks));
-  NODECOMM_CHECK(count * dtype_bytes(dtype) <= group.slot_bytes,
+  NODECOMM_CHECK(count * dtype_bytes(dtype) <= group.capacity_bytes,
                  "payload of " + std::to_string(count * dtype_bytes(dtype)) + " bytes exceeds the slot of " +
-                     std::to_string(group.slot_bytes));
-  NODECOMM_CHECK(format == wire::Wire::kLossless || count <= wire::elements_per_slot(group.slot_bytes, dtype_bytes(dtype)),
+                     std::to_string(group.capacity_bytes));
+  NODECOMM_CHECK(format == wire::Wire::kLossless || count <= wire::elements_per_slot(group.capacity_bytes, dtype_bytes(dtype)),
                  "a piece of " + std::to_string(count) + " elements over a compressed wire exceeds the slot of " +
-                     std::to_string(group.slot_bytes) + " bytes");
+                     std::to_string(group.capacity_bytes) + " bytes");
   NODECOMM_CHECK(count <= call_count, "a piece of " + std::to_string(count) + " elements of a call of " +
                                           std::to_string(call_count));
   const TaggedCall call = tagged(Call{Collective::kAllReduce, call_count, int(dtype), int(path), wire}.packed());
@@ -55,7 +55,7 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
 
 bool fused_norm(const GroupView& group, const norm::Rows& rows, DType dtype, Path path) {
   if (!chunks_pack(rows)) return false;
-  if (path == Path::kOneshot) return rows.count() * dtype_bytes(dtype) <= group.slot_bytes;
+  if (path == Path::kOneshot) return rows.count() * dtype_bytes(dtype) <= group.capacity_bytes;
   return path == Path::kTwoshot && twoshot_fuses(group, rows, dtype);
 }
 

@@ -24,7 +24,7 @@ struct GroupView {
   const std::uintptr_t* buffers;
   int world_size;
   int rank;
-  std::size_t slot_bytes;
+  std::size_t capacity_bytes;
   std::uintptr_t control;
   int max_blocks;  // kernel grids stay within this, the same on every rank (the daemon's choice)
 };

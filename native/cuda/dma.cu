@@ -189,7 +189,7 @@ void dma_typed(const GroupView& group, const Signal<N>& signal, const T* input, 
                TaggedCall call, cudaStream_t stream, const CopyPipeline& pipeline) {
   const int rank = group.rank;
   std::uint8_t* const* buffers = signal.peers.rank;
-  const std::size_t stride = slot_stride(group.slot_bytes);
+  const std::size_t stride = slot_stride(group.capacity_bytes);
   const std::size_t align = kSegmentAlign / sizeof(T);
   const std::size_t segment = ((count + N - 1) / N + align - 1) / align * align;
   NODECOMM_ASSERT((N - 1) * segment * sizeof(T) <= stride, "dma segments exceed the scratch slot");
@@ -248,7 +248,7 @@ void wire_dma_typed(const GroupView& group, const Signal<N>& signal, const T* in
   constexpr std::size_t kAlign = 64;
   const int rank = group.rank;
   std::uint8_t* const* buffers = signal.peers.rank;
-  const std::size_t stride = slot_stride(group.slot_bytes);
+  const std::size_t stride = slot_stride(group.capacity_bytes);
   const std::size_t segment = ((count + N - 1) / N + kAlign - 1) / kAlign * kAlign;
   NODECOMM_ASSERT((N - 1) * segment * sizeof(T) <= stride && wire::reduced_offset(count) + count * sizeof(T) <= stride,
                   "compressed dma segments exceed the slots");
@@ -320,9 +320,9 @@ void meet_peers(const GroupView& group, TaggedCall call, std::uint64_t timeout_n
 void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t nbytes,
                 std::size_t output_stride, double timeout_s, cudaStream_t stream) {
   check_group(group);
-  NODECOMM_CHECK(nbytes * std::size_t(group.world_size) <= group.slot_bytes,
+  NODECOMM_CHECK(nbytes * std::size_t(group.world_size) <= group.capacity_bytes,
                  "payload of " + std::to_string(nbytes) + " bytes from each of " + std::to_string(group.world_size) +
-                     " ranks exceeds the slot of " + std::to_string(group.slot_bytes));
+                     " ranks exceeds the slot of " + std::to_string(group.capacity_bytes));
   NODECOMM_CHECK(nbytes <= output_stride, "a piece of " + std::to_string(nbytes) + " bytes past the output stride of " +
                                               std::to_string(output_stride));
   // The ranks compare the whole call's bytes, which the stride is.
@@ -333,7 +333,7 @@ void all_gather(const GroupView& group, std::uintptr_t input, std::uintptr_t out
     std::uint8_t* const* buffers = signal.peers.rank;
     signal_once(signal, call, stream);
     if (nbytes == 0) return;  // the calls met
-    std::uint8_t* gathered = buffers[group.rank] + kSlotOffset + slot_stride(group.slot_bytes);
+    std::uint8_t* gathered = buffers[group.rank] + kSlotOffset + slot_stride(group.capacity_bytes);
     copy(buffers[group.rank] + kSlotOffset, reinterpret_cast<const void*>(input), nbytes, stream);
     signal_once(signal, call, stream);
     Pieces pieces{};

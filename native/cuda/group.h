@@ -30,7 +30,7 @@ class CudaGroup {
   // `buffers`: every rank's buffer mapped on `device`; `control`: the host mapping of the group's
   // control segment, which this registers with the device for the kernels' abort checks.
   CudaGroup(int rank, int world_size, std::vector<std::uintptr_t> buffers, std::uintptr_t control,
-            std::size_t slot_bytes, int device, int max_blocks)
+            std::size_t capacity_bytes, int device, int max_blocks)
       : buffers_(std::move(buffers)), device_(device) {
     NODECOMM_CHECK(world_size >= 1 && world_size <= kMaxRanks,
                    "world_size " + std::to_string(world_size) + ": expected 1.." + std::to_string(kMaxRanks));
@@ -49,7 +49,7 @@ class CudaGroup {
       NODECOMM_CUDA(cudaStreamCreateWithFlags(&pipeline_.copy_stream, cudaStreamNonBlocking));
       NODECOMM_CUDA(cudaEventCreateWithFlags(&pipeline_.fork, cudaEventDisableTiming));
       NODECOMM_CUDA(cudaEventCreateWithFlags(&pipeline_.ready, cudaEventDisableTiming));
-      view_ = GroupView{buffers_.data(), world_size, rank, slot_bytes,
+      view_ = GroupView{buffers_.data(), world_size, rank, capacity_bytes,
                         reinterpret_cast<std::uintptr_t>(device_control), max_blocks};
       watch_ = std::make_unique<AbortWatch>(control, device, buffers_[rank]);
     } catch (...) {
@@ -71,9 +71,9 @@ class CudaGroup {
     refuse_if_stopped(Call{Collective::kAllReduce, count, int(dtype), int(path), wire});
     DeviceScope scope(device_);
     const std::size_t element = dtype_bytes(dtype);
-    const std::size_t per_piece = format == wire::Wire::kLossless ? view_.slot_bytes / element
-                                                                  : wire::elements_per_slot(view_.slot_bytes, element);
-    NODECOMM_CHECK(per_piece > 0, "a slot of " + std::to_string(view_.slot_bytes) + " bytes holds no piece");
+    const std::size_t per_piece = format == wire::Wire::kLossless ? view_.capacity_bytes / element
+                                                                  : wire::elements_per_slot(view_.capacity_bytes, element);
+    NODECOMM_CHECK(per_piece > 0, "a slot of " + std::to_string(view_.capacity_bytes) + " bytes holds no piece");
     for (std::size_t start = 0; start < std::max<std::size_t>(count, 1); start += per_piece) {
       const std::size_t offset = start * element;
       cuda::all_reduce(view_, input + offset, output + offset, std::min(per_piece, count - start), count, dtype,
@@ -101,7 +101,7 @@ class CudaGroup {
                   std::uintptr_t stream) {
     refuse_if_stopped(Call{Collective::kAllGather, nbytes});
     DeviceScope scope(device_);
-    const std::size_t share = view_.slot_bytes / std::size_t(view_.world_size);
+    const std::size_t share = view_.capacity_bytes / std::size_t(view_.world_size);
     const std::size_t per_piece = share / 256 * 256 ? share / 256 * 256 : share;
     for (std::size_t offset = 0; offset < std::max<std::size_t>(nbytes, 1); offset += per_piece) {
       cuda::all_gather(view_, input + offset, output + offset, std::min(per_piece, nbytes - offset), nbytes, timeout_s,
@@ -167,7 +167,7 @@ class CudaGroup {
 
   // Whether oneshot pushes an all-reduce of `nbytes` (its pieces, past a slot).
   bool oneshot_pushes(std::size_t nbytes) const {
-    return cuda::oneshot_pushes(view_, std::min(nbytes, view_.slot_bytes));
+    return cuda::oneshot_pushes(view_, std::min(nbytes, view_.capacity_bytes));
   }
 
   int rank() const { return view_.rank; }

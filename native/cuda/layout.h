@@ -25,8 +25,8 @@
 //                                 sequence + 1 once the input is written and the daemon's stream
 //                                 waits on; "done", which the daemon's stream raises after the
 //                                 collective and this rank's stream waits on
-//   slots                         two staging slots of slot_stride bytes each (slot_bytes, the
-//                                 group's capacity_bytes, usable); the copy paths stage
+//   slots                         two staging slots of slot_stride bytes each (the group's
+//                                 capacity_bytes usable); the copy paths stage
 //                                 in slot 0 and pull peers' data into slot 1, from where a kernel
 //                                 copies it to the output unless this rank gave up
 //   push slots                    two of push_slot_bytes each, written only by the push variant of
@@ -64,18 +64,18 @@ constexpr std::uint64_t kServiceReleased = std::uint64_t(1) << 62;
 constexpr std::size_t kSegmentAlign = 256;
 constexpr std::size_t kSlotSlack = kMaxRanks * kSegmentAlign;
 
-inline constexpr std::size_t slot_stride(std::size_t slot_bytes) {
-  return (slot_bytes + kSlotSlack + 255) / 256 * 256;
+inline constexpr std::size_t slot_stride(std::size_t capacity_bytes) {
+  return (capacity_bytes + kSlotSlack + 255) / 256 * 256;
 }
 // The push slots hold every rank's payload twice over (a flag beside every 4 bytes), so they are
 // capped: small payloads, where a round trip is most of the cost, are what the push variant is for.
 constexpr std::size_t kPushSlotMax = std::size_t(2) << 20;
-inline constexpr std::size_t push_slot_bytes(std::size_t slot_bytes) {
-  return slot_stride(slot_bytes) < kPushSlotMax ? slot_stride(slot_bytes) : kPushSlotMax;
+inline constexpr std::size_t push_slot_bytes(std::size_t capacity_bytes) {
+  return slot_stride(capacity_bytes) < kPushSlotMax ? slot_stride(capacity_bytes) : kPushSlotMax;
 }
-inline constexpr std::size_t push_offset(std::size_t slot_bytes) { return kSlotOffset + 2 * slot_stride(slot_bytes); }
-inline constexpr std::size_t buffer_bytes(std::size_t slot_bytes) {
-  return push_offset(slot_bytes) + 2 * push_slot_bytes(slot_bytes);
+inline constexpr std::size_t push_offset(std::size_t capacity_bytes) { return kSlotOffset + 2 * slot_stride(capacity_bytes); }
+inline constexpr std::size_t buffer_bytes(std::size_t capacity_bytes) {
+  return push_offset(capacity_bytes) + 2 * push_slot_bytes(capacity_bytes);
 }
 
 }  // namespace nodecomm::cuda

@@ -200,7 +200,7 @@ void oneshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows,
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     norm_pull_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns),
-                                                           slot_stride(group.slot_bytes), typed<T>(rows), call);
+                                                           slot_stride(group.capacity_bytes), typed<T>(rows), call);
     NODECOMM_CUDA(cudaGetLastError());
   });
 }
@@ -229,7 +229,7 @@ void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
       const int blocks = int(std::clamp<std::size_t>((count + kThreads * kQuad - 1) / (kThreads * kQuad), 1,
                                                      std::size_t(group.max_blocks)));
       wire_pull_kernel<T, N>
-          <<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, format, call);
+          <<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.capacity_bytes), in, out, count, format, call);
     } else if (pushed) {
       // A thread per line: oneshot_pushes holds the lines to what max_blocks grids carry.
       const std::size_t lines = (count * sizeof(T) + 7) / 8;
@@ -239,7 +239,7 @@ void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
       const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
       const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
       const auto kernel = aligned(in) && aligned(out) ? pull_kernel<T, N, true> : pull_kernel<T, N, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, call);
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.capacity_bytes), in, out, count, call);
     }
     NODECOMM_CUDA(cudaGetLastError());
   });

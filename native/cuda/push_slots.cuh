@@ -45,11 +45,11 @@ __device__ __forceinline__ PushLine* pushed_lines(std::uint8_t* buffer, const Pu
 
 // Bytes of each rank's part of a push slot.
 inline std::size_t push_part_bytes(const GroupView& group) {
-  return push_slot_bytes(group.slot_bytes) / std::size_t(group.world_size) / sizeof(PushLine) * sizeof(PushLine);
+  return push_slot_bytes(group.capacity_bytes) / std::size_t(group.world_size) / sizeof(PushLine) * sizeof(PushLine);
 }
 
 inline PushSlots push_slots(const GroupView& group) {
-  return PushSlots{push_offset(group.slot_bytes), push_slot_bytes(group.slot_bytes), push_part_bytes(group)};
+  return PushSlots{push_offset(group.capacity_bytes), push_slot_bytes(group.capacity_bytes), push_part_bytes(group)};
 }
 
 }  // namespace nodecomm::cuda

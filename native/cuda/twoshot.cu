@@ -141,7 +141,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // Whether a call of these rows runs as one twoshot kernel: its owners keep both results in the slot.
 bool twoshot_fuses(const GroupView& group, const norm::Rows& rows, DType dtype) {
-  return 2 * rows.count() * dtype_bytes(dtype) <= group.slot_bytes;
+  return 2 * rows.count() * dtype_bytes(dtype) <= group.capacity_bytes;
 }
 
 void twoshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows, DType dtype, TaggedCall call,
@@ -153,7 +153,7 @@ void twoshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows,
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
     norm_twoshot_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal_of<N>(group, timeout_ns),
-                                                              slot_stride(group.slot_bytes), typed<T>(rows), call);
+                                                              slot_stride(group.capacity_bytes), typed<T>(rows), call);
     NODECOMM_CUDA(cudaGetLastError());
   });
 }
@@ -173,10 +173,10 @@ void twoshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
     if (format != wire::Wire::kLossless) {
       // The gather reads packs from the peers' slots, which are aligned, so only the output matters.
       const auto kernel = aligned(out) ? wire_twoshot_kernel<T, N, true> : wire_twoshot_kernel<T, N, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, format, call);
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.capacity_bytes), in, out, count, format, call);
     } else {
       const auto kernel = aligned(in) && aligned(out) ? twoshot_kernel<T, N, true> : twoshot_kernel<T, N, false>;
-      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.slot_bytes), in, out, count, call);
+      kernel<<<blocks, kThreads, 0, stream>>>(signal, slot_stride(group.capacity_bytes), in, out, count, call);
     }
     NODECOMM_CUDA(cudaGetLastError());
   });
