@@ -7,7 +7,9 @@ import asyncio
 import secrets
 from dataclasses import dataclass, field
 
+from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
+from nodecomm.errors import PeerLostError
 from nodecomm.thresholds import DispatchTable
 from nodecomm.v1 import control_pb2 as pb
 
@@ -118,6 +120,25 @@ class Group:
         """pb.ServiceOrdering of the service path: how a CUDA group orders its streams."""
         cuda = self.service.cuda if self.service is not None else None
         return cuda.ordering if cuda is not None else pb.SERVICE_ORDERING_UNSPECIFIED
+
+    def abort(self, reason: int, rank: int, message: str) -> bool:
+        """Stop the group for `reason` (an _native.AbortReason, for `rank`): its abort word is set,
+        its pending service calls and meetings under way (top-k openings, peer checks) fail, and
+        the first time its ranks are told. True where it was active until now."""
+        self.memory.abort(reason, rank)
+        if self.service is not None:
+            self.service.fail_pending(PeerLostError(f"group aborted: {message}", group=self.name))
+            if self.service.cuda is not None and self.state == GroupState.ACTIVE:
+                self.service.cuda.release()
+        for meeting in [*self.exchanges.values(), *self.peer_checks.values()]:
+            if meeting.failure is None and meeting.waiting():
+                meeting.fail(PeerLostError(f"group aborted: {message}", group=self.name))
+        if self.state != GroupState.ACTIVE:
+            return False
+        self.state = GroupState.ABORTED
+        kind = pb.DRAINING if reason == _native.AbortReason.SHUTDOWN else pb.PEER_LOST
+        self.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
+        return True
 
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():

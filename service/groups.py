@@ -26,7 +26,6 @@ from nodecomm.errors import (
     DeadlineExceededError,
     NodecommError,
     NotFoundError,
-    PeerLostError,
     PermissionDeniedError,
     shown,
 )
@@ -53,6 +52,13 @@ from .timings import TimingIntake
 from .topk_exchanges import TopkOpenings
 
 log = logging.getLogger("nodecomm.groups")
+
+# The nodecomm_group_aborts_total label of each abort reason; any other is "other".
+ABORT_REASONS = {
+    _native.AbortReason.PEER_LOST: "peer_lost",
+    _native.AbortReason.PEER_LEFT: "peer_left",
+    _native.AbortReason.SHUTDOWN: "shutdown",
+}
 
 
 class GroupRegistry:
@@ -371,30 +377,14 @@ class GroupRegistry:
         self._update_gauges()
 
     def _abort(self, group: Group, reason: int, rank: int, message: str, quiet: bool = False) -> None:
-        group.memory.abort(reason, rank)
-        if group.service is not None:
-            group.service.fail_pending(PeerLostError(f"group aborted: {message}", group=group.name))
-            if group.service.cuda is not None and group.state == GroupState.ACTIVE:
-                group.service.cuda.release()
-        # Meetings still under way end with the group: top-k openings and peer checks.
-        for meeting in [*group.exchanges.values(), *group.peer_checks.values()]:
-            if meeting.failure is None and meeting.waiting():
-                meeting.fail(PeerLostError(f"group aborted: {message}", group=group.name))
-        if group.state == GroupState.ACTIVE:
-            group.state = GroupState.ABORTED
-            self._release_name(group)
-            reason_name = {
-                _native.AbortReason.PEER_LOST: "peer_lost",
-                _native.AbortReason.PEER_LEFT: "peer_left",
-                _native.AbortReason.SHUTDOWN: "shutdown",
-            }.get(reason, "other")
-            self.metrics.aborts.labels(reason_name).inc()
-            self._update_gauges()
-            kind = pb.DRAINING if reason == _native.AbortReason.SHUTDOWN else pb.PEER_LOST
-            group.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
-            (log.info if quiet else log.warning)(
-                "group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message}
-            )
+        if not group.abort(reason, rank, message):
+            return
+        self._release_name(group)
+        self.metrics.aborts.labels(ABORT_REASONS.get(reason, "other")).inc()
+        self._update_gauges()
+        (log.info if quiet else log.warning)(
+            "group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message}
+        )
 
     def _release_if_empty(self, group: Group) -> None:
         if group.group_id not in self._groups:
