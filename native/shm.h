@@ -184,7 +184,8 @@ class ShmGroup {
     if (format != wire::Wire::kLossless) {
       // A chunk's codes and scales, and (twoshot) its reduced segment in T, share a slot.
       const Chunking chunks{count, wire::elements_per_slot(std::min(capacity_bytes_, kPipelineChunkBytes), sizeof(T))};
-      NODECOMM_ASSERT(chunks.chunk > 0, "a slot of " + std::to_string(capacity_bytes_) + " bytes holds no encoded chunk");
+      NODECOMM_ASSERT(chunks.chunk > 0,
+                      "a slot of " + std::to_string(capacity_bytes_) + " bytes holds no encoded chunk");
       return reduce_over_wire(src, dst, chunks, path, format, call, timeout_s);
     }
     const Chunking chunks{count, std::min(capacity_bytes_, kPipelineChunkBytes) / sizeof(T) / 16 * 16};

@@ -82,8 +82,9 @@ def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switche
     switching tables at the same calls, and stays there. Which path is faster there depends on the
     run: on the 2-core VM twoshot took 110 us against oneshot's 121 while exploring in some runs,
     and oneshot ~500 us against twoshot's ~610 in others (ranks pinned to cores of their own or
-    not), the bench's hot loop showing the same two modes. So the table starts on oneshot and, where the evidence settles that twoshot is the slower (the table was
-    right), on twoshot, and so on: within four daemons one table must move."""
+    not), the bench's hot loop showing the same two modes. So the table starts on oneshot and,
+    where the evidence settles that twoshot is the slower (the table was right), on twoshot, and
+    so on: within four daemons one table must move."""
     for attempt, stored in enumerate(("oneshot", "twoshot") * 2):
         state = tmp_path / str(attempt)
         CalibrationStore(str(state)).save(every_size_to(stored, "cpu"))

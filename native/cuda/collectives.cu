@@ -34,7 +34,8 @@ void all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t out
   NODECOMM_CHECK(count * dtype_bytes(dtype) <= group.capacity_bytes,
                  "payload of " + std::to_string(count * dtype_bytes(dtype)) + " bytes exceeds the slot of " +
                      std::to_string(group.capacity_bytes));
-  NODECOMM_CHECK(format == wire::Wire::kLossless || count <= wire::elements_per_slot(group.capacity_bytes, dtype_bytes(dtype)),
+  NODECOMM_CHECK(format == wire::Wire::kLossless ||
+                     count <= wire::elements_per_slot(group.capacity_bytes, dtype_bytes(dtype)),
                  "a piece of " + std::to_string(count) + " elements over a compressed wire exceeds the slot of " +
                      std::to_string(group.capacity_bytes) + " bytes");
   NODECOMM_CHECK(count <= call_count, "a piece of " + std::to_string(count) + " elements of a call of " +

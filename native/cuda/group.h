@@ -71,8 +71,9 @@ class CudaGroup {
     refuse_if_stopped(Call{Collective::kAllReduce, count, int(dtype), int(path), wire});
     DeviceScope scope(device_);
     const std::size_t element = dtype_bytes(dtype);
-    const std::size_t per_piece = format == wire::Wire::kLossless ? view_.capacity_bytes / element
-                                                                  : wire::elements_per_slot(view_.capacity_bytes, element);
+    const std::size_t per_piece = format == wire::Wire::kLossless
+                                      ? view_.capacity_bytes / element
+                                      : wire::elements_per_slot(view_.capacity_bytes, element);
     NODECOMM_CHECK(per_piece > 0, "a slot of " + std::to_string(view_.capacity_bytes) + " bytes holds no piece");
     for (std::size_t start = 0; start < std::max<std::size_t>(count, 1); start += per_piece) {
       const std::size_t offset = start * element;

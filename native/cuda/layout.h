@@ -73,7 +73,9 @@ constexpr std::size_t kPushSlotMax = std::size_t(2) << 20;
 inline constexpr std::size_t push_slot_bytes(std::size_t capacity_bytes) {
   return slot_stride(capacity_bytes) < kPushSlotMax ? slot_stride(capacity_bytes) : kPushSlotMax;
 }
-inline constexpr std::size_t push_offset(std::size_t capacity_bytes) { return kSlotOffset + 2 * slot_stride(capacity_bytes); }
+inline constexpr std::size_t push_offset(std::size_t capacity_bytes) {
+  return kSlotOffset + 2 * slot_stride(capacity_bytes);
+}
 inline constexpr std::size_t buffer_bytes(std::size_t capacity_bytes) {
   return push_offset(capacity_bytes) + 2 * push_slot_bytes(capacity_bytes);
 }
