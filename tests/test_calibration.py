@@ -39,6 +39,7 @@ from nodecomm.socket_path import lease_socket_path
 from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
+from waiting import wait_until
 
 SIZES = [1 << k for k in range(10, 17)]  # 1 KiB .. 64 KiB
 
@@ -376,10 +377,7 @@ def test_a_cancelled_calibration_stops_its_probe_and_its_ranks(make_daemon):
         probe = _descendants(pid)
         assert len(probe) >= 3
         call.cancel()
-        deadline = time.monotonic() + 30
-        while any(map(_alive, probe)) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(map(_alive, probe)), "the probe's processes outlived the calibration"
+        wait_until(lambda: not any(map(_alive, probe)), 30, "the probe's processes gone with the calibration")
     # The calibration lock was released with it: the next one runs to an end, calibrated or (on a
     # busy machine) refused as noise, and is not "already running".
     result = nodecomm_cli("--socket", daemon.socket, "calibrate", "--min-bytes", "1KiB", "--max-bytes", "2KiB")

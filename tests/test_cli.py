@@ -7,14 +7,15 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
+from functools import partial
 from pathlib import Path
 
 import pytest
 
 import ranks
 from nodecomm.tools.convergence_bench import converged_at
+from waiting import wait_until
 
 
 def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
@@ -306,6 +307,13 @@ def _interrupted(command: list[str], wait_for: str) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
+def _interrupted_calibration(command: list[str], moment: str) -> subprocess.CompletedProcess | None:
+    """`command`, a calibration, interrupted at `moment`; None while the daemon refuses it as
+    already running (it cancels the one interrupted before a moment after that one's client left)."""
+    calibrate = _interrupted(command, moment)
+    return None if "a calibration is already running" in calibrate.stderr else calibrate
+
+
 def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
     """Ctrl-C in the middle of a bench (its ranks and its private daemon in the same group) and of
     a calibration: exit 130, one line on stderr, no traceback, no bench directory left."""
@@ -316,12 +324,10 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
     # As the call is set up and while it streams: both hung now and then when Ctrl-C landed inside
     # gRPC, or when the kernel handed SIGINT to one of gRPC's threads.
+    calibrate_command = [*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"]
     for moment in ("calibrating", "measured", "calibrating"):
-        for _ in range(100):  # until the daemon has cancelled the calibration interrupted before
-            calibrate = _interrupted([*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"], moment)
-            if "a calibration is already running" not in calibrate.stderr:
-                break
-            time.sleep(0.1)
+        interrupted = partial(_interrupted_calibration, calibrate_command, moment)
+        calibrate = wait_until(interrupted, 60, "a calibration the daemon does not refuse as already running")
         assert (calibrate.returncode, calibrate.stderr) == (130, "nodecomm calibrate: interrupted\n"), calibrate.stderr
     assert daemon.healthy()
 
@@ -341,10 +347,11 @@ def test_a_killed_bench_leaves_no_daemon_and_no_directory():
     finally:
         os.killpg(bench.pid, signal.SIGKILL)
         bench.wait()
-    deadline = time.monotonic() + 30
-    while directory.exists() or _processes_naming(directory):
-        assert time.monotonic() < deadline, (directory.exists(), _processes_naming(directory))
-        time.sleep(0.2)
+    wait_until(
+        lambda: not directory.exists() and not _processes_naming(directory),
+        30,
+        lambda: f"the bench's daemon and directory gone ({directory.exists()=}, {_processes_naming(directory)=})",
+    )
 
 
 def _processes_naming(directory: Path) -> list[str]:

@@ -3,7 +3,6 @@
 import os
 import socket
 import subprocess
-import time
 
 import grpc
 import pytest
@@ -16,15 +15,7 @@ from nodecomm.socket_path import descriptor_socket_path, grpc_target
 from nodecomm.trust import node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+from waiting import wait_until
 
 
 def test_ranks_that_never_open_a_session_are_released_with_their_tokens(make_daemon):
@@ -37,7 +28,7 @@ def test_ranks_that_never_open_a_session_are_released_with_their_tokens(make_dae
         assert reserved_bytes(daemon) > 0
         # Rank 0 claims and maps nothing more; neither rank opens its session. Rank 0 leaves.
         stub.Leave(pb.LeaveRequest(group="ghost", group_id=first.group_id, rank=0), timeout=5)
-        assert wait_until(lambda: reserved_bytes(daemon) == 0, 10), "the group was never released"
+        wait_until(lambda: reserved_bytes(daemon) == 0, 10, "the group's release")
         assert stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups == []
     with pytest.raises(PermissionError, match="unknown, already used or expired"):
         claim_descriptors(second.descriptor_socket, second.claim_token, 8, 5.0)

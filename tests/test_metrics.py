@@ -3,7 +3,6 @@ operation counts by group/op/path, buffer bytes by device and use, errors by kin
 
 import multiprocessing as mp
 import re
-import time
 
 import grpc
 import pytest
@@ -11,6 +10,7 @@ import pytest
 import ranks
 from conftest import join_request, stub_for
 from nodecomm.client.service_client import STAGING_MIN_BYTES
+from waiting import wait_until
 
 
 def sample(text: str, name: str, **labels) -> float | None:
@@ -28,14 +28,14 @@ def test_operation_counts_buffers_and_errors(daemon, spawn_ranks):
     group = spawn_ranks(ranks.hold_group_for_metrics, 2, 2, daemon.socket, report, commands, timeout=120)
     assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
     expected = {"oneshot": 3 * 2, "twoshot": 3 * 2, "service": 3 * 2}  # 3 calls on each of 2 ranks
-    deadline = time.monotonic() + 15
-    while True:  # the ranks report their counts about once a second
+
+    def seen() -> dict[str, float]:
         text = daemon.metrics_text()
-        seen = {p: sample(text, "nodecomm_operations_total", group="prom", op="all_reduce", path=p) for p in expected}
-        if seen == expected or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert seen == expected
+        return {p: sample(text, "nodecomm_operations_total", group="prom", op="all_reduce", path=p) for p in expected}
+
+    # The ranks report their counts about once a second.
+    wait_until(lambda: seen() == expected, 15, lambda: f"every call counted: {expected} (now {seen()})")
+    text = daemon.metrics_text()
     assert sample(text, "nodecomm_operation_bytes_total", group="prom", op="all_reduce", path="service") == 6 * 16384
     reserved = sample(text, "nodecomm_reserved_bytes", kind="host")
     collectives = sample(text, "nodecomm_buffer_bytes", device="host", use="collectives")
@@ -54,9 +54,10 @@ def test_operation_counts_buffers_and_errors(daemon, spawn_ranks):
     for _ in range(2):
         commands.put("stop")
     group.values()
-    deadline = time.monotonic() + 10
-    while sample(daemon.metrics_text(), "nodecomm_buffer_bytes", device="host", use="collectives") != 0.0:
-        assert time.monotonic() < deadline, "the group's buffers are still accounted after it left"
-        time.sleep(0.2)
+    wait_until(
+        lambda: sample(daemon.metrics_text(), "nodecomm_buffer_bytes", device="host", use="collectives") == 0.0,
+        10,
+        "the group's buffers no longer accounted after it left",
+    )
     text = daemon.metrics_text()
     assert 'group="prom"' not in text  # its series went with it

@@ -6,7 +6,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from nodecomm.service.calibration import CalibrationStore
 from nodecomm.service.config import DaemonConfig
 from nodecomm.tools.convergence_bench import every_size_to
 from test_distributed import reports, torchrun
+from waiting import wait_until
 
 
 def private_daemons(socket: str) -> list[int]:
@@ -35,14 +35,17 @@ def private_daemons(socket: str) -> list[int]:
     return found
 
 
-def gone_within(seconds: float, socket: str) -> bool:
-    deadline = time.monotonic() + seconds
+def wait_gone(socket: str, seconds: float) -> None:
+    """Until no private daemon serves `socket` and its directory is gone."""
     directory = Path(socket).parent
-    while time.monotonic() < deadline:
-        if not private_daemons(socket) and not directory.exists():
-            return True
-        time.sleep(0.1)
-    return False
+
+    def left() -> str:
+        files = sorted(p.name for p in directory.glob("*")) if directory.exists() else "removed"
+        return (
+            f"the private daemon of {socket} gone with its directory (daemons {private_daemons(socket)}, files {files})"
+        )
+
+    wait_until(lambda: not private_daemons(socket) and not directory.exists(), seconds, left)
 
 
 @pytest.fixture
@@ -81,7 +84,7 @@ def test_torchrun_jobs_without_a_node_daemon_get_one_private_daemon_each(no_node
         assert kind == "private" and sockets[ranks].startswith(environment["XDG_RUNTIME_DIR"])
     assert sockets[2] != sockets[4]
     for socket in sockets.values():
-        assert gone_within(10, socket), private_daemons(socket)
+        wait_gone(socket, 10)
 
 
 def test_killing_every_rank_leaves_no_daemon_and_no_socket(no_node_daemon, spawn_ranks):
@@ -93,7 +96,7 @@ def test_killing_every_rank_leaves_no_daemon_and_no_socket(no_node_daemon, spawn
     assert len(private_daemons(socket)) == 1 and os.path.exists(socket)
     for rank in range(3):
         group.kill(rank, signal.SIGKILL)
-    assert gone_within(8, socket), (private_daemons(socket), list(Path(socket).parent.glob("*")))
+    wait_gone(socket, 8)
 
 
 def test_auto_uses_a_node_daemon_that_answers(daemon, runtime_directory):
@@ -132,7 +135,7 @@ def test_a_private_daemon_whose_directory_was_removed_still_leaves_with_its_job(
     shutil.rmtree(Path(socket).parent)
     for rank in range(2):
         group.kill(rank, signal.SIGKILL)
-    assert gone_within(8, socket), private_daemons(socket)
+    wait_gone(socket, 8)
 
 
 def test_a_private_daemon_that_cannot_start_says_why_and_leaves_nothing(runtime_directory, monkeypatch):
@@ -186,7 +189,7 @@ def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
         monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
         first = spawn_ranks(converge_privately, 2, 2, runtime_directory, 1 << 20, 2000, timeout=300).values()
         assert first[0]["first"] == (stored_path, f"{stored}, measured " + first[0]["first"][1].split(", measured ")[1])
-        assert gone_within(10, first[0]["socket"])
+        wait_gone(first[0]["socket"], 10)
         if first[0]["last"][0] != stored_path:
             break
     learned = first[0]["last"][0]

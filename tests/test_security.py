@@ -30,6 +30,7 @@ from nodecomm.socket_path import descriptor_socket_path, job_digest
 from nodecomm.trust import checked_target, node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from test_cli import nodecomm_cli
+from waiting import wait_until
 
 # -- 1. a rank never talks to a daemon another user controls -------------------------------------
 
@@ -55,11 +56,12 @@ def start_as(user: User, socket: str, *flags: str) -> subprocess.Popen:
         [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, "--metrics-address", "off", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not os.path.exists(descriptor_socket_path(socket)) or not os.path.exists(socket):
+
+    def serving() -> bool:
         assert daemon.poll() is None, daemon.stdout.read().decode()
-        assert time.monotonic() < deadline, "the other user's daemon did not start"
-        time.sleep(0.1)
+        return os.path.exists(descriptor_socket_path(socket)) and os.path.exists(socket)
+
+    wait_until(serving, 60, "the other user's daemon serving")
     for path in (socket, descriptor_socket_path(socket)):
         os.chmod(path, 0o666)
     return daemon
@@ -296,10 +298,11 @@ def test_over_tcp_a_join_needs_a_group_key_and_counts_against_its_uid(users, nod
     target = f"ipv4:127.0.0.1:{port}"
     baseline = ordinary_group(a, daemon.socket, "before")
     victims = a.start_ranks("legitimate_traffic", 2, target, "victim", 100, "k", 4.0)
-    deadline = time.monotonic() + 60  # rank 0 has joined; rank 1 is 4 s late
-    while not any(g["name"] == "victim" and 0 in g.get("joined_ranks", []) for g in status_as(None, daemon.socket)):
-        assert time.monotonic() < deadline, "A's rank 0 never joined its group"
-        time.sleep(0.2)
+    wait_until(  # rank 0 has joined; rank 1 is 4 s late
+        lambda: any(g["name"] == "victim" and 0 in g.get("joined_ranks", []) for g in status_as(None, daemon.socket)),
+        60,
+        "A's rank 0 joined to its group",
+    )
     unkeyed, keyed = raw_joins(b, target, ["victim"]) + raw_joins(b, target, ["victim"], key="k")
     assert unkeyed.startswith("PERMISSION_DENIED") and "a Join over TCP must carry a group key" in unkeyed, unkeyed
     assert keyed == "ok"  # B's own one-rank "victim", in B's namespace: A's rank 0 never saw it
@@ -369,7 +372,9 @@ def test_idle_connections_of_one_user_are_capped_and_closed(users, node_daemon):
     a, b, _ = users
     pid = daemon.process.pid
     baseline = ordinary_group(a, daemon.socket, "before")
-    time.sleep(4)  # the baseline group's connections closed
+    wait_until(
+        lambda: "nodecomm_connections 0.0" in daemon.metrics_text(), 30, "the baseline group's connections closed"
+    )
     before = resources(pid)
     holder = b.start(_HOLD_CONNECTIONS, f"unix:{daemon.socket}", "300")
     try:
@@ -381,10 +386,7 @@ def test_idle_connections_of_one_user_are_capped_and_closed(users, node_daemon):
         told = sum(n for outcome, n in outcomes.items() if outcome.startswith(refused))
         assert outcomes.get("SERVING") == 32 and told >= 64, outcomes
         assert all(o == "SERVING" or o.startswith((refused, "UNAVAILABLE")) for o in outcomes), outcomes
-        deadline = time.monotonic() + 30
-        while "nodecomm_connections 0.0" not in daemon.metrics_text():
-            assert time.monotonic() < deadline, "B's idle connections were not closed"
-            time.sleep(0.5)
+        wait_until(lambda: "nodecomm_connections 0.0" in daemon.metrics_text(), 30, "B's idle connections closed")
         after = resources(pid)
         assert holder.poll() is None  # B still holds them: the daemon closed its ends
     finally:
@@ -531,10 +533,9 @@ def test_a_name_is_its_owners_whoever_else_uses_it(users, node_daemon):
     squat = b.start_ranks("legitimate_traffic", 2, daemon.socket, "tp0", 1, None, 60.0)
     try:
         assert raw_joins(b, f"unix:{daemon.socket}", ["bench"]) == ["ok"]
-        deadline = time.monotonic() + 60
-        while not any(g["name"] == "tp0" for g in status_as(b, daemon.socket)):
-            assert time.monotonic() < deadline, "B's squatting group never started forming"
-            time.sleep(0.2)
+        wait_until(
+            lambda: any(g["name"] == "tp0" for g in status_as(b, daemon.socket)), 60, "B's squatting group forming"
+        )
         attacked = ordinary_group(a, daemon.socket, "tp0")
         holder = a.start(_HOLD_A_GROUP, daemon.socket)
         assert holder.stdout.readline().strip() == "in"
@@ -598,14 +599,14 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
         squatter.stdin.write("\n")
         squatter.stdin.flush()
         squatter.wait(timeout=30)
-        deadline = time.monotonic() + 30
-        while True:
+
+        def metrics_served() -> bool:
             try:
-                daemon.metrics_text()
-                break
+                return bool(daemon.metrics_text())
             except OSError:
-                assert time.monotonic() < deadline, "the daemon never took its metrics port"
-                time.sleep(0.5)
+                return False
+
+        wait_until(metrics_served, 30, "the daemon taking its metrics port once it was free")
         assert "metrics: cannot listen on 127.0.0.1" in daemon.log()
         pid = daemon.process.pid
         threads = _threads(pid)
@@ -662,10 +663,7 @@ def test_a_forming_group_cannot_be_taken_over(users, node_daemon):
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
     victims = a.start_ranks("legitimate_traffic", 2, daemon.socket, "victim", 100, "the-key", 6.0)
-    deadline = time.monotonic() + 60
-    while not any(g["name"] == "victim" for g in status_as(a, daemon.socket)):
-        assert time.monotonic() < deadline, "the victim group never started forming"
-        time.sleep(0.2)
+    wait_until(lambda: any(g["name"] == "victim" for g in status_as(a, daemon.socket)), 60, "the victim group forming")
     listed = a.python(_LIST_AS_MEMBER, daemon.socket)
     assert json.loads(listed.stdout) == {"": [0, []], "guess": [0, []], "the-key": [2, [0]]}, listed
     assert not any(g["name"] == "victim" for g in status_as(b, daemon.socket))
@@ -746,10 +744,11 @@ def test_silent_connections_neither_exhaust_descriptors_nor_threads(users, node_
         assert silent.stdout.readline().strip() == "held"
         most = resources(pid)
         attacked = ordinary_group(a, daemon.socket, "during")
-        deadline = time.monotonic() + 30
-        while _open_descriptors(pid) > before["fds"] + 16:
-            assert time.monotonic() < deadline, f"{_open_descriptors(pid)} descriptors, {before['fds']} before"
-            time.sleep(0.2)
+        wait_until(
+            lambda: _open_descriptors(pid) <= before["fds"] + 16,
+            30,
+            lambda: f"the daemon's descriptors back within 16 of {before['fds']} (now {_open_descriptors(pid)})",
+        )
     finally:
         silent.kill()
         silent.wait()
@@ -1032,17 +1031,18 @@ def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks
 
         flooded = _get_thresholds_seconds(daemon, flood)
         attacked = legitimate_group(spawn_ranks, daemon.socket, "during")
-        deadline = time.monotonic() + 60
-        while _dropped(daemon, "batch") < 100_000 or _dropped(daemon, "rate") < 32 * 100:
-            assert time.monotonic() < deadline, (_dropped(daemon, "batch"), _dropped(daemon, "rate"))
-            time.sleep(0.2)
+        wait_until(
+            lambda: _dropped(daemon, "batch") >= 100_000 and _dropped(daemon, "rate") >= 32 * 100,
+            60,
+            lambda: (
+                f"timings dropped by batch and by rate (now {_dropped(daemon, 'batch')}, {_dropped(daemon, 'rate')})"
+            ),
+        )
         # Read at the session's pace: never more messages than a second's burst and the rate since.
         read = 100 + _dropped(daemon, "rate") / 32
         pace = session_messages_per_second(DaemonConfig().timing_rate_per_rank)
         assert read <= pace * (time.monotonic() - flood_started[0] + 1), (read, pace)
-        while huge_flooder._session.lost_reason is None:
-            assert time.monotonic() < deadline, "the 3.6 MB batches did not end their session"
-            time.sleep(0.2)
+        wait_until(lambda: huge_flooder._session.lost_reason is not None, 60, "the 3.6 MB batches ending their session")
         assert not flooder._session.lost_reason
     print(
         f"GetThresholds: {quiet[0] * 1e3:.2f} ms per call quiet (longest {quiet[1] * 1e3:.1f}), "

@@ -4,7 +4,6 @@ zero blocks, disagreement, and never a compressed wire for a group or call that 
 
 import dataclasses
 import multiprocessing as mp
-import time
 
 import pytest
 
@@ -12,6 +11,7 @@ import wire_ranks
 from nodecomm.service.boundaries import calibration_from
 from nodecomm.service.calibration import CalibrationStore
 from nodecomm.service.fingerprint import cpu_fingerprint
+from waiting import wait_until
 
 CASES = [
     (dtype, count)
@@ -49,18 +49,24 @@ def _held(daemon, spawn_ranks, group: str, kwargs: dict, sizes: list[int]) -> tu
     report, commands = context.Queue(), context.Queue()
     held = spawn_ranks(wire_ranks.table_wires, 2, 2, daemon.socket, group, kwargs, sizes, report, commands)
     assert {report.get(timeout=60) for _ in range(2)} == {0, 1}
-    deadline = time.monotonic() + 15
-    while True:
-        series = {}
+
+    def series() -> dict[str, float]:
+        counts = {}
         for line in daemon.metrics_text().splitlines():
             if line.startswith("nodecomm_wire_operations_total{") and f'group="{group}"' in line:
-                series[line.split('wire="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
-        if sum(series.values()) >= 2 * len(sizes) or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    for _ in range(2):
-        commands.put("stop")
-    return held.values()[0], series
+                counts[line.split('wire="')[1].split('"')[0]] = float(line.rsplit(" ", 1)[1])
+        return counts
+
+    def every_call_counted() -> dict[str, float] | None:
+        counts = series()
+        return counts if sum(counts.values()) >= 2 * len(sizes) else None
+
+    try:
+        counted = wait_until(every_call_counted, 15, lambda: f"both ranks' calls counted by wire (now {series()})")
+    finally:
+        for _ in range(2):
+            commands.put("stop")
+    return held.values()[0], counted
 
 
 def test_only_a_group_that_asked_gets_a_compressed_wire_from_its_table(daemon, spawn_ranks):

@@ -10,12 +10,12 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from nodecomm.client.daemon_process import answers, daemon_command
+from waiting import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -59,10 +59,13 @@ def test_every_cuda_path_in_namespaces_of_their_own(namespaces, tmp_path, orderi
     flags += ["--cuda-service-ordering", ordering, "--operation-timeout-seconds", "20"]
     log = open(tmp_path / "daemon.log", "wb")
     daemon = subprocess.Popen(isolated(daemon_command(socket, *flags)), stdout=log, stderr=subprocess.STDOUT)
+
+    def serving() -> bool:
+        assert daemon.poll() is None, (tmp_path / "daemon.log").read_text()
+        return answers(socket, timeout=0.5)
+
     try:
-        deadline = time.monotonic() + 60
-        while not answers(socket, timeout=0.5):
-            assert daemon.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
+        wait_until(serving, 60, lambda: f"the isolated daemon answering:\n{(tmp_path / 'daemon.log').read_text()}")
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),

@@ -6,7 +6,7 @@ import os
 import pytest
 
 from test_distributed import reports, torchrun
-from test_private_daemon import gone_within, no_node_daemon, private_daemons, runtime_directory  # noqa: F401
+from test_private_daemon import no_node_daemon, runtime_directory, wait_gone  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -18,5 +18,5 @@ def test_collectives_on_cuda_through_a_private_daemon(no_node_daemon):  # noqa: 
     assert found == {0: [], 1: []}
     kind, socket = daemons[0].split(" ", 1)
     assert kind == "private" and set(daemons.values()) == {daemons[0]}
-    assert gone_within(10, socket), private_daemons(socket)
+    wait_gone(socket, 10)
     assert not os.path.exists(socket)

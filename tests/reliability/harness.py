@@ -11,9 +11,8 @@ from __future__ import annotations
 import os
 import queue
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from hypothesis import HealthCheck, Phase, settings
 from conftest import Daemon, rank_channel
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
+from waiting import wait_until
 
 # Short timeouts, so that a request that waits for peers who never come costs little; small
 # limits, so that huge sizes are refused by the quota instead of taking the machine's memory.
@@ -286,11 +286,3 @@ class SessionStream:
     def close(self) -> None:
         self._up.put(None)
         self._thread.join(timeout=10)
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout} s")
-        time.sleep(0.02)

@@ -17,9 +17,10 @@ import nodecomm
 from conftest import Daemon, join_request, stub_for
 from nodecomm.errors import ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
+from waiting import wait_until
 
 from . import fault_ranks
-from .harness import FIGURES, wait_until
+from .harness import FIGURES
 from .test_load import daemon_resources, settle
 
 OPERATION_TIMEOUT = 3.0

@@ -21,9 +21,10 @@ from hypothesis import strategies as st
 from conftest import reserved_bytes
 from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
+from waiting import wait_until
 
 from .fuzz_world import Allocation, RealGroup, World, assert_groups_intact, fresh_group, group_of, targets
-from .harness import fd_count, fuzz, wait_until
+from .harness import fd_count, fuzz
 from .rpc_strategies import (
     ANY_FLOAT,
     DTYPE,

@@ -24,8 +24,9 @@ import ranks
 from conftest import join_request
 from nodecomm.service import handles
 from nodecomm.v1 import control_pb2 as pb
+from waiting import wait_until
 
-from .harness import FIGURES, Checked, SessionStream, fd_count, fuzz, wait_until
+from .harness import FIGURES, Checked, SessionStream, fd_count, fuzz
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TOKEN_BYTES = 16

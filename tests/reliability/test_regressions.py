@@ -14,8 +14,9 @@ from conftest import join_request
 from nodecomm.client.descriptors import claim_descriptors
 from nodecomm.credentials import rank_metadata
 from nodecomm.v1 import control_pb2 as pb
+from waiting import wait_until
 
-from .harness import Checked, SessionStream, wait_until
+from .harness import Checked, SessionStream
 
 
 def refused(checked: Checked, method: str, request: object, timeout: float = 5.0) -> grpc.RpcError:
