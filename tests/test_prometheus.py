@@ -13,7 +13,6 @@ import queue
 import shutil
 import signal
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -23,6 +22,7 @@ import pytest
 
 import ranks
 from conftest import free_port
+from waiting import wait_until
 
 WORLD_SIZE = 2
 WAIT_SECONDS = 60.0  # every wait below is bounded by this
@@ -58,8 +58,8 @@ def active_group(daemon, spawn_ranks):
         ranks.hold_group_for_metrics, WORLD_SIZE, WORLD_SIZE, daemon.socket, report, commands, timeout=240
     )
     running: set[int] = set()
-    deadline = time.monotonic() + WAIT_SECONDS
-    while len(running) < WORLD_SIZE:
+
+    def every_rank_running() -> bool:
         try:
             running.add(report.get(timeout=0.5)[1])
         except queue.Empty:
@@ -67,8 +67,9 @@ def active_group(daemon, spawn_ranks):
                 for _ in range(WORLD_SIZE):
                     commands.put("stop")  # let ranks that did report leave at once
                 group.values()  # fails the test with the rank's traceback
-            if time.monotonic() > deadline:
-                pytest.fail(f"ranks {sorted(set(range(WORLD_SIZE)) - running)} not running in {WAIT_SECONDS} s")
+        return len(running) == WORLD_SIZE
+
+    wait_until(every_rank_running, WAIT_SECONDS, lambda: f"ranks {sorted(set(range(WORLD_SIZE)) - running)} running")
     yield daemon
     for _ in range(WORLD_SIZE):
         commands.put("stop")
@@ -139,33 +140,34 @@ class Prometheus:
             pytest.fail(f"prometheus exited with {self.process.returncode}:\n{self.log()}")
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + WAIT_SECONDS
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             self.alive()
             try:
-                if self.get("/-/ready").strip():
-                    return
+                return bool(self.get("/-/ready").strip())
             except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        pytest.fail(f"prometheus not ready within {WAIT_SECONDS} s:\n{self.log()}")
+                return False
 
-    def wait_for(self, expr: str, check, deadline: float) -> float:
+        wait_until(ready, WAIT_SECONDS, lambda: f"prometheus ready:\n{self.log()}")
+
+    def wait_for(self, expr: str, check) -> float:
         """Poll the instant query `expr` until it returns one sample whose value passes `check`;
         returns that value, or fails the test with the last answer and the scrape's state."""
-        last: object = "no answer"
-        while time.monotonic() < deadline:
+        last: list[object] = ["no answer"]
+
+        def passed() -> tuple[float] | None:  # a tuple, so that a passing 0.0 ends the wait too
             self.alive()
-            result = self.query(expr)
-            last = result
-            if len(result) == 1:
-                value = float(result[0]["value"][1])
-                if check(value):
-                    return value
-            time.sleep(0.25)
-        targets = json.loads(self.get("/api/v1/targets"))["data"]["activeTargets"]
-        scrape = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in targets]
-        pytest.fail(f"{expr!r}: last answer {last} within {WAIT_SECONDS} s; targets {scrape}\n{self.log()}")
+            last[0] = result = self.query(expr)
+            if len(result) == 1 and check(value := float(result[0]["value"][1])):
+                return (value,)
+            return None
+
+        def state() -> str:
+            targets = json.loads(self.get("/api/v1/targets"))["data"]["activeTargets"]
+            scrape = [(t["scrapeUrl"], t["health"], t["lastError"]) for t in targets]
+            return f"{expr!r} passing its check (last answer {last[0]}; targets {scrape})\n{self.log()}"
+
+        (value,) = wait_until(passed, WAIT_SECONDS, state)
+        return value
 
     def log(self) -> str:
         self._log.flush()
@@ -186,21 +188,17 @@ def test_prometheus_scrapes_the_daemon_and_answers_queries(prometheus, active_gr
     server = Prometheus(prometheus, tmp_path / "prometheus", f"127.0.0.1:{active_group.metrics_port}")
     try:
         server.wait_ready()
-        deadline = time.monotonic() + WAIT_SECONDS
-        server.wait_for('up{job="nodecomm"}', lambda v: v == 1, deadline)
-        server.wait_for('nodecomm_groups{state="active"}', lambda v: v == 1, deadline)
-        server.wait_for('nodecomm_groups{state="aborted"}', lambda v: v == 0, deadline)
-        server.wait_for("nodecomm_ranks", lambda v: v == WORLD_SIZE, deadline)
-        server.wait_for('nodecomm_reserved_bytes{kind="host"}', lambda v: v > 0, deadline)
-        server.wait_for(
-            'sum(nodecomm_service_collectives_total{op="all_reduce", result="ok"})', lambda v: v > 0, deadline
-        )
-        server.wait_for('nodecomm_rpc_seconds_count{method="Join"}', lambda v: v >= WORLD_SIZE, deadline)
+        server.wait_for('up{job="nodecomm"}', lambda v: v == 1)
+        server.wait_for('nodecomm_groups{state="active"}', lambda v: v == 1)
+        server.wait_for('nodecomm_groups{state="aborted"}', lambda v: v == 0)
+        server.wait_for("nodecomm_ranks", lambda v: v == WORLD_SIZE)
+        server.wait_for('nodecomm_reserved_bytes{kind="host"}', lambda v: v > 0)
+        server.wait_for('sum(nodecomm_service_collectives_total{op="all_reduce", result="ok"})', lambda v: v > 0)
+        server.wait_for('nodecomm_rpc_seconds_count{method="Join"}', lambda v: v >= WORLD_SIZE)
         # Join waits for the peers, so its median lies between the first bucket and the last finite one.
         median = server.wait_for(
             'histogram_quantile(0.5, sum by (le) (nodecomm_rpc_seconds_bucket{method="Join"}))',
             lambda v: math.isfinite(v),
-            deadline,
         )
         assert 0 < median <= 10, median
         # The daemon's types reach Prometheus' metadata.
