@@ -29,3 +29,13 @@ class Caller:
 
 
 TCP_CALLER = Caller(None)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The process at the other end of a call's connection, as the gate read it when it arrived:
+    its caller, its transport ("unix" or "tcp"), and its pid where SO_PEERCRED gives one (Unix)."""
+
+    caller: Caller
+    transport: str
+    pid: int | None = None

@@ -4,7 +4,7 @@ Each connection's caller is read as it arrives: SO_PEERCRED on the Unix socket, 
 TCP the owner of the peer's socket in /proc/net/tcp (TCP from elsewhere, which needs TLS, is one
 caller: TCP_CALLER). Every connection is spliced to the gRPC server on a socket only the daemon
 can open, from an abstract address that names its caller: every handler knows who calls
-(`Gate.caller_of`), and no client holds a connection to gRPC itself.
+(`Gate.peer_of`), and no client holds a connection to gRPC itself.
 
 A caller the daemon does not admit, or past its share of connections (max_connections_per_caller)
 or the daemon's (max_connections), still reaches gRPC, from an address that marks it refused:
@@ -20,11 +20,9 @@ splice ends with its upstream.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 import secrets
 import socket
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,9 +36,10 @@ from nodecomm.errors import (
     status_code_for,
     status_details,
 )
+from nodecomm.tcp_owners import peer_uid
 from nodecomm.trust import peer_credentials
 
-from .callers import TCP_CALLER, Caller
+from .callers import TCP_CALLER, Caller, Peer
 from .handles import Admission, process_groups
 from .logs import RateLimitedLog
 
@@ -102,11 +101,12 @@ class Gate:
         self._servers.append(server)
         return server.sockets[0].getsockname()[1]
 
-    def _caller_of_connection(self, sock: socket.socket, transport: str) -> Caller:
+    def _peer_of_connection(self, sock: socket.socket, transport: str) -> Peer:
         if transport == "unix":
-            return Caller(peer_credentials(sock)[1])
-        uid = tcp_peer_uid(sock.getsockname(), sock.getpeername())
-        return Caller(uid) if uid is not None else TCP_CALLER
+            pid, uid, _ = peer_credentials(sock)
+            return Peer(Caller(uid), transport, pid)
+        uid = peer_uid(sock.getsockname(), sock.getpeername())
+        return Peer(Caller(uid) if uid is not None else TCP_CALLER, transport)
 
     def _refusal(self, sock: socket.socket, transport: str, caller: Caller) -> Refusal | None:
         if transport == "unix" and self.admission.required:
@@ -134,23 +134,25 @@ class Gate:
 
     def admit(self, sock: socket.socket, transport: str) -> tuple[Caller, str, Refusal | None] | None:
         """A new connection's caller, the upstream address to splice it from, and why it is
-        refused (then it lingers: see the module's doc); None: close it at once."""
-        caller = self._caller_of_connection(sock, transport)
+        refused (then it lingers: see the module's doc); None: close it at once. The address
+        names the caller, and on Unix its pid: `peer_of` reads them back."""
+        peer = self._peer_of_connection(sock, transport)
+        caller = peer.caller
         refusal = self._refusal(sock, transport, caller)
         self._sequence += 1
-        uid = "" if caller.uid is None else str(caller.uid)
+        who = ("" if caller.uid is None else str(caller.uid)) + ("" if peer.pid is None else f".{peer.pid}")
         if refusal is not None:
             self._on_refusal(refusal.reason)
             self._refusal_log.log(logging.WARNING, refusal.reason, "connection refused", reason=str(refusal.error))
             if len(self._refusing) >= MAX_REFUSING:
                 return None
-            address = f"\0nodecomm-{self._token}-x{uid}-{self._sequence}"
+            address = f"\0nodecomm-{self._token}-x{who}-{self._sequence}"
             self._refusing[address] = refusal
             return caller, address, refusal
         self._open[caller] += 1
         self._on_count(sum(self._open.values()))
         kind = "u" if transport == "unix" else "t"
-        return caller, f"\0nodecomm-{self._token}-{kind}{uid}-{self._sequence}", None
+        return caller, f"\0nodecomm-{self._token}-{kind}{who}-{self._sequence}", None
 
     def release(self, caller: Caller, address: str) -> None:
         if self._refusing.pop(address, None) is not None:
@@ -160,16 +162,18 @@ class Gate:
             del self._open[caller]
         self._on_count(sum(self._open.values()))
 
-    def caller_of(self, peer: str) -> tuple[Caller, str] | None:
-        """The caller and transport ("unix" or "tcp") of a gRPC call whose peer is `peer`; None
-        for a connection that did not come through this gate, or was refused."""
+    def peer_of(self, address: str) -> Peer | None:
+        """Who makes a gRPC call whose peer address is `address`; None for a connection that did
+        not come through this gate, or was refused."""
         prefix = f"unix-abstract:nodecomm-{self._token}-"
-        if not peer.startswith(prefix):
+        if not address.startswith(prefix):
             return None
-        who = peer[len(prefix) :].rsplit("-", 1)[0]
+        who = address[len(prefix) :].rsplit("-", 1)[0]
         if who[:1] not in ("u", "t"):
             return None
-        return (Caller(int(who[1:])) if who[1:] else TCP_CALLER), ("unix" if who[:1] == "u" else "tcp")
+        uid, _, pid = who[1:].partition(".")
+        caller = Caller(int(uid)) if uid else TCP_CALLER
+        return Peer(caller, "unix" if who[:1] == "u" else "tcp", int(pid) if pid else None)
 
     def refusal_of(self, peer: str) -> NodecommError | None:
         """Why the connection of a call whose peer is `peer` was refused; None if it was not (or
@@ -342,35 +346,3 @@ class _Upstream(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.link.client.resume_reading()
-
-
-def tcp_peer_uid(local: tuple, peer: tuple) -> int | None:
-    """The uid that owns the socket at the other end of a loopback TCP connection (this end at
-    `local`, the other at `peer`), read from /proc/net/tcp{,6}; None off loopback or unknown. The
-    other end may be an IPv6 socket of an IPv4 connection (gRPC's are): then it is in tcp6, its
-    addresses IPv4-mapped."""
-    if not ipaddress.ip_address(peer[0]).is_loopback:
-        return None
-    wanted = {(_proc_address(peer, mapped), _proc_address(local, mapped)) for mapped in (False, True)}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as rows:
-                next(rows)
-                for row in rows:
-                    fields = row.split()
-                    if (fields[1], fields[2]) in wanted:
-                        return int(fields[7])
-        except OSError:
-            continue
-    return None
-
-
-def _proc_address(address: tuple, mapped: bool = False) -> str:
-    """An address as /proc/net/tcp{,6} writes it: the IP's bytes (IPv4-mapped IPv6 if `mapped`)
-    as native-endian 32-bit words in hex, a colon, the port in hex."""
-    ip = ipaddress.ip_address(address[0])
-    if mapped and ip.version == 4:
-        ip = ipaddress.IPv6Address(f"::ffff:{ip}")
-    packed = ip.packed
-    words = [struct.unpack("=I", packed[i : i + 4])[0] for i in range(0, len(packed), 4)]
-    return "".join(f"{word:08X}" for word in words) + f":{address[1]:04X}"

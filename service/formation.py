@@ -56,7 +56,7 @@ class Formation:
                 table=self.tables.for_new_group(
                     first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire), devices
                 ),
-                members={r: Member(r, pid=a.pid) for r, a in enumerate(joined)},
+                members={r: Member(r, pid=a.pid, uid=a.uid) for r, a in enumerate(joined)},
                 devices=[a.device for a in joined],
                 creator=forming.creator,
                 live=(
@@ -81,7 +81,7 @@ class Formation:
                 tokens = self.claims.issue_all(
                     group.name,
                     group.group_id,
-                    {rank: a.pid for rank, a in enumerate(joined)},
+                    {rank: (a.pid, a.uid) for rank, a in enumerate(joined)},
                     memory.descriptors(),
                     self.config.claim_token_ttl_seconds,
                 )

@@ -26,7 +26,8 @@ from .timings import TokenBucket
 @dataclass
 class Member:
     rank: int
-    pid: int = 0
+    pid: int = 0  # the process its Join declared
+    uid: int = 0  # the uid that joined it
     secret: bytes = field(default_factory=lambda: secrets.token_bytes(16))  # JoinReply.rank_secret
     session: asyncio.Queue | None = None
     session_seen: bool = False

@@ -2,8 +2,8 @@
 where a process proves who it is before it joins.
 
 Protocol (one exchange per connection): the rank sends 16 bytes, a claim token or IDENTIFY. For a
-token the daemon checks the connecting process's SO_PEERCRED against the pid the rank declared
-at Join, then answers with one status byte and, on success (0), the descriptors attached with
+token the daemon checks the connecting process's SO_PEERCRED against the uid that joined and the
+pid the Join declared, then answers with one status byte and, on success (0), the descriptors attached with
 SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY it checks the
 process's uid and groups against the daemon's admission lists and answers 0 and a 16-byte
 identity token (which a Join then carries, binding the rank to that pid), or 1 and the reason. Served by threads with blocking sockets, so a slow or
@@ -40,7 +40,8 @@ log = logging.getLogger("nodecomm.handles")
 @dataclass
 class PendingClaim:
     fds: list[int]  # owned by the claim: closed once sent, expired or dropped
-    pid: int
+    pid: int  # the process the Join declared
+    uid: int  # the uid that joined
     group: str
     group_id: int
     rank: int
@@ -59,7 +60,7 @@ class ClaimTable:
         self._lock = threading.Lock()
         self._pending: dict[bytes, PendingClaim] = {}
 
-    def issue(self, group: str, group_id: int, rank: int, pid: int, fds: list[int], ttl: float) -> bytes:
+    def issue(self, group: str, group_id: int, rank: int, pid: int, uid: int, fds: list[int], ttl: float) -> bytes:
         duplicates: list[int] = []
         try:
             for fd in fds:
@@ -68,21 +69,21 @@ class ClaimTable:
             for fd in duplicates:
                 os.close(fd)
             raise
-        claim = PendingClaim(duplicates, pid, group, group_id, rank, time.monotonic() + ttl)
+        claim = PendingClaim(duplicates, pid, uid, group, group_id, rank, time.monotonic() + ttl)
         token = os.urandom(TOKEN_BYTES)
         with self._lock:
             self._pending[token] = claim
         return token
 
     def issue_all(
-        self, group: str, group_id: int, pids: dict[int, int], fds: list[int], ttl: float
+        self, group: str, group_id: int, processes: dict[int, tuple[int, int]], fds: list[int], ttl: float
     ) -> dict[int, bytes]:
-        """A token for `fds` per rank of `pids` (rank -> pid), all or none: past an OSError (out of
-        descriptors) the tokens issued are taken back before it propagates."""
+        """A token for `fds` per rank of `processes` (rank -> (pid, uid)), all or none: past an
+        OSError (out of descriptors) the tokens issued are taken back before it propagates."""
         tokens: dict[int, bytes] = {}
         try:
-            for rank, pid in pids.items():
-                tokens[rank] = self.issue(group, group_id, rank, pid, fds, ttl)
+            for rank, (pid, uid) in processes.items():
+                tokens[rank] = self.issue(group, group_id, rank, pid, uid, fds, ttl)
         except OSError:
             for token in tokens.values():
                 claim = self.take(token)
@@ -171,28 +172,33 @@ class Admission:
         return uid in (self.operators or {0, os.geteuid()})
 
 
-def process_groups(pid: int, gid: int) -> frozenset[int]:
-    """The primary and supplementary groups of `pid` (only the primary one if /proc hides it)."""
+def _status_field(pid: int, name: str) -> list[int] | None:
+    """The numbers on the `name` line of /proc/<pid>/status; None where the process (as this
+    daemon's PID namespace numbers it) or the line is not there."""
     try:
         with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("Groups:"):
-                    return frozenset([gid, *(int(g) for g in line.split()[1:])])
-    except OSError:
+                if line.startswith(f"{name}:"):
+                    return [int(value) for value in line.split()[1:]]
+    except (OSError, ValueError):
         pass
-    return frozenset([gid])
+    return None
+
+
+def process_groups(pid: int, gid: int) -> frozenset[int]:
+    """The primary and supplementary groups of `pid` (only the primary one if /proc hides it)."""
+    return frozenset([gid, *(_status_field(pid, "Groups") or ())])
 
 
 def namespace_pids(pid: int) -> list[int]:
     """The pids of `pid` in every PID namespace it belongs to, outermost first (NSpid)."""
-    try:
-        with open(f"/proc/{pid}/status") as status:
-            for line in status:
-                if line.startswith("NSpid:"):
-                    return [int(p) for p in line.split()[1:]]
-    except OSError:
-        pass
-    return [pid]
+    return _status_field(pid, "NSpid") or [pid]
+
+
+def process_uid(pid: int) -> int | None:
+    """The real uid of process `pid`; None where there is no such process (or /proc hides it)."""
+    uids = _status_field(pid, "Uid")
+    return uids[0] if uids else None
 
 
 def is_declared_process(peer_pid: int, declared_pid: int) -> bool:
@@ -344,6 +350,13 @@ class DescriptorServer:
             return self._refuse(conn, "unknown_token", "unknown, already used or expired claim token")
         try:
             pid, uid, _ = peer_credentials(conn)
+            if uid != claim.uid:
+                return self._refuse(
+                    conn,
+                    "wrong_peer",
+                    f"claim for group {claim.group!r} rank {claim.rank} was issued to uid {claim.uid}, who joined, "
+                    f"but uid {uid} (pid {pid}) presented it",
+                )
             if not is_declared_process(pid, claim.pid):
                 return self._refuse(
                     conn,

@@ -22,13 +22,14 @@ class JoinArgs:
     device: str
     capacity_bytes: int
     dtypes: tuple[int, ...]
-    pid: int
+    pid: int  # the process the Join declares
+    uid: int  # who joined (callers.py): its claims are bound to it
     nccl_fallback: bool
     overrides: tuple[tuple[str, int | None], ...] = ()  # this group's own, sorted by name
     wire: int = pb.LOSSLESS  # the compressed wire the group lets its table use
 
     @classmethod
-    def from_request(cls, request: pb.JoinRequest) -> JoinArgs:
+    def from_request(cls, request: pb.JoinRequest, uid: int) -> JoinArgs:
         return cls(
             group=request.group,
             rank=request.rank,
@@ -37,6 +38,7 @@ class JoinArgs:
             capacity_bytes=request.geometry.capacity_bytes,
             dtypes=tuple(sorted(set(request.geometry.dtypes))),
             pid=request.pid,
+            uid=uid,
             nccl_fallback=request.nccl_fallback,
             wire=request.geometry.wire,
             # By name, then off (None) before values: a name given twice, once without a value,

@@ -37,11 +37,11 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .allocator import raise_descriptor_limit
 from .calibration import CalibrationStore
-from .callers import Caller
+from .callers import Caller, Peer
 from .config import DaemonConfig, load_config, parse_ids
 from .connections import Gate, GateInterceptor
 from .groups import GroupRegistry
-from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process
+from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process, process_uid
 from .job_lease import JobLease
 from .join_args import JoinArgs
 from .listening import (
@@ -197,13 +197,12 @@ class ControlServicer(pb_grpc.ControlServicer):
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
-        caller = self._check_identity(request, *self._caller(context))
-        return await self.registry.join(JoinArgs.from_request(request), timeout, caller, request.group_key)
+        uid = self._joining_uid(request, self._peer(context))
+        return await self.registry.join(JoinArgs.from_request(request, uid), timeout, Caller(uid), request.group_key)
 
-    def _caller(self, context: grpc.aio.ServicerContext) -> tuple[Caller, str]:
-        """Who makes this call, and over which transport ("unix" or "tcp"), as the gate read it
-        when the connection arrived (connections.py)."""
-        found = self.gate.caller_of(context.peer())
+    def _peer(self, context: grpc.aio.ServicerContext) -> Peer:
+        """Who makes this call, as the gate read it when the connection arrived (connections.py)."""
+        found = self.gate.peer_of(context.peer())
         if found is None:
             raise PermissionDeniedError("this call did not come through the daemon's sockets; connect to its socket")
         return found
@@ -228,33 +227,53 @@ class ControlServicer(pb_grpc.ControlServicer):
                 f"only operator uids ({who}) may (the daemon's operator_uids)"
             )
 
-    def _check_identity(self, request: pb.JoinRequest, caller: Caller, transport: str) -> Caller:
-        """The Join's caller: the connection's, which an identity presented with it (issued on the
-        descriptor socket to the very process that declares its pid) must agree with; over TCP,
-        an identity names a caller the connection could not, and is required where the daemon
-        admits only some uids (the gate checked Unix callers as they connected). A Join over TCP
-        also needs a group key: whoever reaches the port may be anyone."""
+    def _joining_uid(self, request: pb.JoinRequest, peer: Peer) -> int:
+        """Who joins, a uid the group's claims are then bound to: the connection's, which an
+        identity presented with it (issued on the descriptor socket to the very process that
+        declares its pid) must agree with. Without an identity, the declared pid must be a process
+        of that uid: the connection's own process on Unix. Over TCP, an identity names a caller the
+        connection could not (beyond loopback, where a Join without one is refused: no claim
+        could succeed), and is required where the daemon admits only some uids (the gate checked
+        Unix callers as they connected). A Join over TCP also needs a group key: whoever reaches
+        the port may be anyone."""
         where = dict(group=request.group or None, rank=request.rank)
+        caller, transport = peer.caller, peer.transport
         if transport == "tcp" and not request.group_key:
             raise PermissionDeniedError(
                 "a Join over TCP must carry a group key: pass connect(group_key=...) or set NODECOMM_GROUP_KEY, "
                 "the same on every rank (or connect through the daemon's Unix socket)",
                 **where,
             )
-        if not request.identity:
-            if transport == "tcp" and self.admission.required:
+        if request.identity:
+            uid = self._identified_uid(request.identity, request.pid, **where)
+            if caller.uid is not None and uid != caller.uid:
                 raise PermissionDeniedError(
-                    "this daemon admits only some uids and groups: a Join over TCP must carry the identity the "
-                    "descriptor socket issues (send IDENTIFY there first; nodecomm.connect does)",
-                    **where,
+                    f"the identity was issued to uid {uid}, but this Join comes from {caller}", **where
                 )
-            return caller
-        uid = self._identified_uid(request.identity, request.pid, **where)
-        if caller.uid is not None and uid != caller.uid:
-            raise PermissionDeniedError(
-                f"the identity was issued to uid {uid}, but this Join comes from {caller}", **where
+            return uid
+        if transport == "tcp" and (self.admission.required or caller.uid is None):
+            why = (
+                "this daemon admits only some uids and groups"
+                if caller.uid is not None
+                else "the daemon cannot tell which local user calls over TCP beyond loopback, and hands memory only "
+                "to the uid that joined"
             )
-        return Caller(uid)
+            raise PermissionDeniedError(
+                f"{why}: a Join over TCP must carry the identity the descriptor socket issues (send IDENTIFY "
+                "there first), or come through the daemon's Unix socket",
+                **where,
+            )
+        if request.pid <= 0 or (peer.pid is not None and is_declared_process(peer.pid, request.pid)):
+            return caller.uid  # the connection's own process (a pid that is none: validate_join says so)
+        declared = process_uid(request.pid)
+        if declared != caller.uid:
+            runs_as = "is no process the daemon can see" if declared is None else f"runs as {Caller(declared)}"
+            raise PermissionDeniedError(
+                f"this Join declares pid {request.pid}, which {runs_as}, but it comes from {caller}: a Join "
+                "declares its own process",
+                **where,
+            )
+        return caller.uid
 
     @rpc()
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
@@ -267,7 +286,7 @@ class ControlServicer(pb_grpc.ControlServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgumentError("a Session stream must start with a hello naming group_id and rank")
         group_id, rank = first.hello.group_id, first.hello.rank
-        caller, _ = self._caller(context)
+        caller = self._peer(context).caller
         self.registry.authenticate(group_id, rank, _rank_secret(context))
         queue = self.registry.open_session(group_id, rank)
 
@@ -311,7 +330,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
-        self._check_operator(self._caller(context)[0])
+        self._check_operator(self._peer(context).caller)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
         def on_point(label: str, size: int, seconds: float) -> None:
@@ -346,7 +365,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
-        caller, _ = self._caller(context)
+        caller = self._peer(context).caller
         table = self.registry.table_for(
             caller, request.group, request.device_kind or DeviceKind.CPU, request.nccl_fallback
         )
@@ -354,7 +373,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
-        caller, _ = self._caller(context)
+        caller = self._peer(context).caller
         operator = caller.uid is not None and self.admission.operates(caller.uid)
         return pb.ListGroupsReply(groups=self.registry.list_groups(caller, operator, request.group_key))
 

@@ -63,6 +63,7 @@ class ServiceMemory:
                 group.group_id,
                 request.rank,
                 group.members[request.rank].pid,
+                group.members[request.rank].uid,
                 [allocation.fd],
                 self.config.claim_token_ttl_seconds,
             )

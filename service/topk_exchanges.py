@@ -137,8 +137,9 @@ class TopkOpenings:
             forming.fail(error)
             return
         try:
+            members = {rank: group.members[rank] for rank in forming.arrivals}
             tokens = self.claims.issue_all(
-                group.name, group.group_id, {rank: group.members[rank].pid for rank in forming.arrivals}, slabs.fds,
+                group.name, group.group_id, {rank: (m.pid, m.uid) for rank, m in members.items()}, slabs.fds,
                 self.config.claim_token_ttl_seconds,
             )  # fmt: skip
         except OSError as error:  # out of descriptors handing them out: none was issued
