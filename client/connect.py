@@ -12,10 +12,10 @@ import torch
 
 from nodecomm import _native
 from nodecomm.credentials import rank_metadata
+from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
 from nodecomm.socket_path import descriptor_socket_path
 from nodecomm.thresholds import DispatchTable, Path
-from nodecomm.trust import checked_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -150,17 +150,22 @@ def _join(
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
     group, rank, world_size, where = spec.group, spec.rank, spec.world_size, spec.where
     device_index, capacity_bytes, timeout = spec.device_index, spec.capacity_bytes, spec.timeout
-    # Only a daemon whose socket and process pass the checks (nodecomm.trust) gets this rank's data.
+    # Only a daemon that proved who it is (nodecomm.daemon_channel) gets this rank's data.
     try:
-        target = checked_target(chosen.socket, chosen.daemon_uids, timeout)
+        channel, target = open_channel(chosen.socket, chosen.daemon_uids, timeout, [("grpc.enable_retries", 0)])
     except NodecommError as error:
         raise error.located(**where) from None
     # Binds the Join to this process's pid (the daemon reads its uid from the connection), and a
     # daemon that does not admit this uid says so here, in its own words.
     identity = b""
     if target.startswith("unix:"):
-        identity = DescriptorSocket(_descriptor_socket_path(target, ""), chosen.daemon_uids).identify(timeout, where)
-    channel = grpc.insecure_channel(target, options=[("grpc.enable_retries", 0)])
+        try:
+            identity = DescriptorSocket(_descriptor_socket_path(target, ""), chosen.daemon_uids).identify(
+                timeout, where
+            )
+        except BaseException:
+            channel.close()
+            raise
     stub = pb_grpc.ControlStub(channel)
     request = spec.join_request(identity)
     try:

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import DaemonUnavailableError
 from nodecomm.socket_path import grpc_target
-from nodecomm.trust import checked_target
 
 
 def daemon_command(socket: str, *flags: str) -> list[str]:
@@ -28,18 +28,19 @@ def daemon_command(socket: str, *flags: str) -> list[str]:
 
 def answers(socket: str, timeout: float = 1.0, daemon_uids: frozenset[int] | None = None) -> bool:
     """Whether a daemon serves on `socket` (its health service says SERVING). With `daemon_uids`,
-    only one whose socket and process pass the checks of nodecomm.trust counts, and one that
-    fails them raises PermissionDeniedError."""
+    only one that proves who it is (nodecomm.daemon_channel) counts, and one that fails the
+    checks raises PermissionDeniedError."""
     target = grpc_target(socket)
-    if target.startswith("unix:"):
-        if not os.path.exists(target.removeprefix("unix:")):
+    if target.startswith("unix:") and not os.path.exists(target.removeprefix("unix:")):
+        return False
+    if daemon_uids is None:
+        channel = grpc.insecure_channel(target)
+    else:
+        try:
+            channel, _ = open_channel(target, daemon_uids, timeout)
+        except (DaemonUnavailableError, OSError):  # gone, stale, or not ours to open
             return False
-        if daemon_uids is not None:
-            try:
-                target = checked_target(target, daemon_uids, timeout)
-            except (DaemonUnavailableError, OSError):  # gone, stale, or not ours to open
-                return False
-    with grpc.insecure_channel(target) as channel:
+    with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
         except grpc.RpcError:

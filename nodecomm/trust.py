@@ -8,7 +8,9 @@ sockets, it talks only to a daemon it has checked:
   what is not theirs; a symbolic link on the way is followed only where its owner is trusted,
   and the checked real path is what gets dialled;
 - the socket file is a socket owned by a uid the daemon may run as, and so is the process that
-  answers on it (SO_PEERCRED).
+  answers on it (SO_PEERCRED);
+- on a loopback TCP address, every socket there is owned by such a uid (a daemon elsewhere
+  proves itself with TLS instead: nodecomm.daemon_channel).
 A job's private daemon must run as the caller. The node daemon may run as root, as the caller, as
 NODECOMM_DAEMON_USER, or as the owner of its socket's directory in /run, which only root makes
 (systemd's RuntimeDirectory= with User=).
@@ -25,6 +27,7 @@ import socket
 import stat
 import struct
 
+from nodecomm import tcp_owners
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
 DAEMON_USER_VARIABLE = "NODECOMM_DAEMON_USER"
@@ -188,11 +191,8 @@ def _connect_to(real: str, daemon_uids: frozenset[int], timeout: float) -> socke
 
 def checked_target(target: str, daemon_uids: frozenset[int], timeout: float = 5.0) -> str:
     """A gRPC target for the daemon at `target` (a socket path or unix:PATH), its socket checked
-    and its process asked who it is first; a TCP target (ipv4:, ipv6:, dns:) as it is: there is
-    no owner to check, and a Join over TCP needs a group key. DaemonUnavailableError where
-    nothing serves there."""
-    if target.startswith(_TCP_PREFIXES):
-        return target
+    and its process asked who it is first. DaemonUnavailableError where nothing serves there.
+    (TCP targets: nodecomm.daemon_channel.)"""
     if target.startswith("unix-abstract:"):
         raise InvalidArgumentError(
             f"socket {target!r}: an abstract socket has no owner or mode to check; expected a socket path"
@@ -204,6 +204,21 @@ def checked_target(target: str, daemon_uids: frozenset[int], timeout: float = 5.
     except (FileNotFoundError, ConnectionRefusedError) as error:
         raise DaemonUnavailableError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
     return f"unix:{real}"
+
+
+def check_loopback_listener(host: str, port: int, daemon_uids: frozenset[int]) -> None:
+    """Refuse the loopback address `host`:`port` unless something listens there and every socket
+    where a connection to it could land is owned by one of `daemon_uids` (/proc/net/tcp{,6}), as
+    check_socket does for a Unix socket's file. DaemonUnavailableError where nothing listens."""
+    owners, listening = tcp_owners.owners_at(host, port)
+    strangers = sorted(owners - daemon_uids - {0})  # root: also what TIME_WAIT rows show
+    if strangers:
+        raise PermissionDeniedError(
+            f"{host}:{port} is served by a socket of {_names(frozenset(strangers))}; the daemon there must run as "
+            f"{_names(daemon_uids)}, so it is not one {_you()} can trust with your tensors"
+        )
+    if not listening:
+        raise DaemonUnavailableError(f"daemon unavailable: nothing listens at {host}:{port}")
 
 
 def make_private_directory(path: str) -> str:

@@ -16,10 +16,11 @@ import grpc
 from nodecomm._native import MAX_RANKS
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.capabilities import path_names
+from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
 from nodecomm.thresholds import PEER_PATHS, DispatchTable, Wire, range_end
-from nodecomm.trust import checked_target, node_daemon_uids
+from nodecomm.trust import node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
@@ -27,10 +28,10 @@ from .calibration_plot import point_name
 
 
 def _stub(socket: str | None, timeout: float) -> tuple[grpc.Channel, pb_grpc.ControlStub]:
-    """A channel to the node daemon at `socket` (default: its default path), its socket and
-    process checked first (nodecomm.trust)."""
+    """A channel to the node daemon at `socket` (default: its default path), once it has proved
+    who it is (nodecomm.daemon_channel)."""
     path = socket or default_socket_path()
-    channel = grpc.insecure_channel(checked_target(path, node_daemon_uids(path), timeout))
+    channel, _ = open_channel(path, node_daemon_uids(path), timeout)
     return channel, pb_grpc.ControlStub(channel)
 
 
