@@ -21,11 +21,13 @@ are made 0700 and checked after making: one that another user made first is refu
 
 from __future__ import annotations
 
+import errno
 import os
 import pwd
 import socket
 import stat
 import struct
+from dataclasses import dataclass
 
 from nodecomm import tcp_owners
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
@@ -82,13 +84,33 @@ def node_daemon_uids(socket_path: str | None = None) -> frozenset[int]:
     return frozenset(uids)
 
 
-def resolve_directory(path: str, trusted: frozenset[int]) -> str:
+@dataclass(frozen=True)
+class Stakes:
+    """What whoever controls a directory that fails the checks could do, and what to do instead:
+    the end of every refusal's message."""
+
+    risk: str
+    advice: str
+
+
+_DAEMON_STAKES = Stakes(
+    "put a daemon there that reads and changes your tensors",
+    "Set XDG_RUNTIME_DIR (or NODECOMM_SOCKET) to a directory only you or root can write, for example "
+    "`export XDG_RUNTIME_DIR=$(mktemp -d)` before starting every rank of the job.",
+)
+CALIBRATION_STAKES = Stakes(
+    "put a calibration there that decides the path of every group's collectives",
+    "Point state_dir (or XDG_STATE_HOME) at a directory only the daemon's user or root can write.",
+)
+
+
+def resolve_directory(path: str, trusted: frozenset[int], stakes: Stakes = _DAEMON_STAKES) -> str:
     """The real path of the directory `path`, checked from / down: every directory owned by root or
     a uid in `trusted`, none writable by group or others unless sticky, symbolic links followed
     only where their owner is root or in `trusted`. Raises PermissionDeniedError naming the first
-    that fails, FileNotFoundError where one is missing."""
+    that fails and what `stakes` it would put at risk, FileNotFoundError where one is missing."""
     trusted = trusted | {0}
-    _check_directory("/", os.lstat("/"), trusted, sticky_allowed=True)
+    _check_directory("/", os.lstat("/"), trusted, True, stakes)
     pending = os.path.abspath(path).split("/")[1:]
     current, links = "/", 0
     while pending:
@@ -112,29 +134,28 @@ def resolve_directory(path: str, trusted: frozenset[int]) -> str:
             continue
         if not stat.S_ISDIR(info.st_mode):
             raise PermissionDeniedError(f"{candidate} is not a directory (on the way to {path})")
-        _check_directory(candidate, info, trusted, sticky_allowed=True)
+        _check_directory(candidate, info, trusted, True, stakes)
         current = candidate
     return current
 
 
-def _check_directory(path: str, info: os.stat_result, trusted: frozenset[int], sticky_allowed: bool) -> None:
+def _check_directory(
+    path: str, info: os.stat_result, trusted: frozenset[int], sticky_allowed: bool, stakes: Stakes = _DAEMON_STAKES
+) -> None:
     if info.st_uid not in trusted:
         raise PermissionDeniedError(
-            f"{path} belongs to {who(info.st_uid)}, not to {_you()} or root: whoever owns it can put a daemon "
-            f"there that reads and changes your tensors. {_WHAT_TO_DO}"
+            f"{path} belongs to {who(info.st_uid)}, not to {_you()} or root: whoever owns it can {stakes.risk}. "
+            f"{stakes.advice}"
         )
     writable = info.st_mode & 0o022
     if writable and not (sticky_allowed and info.st_mode & stat.S_ISVTX):
         raise PermissionDeniedError(
-            f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can write to it and could put a daemon "
-            f"there that reads and changes your tensors; expected a directory only its owner can write. {_WHAT_TO_DO}"
+            f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can write to it and could {stakes.risk}; "
+            f"expected a directory only its owner can write. {stakes.advice}"
         )
 
 
-_WHAT_TO_DO = (
-    "Set XDG_RUNTIME_DIR (or NODECOMM_SOCKET) to a directory only you or root can write, for example "
-    "`export XDG_RUNTIME_DIR=$(mktemp -d)` before starting every rank of the job."
-)
+_WHAT_TO_DO = _DAEMON_STAKES.advice
 _TCP_PREFIXES = ("ipv4:", "ipv6:", "dns:")
 
 
@@ -244,6 +265,37 @@ def make_private_directory(path: str) -> str:
         )
     _check_directory(real, info, frozenset({os.geteuid()}), sticky_allowed=False)
     return real
+
+
+def trusted_directory(path: str, owners: frozenset[int], stakes: Stakes) -> str:
+    """resolve_directory's real path of `path`, which itself no one else may write even if sticky:
+    a directory whose files are trusted as they are."""
+    directory = resolve_directory(path, owners, stakes)
+    _check_directory(directory, os.lstat(directory), owners | {0}, False, stakes)
+    return directory
+
+
+def read_trusted_file(path: str, owners: frozenset[int], stakes: Stakes) -> str:
+    """The text of the regular file `path`, read only where it and every directory on the way are
+    owned by root or one of `owners` and writable by no one else (trusted_directory), reached
+    through no link another user owns. PermissionDeniedError names what fails and what `stakes`
+    it would put at risk; FileNotFoundError where the file or a directory is missing."""
+    directory = trusted_directory(os.path.dirname(os.path.abspath(path)), owners, stakes)
+    real = os.path.join(directory, os.path.basename(path))
+    try:
+        descriptor = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise PermissionDeniedError(f"{real} is a symbolic link; expected a regular file") from None
+    with os.fdopen(descriptor, "rb") as handle:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            raise PermissionDeniedError(f"{real} is not a regular file")
+        if info.st_uid not in owners | {0} or info.st_mode & 0o022:
+            whose = f"belongs to {who(info.st_uid)}" if info.st_uid not in owners | {0} else "others can write it"
+            raise PermissionDeniedError(f"{real} {whose}: whoever can write it can {stakes.risk}. {stakes.advice}")
+        return handle.read().decode()
 
 
 def open_private_file(path: str) -> int:

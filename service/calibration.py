@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,6 +21,10 @@ from nodecomm.errors import NodecommError
 from .fingerprint import fingerprint_key
 
 log = logging.getLogger("nodecomm.calibration")
+
+# How far ahead of this machine's clock a stored calibration's measured_at may be (a clock set back
+# a little since it was written) before it is refused.
+FUTURE_SLACK_SECONDS = 60.0
 
 _BOUNDARY = {"type": ["integer", "null"], "minimum": 0, "maximum": 1 << 62}
 _BOUNDARIES = {
@@ -121,15 +126,21 @@ class Calibration:
 
 class CalibrationStore:
     """Calibrations on disk, one JSON file per fingerprint: <state_dir>/calibration-<key>.json.
-    A store that is not writable (the node's state, to a job's private daemon) reads them and saves
-    nothing. A `private` one (a user's cache) is a directory of the user's alone, made 0700 on the
-    first save and checked as the runtime directory is (nodecomm.trust) before every read or
-    write: one that fails the checks is neither."""
+    A calibration decides every new group's paths, so a file is read only where it and every
+    directory on the way are root's or `owners'` (this uid's by default) and writable by no one
+    else (nodecomm.trust.read_trusted_file), and one measured in the future is refused: it would
+    outrank every real one. A store that is not writable (the node's state, to a job's private
+    daemon) reads them and saves nothing. A `private` one (a user's cache) is a directory of the
+    user's alone, made 0700 on the first save and checked as the runtime directory is before
+    every read or write: one that fails the checks is neither."""
 
-    def __init__(self, state_dir: str, writable: bool = True, private: bool = False):
+    def __init__(
+        self, state_dir: str, writable: bool = True, private: bool = False, owners: frozenset[int] | None = None
+    ):
         self.directory = Path(state_dir)
         self.writable = writable
         self.private = private
+        self.owners = owners if owners is not None else frozenset({os.geteuid()})
 
     def _trusted(self, create: bool) -> bool:
         """For a private store: whether its directory is the user's alone (made so if `create`)."""
@@ -157,19 +168,28 @@ class CalibrationStore:
         if self.private and not self._trusted(create=False):
             return None
         try:
-            calibration = Calibration.from_json(path.read_text())
+            calibration = Calibration.from_json(
+                trust.read_trusted_file(str(path), self.owners, trust.CALIBRATION_STAKES)
+            )
         except FileNotFoundError:
             return None
-        except (OSError, ValueError) as error:
+        except (OSError, ValueError, NodecommError) as error:
             problem = str(error)
         else:
             differs = sorted(
                 name for name in fingerprint.keys() | calibration.fingerprint.keys()
                 if fingerprint.get(name) != calibration.fingerprint.get(name)
             )  # fmt: skip
-            if calibration.key == key and not differs:
+            ahead = calibration.measured_at - time.time()
+            if ahead > FUTURE_SLACK_SECONDS:
+                problem = (
+                    f"it says it was measured {ahead:.0f} s from now (measured_at {calibration.measured_at}), which "
+                    "would outrank every calibration measured until then; a calibration from the future is refused"
+                )
+            elif calibration.key == key and not differs:
                 return calibration
-            problem = f"its fingerprint is not this machine's (it differs in {', '.join(differs) or 'key'})"
+            else:
+                problem = f"its fingerprint is not this machine's (it differs in {', '.join(differs) or 'key'})"
         log.warning(
             f"ignoring the calibration in {path}: {problem}; the built-in boundaries stay in force",
             extra={"path": str(path), "error": problem},
@@ -186,6 +206,10 @@ class CalibrationStore:
                 raise PermissionError(f"{self.directory} is not a directory of this user's alone (see the log)")
         else:
             self.directory.mkdir(parents=True, exist_ok=True)
+            try:
+                trust.trusted_directory(str(self.directory), self.owners, trust.CALIBRATION_STAKES)
+            except NodecommError as error:
+                raise PermissionError(f"not saving the calibration in {self.directory}: {error}") from None
         path = self.path_for(calibration.key)
         with tempfile.NamedTemporaryFile("w", dir=self.directory, delete=False, suffix=".tmp") as handle:
             handle.write(calibration.to_json())

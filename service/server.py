@@ -22,7 +22,7 @@ from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from nodecomm import _native
+from nodecomm import _native, trust
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
@@ -414,7 +414,8 @@ async def serve(config: DaemonConfig) -> int:
     stores = [store]
     if config.private:
         store = CalibrationStore(config.cache_dir, private=True)
-        stores = [CalibrationStore(config.state_dir, writable=False), store]
+        # The node's state is trusted as its daemon is: root's, this user's or NODECOMM_DAEMON_USER's.
+        stores = [CalibrationStore(config.state_dir, writable=False, owners=trust.node_daemon_uids()), store]
         registry.tables.live_store = store
     # A calibration measured on this machine before (same fingerprint) is used without probing.
     uncalibrated = registry.tables.reuse_stored(stores)
