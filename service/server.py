@@ -56,7 +56,7 @@ from .logs import RateLimitedLog, configure_logging
 from .metrics import DaemonMetrics
 from .metrics_endpoint import MetricsEndpoint
 from .probe import calibration_point
-from .timings import CallerPaces, Pace
+from .timings import MAX_SESSION_MESSAGE_BYTES, PACE_BYTES, CallerPaces, Pace
 
 MAX_MESSAGE_BYTES = 1 << 20
 
@@ -65,9 +65,10 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
 
 
 @dataclass(frozen=True)
-class UndecodableRequest:
+class RefusedRequest:
     """What a handler gets for request bytes that do not parse as the method's message (gRPC's own
-    deserializer raises there: the caller got UNKNOWN, and the daemon logged a traceback)."""
+    deserializer raises there: the caller got UNKNOWN, and the daemon logged a traceback), or that
+    are more than the method's requests may be, refused before they are parsed."""
 
     message: str
 
@@ -82,20 +83,31 @@ def session_messages_per_second(timing_rate_per_rank: int) -> float:
     return 2 * (timing_rate_per_rank / 32 + 1)
 
 
-def _lenient_parser(message_class: type[Message]) -> Callable[[bytes], Message | UndecodableRequest]:
-    def parse(raw: bytes) -> Message | UndecodableRequest:
+# The most bytes a request of these methods may be, below the server's MAX_MESSAGE_BYTES: a Session
+# stream repeats its messages, so one past what a client ever sends is refused unparsed.
+MAX_REQUEST_BYTES = {"Session": MAX_SESSION_MESSAGE_BYTES}
+
+
+def _lenient_parser(message_class: type[Message], max_bytes: int) -> Callable[[bytes], Message | RefusedRequest]:
+    name = message_class.DESCRIPTOR.full_name
+
+    def parse(raw: bytes) -> Message | RefusedRequest:
+        if len(raw) > max_bytes:
+            return RefusedRequest(
+                f"the request's {len(raw)} bytes are more than the {max_bytes} a {name} may be; it was not read"
+            )
         try:
             return message_class.FromString(raw)
         except DecodeError as error:
-            name = message_class.DESCRIPTOR.full_name
-            return UndecodableRequest(f"the request's {len(raw)} bytes are not a valid {name}: {error}")
+            return RefusedRequest(f"the request's {len(raw)} bytes are not a valid {name}: {error}")
 
     return parse
 
 
 def add_control_servicer(servicer: ControlServicer, server: grpc.aio.Server) -> None:
-    """control_pb2_grpc.add_ControlServicer_to_server, but requests that do not parse reach the
-    handler as UndecodableRequest, which it answers INVALID_ARGUMENT."""
+    """control_pb2_grpc.add_ControlServicer_to_server, but requests that do not parse, or are past
+    their method's MAX_REQUEST_BYTES, reach the handler as RefusedRequest, which it answers
+    INVALID_ARGUMENT."""
     service = pb.DESCRIPTOR.services_by_name["Control"]
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,
@@ -106,7 +118,9 @@ def add_control_servicer(servicer: ControlServicer, server: grpc.aio.Server) -> 
     handlers = {
         method.name: kinds[method.client_streaming, method.server_streaming](
             getattr(servicer, method.name),
-            request_deserializer=_lenient_parser(getattr(pb, method.input_type.name)),
+            request_deserializer=_lenient_parser(
+                getattr(pb, method.input_type.name), MAX_REQUEST_BYTES.get(method.name, MAX_MESSAGE_BYTES)
+            ),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString,
         )
         for method in service.methods
@@ -126,7 +140,7 @@ def rpc(*, member: bool = False):
         name = method.__name__
 
         def admit(self: ControlServicer, request, context: grpc.aio.ServicerContext) -> None:
-            if isinstance(request, UndecodableRequest):
+            if isinstance(request, RefusedRequest):
                 raise request.error()
             if member:
                 self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
@@ -281,7 +295,7 @@ class ControlServicer(pb_grpc.ControlServicer):
             first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.config.session_grace_seconds)
         except asyncio.TimeoutError:
             first = None
-        if isinstance(first, UndecodableRequest):
+        if isinstance(first, RefusedRequest):
             raise first.error()
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgumentError("a Session stream must start with a hello naming group_id and rank")
@@ -290,18 +304,20 @@ class ControlServicer(pb_grpc.ControlServicer):
         self.registry.authenticate(group_id, rank, _rank_secret(context))
         queue = self.registry.open_session(group_id, rank)
 
-        undecodable: list[UndecodableRequest] = []
+        refused: list[RefusedRequest] = []
 
-        # This session's pace, and its caller's, which all of that caller's sessions share.
+        # This session's pace, and its caller's, which all of that caller's sessions share: each
+        # message takes a slot per PACE_BYTES it holds, so the paces bound bytes as well.
         paces = (Pace(session_messages_per_second(self.config.timing_rate_per_rank)), self.session_paces.of(caller))
 
         async def pump_up() -> None:
             async for message in request_iterator:
-                for pace in paces:
-                    await pace.wait()
-                if isinstance(message, UndecodableRequest):
-                    undecodable.append(message)  # the stream ends: the rank is lost
+                if isinstance(message, RefusedRequest):
+                    refused.append(message)  # the stream ends: the rank is lost
                     return
+                slots = max(1.0, message.ByteSize() / PACE_BYTES)
+                for pace in paces:
+                    await pace.wait(slots)
                 if message.WhichOneof("kind") == "timings":
                     self.registry.record_timings(group_id, rank, message.timings.timings)
                     self.registry.record_counts(group_id, list(message.timings.counts))
@@ -314,8 +330,8 @@ class ControlServicer(pb_grpc.ControlServicer):
                 if message is None:
                     break
                 yield message
-            if undecodable:
-                raise undecodable[0].error()
+            if refused:
+                raise refused[0].error()
         finally:
             upstream.cancel()
             self.registry.close_session(group_id, rank)

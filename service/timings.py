@@ -28,6 +28,29 @@ if TYPE_CHECKING:
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
 MAX_TIMINGS_PER_BATCH = 256
+# The most bytes a session message may be: twice the largest batch the daemon reads (that many
+# timings and a count for every op, path and wire, each field at its largest), room for fields a
+# newer client adds. A longer one is refused before it is parsed, and its session ends.
+MAX_SESSION_MESSAGE_BYTES = (
+    2
+    * pb.SessionUp(
+        timings=pb.TimingBatch(
+            timings=[pb.Timing(path=max(pb.Path.values()), bytes=2**64 - 1, seconds=1.0, wire=max(pb.Wire.values()))]
+            * MAX_TIMINGS_PER_BATCH,
+            counts=[
+                pb.OperationCount(
+                    op=op, path=path, operations=2**64 - 1, bytes=2**64 - 1, wire=wire, wire_bytes=2**64 - 1
+                )
+                for op in pb.Op.values()
+                for path in pb.Path.values()
+                for wire in pb.Wire.values()
+            ],
+        )
+    ).ByteSize()
+)
+# What one slot of a session's pace holds (a client's batch of 32 timings is about 600 bytes): a
+# longer message takes a slot per PACE_BYTES, so a pace bounds the bytes it reads as well.
+PACE_BYTES = 1024
 # Uids whose latency series the metrics keep at once.
 MAX_REPORTING_UIDS = 32
 
@@ -53,17 +76,18 @@ class TokenBucket:
 
 
 class Pace:
-    """Messages at `rate` a second on average, a second's worth at once: each wait() takes the next
-    free slot and sleeps until it, so waiters wake once each, in turn, however many there are."""
+    """Slots at `rate` a second on average, a second's worth at once: each wait() takes the next
+    free `slots` (a message's: one, or more for a long one) and sleeps until they start, so
+    waiters wake once each, in turn, however many there are."""
 
     def __init__(self, rate: float):
         self.rate = rate
         self._next = time.monotonic()
 
-    async def wait(self) -> None:
+    async def wait(self, slots: float = 1.0) -> None:
         now = time.monotonic()
         slot = max(self._next, now - 1.0)
-        self._next = slot + 1 / self.rate
+        self._next = slot + slots / self.rate
         if slot > now:
             await asyncio.sleep(slot - now)
 
