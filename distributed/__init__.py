@@ -37,7 +37,7 @@ import torch.distributed as dist
 from nodecomm.client import daemon_choice
 from nodecomm.client.daemon_choice import DaemonMode
 from nodecomm.client.hierarchical import node_name
-from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
+from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidArgumentError
 
 from .process_group import NodecommProcessGroup
 
@@ -104,10 +104,13 @@ def _node_names(store: dist.Store, rank: int, size: int, generation: int, timeou
 def _shared_daemon(
     store: dist.Store, rank: int, generation: int, timeout: timedelta, options: Options, names: list[str]
 ) -> tuple[str, str, daemon_choice.DaemonChoice, daemon_choice.JobLeaseHandle | None]:
-    """The group's token, group key and daemon, drawn by its rank 0 and shared through the store
-    (the key admits the job's ranks, and no other process, to the nodecomm groups); a private
-    daemon is started by the first rank to claim it, and this process holds a lease on it. Across
-    nodes (`names` differ) each rank takes its own node's daemon, a private one per node."""
+    """The group's token and group key, drawn by its rank 0 and shared through the store (the key
+    admits the job's ranks, and no other process, to the nodecomm groups), and the daemon, which
+    every rank resolves itself: whoever can write the store can write anything there, so nothing
+    read from it is dialled. Rank 0 announces the daemon it resolved, and another rank that
+    resolved a different one stops with both named. A private daemon is started by the first rank
+    to claim it, and this process holds a lease on it. Across nodes (`names` differ) each rank
+    takes its own node's daemon, a private one per node."""
     global _job_token
     entry = f"nodecomm/group/{generation}"
     mode = daemon_choice.resolve_mode(options.daemon, DaemonMode.AUTO, {})
@@ -115,20 +118,37 @@ def _shared_daemon(
     if rank == 0:
         token, group_key = secrets.token_hex(6), secrets.token_hex(16)
         _job_token = _job_token or token
-        kind, socket = daemon_choice.decide(mode, options.socket, _job_token) if not across else (None, "-")
-        store.set(entry, f"{token} {group_key} {kind or '-'} {socket}")
+        resolved = daemon_choice.decide(mode, options.socket, _job_token) if not across else None
+        store.set(entry, f"{token} {group_key} {_announcement(resolved)}")
     else:
-        store.wait([entry], timeout)
-        token, group_key, announced, socket = store.get(entry).decode().split(" ", 3)
-        kind = DaemonMode(announced) if announced != "-" else None
+        try:
+            store.wait([entry], timeout)
+        except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
+            raise DeadlineExceededError(f"rank 0 did not announce the group within {timeout}: {error}") from None
+        token, group_key, announced = store.get(entry).decode().split(" ", 2)
         _job_token = _job_token or token
+        resolved = daemon_choice.decide(mode, options.socket, _job_token) if not across else None
+        if announced != _announcement(resolved):
+            raise GroupMismatchError(
+                f"rank 0 announced the daemon {announced!r} in the job's c10d store, but this rank resolved "
+                f"{_announcement(resolved)!r}: every rank of a job must resolve the same daemon (the same "
+                "NODECOMM_DAEMON, NODECOMM_SOCKET and XDG_RUNTIME_DIR, or Options), or someone else wrote the "
+                "store; this rank dials no daemon it did not resolve itself",
+                rank=rank,
+            )
     if across:
         node = names[rank]
-        kind, socket = daemon_choice.decide(mode, options.socket, f"{_job_token}.{names.index(node)}")
+        resolved = daemon_choice.decide(mode, options.socket, f"{_job_token}.{names.index(node)}")
+    kind, socket = resolved
     if kind is DaemonMode.NODE:
         return token, group_key, daemon_choice.DaemonChoice(DaemonMode.NODE, socket), None
     choice, lease = daemon_choice.attach_private(socket, timeout.total_seconds(), {"rank": rank})
     return token, group_key, choice, lease
+
+
+def _announcement(resolved: tuple[DaemonMode, str] | None) -> str:
+    """How a resolved daemon (kind and socket) is written in the store; "- -" across nodes."""
+    return "- -" if resolved is None else f"{resolved[0]} {resolved[1]}"
 
 
 def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, pg_options) -> _c10d.Backend:
