@@ -192,6 +192,18 @@ def as_user(uid: int, gid: int, question: str, path: str) -> bytes:
     return answer.stdout
 
 
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1, signed by itself, and its key: (cert.pem, key.pem)
+    in `directory`."""
+    cert, key = directory / "cert.pem", directory / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
 # -- raw control-plane helpers -------------------------------------------------------------------
 
 
@@ -337,17 +349,18 @@ class User:
         """`code` run by this Python as this user, with tests/ importable."""
         return self.run([sys.executable, "-c", code, *args], {"PYTHONPATH": str(TESTS), **(env or {})}, timeout)
 
-    def start_ranks(self, function: str, world_size: int, *args) -> subprocess.Popen:
-        """ranks.`function` started in `world_size` processes of this user (tests/user_ranks.py);
-        `results` collects what they return."""
+    def start_ranks(self, function: str, world_size: int, *args, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """ranks.`function` started in `world_size` processes of this user (tests/user_ranks.py),
+        with `env` added to their environment; `results` collects what they return."""
         command = [sys.executable, str(TESTS / "user_ranks.py"), function, str(world_size), json.dumps(list(args))]
         return self.popen(
-            command, {"PYTHONPATH": str(TESTS)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+            command, {"PYTHONPATH": str(TESTS), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
 
-    def ranks(self, function: str, world_size: int, *args, timeout: float = 180) -> list:
+    def ranks(self, function: str, world_size: int, *args, env: dict[str, str] | None = None, timeout: float = 180):
         """ranks.`function` run by `world_size` processes of this user: each rank's return value."""
-        return results(self.start_ranks(function, world_size, *args), timeout)
+        return results(self.start_ranks(function, world_size, *args, env=env), timeout)
 
 
 def results(ranks: subprocess.Popen, timeout: float = 180) -> list:

@@ -20,7 +20,7 @@ import pytest
 
 import nodecomm
 import ranks
-from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port, results
+from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port, results, self_signed
 from nodecomm.client.daemon_process import daemon_command
 from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
 from nodecomm.service.config import DaemonConfig
@@ -244,9 +244,11 @@ def node_daemon(users):
             shutil.rmtree(daemon.directory, ignore_errors=True)
 
 
-def ordinary_group(user: User, socket: str, name: str, key: str | None = None) -> tuple[float, float]:
+def ordinary_group(
+    user: User, socket: str, name: str, key: str | None = None, env: dict[str, str] | None = None
+) -> tuple[float, float]:
     """(slowest rank's connect seconds, slowest rank's p50 seconds) of `user`'s 2-rank group."""
-    results = user.ranks("legitimate_traffic", 2, socket, name, 100, key)
+    results = user.ranks("legitimate_traffic", 2, socket, name, 100, key, env=env)
     return max(r[0] for r in results), max(r[1] for r in results)
 
 
@@ -455,18 +457,26 @@ def test_one_user_cannot_take_every_group_slot_or_every_byte(users, node_daemon)
 _FLOOD_SESSIONS = """
 import sys, time, nodecomm
 from nodecomm.v1 import control_pb2 as pb
-socket, groups = sys.argv[1], int(sys.argv[2])
+socket, groups, timings, batches = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 comms = [nodecomm.connect(f"flood-{i}", 0, 1, socket=socket, timeout=60, capacity_bytes=4096) for i in range(groups)]
 timing = pb.Timing(path=pb.ONESHOT, bytes=1024, seconds=1e-5)
-batch = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * 32))
+batch = pb.SessionUp(timings=pb.TimingBatch(timings=[timing] * timings))
 print("connected", flush=True)
 sys.stdin.readline()
-for _ in range(400):  # what a modified client could send: 400 batches of 32 per session, at once
+for _ in range(batches):  # what a modified client could send: every batch of every session, at once
     for comm in comms:
         comm._session._outbox.put(batch)
 print("sent", flush=True)
-sys.stdin.readline()
+for _ in sys.stdin:  # each line asks how many sessions the daemon ended
+    print(sum(comm._session.lost_reason is not None for comm in comms), flush=True)
 """
+
+
+def _lost_sessions(flooder: subprocess.Popen) -> int:
+    """How many of the _FLOOD_SESSIONS process's sessions have ended."""
+    flooder.stdin.write("\n")
+    flooder.stdin.flush()
+    return int(flooder.stdout.readline())
 
 
 def _sampled(daemon, uid: int) -> float:
@@ -484,7 +494,7 @@ def test_many_sessions_of_one_user_share_one_pace(users, node_daemon):
     daemon = node_daemon("--timing-rate-per-caller", "3200")
     a, b, _ = users
     baseline = ordinary_group(a, daemon.socket, "before")
-    flooder = b.start(_FLOOD_SESSIONS, daemon.socket, "40")
+    flooder = b.start(_FLOOD_SESSIONS, daemon.socket, "40", "32", "400")
     try:
         assert flooder.stdout.readline().strip() == "connected", flooder.stderr.read()
         quiet = _get_thresholds_seconds(daemon, group="")
@@ -1049,3 +1059,315 @@ def test_a_flood_of_timings_costs_the_daemon_a_bounded_share(daemon, spawn_ranks
         f"{flooded[0] * 1e3:.2f} ms during the flood's first second (longest {flooded[1] * 1e3:.1f})"
     )
     report("sessions flooding timings", baseline, attacked)
+
+
+# -- 9. every daemon a rank uses is one it resolved and checked; every claim is bound to its uid -------
+
+_LISTEN = """
+import socket, sys, threading
+listener = socket.socket()
+listener.bind(("127.0.0.1", int(sys.argv[1])))
+listener.listen()
+heard = []
+def accept():
+    while True:
+        heard.append(listener.accept()[0])
+threading.Thread(target=accept, daemon=True).start()
+print("listening", flush=True)
+sys.stdin.readline()
+print(len(heard), flush=True)
+"""
+
+
+def heard(listener: subprocess.Popen) -> int:
+    """How many connections the _LISTEN process of another user accepted, once it is told to stop."""
+    out, _ = listener.communicate("\n", timeout=60)
+    return int(out.split()[-1])
+
+
+_STORE_ANNOUNCER = _LISTEN.replace(
+    'print("listening", flush=True)',
+    """from datetime import timedelta
+import torch.distributed as dist
+from nodecomm.client.hierarchical import node_name
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, True, timedelta(seconds=120), wait_for_workers=False)
+# What the victim job's rank 0 writes, first: its node's name, and a daemon of the attacker's.
+store.set("0//cpu//nodecomm/node/1/0", node_name(None))
+store.set("0//cpu//nodecomm/group/1", f"0123456789ab {'7' * 32} node ipv4:127.0.0.1:{sys.argv[1]}")
+print("listening", flush=True)""",
+)
+_STORE_RANK = """
+import sys, torch, torch.distributed as dist, nodecomm.distributed
+from datetime import timedelta
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False, timedelta(seconds=60))
+try:
+    dist.init_process_group("nodecomm", store=store, rank=1, world_size=2, timeout=timedelta(seconds=60))
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    print("reduced", x.tolist(), nodecomm.distributed.daemon())
+except Exception as error:
+    print(type(error).__name__, error)
+"""
+
+
+def test_a_daemon_announced_in_the_job_store_is_never_dialled(users, node_daemon):
+    """9: user B reaches user A's job's c10d store first (the store has no authentication) and
+    announces, as rank 0 would, a "node daemon" at a TCP port of B's. A's rank 1 resolves its
+    daemon itself (the node daemon at NODECOMM_SOCKET), finds the announcement differs, and stops
+    with a GroupMismatchError naming both; B's port never hears from it."""
+    daemon = node_daemon()
+    a, b, _ = users
+    baseline = ordinary_group(a, daemon.socket, "before")
+    fake, store_port = free_port(), free_port()
+    attacker = b.start(_STORE_ANNOUNCER, str(fake), str(store_port), env={"NODECOMM_SOCKET": daemon.socket})
+    try:
+        assert attacker.stdout.readline().strip() == "listening", attacker.stderr.read()
+        victim = a.python(_STORE_RANK, str(store_port), env={"NODECOMM_SOCKET": daemon.socket})
+    finally:
+        connections = heard(attacker)
+    expected = (
+        f"GroupMismatchError [rank 1] rank 0 announced the daemon 'node ipv4:127.0.0.1:{fake}' in the job's c10d "
+        f"store, but this rank resolved 'node {daemon.socket}'"
+    )
+    assert victim.stdout.startswith(expected), (victim.stdout, victim.stderr[-3000:])
+    assert connections == 0
+    report("a daemon announced in the job's store by another user", baseline, ordinary_group(a, daemon.socket, "after"))
+
+
+def test_a_tcp_daemon_proves_who_it_is_before_a_rank_sends_it_anything(users, node_daemon, request):
+    """9: A's ranks reach the node daemon's loopback TCP port (root's listening socket), and its
+    TLS port with the operator's certificate authority in NODECOMM_TLS_CA. A port user B listens
+    on is refused before a byte is sent, naming B's uid; a TCP target that is neither loopback nor
+    TLS is refused saying how to configure one; a TLS daemon of B's own, whose certificate the
+    operator's authority did not sign, fails the handshake and hears no Join."""
+    a, b, _ = users
+    certificates = Path(tempfile.mkdtemp(prefix="nodecomm-certificates-"))  # where A can read the authority
+    certificates.chmod(0o755)
+    request.addfinalizer(lambda: shutil.rmtree(certificates, ignore_errors=True))
+    cert, key = self_signed(certificates)
+    cert.chmod(0o644)
+    port, tls_port, fake, fake_tls = free_port(), free_port(), free_port(), free_port()
+    daemon = node_daemon("--tcp-address", f"127.0.0.1:{port}")
+    node_daemon("--tcp-address", f"127.0.0.1:{tls_port}", "--tls-cert", str(cert), "--tls-key", str(key))
+    baseline = ordinary_group(a, daemon.socket, "before")
+    plain = ordinary_group(a, f"ipv4:127.0.0.1:{port}", "over-tcp", "k")
+    secured = ordinary_group(a, f"ipv4:127.0.0.1:{tls_port}", "over-tls", "k", env={"NODECOMM_TLS_CA": str(cert)})
+    connect = (
+        "import sys, nodecomm\n"
+        "try:\n    nodecomm.connect('tp0', 0, 1, socket=sys.argv[1], timeout=10, group_key='k')\n"
+        "except nodecomm.NodecommError as error:\n    print(type(error).__name__, error)\n"
+    )
+    listener = b.start(_LISTEN, str(fake))
+    try:
+        assert listener.stdout.readline().strip() == "listening"
+        squatted = a.python(connect, f"ipv4:127.0.0.1:{fake}")
+        named = a.python(connect, f"dns:localhost:{fake}")
+    finally:
+        connections = heard(listener)
+    assert squatted.stdout.startswith(
+        f"PermissionDeniedError [group 'tp0', rank 0] 127.0.0.1:{fake} is served by a socket of uid {b.uid}"
+    ), squatted
+    assert named.stdout.startswith("PermissionDeniedError") and "cannot prove who it is" in named.stdout, named
+    assert "NODECOMM_TLS_CA=" in named.stdout
+    assert connections == 0
+    b_certificates = b.home / "certificates"
+    b.run(["mkdir", "-m", "700", str(b_certificates)])
+    b_cert, b_key = self_signed(b_certificates)
+    for path in (b_cert, b_key):
+        os.chown(path, b.uid, b.uid)
+    impostor = start_as(
+        b, str(b.home / "nodecomm.sock"), "--tcp-address", f"127.0.0.1:{fake_tls}", "--tls-cert", str(b_cert),
+        "--tls-key", str(b_key),
+    )  # fmt: skip
+    try:
+        fooled = a.python(connect, f"ipv4:127.0.0.1:{fake_tls}", env={"NODECOMM_TLS_CA": str(cert)})
+    finally:
+        seen = what_it_saw(impostor)
+    assert fooled.stdout.startswith("DaemonUnavailableError"), fooled
+    assert "CERTIFICATE_VERIFY_FAILED" in fooled.stdout or "handshake" in fooled.stdout.lower(), fooled.stdout
+    assert "group formed" not in seen and "join" not in seen.lower(), seen[-3000:]
+    print(f"over loopback TCP: connect {plain[0] * 1e3:.0f} ms, p50 {plain[1] * 1e6:.1f} us")
+    print(f"over TLS: connect {secured[0] * 1e3:.0f} ms, p50 {secured[1] * 1e6:.1f} us")
+    report("a TCP port another user listens on", baseline, ordinary_group(a, daemon.socket, "after"))
+
+
+_JOIN_DECLARING = """
+import sys, grpc
+from nodecomm.v1 import control_pb2 as pb, control_pb2_grpc as pb_grpc
+target, pid = sys.argv[1], int(sys.argv[2])
+request = pb.JoinRequest(group=f"borrowed-{pid}", rank=0, world_size=1, device="cpu", pid=pid, join_timeout_seconds=5,
+    geometry=pb.Geometry(capacity_bytes=4096, dtypes=[pb.FLOAT32]), group_key=b"k")
+with grpc.insecure_channel(target) as channel:
+    try:
+        print("ok", pb_grpc.ControlStub(channel).Join(request, timeout=30).claim_token.hex())
+    except grpc.RpcError as error:
+        print(error.code().name, error.details())
+"""
+_BECOME_AND_CLAIM = """
+import os, sys
+from nodecomm.client.descriptors import claim_descriptors
+joiner, claimant, group, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+os.setgroups([group])
+os.setresgid(joiner, joiner, 0)
+os.setresuid(joiner, joiner, 0)  # a process of the joiner's, which can take root back (saved uid 0)
+print(os.getpid(), flush=True)
+token = bytes.fromhex(sys.stdin.readline())
+os.seteuid(0)
+os.setresgid(claimant, claimant, claimant)
+os.setresuid(claimant, claimant, claimant)  # now the claimant's, the same pid
+try:
+    print("claimed", len(claim_descriptors(path, token, 8, 5.0)))
+except PermissionError as error:
+    print("refused", error)
+"""
+
+
+def test_a_join_declares_its_own_uids_process_and_a_claim_goes_to_that_uid_only(users, node_daemon):
+    """9: user B Joins declaring the pid of a process of user A's, over the Unix socket and over
+    loopback TCP: both are refused, naming A's uid, before any group forms (a daemon that relayed
+    A's Joins as B got A's ranks B's memory so). And a claim is bound to the uid that joined, not
+    only to the pid: a process that was B's when B joined for it and is A's when it claims (the
+    same pid, as after pid reuse) is refused."""
+    port = free_port()
+    daemon = node_daemon("--tcp-address", f"127.0.0.1:{port}")
+    a, b, _ = users
+    baseline = ordinary_group(a, daemon.socket, "before")
+    victim = a.start("import sys\nsys.stdin.readline()\n")
+    try:
+        over_unix = b.python(_JOIN_DECLARING, f"unix:{daemon.socket}", str(victim.pid)).stdout
+        over_tcp = b.python(_JOIN_DECLARING, f"ipv4:127.0.0.1:{port}", str(victim.pid)).stdout
+    finally:
+        victim.kill()
+        victim.wait()
+    for answer in (over_unix, over_tcp):
+        assert answer.startswith("PERMISSION_DENIED"), answer
+        assert f"declares pid {victim.pid}, which runs as uid {a.uid}, but it comes from uid {b.uid}" in answer
+    changeling = subprocess.Popen(
+        [sys.executable, "-c", _BECOME_AND_CLAIM, str(b.uid), str(a.uid), str(SOCKET_GID), daemon.descriptor_socket],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pid = int(changeling.stdout.readline())
+        joined = b.python(_JOIN_DECLARING, f"unix:{daemon.socket}", str(pid)).stdout
+        assert joined.startswith("ok "), joined
+        out, err = changeling.communicate(joined.split()[1] + "\n", timeout=60)
+    finally:
+        changeling.kill()
+    assert out.startswith("refused claim for group"), (out, err)
+    assert f"was issued to uid {b.uid}, who joined, but uid {a.uid} (pid {pid}) presented it" in out
+    report("Joins declaring another user's pid", baseline, ordinary_group(a, daemon.socket, "after"))
+
+
+def _calibration(measured_at: float, oneshot_max_bytes: int) -> str:
+    """A valid calibration of this machine's CPU fingerprint."""
+    fingerprint = cpu_fingerprint()
+    return json.dumps(
+        {
+            "key": fingerprint_key(fingerprint),
+            "fingerprint": fingerprint,
+            "boundaries": {"oneshot_max_bytes": oneshot_max_bytes},
+            "medians": {"oneshot": {"1024": 1e-5}, "twoshot": {"1024": 2e-5}},
+            "measured_at": measured_at,
+        }
+    )
+
+
+_PRIVATE_TABLE = """
+import os, sys, nodecomm
+with nodecomm.connect(sys.argv[1], 0, 1, daemon="private", timeout=60) as comm:  # a job of its own
+    print(comm.thresholds().rows())
+    print(open(os.path.join(os.path.dirname(comm.daemon.socket), "daemon.log")).read())
+"""
+
+
+@pytest.mark.skipif(os.path.exists("/var/lib/nodecomm"), reason="a private daemon reads /var/lib/nodecomm instead")
+def test_a_state_directory_another_user_made_is_not_read(users):
+    """9: user B makes a state directory (0755) holding a valid calibration of this machine that
+    sends only sizes up to 100 bytes to oneshot. A's private daemon, with XDG_STATE_HOME there, and
+    a node daemon run as A (a dedicated user) with state_dir there both ignore it, naming the
+    directory and its owner, and serve the built-in table."""
+    a, b, _ = users
+    state = Path(tempfile.mkdtemp(prefix="nodecomm-state-"))
+    state.chmod(0o1777)  # as /tmp is
+    try:
+        made = b.run(["mkdir", "-m", "755", str(state / "b"), str(state / "b" / "nodecomm")])
+        assert made.returncode == 0, made.stderr
+        planted = state / "b" / "nodecomm" / f"calibration-{fingerprint_key(cpu_fingerprint())}.json"
+        planted.write_text(_calibration(time.time() - 60, 100))
+        os.chown(planted, b.uid, b.uid)
+        runtime = a.home / "run"
+        a.run(["mkdir", "-m", "700", str(runtime)])
+        own = a.python(_PRIVATE_TABLE, "own", env={"XDG_RUNTIME_DIR": str(runtime)})
+        planted_in = a.python(
+            _PRIVATE_TABLE, "planted", env={"XDG_RUNTIME_DIR": str(runtime), "XDG_STATE_HOME": str(state / "b")}
+        )
+        assert own.returncode == 0 and planted_in.returncode == 0, (own.stderr[-3000:], planted_in.stderr[-3000:])
+        default_rows = own.stdout.splitlines()[0]
+        assert planted_in.stdout.splitlines()[0] == default_rows and "(0, 100," not in default_rows
+        refusal = (
+            f"ignoring the calibration in {planted}: {state / 'b'} belongs to uid {b.uid}, not to you (uid {a.uid})"
+        )
+        assert refusal in planted_in.stdout, planted_in.stdout[-3000:]
+        node = start_as(a, str(a.home / "node" / "nodecomm.sock"), "--state-dir", str(planted.parent))
+        try:
+            shown = a.run(
+                [sys.executable, "-m", "nodecomm.tools.cli", "--socket", str(a.home / "node" / "nodecomm.sock"),
+                 "thresholds"]
+            ).stdout  # fmt: skip
+        finally:
+            seen = what_it_saw(node)
+        assert "(calibrated)" not in shown and "(default)" in shown, shown
+        assert f"ignoring the calibration in {planted}: {state / 'b'} belongs to uid {b.uid}" in seen, seen[-3000:]
+    finally:
+        shutil.rmtree(state)
+
+
+def test_a_calibration_from_the_future_is_refused(make_daemon, spawn_ranks, tmp_path):
+    """9: a calibration whose measured_at is a year ahead (it would outrank every calibration
+    measured until then) is ignored, with the log saying so, whoever wrote it: the daemon serves
+    the built-in boundaries; the same file measured a minute ago is used."""
+    state = tmp_path / "state"
+    state.mkdir()
+    path = state / f"calibration-{fingerprint_key(cpu_fingerprint())}.json"
+    path.write_text(_calibration(time.time() - 60, 4096))
+    daemon = make_daemon("--state-dir", str(state))
+    assert "oneshot_max_bytes=4KiB (calibrated)" in nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    baseline = legitimate_group(spawn_ranks, daemon.socket, "before")
+    daemon.stop()
+    path.write_text(_calibration(time.time() + 365 * 86400, 4096))
+    daemon = make_daemon("--state-dir", str(state))
+    shown = nodecomm_cli("--socket", daemon.socket, "thresholds").stdout
+    assert "(calibrated)" not in shown and "(default)" in shown, shown
+    assert f"ignoring the calibration in {path}: it says it was measured 315" in daemon.log(), daemon.log()[-3000:]
+    assert "a calibration from the future is refused" in daemon.log()
+    report("a calibration from the future", baseline, legitimate_group(spawn_ranks, daemon.socket, "after"))
+
+
+def test_sessions_sending_1_mib_batches_cost_another_user_nothing(users, node_daemon):
+    """9: user B's 40 one-rank groups each send 10 batches of 60,000 timings (960 KB, under the
+    daemon's 1 MiB message bound) at once. Each is refused before it is parsed (past the most a
+    session message may be), ending B's session, so another user's GetThresholds stays within
+    twice its quiet median, and A's group runs."""
+    daemon = node_daemon()
+    a, b, _ = users
+    baseline = ordinary_group(a, daemon.socket, "before")
+    flooder = b.start(_FLOOD_SESSIONS, daemon.socket, "40", "60000", "10")
+    try:
+        assert flooder.stdout.readline().strip() == "connected", flooder.stderr.read()
+        quiet = _get_thresholds_seconds(daemon, group="")
+
+        def flood() -> None:
+            flooder.stdin.write("go\n")
+            flooder.stdin.flush()
+
+        flooded = _get_thresholds_seconds(daemon, flood, group="")
+        assert flooder.stdout.readline().strip() == "sent"
+        attacked = ordinary_group(a, daemon.socket, "during")
+        lost = wait_until(lambda: _lost_sessions(flooder) == 40, 60, "B's 40 sessions ending on their first batch")
+    finally:
+        flooder.kill()
+        flooder.wait()
+    assert lost
+    assert flooded[0] <= 2 * quiet[0], (quiet, flooded)
+    print(f"GetThresholds: {quiet[0] * 1e3:.2f} ms quiet, {flooded[0] * 1e3:.2f} ms during B's 960 KB batches")
+    report("40 sessions sending 960 KB batches", baseline, attacked)

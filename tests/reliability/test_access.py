@@ -18,7 +18,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import nodecomm
-from conftest import Daemon, as_user, free_port, join_request, stub_for
+from conftest import Daemon, as_user, free_port, join_request, self_signed, stub_for
 from nodecomm.client.daemon_process import daemon_command
 
 from .harness import FIGURES
@@ -108,16 +108,6 @@ def test_only_admitted_callers_join(open_directory):
     _checked("admission by uid and group")
 
 
-def _self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "cert.pem", directory / "key.pem"
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
-         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
 def test_tcp_beyond_loopback_needs_tls(tmp_path):
     port = free_port()
     refused = subprocess.run(
@@ -126,7 +116,7 @@ def test_tcp_beyond_loopback_needs_tls(tmp_path):
     )  # fmt: skip
     assert refused.returncode == 2 and "tls_cert and tls_key for any other" in refused.stderr
 
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed(tmp_path)
     daemon = Daemon(tmp_path, ["--tcp-address", f"0.0.0.0:{port}", "--tls-cert", str(cert), "--tls-key", str(key)])
     daemon.start()
     try:
