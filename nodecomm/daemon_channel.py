@@ -3,9 +3,9 @@
 - A Unix socket (a path, or unix:PATH): its directories, its file and the process answering on it
   are checked (nodecomm.trust).
 - TCP with TLS: the daemon's certificate must chain to the certificate authority the operator
-  configured, NODECOMM_TLS_CA (a PEM file); NODECOMM_TLS_CERT and NODECOMM_TLS_KEY give this
+  configured, NODECOMM_DAEMON_CA (a PEM file); NODECOMM_RANK_CERT and NODECOMM_RANK_KEY give this
   process a certificate of its own for a daemon that asks for one (its tls_client_ca), and
-  NODECOMM_TLS_SERVER_NAME names the daemon where its certificate does not name the address.
+  NODECOMM_DAEMON_TLS_NAME names the daemon where its certificate does not name the address.
 - TCP on a loopback address without TLS (ipv4:127.0.0.1:PORT, ipv6:[::1]:PORT): every socket
   where the connection could land must be owned by a uid the daemon may run as, checked before
   connecting and again once connected.
@@ -23,10 +23,11 @@ import grpc
 from nodecomm import trust
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
 
-TLS_CA_VARIABLE = "NODECOMM_TLS_CA"
-TLS_CERT_VARIABLE = "NODECOMM_TLS_CERT"
-TLS_KEY_VARIABLE = "NODECOMM_TLS_KEY"
-TLS_SERVER_NAME_VARIABLE = "NODECOMM_TLS_SERVER_NAME"
+# Named apart from the daemon's own tls_* settings (NODECOMM_TLS_CERT is the daemon's certificate).
+TLS_CA_VARIABLE = "NODECOMM_DAEMON_CA"
+TLS_CERT_VARIABLE = "NODECOMM_RANK_CERT"
+TLS_KEY_VARIABLE = "NODECOMM_RANK_KEY"
+TLS_SERVER_NAME_VARIABLE = "NODECOMM_DAEMON_TLS_NAME"
 _TCP_SCHEMES = ("ipv4:", "ipv6:", "dns:")
 
 Options = Sequence[tuple[str, object]]
@@ -56,7 +57,8 @@ def open_channel(
     except grpc.FutureTimeoutError:
         channel.close()
         raise DaemonUnavailableError(
-            f"daemon unavailable: {target} did not accept a connection within {timeout} s"
+            f"daemon unavailable: {target} did not answer as a gRPC server within {timeout} s (where it serves "
+            f"TLS, set {TLS_CA_VARIABLE} to the authority that signed its certificate)"
         ) from None
     except BaseException:
         channel.close()
@@ -65,8 +67,8 @@ def open_channel(
 
 
 def tls_credentials() -> grpc.ChannelCredentials | None:
-    """The channel credentials NODECOMM_TLS_CA (and NODECOMM_TLS_CERT, NODECOMM_TLS_KEY) name; None
-    where no certificate authority is configured."""
+    """The channel credentials NODECOMM_DAEMON_CA (and NODECOMM_RANK_CERT, NODECOMM_RANK_KEY) name;
+    None where no certificate authority is configured."""
     ca = os.environ.get(TLS_CA_VARIABLE)
     if not ca:
         return None

@@ -1136,7 +1136,7 @@ def test_a_daemon_announced_in_the_job_store_is_never_dialled(users, node_daemon
 
 def test_a_tcp_daemon_proves_who_it_is_before_a_rank_sends_it_anything(users, node_daemon, request):
     """9: A's ranks reach the node daemon's loopback TCP port (root's listening socket), and its
-    TLS port with the operator's certificate authority in NODECOMM_TLS_CA. A port user B listens
+    TLS port with the operator's certificate authority in NODECOMM_DAEMON_CA. A port user B listens
     on is refused before a byte is sent, naming B's uid; a TCP target that is neither loopback nor
     TLS is refused saying how to configure one; a TLS daemon of B's own, whose certificate the
     operator's authority did not sign, fails the handshake and hears no Join."""
@@ -1151,7 +1151,7 @@ def test_a_tcp_daemon_proves_who_it_is_before_a_rank_sends_it_anything(users, no
     node_daemon("--tcp-address", f"127.0.0.1:{tls_port}", "--tls-cert", str(cert), "--tls-key", str(key))
     baseline = ordinary_group(a, daemon.socket, "before")
     plain = ordinary_group(a, f"ipv4:127.0.0.1:{port}", "over-tcp", "k")
-    secured = ordinary_group(a, f"ipv4:127.0.0.1:{tls_port}", "over-tls", "k", env={"NODECOMM_TLS_CA": str(cert)})
+    secured = ordinary_group(a, f"ipv4:127.0.0.1:{tls_port}", "over-tls", "k", env={"NODECOMM_DAEMON_CA": str(cert)})
     connect = (
         "import sys, nodecomm\n"
         "try:\n    nodecomm.connect('tp0', 0, 1, socket=sys.argv[1], timeout=10, group_key='k')\n"
@@ -1168,8 +1168,11 @@ def test_a_tcp_daemon_proves_who_it_is_before_a_rank_sends_it_anything(users, no
         f"PermissionDeniedError [group 'tp0', rank 0] 127.0.0.1:{fake} is served by a socket of uid {b.uid}"
     ), squatted
     assert named.stdout.startswith("PermissionDeniedError") and "cannot prove who it is" in named.stdout, named
-    assert "NODECOMM_TLS_CA=" in named.stdout
+    assert "NODECOMM_DAEMON_CA=" in named.stdout
     assert connections == 0
+    in_the_clear = a.python(connect, f"ipv4:127.0.0.1:{tls_port}")  # the operator's TLS port, without its authority
+    assert in_the_clear.stdout.startswith("DaemonUnavailableError"), in_the_clear
+    assert "where it serves TLS, set NODECOMM_DAEMON_CA" in in_the_clear.stdout
     b_certificates = b.home / "certificates"
     b.run(["mkdir", "-m", "700", str(b_certificates)])
     b_cert, b_key = self_signed(b_certificates)
@@ -1180,7 +1183,7 @@ def test_a_tcp_daemon_proves_who_it_is_before_a_rank_sends_it_anything(users, no
         "--tls-key", str(b_key),
     )  # fmt: skip
     try:
-        fooled = a.python(connect, f"ipv4:127.0.0.1:{fake_tls}", env={"NODECOMM_TLS_CA": str(cert)})
+        fooled = a.python(connect, f"ipv4:127.0.0.1:{fake_tls}", env={"NODECOMM_DAEMON_CA": str(cert)})
     finally:
         seen = what_it_saw(impostor)
     assert fooled.stdout.startswith("DaemonUnavailableError"), fooled
