@@ -37,7 +37,7 @@ import torch.distributed as dist
 from nodecomm.client import daemon_choice
 from nodecomm.client.daemon_choice import DaemonMode
 from nodecomm.client.hierarchical import node_name
-from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidArgumentError
+from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidArgumentError, shown
 
 from .process_group import NodecommProcessGroup
 
@@ -125,7 +125,14 @@ def _shared_daemon(
             store.wait([entry], timeout)
         except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
             raise DeadlineExceededError(f"rank 0 did not announce the group within {timeout}: {error}") from None
-        token, group_key, announced = store.get(entry).decode().split(" ", 2)
+        fields = store.get(entry).decode(errors="replace").split(" ", 2)
+        if len(fields) != 3:
+            raise GroupMismatchError(
+                f"the job's c10d store holds {shown(' '.join(fields))} where rank 0 announces the group "
+                "('<token> <group key> <daemon kind> <socket>'): another program wrote the store",
+                rank=rank,
+            )
+        token, group_key, announced = fields
         _job_token = _job_token or token
         resolved = daemon_choice.decide(mode, options.socket, _job_token) if not across else None
         if announced != _announcement(resolved):

@@ -1094,8 +1094,11 @@ store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, True, timedelta(seconds=
 # What the victim job's rank 0 writes, first: its node's name, and a daemon of the attacker's.
 store.set("0//cpu//nodecomm/node/1/0", node_name(None))
 store.set("0//cpu//nodecomm/group/1", f"0123456789ab {'7' * 32} node ipv4:127.0.0.1:{sys.argv[1]}")
-print("listening", flush=True)""",
-)
+print("listening", flush=True)
+while line := sys.stdin.readline().strip():  # each line: another announcement; an empty one ends it
+    store.set("0//cpu//nodecomm/group/1", line)
+    print("announced", flush=True)""",
+).replace("sys.stdin.readline()\nprint(len(heard)", "print(len(heard)")
 _STORE_RANK = """
 import sys, torch, torch.distributed as dist, nodecomm.distributed
 from datetime import timedelta
@@ -1123,6 +1126,10 @@ def test_a_daemon_announced_in_the_job_store_is_never_dialled(users, node_daemon
     try:
         assert attacker.stdout.readline().strip() == "listening", attacker.stderr.read()
         victim = a.python(_STORE_RANK, str(store_port), env={"NODECOMM_SOCKET": daemon.socket})
+        attacker.stdin.write("garbage\n")
+        attacker.stdin.flush()
+        assert attacker.stdout.readline().strip() == "announced"
+        garbled = a.python(_STORE_RANK, str(store_port), env={"NODECOMM_SOCKET": daemon.socket})
     finally:
         connections = heard(attacker)
     expected = (
@@ -1130,6 +1137,9 @@ def test_a_daemon_announced_in_the_job_store_is_never_dialled(users, node_daemon
         f"store, but this rank resolved 'node {daemon.socket}'"
     )
     assert victim.stdout.startswith(expected), (victim.stdout, victim.stderr[-3000:])
+    assert garbled.stdout.startswith(
+        "GroupMismatchError [rank 1] the job's c10d store holds 'garbage' where rank 0 announces the group"
+    ), (garbled.stdout, garbled.stderr[-3000:])
     assert connections == 0
     report("a daemon announced in the job's store by another user", baseline, ordinary_group(a, daemon.socket, "after"))
 
