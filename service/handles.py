@@ -3,11 +3,12 @@ where a process proves who it is before it joins.
 
 Protocol (one exchange per connection): the rank sends 16 bytes, a claim token or IDENTIFY. For a
 token the daemon checks the connecting process's SO_PEERCRED against the uid that joined and the
-pid the Join declared, then answers with one status byte and, on success (0), the descriptors attached with
-SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY it checks the
-process's uid and groups against the daemon's admission lists and answers 0 and a 16-byte
-identity token (which a Join then carries, binding the rank to that pid), or 1 and the reason. Served by threads with blocking sockets, so a slow or
-silent client delays nobody and nothing here waits on the event loop.
+pid the Join declared, then answers with one status byte and, on success (0), the descriptors
+attached with SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY
+it checks the process's uid and groups against the daemon's admission lists and answers 0 and a
+16-byte identity token (which a Join then carries, binding the rank to that pid), or 1 and the
+reason. Served by threads with blocking sockets, so a slow or silent client delays nobody and
+nothing here waits on the event loop.
 
 Each pending claim owns duplicates of its group's descriptors: releasing the group (which closes
 the group's own descriptors) can never make a late claim hand out numbers that now name another
