@@ -22,13 +22,13 @@ import grpc
 
 from nodecomm import trust
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
+from nodecomm.socket_path import TCP_SCHEMES
 
 # Named apart from the daemon's own tls_* settings (NODECOMM_TLS_CERT is the daemon's certificate).
 TLS_CA_VARIABLE = "NODECOMM_DAEMON_CA"
 TLS_CERT_VARIABLE = "NODECOMM_RANK_CERT"
 TLS_KEY_VARIABLE = "NODECOMM_RANK_KEY"
 TLS_SERVER_NAME_VARIABLE = "NODECOMM_DAEMON_TLS_NAME"
-_TCP_SCHEMES = ("ipv4:", "ipv6:", "dns:")
 
 Options = Sequence[tuple[str, object]]
 
@@ -40,7 +40,7 @@ def open_channel(
     proved who it is, and the target dialled (a socket's checked real path). Raises
     PermissionDeniedError for a daemon that cannot prove itself or fails the checks,
     DaemonUnavailableError where nothing serves."""
-    if not target.startswith(_TCP_SCHEMES):
+    if not target.startswith(TCP_SCHEMES):
         checked = trust.checked_target(target, daemon_uids, timeout)
         return grpc.insecure_channel(checked, options=list(options)), checked
     credentials = tls_credentials()

@@ -31,9 +31,13 @@ def lease_socket_path(socket: str) -> str:
     return socket + ".lease"
 
 
+# The gRPC target schemes that name a TCP address rather than a Unix socket.
+TCP_SCHEMES = ("ipv4:", "ipv6:", "dns:")
+
+
 def grpc_target(socket: str) -> str:
     """A gRPC target for a socket path, or a target given as such (unix:..., ipv4:..., ipv6:...)."""
-    if socket.startswith(("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:")):
+    if socket.startswith(("unix:", "unix-abstract:", *TCP_SCHEMES)):
         return socket
     return f"unix:{socket}"
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from nodecomm import tcp_owners
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
+from nodecomm.socket_path import TCP_SCHEMES
 
 DAEMON_USER_VARIABLE = "NODECOMM_DAEMON_USER"
 _MAX_LINKS = 40  # as the kernel's ELOOP
@@ -67,7 +68,7 @@ def node_daemon_uids(socket_path: str | None = None) -> frozenset[int]:
             raise InvalidArgumentError(
                 f"{DAEMON_USER_VARIABLE} names user {item!r}, which does not exist; expected user names or uids"
             ) from None
-    if socket_path and not socket_path.startswith(_TCP_PREFIXES + ("unix-abstract:",)):
+    if socket_path and not socket_path.startswith((*TCP_SCHEMES, "unix-abstract:")):
         directory = os.path.dirname(os.path.abspath(socket_path.removeprefix("unix:")))
         try:
             run, own = os.lstat("/run"), os.lstat(directory)
@@ -153,10 +154,6 @@ def _check_directory(
             f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: other users can write to it and could {stakes.risk}; "
             f"expected a directory only its owner can write. {stakes.advice}"
         )
-
-
-_WHAT_TO_DO = _DAEMON_STAKES.advice
-_TCP_PREFIXES = ("ipv4:", "ipv6:", "dns:")
 
 
 def check_socket(path: str, daemon_uids: frozenset[int]) -> str:
@@ -256,12 +253,12 @@ def make_private_directory(path: str) -> str:
     if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
         raise PermissionDeniedError(
             f"{real} is {'a symbolic link' if stat.S_ISLNK(info.st_mode) else 'not a directory'}; expected a "
-            f"directory that {_you()} own. Remove it, or: {_WHAT_TO_DO}"
+            f"directory that {_you()} own. Remove it, or: {_DAEMON_STAKES.advice}"
         )
     if info.st_uid != os.geteuid():
         raise PermissionDeniedError(
             f"{real} belongs to {who(info.st_uid)}, not to {_you()}: another user made it first, and a daemon "
-            f"found under it could read and change your tensors. Have it removed, or: {_WHAT_TO_DO}"
+            f"found under it could read and change your tensors. Have it removed, or: {_DAEMON_STAKES.advice}"
         )
     _check_directory(real, info, frozenset({os.geteuid()}), sticky_allowed=False)
     return real

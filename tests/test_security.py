@@ -810,15 +810,8 @@ BAD_CALIBRATIONS = {
 
 def test_a_calibration_file_with_bad_values_is_ignored_naming_file_and_field(make_daemon, spawn_ranks, tmp_path):
     """4: every bad file leaves a serving daemon with the built-in boundaries, and says why."""
-    fingerprint = cpu_fingerprint()
-    key = fingerprint_key(fingerprint)
-    good = {
-        "key": key,
-        "fingerprint": fingerprint,
-        "boundaries": {"oneshot_max_bytes": 4096},
-        "medians": {"oneshot": {"1024": 1e-5}, "twoshot": {"1024": 2e-5}},
-        "measured_at": 0.0,
-    }
+    good = json.loads(_calibration(0.0, 4096))
+    key = good["key"]
     baseline_state = tmp_path / "good"
     baseline_state.mkdir()
     (baseline_state / f"calibration-{key}.json").write_text(json.dumps(good))
