@@ -21,6 +21,7 @@ from nodecomm.errors import (
     NodecommError,
     PeerLostError,
     from_rpc_error,
+    shown,
 )
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
@@ -75,6 +76,7 @@ class Communicator:
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
         service_ordering: int = pb.SERVICE_ORDERING_UNSPECIFIED,
+        captured_abort: _native.CapturedAbortPolicy = _native.CapturedAbortPolicy.EXIT,
     ):
         self.membership = membership
         self.group, self.rank = membership.group, membership.rank
@@ -118,6 +120,10 @@ class Communicator:
         self._tensor_call = _c10d.TensorCall(
             *self._lane.api(), self._lane, device, [DTYPE_CODES[d] for d in self._dtypes]
         )
+        # Replays of captured calls run without a call here: an abort of a group they hold is
+        # made loud by this thread (nodecomm.captured_abort).
+        where = f"[group {shown(self.group)}, rank {self.rank}]"
+        self._capture_watch = _native.CaptureWatch(control.address, self.rank, where, captured_abort)
 
     def _start(self, timeout: float) -> None:
         try:
@@ -388,6 +394,8 @@ class Communicator:
                 operation(*args)
             except NodecommError as error:
                 raise self._located(error) from None
+            if capturing:  # a graph holds it: an abort is watched for (native/capture_watch.h)
+                _native.record_captured(self._control.address, self.rank)
             if timed:
                 self._samples.append((*sample, start, self._transport.mark()))
             if self._samples and not capturing:
@@ -483,6 +491,16 @@ class Communicator:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
         return self._dispatcher.table
 
+    def check(self) -> None:
+        """Raise what this communicator's next call would raise: the group aborted (a peer lost or
+        left, a mismatch, a timeout, the daemon gone) or the communicator closed; return if it is
+        usable. Cheap: it reads the group's control page in this process, with no device
+        synchronisation and no call to the daemon. An engine that replays captured graphs and
+        keeps its process under the "log" policy (nodecomm.captured_abort) calls it after a step:
+        a replay after an abort returns at once and leaves its outputs as they were, and a step
+        whose check raises must not be used."""
+        self._check_usable()
+
     # -- checks ----------------------------------------------------------------------------------
 
     def _check_usable(self, call_follows: bool = False) -> None:
@@ -576,6 +594,7 @@ class Communicator:
             if self._closed:
                 return
             self._closed = True
+            self._capture_watch.stop()  # this rank's own leaving is no abort to report
             self._lane.close()
         # This rank's queued GPU work first: peers may still wait on its signals, and Leave aborts
         # their waits. Bounded: every kernel gives up after its timeout.

@@ -11,6 +11,7 @@ import grpc
 import torch
 
 from nodecomm import _native
+from nodecomm.captured_abort import policy_in_force
 from nodecomm.credentials import rank_metadata
 from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
@@ -243,6 +244,7 @@ def _join(
             daemon=chosen,
             daemon_lease=lease,
             service_ordering=reply.service_ordering,
+            captured_abort=policy_in_force(reply.captured_abort, spec.captured_abort),
         )
     except BaseException:
         if transport is not None:

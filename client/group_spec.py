@@ -13,6 +13,7 @@ import torch
 from nodecomm import _native
 from nodecomm.byte_size import parse_byte_size
 from nodecomm.capabilities import DeviceKind
+from nodecomm.captured_abort import job_policy
 from nodecomm.errors import InvalidArgumentError
 from nodecomm.join_rules import check_join
 from nodecomm.thresholds import Wire
@@ -41,6 +42,7 @@ class GroupSpec:
     group_key: bytes
     timeout: float  # for joining
     operation_timeout: float | None  # None: the daemon's
+    captured_abort: int | None  # the job's NODECOMM_CAPTURED_ABORT (pb.CapturedAbort); None: the daemon's
 
     @property
     def where(self) -> dict:
@@ -111,6 +113,10 @@ class GroupSpec:
             group_key = os.environ.get("NODECOMM_GROUP_KEY", "")
         if not isinstance(group_key, (str, bytes)):
             raise InvalidArgumentError(f"group_key: expected str or bytes, got {type(group_key).__name__}", **where)
+        try:
+            captured_abort = job_policy()
+        except InvalidArgumentError as error:
+            raise error.located(**where) from None
         spec = cls(
             group=group,
             rank=rank,
@@ -127,6 +133,7 @@ class GroupSpec:
             group_key=group_key.encode() if isinstance(group_key, str) else group_key,
             timeout=timeout,
             operation_timeout=operation_timeout,
+            captured_abort=captured_abort,
         )
         check_join(
             group, rank, world_size, spec.device_kind, capacity_bytes, spec.dtypes, group_wire.to_proto(),

@@ -2,6 +2,9 @@
 // out) that every rank maps, and that CUDA ranks also map into their device's address space.
 //
 //   [0, 8)                         abort word: reason << 32 | detail; 0 while the group is healthy
+//   [kCapturedOffset + 8 * r, +8)  rank r's captured calls: how many of its calls CUDA graphs hold
+//                                  (its host counts them as it enqueues them under capture); a
+//                                  group with any is watched for an abort (capture_watch.h)
 //   [kErrorOffset + 64 * r, +32)   rank r's error record (CUDA kernels): code, the rank waited
 //                                  for (or disagreed with), the barrier epoch (the launch number
 //                                  for a pushed oneshot), and on a mismatch this rank's call
@@ -29,6 +32,8 @@ constexpr std::size_t kControlBytes = 4096;
 constexpr std::size_t kErrorOffset = 1024;
 constexpr std::size_t kErrorStride = 64;
 constexpr int kMaxRecords = int((kControlBytes - kErrorOffset) / kErrorStride);
+constexpr std::size_t kCapturedOffset = 512;
+static_assert(kCapturedOffset + 8 * kMaxRecords <= kErrorOffset, "captured counts overlap the error records");
 
 // Abort reasons; equal to what nodecomm.client expects.
 enum AbortReason : std::uint64_t {
@@ -74,6 +79,18 @@ inline void wake_abort_waiters(std::uintptr_t control) {
 inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t control) {
   const std::uint64_t word = __atomic_load_n(reinterpret_cast<const std::uint64_t*>(control), __ATOMIC_ACQUIRE);
   return {word >> 32, word & 0xFFFFFFFFu};
+}
+
+// Counted by the rank's host under its call lock, read by its capture watch and by the daemon.
+inline void record_captured(std::uintptr_t control, int rank) {
+  if (rank < 0 || rank >= kMaxRecords) return;
+  __atomic_fetch_add(reinterpret_cast<std::uint64_t*>(control + kCapturedOffset + 8 * rank), 1, __ATOMIC_RELEASE);
+}
+
+inline std::uint64_t captured_calls(std::uintptr_t control, int rank) {
+  if (rank < 0 || rank >= kMaxRecords) return 0;
+  return __atomic_load_n(reinterpret_cast<const std::uint64_t*>(control + kCapturedOffset + 8 * rank),
+                         __ATOMIC_ACQUIRE);
 }
 
 struct ErrorRecord {

@@ -120,6 +120,17 @@ class GroupMemory:
         if not self.closed:
             _native.abort_group(self.control_address, reason, detail)
 
+    def abort_state(self) -> tuple[int, int]:
+        """(reason, detail) on the control segment: a rank's kernel that gave up (a timeout, a
+        mismatch) or its host (the daemon lost) may have set it; (0, 0) once closed."""
+        return (0, 0) if self.closed else _native.abort_state(self.control_address)
+
+    def captured_ranks(self, world_size: int) -> list[int]:
+        """The ranks whose calls CUDA graphs hold (each rank counts its own on the control segment)."""
+        if self.closed:
+            return []
+        return [rank for rank in range(world_size) if _native.captured_calls(self.control_address, rank)]
+
     def close(self) -> None:
         """Drop the daemon's references; ranks' mappings keep the memory until they unmap it."""
         if self.closed:

@@ -21,6 +21,7 @@ import tomllib
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.capabilities import DeviceKind
+from nodecomm.captured_abort import POLICIES as CAPTURED_ABORT_POLICIES
 from nodecomm.evidence import LivePolicy
 from nodecomm.socket_path import default_socket_path, descriptor_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
@@ -122,6 +123,11 @@ class DaemonConfig:
     # Never into or out of NCCL, never while capturing; 0 switches it off, as does
     # live_recalibration = false.
     explore_period: int = LivePolicy.explore_period
+    # When a group aborts while CUDA graphs hold a rank's calls (their replays would return without
+    # their result): "exit" ends the rank's process with one line naming the group, the rank and the
+    # reason, as torch's NCCL watchdog does; "log" only writes the line, and the rank's
+    # Communicator.check() and next call raise. A job's NODECOMM_CAPTURED_ABORT wins over it.
+    captured_abort: str = "exit"
     max_capacity_bytes: int = 1 << 30
     # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
     max_reserved_bytes: int = 16 << 30
@@ -262,6 +268,8 @@ class DaemonConfig:
             raise ValueError(
                 f"cuda_service_ordering: expected 'auto', 'stream-words' or 'ipc-events', got {self.cuda_service_ordering!r}"
             )
+        if self.captured_abort not in CAPTURED_ABORT_POLICIES:
+            raise ValueError(f"captured_abort: expected 'exit' or 'log', got {self.captured_abort!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level {self.log_level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
         if self.log_format not in ("json", "text"):
@@ -331,6 +339,7 @@ HELP = {
     "table_switch_period": "ranks switch to a new table together every this many all-reduces",
     "explore_period": "every n-th all-reduce of a size bucket runs on another lossless path not yet found slower, "
     "and is timed; once none is left, one in 256n; 0: off",
+    "captured_abort": "when a group aborts while CUDA graphs hold a rank's calls: exit (end the rank's process) or log",
     "max_capacity_bytes": "largest slot capacity a group may ask for",
     "max_reserved_bytes": "cap on everything reserved, all groups together",
     "max_groups": "groups formed or forming at once",

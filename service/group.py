@@ -60,6 +60,7 @@ class Group:
     wires: set[str] = field(default_factory=set)  # wire series of its all-reduce counts
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
     creator: Caller = TCP_CALLER  # the first joiner: the group's name is in its namespace
+    captured_ranks: list[int] = field(default_factory=list)  # at its abort: ranks whose calls graphs held
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's

@@ -58,6 +58,8 @@ ABORT_REASONS = {
     _native.AbortReason.PEER_LOST: "peer_lost",
     _native.AbortReason.PEER_LEFT: "peer_left",
     _native.AbortReason.SHUTDOWN: "shutdown",
+    _native.AbortReason.STALLED: "stalled",
+    _native.AbortReason.MISMATCH: "mismatch",
 }
 
 
@@ -377,14 +379,43 @@ class GroupRegistry:
         self._update_gauges()
 
     def _abort(self, group: Group, reason: int, rank: int, message: str, quiet: bool = False) -> None:
+        # A rank's kernel or host may have set the word first (notice_aborts): the first cause is
+        # the one told. (A rank that lost its session says "the daemon connection was lost", which
+        # the daemon, alive, tells better as the session it saw end.)
+        set_by_rank, detail = group.memory.abort_state()
+        if set_by_rank and set_by_rank != _native.AbortReason.DAEMON_LOST:
+            _, words = _native.abort_error(group.memory.control_address, set_by_rank, detail)
+            reason, rank, message, quiet = set_by_rank, detail, words.split(": ", 1)[-1], False
         if not group.abort(reason, rank, message):
             return
         self._release_name(group)
-        self.metrics.aborts.labels(ABORT_REASONS.get(reason, "other")).inc()
+        label = ABORT_REASONS.get(reason, "other")
+        self.metrics.aborts.labels(label).inc()
+        where = {"group": group.name, "group_id": group.group_id, "reason": message}
+        # A peer that left is an orderly end, not a failure the graphs' replays must hear of.
+        if reason != _native.AbortReason.PEER_LEFT:
+            group.captured_ranks = group.memory.captured_ranks(group.args.world_size)
+        if group.captured_ranks:
+            self.metrics.captured_aborts.labels(label).inc()
+            log.warning(
+                f"captured group {shown(group.name)} aborted: {message}; CUDA graphs of ranks "
+                f"{group.captured_ranks} hold its calls, whose replays now return without their result",
+                extra={**where, "captured_ranks": group.captured_ranks, "captured_abort": self.config.captured_abort},
+            )
         self._update_gauges()
-        (log.info if quiet else log.warning)(
-            "group aborted", extra={"group": group.name, "group_id": group.group_id, "reason": message}
-        )
+        (log.info if quiet else log.warning)("group aborted", extra=where)
+
+    def notice_aborts(self) -> None:
+        """Abort, for the daemon too, the groups whose ranks set their abort word themselves: a
+        kernel or a CPU rank that timed out waiting for a peer, ranks that disagreed. Their peers
+        stop from the word alone; this tells their sessions why, counts it, and names the groups
+        graphs were replaying."""
+        for group in list(self._groups.values()):
+            if group.state != GroupState.ACTIVE:
+                continue
+            reason, detail = group.memory.abort_state()
+            if reason and reason != _native.AbortReason.DAEMON_LOST:  # that one: close_session
+                self._abort(group, reason, detail, "")  # _abort tells it in the word's terms
 
     def _release_if_empty(self, group: Group) -> None:
         if group.group_id not in self._groups:
@@ -450,6 +481,10 @@ class GroupRegistry:
         self.metrics.groups.labels(GroupState.ABORTED).set(
             sum(1 for g in self._groups.values() if g.state == GroupState.ABORTED)
         )
+        self.metrics.captured_aborted.clear()
+        for group in self._groups.values():
+            if group.state == GroupState.ABORTED and group.captured_ranks:
+                self.metrics.captured_aborted.labels(group.name).inc()
         self.metrics.ranks.set(
             sum(1 for g in self._groups.values() for m in g.members.values() if m.session is not None and not m.gone)
         )

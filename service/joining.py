@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nodecomm.capabilities import DeviceKind
+from nodecomm.captured_abort import POLICIES as CAPTURED_ABORT_POLICIES
 from nodecomm.errors import GroupMismatchError, NodecommError, PermissionDeniedError, ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 
@@ -165,6 +166,7 @@ def join_replies(
             explore_period=config.explore_period if config.live_recalibration else 0,
             rank_secret=group.members[rank].secret,
             service_ordering=group.service_ordering,
+            captured_abort=CAPTURED_ABORT_POLICIES[config.captured_abort],
         )
         for owner in range(group.args.world_size):
             reply.buffers.add(

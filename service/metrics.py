@@ -33,6 +33,19 @@ class DaemonMetrics:
         self.ranks = Gauge("nodecomm_ranks", "Ranks holding a live session.", registry=r)
         self.joins = Counter("nodecomm_joins_total", "Join requests by outcome.", ["result"], registry=r)
         self.aborts = Counter("nodecomm_group_aborts_total", "Groups aborted, by reason.", ["reason"], registry=r)
+        self.captured_aborts = Counter(
+            "nodecomm_captured_group_aborts_total",
+            "Groups aborted while CUDA graphs held a rank's calls (their replays return without their result; "
+            "each such rank ends its process or logs, by its captured_abort policy), by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.captured_aborted = Gauge(
+            "nodecomm_captured_aborted_groups",
+            "Aborted groups, by name, that CUDA graphs of ranks still holding them replay (until every rank has gone).",
+            ["group"],
+            registry=r,
+        )
         self.reserved = Gauge(
             "nodecomm_reserved_bytes", "Bytes of buffers reserved, by memory kind.", ["kind"], registry=r
         )

@@ -86,6 +86,8 @@ def session_messages_per_second(timing_rate_per_rank: int) -> float:
 # The most bytes a request of these methods may be, below the server's MAX_MESSAGE_BYTES: a Session
 # stream repeats its messages, so one past what a client ever sends is refused unparsed.
 MAX_REQUEST_BYTES = {"Session": MAX_SESSION_MESSAGE_BYTES}
+# How often the daemon looks for groups whose ranks aborted them (GroupRegistry.notice_aborts).
+ABORT_NOTICE_SECONDS = 0.5
 
 
 def _lenient_parser(message_class: type[Message], max_bytes: int) -> Callable[[bytes], Message | RefusedRequest]:
@@ -548,7 +550,13 @@ async def serve(config: DaemonConfig) -> int:
                 metrics.claims.labels("expired").inc(dropped)
             registry.sweep()
 
+    async def notice_aborts() -> None:
+        while True:
+            await asyncio.sleep(ABORT_NOTICE_SECONDS)
+            registry.notice_aborts()
+
     sweeper = asyncio.ensure_future(sweep_tokens())
+    noticer = asyncio.ensure_future(notice_aborts())
     log.info(
         "nodecommd serving",
         extra={
@@ -579,6 +587,7 @@ async def serve(config: DaemonConfig) -> int:
     await server.stop(config.drain_grace_seconds)
     await gate.close()
     sweeper.cancel()
+    noticer.cancel()
     descriptors.stop()
     executor.shutdown(wait=True)
     if endpoint is not None:

@@ -488,3 +488,48 @@ def converge(rank: int, world_size: int, socket: str, nbytes: int, calls: int) -
                 epoch = comm.thresholds().epoch
                 switches.append((call, epoch, comm.thresholds().path_for(nbytes).value))
         return {"switches": switches, "origin": comm.thresholds().origin}
+
+
+def hold_captured_group(
+    rank: int, world_size: int, socket: str, stderr_path: str, job_policy: str, after: str, report
+) -> tuple[str, str]:
+    """A CPU group standing in for one whose calls CUDA graphs hold: every rank counts a captured
+    call as the CUDA lane does under capture (CPU groups have no graphs; the watch and the process
+    ending are the same code). This process's stderr goes to `stderr_path`. Rank 0 then, for up
+    to 60 s, `after`: "check"s (comm.check(), every 10 ms, as an engine under the "log" policy
+    does between steps) or "reduce"s (all-reduces, as replays' kernels wait on a stopped peer);
+    the others wait to be killed, stopped or ("leave") close. Each rank puts its number on
+    `report` once running. Returns rank 0's (error, message)."""
+    from nodecomm import _native
+
+    with open(stderr_path, "wb") as stderr:
+        os.dup2(stderr.fileno(), 2)
+    if job_policy:
+        os.environ["NODECOMM_CAPTURED_ABORT"] = job_policy
+    with nodecomm.connect("captured", rank, world_size, socket=socket, timeout=30) as comm:
+        x = torch.ones(1024)
+        comm.all_reduce(x)
+        _native.record_captured(comm._control.address, rank)
+        report.put(rank)
+        if rank != 0:
+            if after != "leave":
+                time.sleep(120)  # killed or stopped
+            return "left", ""
+        deadline = time.monotonic() + 60
+        try:
+            while time.monotonic() < deadline:
+                if after == "reduce":
+                    comm.all_reduce(x)
+                else:
+                    comm.check()
+                    time.sleep(0.01)
+        except nodecomm.NodecommError as raised:
+            error = raised
+            if after == "reduce":  # the call raised; the watch ends the process, or check() says it too
+                time.sleep(5)
+                try:
+                    comm.check()
+                except nodecomm.NodecommError as again:
+                    error = again
+            return type(error).__name__, str(error)
+        return "no error", ""

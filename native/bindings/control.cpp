@@ -1,12 +1,16 @@
-// control.cpp — the group's control segment (../control.h): the abort word, its reasons, and the
-// error records CUDA kernels leave.
+// control.cpp — the group's control segment (../control.h): the abort word, its reasons, the
+// error records CUDA kernels leave, the captured-call counts, and the watch on them
+// (../capture_watch.h).
 #include <pybind11/native_enum.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <chrono>
 #include <ctime>
+#include <memory>
+#include <string>
 
+#include "capture_watch.h"
 #include "control.h"
 
 #include "bindings.h"
@@ -14,6 +18,21 @@
 namespace py = pybind11;
 
 namespace nodecomm::bindings {
+
+namespace {
+
+// The watch, stoppable before the Python object goes (close() stops it before Leave).
+class CaptureWatchHandle {
+ public:
+  CaptureWatchHandle(std::uintptr_t control, int rank, std::string where, control::CapturedAbortPolicy policy)
+      : watch_(std::make_unique<control::CaptureWatch>(control, rank, std::move(where), policy)) {}
+  void stop() { watch_.reset(); }
+
+ private:
+  std::unique_ptr<control::CaptureWatch> watch_;
+};
+
+}  // namespace
 
 void bind_control(py::module_& m) {
   namespace control = nodecomm::control;
@@ -69,6 +88,23 @@ void bind_control(py::module_& m) {
       },
       py::arg("control"), py::arg("rank"),
       "(code, rank waited for, barrier epoch) a CUDA kernel of `rank` recorded; code 0: none.");
+  m.def("record_captured", &control::record_captured, py::arg("control"), py::arg("rank"),
+        "Count one call of `rank` that a CUDA graph holds (enqueued under capture).");
+  m.def("captured_calls", &control::captured_calls, py::arg("control"), py::arg("rank"),
+        "How many calls of `rank` CUDA graphs hold.");
+  m.attr("CAPTURED_ABORT_EXIT_STATUS") = control::kCapturedAbortExit;
+  py::native_enum<control::CapturedAbortPolicy>(m, "CapturedAbortPolicy", "enum.IntEnum",
+                                                "What a rank does when its group aborts while graphs hold its calls.")
+      .value("EXIT", control::CapturedAbortPolicy::kExit)
+      .value("LOG", control::CapturedAbortPolicy::kLog)
+      .finalize();
+  py::class_<CaptureWatchHandle>(m, "CaptureWatch",
+                                 "A thread that writes one line on stderr, and under EXIT ends the process, once the "
+                                 "group at `control` aborts while `rank` has captured calls (native/capture_watch.h).")
+      .def(py::init<std::uintptr_t, int, std::string, control::CapturedAbortPolicy>(), py::arg("control"),
+           py::arg("rank"), py::arg("where"), py::arg("policy"))
+      .def("stop", &CaptureWatchHandle::stop, py::call_guard<py::gil_scoped_release>(),
+           "Stop watching (before this rank leaves); calling it again does nothing.");
   m.def("recorded_disagreement", &control::recorded_disagreement, py::arg("control"), py::arg("world_size"),
         "(message, complete): what the ranks' error records of a group aborted on a mismatch say (the "
         "field the ranks disagree on and each rank's value), and whether every rank's call is on record.");

@@ -68,6 +68,7 @@ class CudaLane {
     if (timing) NODECOMM_CUDA(cudaEventRecord(timing->start, on));
     group_.all_reduce(in, out, count, dtype, kernel_path_of(int(decision.path)), int(decision.wire), timeout_s_,
                       stream);
+    if (capturing) control::record_captured(control_, group_.rank());
     if (timing) {
       NODECOMM_CUDA(cudaEventRecord(timing->end, on));
       timing->path = decision.path;
@@ -91,11 +92,13 @@ class CudaLane {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
-    const Path path = dispatch_.fixed_path(nbytes, forced, capture != cudaStreamCaptureStatusNone);
+    const bool capturing = capture != cudaStreamCaptureStatusNone;
+    const Path path = dispatch_.fixed_path(nbytes, forced, capturing);
     *taken = {int(path), int(wire::Wire::kLossless), false};
     if (path == Path::kService) return kService;
     if (path == Path::kNccl) return kNccl;
     group_.all_reduce_rms_norm(rows, dtype, path, timeout_s_, stream);
+    if (capturing) control::record_captured(control_, group_.rank());
     dispatch_.count(dispatch::kAllReduce, path, wire::Wire::kLossless, nbytes, nbytes);
     return kDone;
   }

@@ -36,6 +36,12 @@ class MemoryKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CUDA_VMM_FD: _ClassVar[MemoryKind]
     CUDA_IPC_LEGACY: _ClassVar[MemoryKind]
 
+class CapturedAbort(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    CAPTURED_ABORT_UNSPECIFIED: _ClassVar[CapturedAbort]
+    CAPTURED_ABORT_EXIT: _ClassVar[CapturedAbort]
+    CAPTURED_ABORT_LOG: _ClassVar[CapturedAbort]
+
 class ServiceOrdering(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     SERVICE_ORDERING_UNSPECIFIED: _ClassVar[ServiceOrdering]
@@ -79,6 +85,9 @@ MEMORY_KIND_UNSPECIFIED: MemoryKind
 HOST_MEMFD: MemoryKind
 CUDA_VMM_FD: MemoryKind
 CUDA_IPC_LEGACY: MemoryKind
+CAPTURED_ABORT_UNSPECIFIED: CapturedAbort
+CAPTURED_ABORT_EXIT: CapturedAbort
+CAPTURED_ABORT_LOG: CapturedAbort
 SERVICE_ORDERING_UNSPECIFIED: ServiceOrdering
 STREAM_WORDS: ServiceOrdering
 IPC_EVENTS: ServiceOrdering
@@ -142,7 +151,7 @@ class Segment(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering")
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering", "captured_abort")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +166,7 @@ class JoinReply(_message.Message):
     EXPLORE_PERIOD_FIELD_NUMBER: _ClassVar[int]
     RANK_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_ABORT_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     claim_token: bytes
     descriptor_socket: str
@@ -171,7 +181,8 @@ class JoinReply(_message.Message):
     explore_period: int
     rank_secret: bytes
     service_ordering: ServiceOrdering
-    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ...) -> None: ...
+    captured_abort: CapturedAbort
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., captured_abort: _Optional[_Union[CapturedAbort, str]] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("name", "value_bytes", "source")

@@ -1,0 +1,98 @@
+// capture_watch.h — a rank's thread that makes an abort loud when CUDA graphs hold the group's calls.
+//
+// A replayed graph runs its kernels without a nodecomm call, so no call raises after an abort:
+// the kernels stop at once (they honour the abort and stop words) and leave their outputs as they
+// were, and an engine that decodes on would serve those. This thread watches the abort word and,
+// once the group aborts while this rank has captured calls (control.h), writes one line on stderr
+// naming the group, the rank and the reason, then by default ends the process, as torch's NCCL
+// watchdog does on a failed collective; under the "log" policy it only writes the line, and the
+// engine learns it from Communicator.check() or its next call. A peer that left (Leave, an orderly
+// shutdown) is no failure: the line comes only once a kernel of this rank stopped without its
+// result after it (its error record, which a replay sets), since the engine may be shutting down.
+//
+// The daemon and this rank's host wake the futex when they abort the group; a kernel that gives up
+// writes the word from the device, which wakes nothing, so the thread also looks every kPoll.
+#pragma once
+
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <ctime>
+#include <string>
+#include <thread>
+
+#include "control.h"
+
+namespace nodecomm::control {
+
+// The process's exit status when the policy ends it: EX_TEMPFAIL, a failure that a restart of the
+// job may not meet again.
+inline constexpr int kCapturedAbortExit = 75;
+
+enum class CapturedAbortPolicy : int { kExit = 1, kLog = 2 };
+
+class CaptureWatch {
+ public:
+  // `where`: "[group 'g', rank r]", the line's prefix.
+  CaptureWatch(std::uintptr_t control, int rank, std::string where, CapturedAbortPolicy policy)
+      : control_(control), rank_(rank), where_(std::move(where)), policy_(policy) {
+    thread_ = std::thread([this] { run(); });
+  }
+
+  // Stops the thread: called before this rank leaves, so that its own leaving is not watched.
+  ~CaptureWatch() {
+    stopping_.store(true, std::memory_order_release);
+    wake_abort_waiters(control_);
+    thread_.join();
+  }
+
+  CaptureWatch(const CaptureWatch&) = delete;
+  CaptureWatch& operator=(const CaptureWatch&) = delete;
+
+ private:
+  static constexpr timespec kPoll{0, 20 * 1000 * 1000};
+
+  void run() {
+    while (!stopping_.load(std::memory_order_acquire)) {
+      const std::uint32_t reason = wait_for_abort(control_, &kPoll);
+      if (reason == 0) continue;
+      if (stopping_.load(std::memory_order_acquire)) return;
+      const std::uint64_t captured = captured_calls(control_, rank_);
+      if (captured == 0) return;  // eager calls raise at the next call; after an abort none is captured
+      if (reason == kPeerLeft && error_record(control_, rank_).code == kErrorNone) {
+        timespec poll = kPoll;
+        nanosleep(&poll, nullptr);
+        continue;
+      }
+      speak(reason, captured);
+      return;
+    }
+  }
+
+  void speak(std::uint32_t reason, std::uint64_t captured) const {
+    const auto [kind, message] = abort_error(control_, reason, abort_state(control_).second);
+    (void)kind;
+    std::string line = "nodecomm: " + where_ + " " + message + "; " + std::to_string(captured) +
+                       " captured calls of this group now replay without their result: ";
+    line += policy_ == CapturedAbortPolicy::kExit
+                ? "ending the process (exit status " + std::to_string(kCapturedAbortExit) +
+                      "; NODECOMM_CAPTURED_ABORT=log keeps it running)\n"
+                : "Communicator.check() raises (NODECOMM_CAPTURED_ABORT=log)\n";
+    for (std::size_t written = 0; written < line.size();) {
+      const ssize_t n = ::write(STDERR_FILENO, line.data() + written, line.size() - written);
+      if (n <= 0) break;
+      written += std::size_t(n);
+    }
+    if (policy_ == CapturedAbortPolicy::kExit) ::_exit(kCapturedAbortExit);
+  }
+
+  std::uintptr_t control_;
+  int rank_;
+  std::string where_;
+  CapturedAbortPolicy policy_;
+  std::atomic<bool> stopping_{false};
+  std::thread thread_;
+};
+
+}  // namespace nodecomm::control
