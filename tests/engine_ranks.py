@@ -40,11 +40,9 @@ def wrong(got: torch.Tensor, world_size: int, count: int, dtype: torch.dtype, ex
     return not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-def engine_sequence(
-    rank: int, world_size: int, socket: str, port: int, engine: str, device_kind: str, counts: list[int]
-) -> dict:
-    """Construction, a profile run, graph capture with its warm-up, replay, eager calls, teardown,
-    in the engine's order. Returns which sizes the class took and every mismatch."""
+def engine_communicator(rank: int, world_size: int, socket: str, port: int, engine: str, device_kind: str):
+    """The engine's device communicator for its tensor-parallel group, built as the engine builds
+    it (plugins loaded first): (communicator, the custom all-reduce object in its slot, device)."""
     os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_CUSTOM_ALLREDUCE="1")
     if engine == "vllm-platform":  # nodecomm's platform and its communicator, no slot
         os.environ.update(NODECOMM_CUSTOM_ALLREDUCE="0", NODECOMM_VLLM_PLATFORM="1")
@@ -82,6 +80,16 @@ def engine_sequence(
 
         communicator = GroupCoordinator(cpu_group, device_group, device)
         ca_comm = communicator.ca_comm
+    return communicator, ca_comm, device
+
+
+def engine_sequence(
+    rank: int, world_size: int, socket: str, port: int, engine: str, device_kind: str, counts: list[int]
+) -> dict:
+    """Construction, a profile run, graph capture with its warm-up, replay, eager calls, teardown,
+    in the engine's order. Returns which sizes the class took and every mismatch."""
+    communicator, ca_comm, device = engine_communicator(rank, world_size, socket, port, engine, device_kind)
+    cuda = device.type == "cuda"
     outcome: dict = {"class": type(ca_comm).__name__, "disabled": ca_comm.disabled, "taken": {}, "problems": []}
     problems = outcome["problems"]
     dtype = torch.bfloat16

@@ -1,0 +1,154 @@
+"""Rank programs that replay captured CUDA graphs while a peer is killed or stopped: what an
+engine's decode loop does, with no nodecomm call between replays (tests/gpu/test_captured_abort_cuda.py)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import nodecomm
+import nodecomm.distributed
+
+HIDDEN, ROWS, TOPK = 256, 8, 4
+
+
+def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: str, stderr_path: str, report) -> dict:
+    """Capture in one graph what a decode step holds of nodecomm, through `how`: "comm" (an
+    all-reduce of 64K floats, the fused all-reduce + RMSNorm and a top-k stage), "distributed"
+    (dist.all_reduce of init_process_group("nodecomm")) or "vllm" (the vLLM stand-in's all_reduce
+    inside its graph_capture); then replay it with new inputs for up to 60 s. After each replay the
+    rank synchronises, reads the outputs, then calls check(), as an engine that checks its steps
+    would. Rank 1 puts its number on `report` and waits to be killed or stopped; rank 0 does once
+    it has replayed once. This process's stderr goes to `stderr_path`, where rank 0 writes a line
+    for every stale output that check() let through ("silent"): there must be none. Returns (if
+    the process is not ended) the replays, the stale ones, the silent ones and check()'s error."""
+    with open(stderr_path, "wb") as stderr:
+        os.dup2(stderr.fileno(), 2)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    step, check = _captured_step(rank, world_size, socket, port, how, device)
+    step(0)
+    torch.cuda.synchronize()
+    if rank != 0:
+        report.put(rank)
+        time.sleep(120)  # killed or stopped
+        return {}
+    report.put(rank)
+    replays = stale = silent = 0
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        replays += 1
+        fresh = step(replays)
+        torch.cuda.synchronize()
+        if not fresh():
+            stale += 1
+        try:
+            check()
+        except nodecomm.NodecommError as error:
+            return {"replays": replays, "stale": stale, "silent": silent, "error": (type(error).__name__, str(error))}
+        if stale:
+            silent += 1
+            os.write(2, f"silent stale output at replay {replays}\n".encode())
+    return {"replays": replays, "stale": stale, "silent": silent, "error": None}
+
+
+def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str, device: torch.device):
+    """(step(k): refill the inputs for replay k, replay, and return fresh(): whether every output
+    is replay k's result; check: the engine's comm.check())."""
+    full = world_size * (world_size - 1) // 2  # the sum of the ranks' offsets
+
+    def expected(k: int) -> float:
+        return float(world_size * k + full)
+
+    x = torch.empty(1 << 16, device=device)
+    if how == "comm":
+        comm = nodecomm.connect("replayed", rank, world_size, device=device, socket=socket, timeout=60)
+        y = torch.empty_like(x)
+        rows = torch.empty((ROWS, HIDDEN), dtype=torch.bfloat16, device=device)
+        residual = torch.zeros_like(rows)
+        weight = torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+        normed, summed = torch.empty_like(rows), torch.empty_like(rows)
+        exchange = comm.topk_exchange(ROWS, TOPK)
+        idx = torch.empty((ROWS, TOPK), dtype=torch.int32, device=device)
+        scores = torch.zeros((ROWS, TOPK), dtype=torch.float32, device=device)
+
+        def capture() -> list[torch.Tensor]:
+            comm.all_reduce(x, out=y)
+            comm.all_reduce_rms_norm(rows, residual, weight, 1e-6, out=normed, residual_out=summed)
+            return list(exchange.stage(idx, scores))
+
+        def refill(k: int) -> None:
+            x.fill_(k + rank)
+            rows.fill_(k + rank)
+            idx.fill_(10 * k + rank)
+
+        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
+            owned_idx = outputs[0]  # [owned rows, source, topk]: each source's candidates
+            sources = torch.arange(world_size, device=device, dtype=torch.int32).view(1, -1, 1)
+            return bool(
+                (y == expected(k)).all()
+                and (summed.float() == expected(k)).all()
+                and (owned_idx == 10 * k + sources).all()
+            )
+
+        check = comm.check
+    elif how == "distributed":
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
+        dist.init_process_group("nodecomm")
+
+        def capture() -> list[torch.Tensor]:
+            dist.all_reduce(x)
+            return []
+
+        def refill(k: int) -> None:
+            x.fill_(k + rank)
+
+        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
+            return bool((x == expected(k)).all())
+
+        check = nodecomm.distributed.communicator(None, device).check
+    else:
+        import engine_ranks
+
+        communicator, ca_comm, _ = engine_ranks.engine_communicator(rank, world_size, socket, port, "vllm", "cuda")
+        out: list[torch.Tensor] = []
+
+        def capture() -> list[torch.Tensor]:
+            out[:] = [communicator.all_reduce(x)]
+            return out
+
+        def refill(k: int) -> None:
+            x.fill_(k + rank)
+
+        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
+            return bool((outputs[0] == expected(k)).all())
+
+        check = ca_comm.comm.check
+
+    refill(0)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    if how == "vllm":
+        with communicator.graph_capture(stream):
+            capture()  # the warm-up inside capture(), as the engine's
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                outputs = capture()
+    else:
+        with torch.cuda.stream(stream):
+            capture()  # warm-up, eager
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            outputs = capture()
+
+    def step(k: int):
+        refill(k)
+        graph.replay()
+        return lambda: fresh(k, outputs)
+
+    return step, check

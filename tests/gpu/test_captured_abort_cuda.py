@@ -1,0 +1,76 @@
+"""A peer SIGKILLed or SIGSTOPped while the other rank replays a captured graph (an all-reduce, the
+fused norm and a top-k stage; dist.all_reduce of init_process_group("nodecomm"); vLLM's capture
+sequence), ranks sharing the GPU: the survivor's process ends with the one line (the default), or,
+under "log", check() raises and the daemon counts it; no stale output passes check()."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+
+import pytest
+
+import replay_ranks
+from conftest import free_port
+from nodecomm.captured_abort import EXIT_STATUS
+
+pytestmark = pytest.mark.gpu
+
+TIMEOUT_S = 3  # the daemon's operation timeout: how long a replay waits for a stopped peer
+
+
+def run(make_daemon, spawn_ranks, tmp_path, how: str, sig: int, policy: str):
+    daemon = make_daemon(
+        "--allow-shared-devices", "true", "--operation-timeout-seconds", str(TIMEOUT_S), "--captured-abort", policy
+    )
+    report = mp.get_context("spawn").Queue()
+    port = free_port()
+    stderr = [tmp_path / f"stderr-{rank}" for rank in range(2)]
+    ranks = [
+        spawn_ranks(
+            replay_ranks.replay_until_abort, [rank], 2, daemon.socket, port, how, str(stderr[rank]), report, timeout=240
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    assert sorted(report.get(timeout=180) for _ in range(2)) == [0, 1]
+    time.sleep(0.5)  # rank 0 replaying
+    signalled = time.monotonic()
+    ranks[1].kill(1, sig)
+    try:
+        result = ranks[0].results()[0]
+        took = time.monotonic() - signalled
+    finally:
+        ranks[1].kill(1, signal.SIGKILL)
+    text = stderr[0].read_text()
+    lines = [line for line in text.splitlines() if line.startswith("nodecomm: ")]
+    print(f"{how} {signal.Signals(sig).name} {policy}: {result} after {took:.2f} s; {lines}")
+    assert "silent stale output" not in text, text
+    return daemon, result, lines, took
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+@pytest.mark.parametrize("how", ["comm", "distributed", "vllm"])
+def test_the_survivor_ends_with_one_line(make_daemon, spawn_ranks, tmp_path, how, sig):
+    daemon, result, lines, took = run(make_daemon, spawn_ranks, tmp_path, how, sig, "exit")
+    assert result == ("died", EXIT_STATUS), result
+    (line,) = lines
+    reason = "peer rank 1 was lost" if sig == signal.SIGKILL else "rank 0 timed out waiting for rank 1"
+    assert line.startswith("nodecomm: [group '") and f"rank 0] group aborted: {reason}; " in line, line
+    assert line.endswith(
+        f"ending the process (exit status {EXIT_STATUS}; NODECOMM_CAPTURED_ABORT=log keeps it running)"
+    )
+    assert took < TIMEOUT_S + 10
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["SIGKILL", "SIGSTOP"])
+def test_under_the_log_policy_check_raises_and_the_daemon_counts_it(make_daemon, spawn_ranks, tmp_path, sig):
+    daemon, (status, outcome), lines, _ = run(make_daemon, spawn_ranks, tmp_path, "comm", sig, "log")
+    assert status == "ok" and outcome["silent"] == 0 and outcome["error"][0] == "PeerLostError", outcome
+    (line,) = lines
+    assert line.endswith("Communicator.check() raises (NODECOMM_CAPTURED_ABORT=log)"), line
+    reason = "peer_lost" if sig == signal.SIGKILL else "stalled"
+    deadline = time.monotonic() + 10
+    while f'nodecomm_captured_group_aborts_total{{reason="{reason}"}} 1.0' not in daemon.metrics_text():
+        assert time.monotonic() < deadline, daemon.metrics_text()
+        time.sleep(0.1)
