@@ -11,7 +11,8 @@
 // result after it (its error record, which a replay sets), since the engine may be shutting down.
 //
 // The daemon and this rank's host wake the futex when they abort the group; a kernel that gives up
-// writes the word from the device, which wakes nothing, so the thread also looks every kPoll.
+// writes the word from the device, which wakes nothing, so the thread also looks every kPoll once
+// the rank has captured calls (every kIdlePoll before: a group only called eagerly needs no watch).
 #pragma once
 
 #include <unistd.h>
@@ -52,10 +53,11 @@ class CaptureWatch {
 
  private:
   static constexpr timespec kPoll{0, 20 * 1000 * 1000};
+  static constexpr timespec kIdlePoll{1, 0};
 
   void run() {
     while (!stopping_.load(std::memory_order_acquire)) {
-      const std::uint32_t reason = wait_for_abort(control_, &kPoll);
+      const std::uint32_t reason = wait_for_abort(control_, captured_calls(control_, rank_) ? &kPoll : &kIdlePoll);
       if (reason == 0) continue;
       if (stopping_.load(std::memory_order_acquire)) return;
       const std::uint64_t captured = captured_calls(control_, rank_);

@@ -524,12 +524,13 @@ def hold_captured_group(
                     comm.check()
                     time.sleep(0.01)
         except nodecomm.NodecommError as raised:
+            # Learned before the watch acted: under "exit" it ends this process meanwhile (a rank
+            # returning first would race it); a call that raised is followed by check()'s word.
             error = raised
-            if after == "reduce":  # the call raised; the watch ends the process, or check() says it too
-                time.sleep(5)
-                try:
-                    comm.check()
-                except nodecomm.NodecommError as again:
-                    error = again
+            time.sleep(3)
+            try:
+                comm.check()
+            except nodecomm.NodecommError as again:
+                error = again
             return type(error).__name__, str(error)
         return "no error", ""
