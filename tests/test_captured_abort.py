@@ -80,6 +80,19 @@ def test_a_stopped_peer_ends_it_once_the_wait_times_out(make_daemon, spawn_ranks
     )
 
 
+def test_a_lost_daemon_ends_it_too(make_daemon, spawn_ranks, tmp_path):
+    """Until engines outlive the daemon, its loss is an abort: each rank's session sets it."""
+    daemon = make_daemon()
+    group = CapturedGroup(spawn_ranks, daemon.socket, tmp_path)
+    daemon.stop(signal.SIGKILL)
+    for rank in (0, 1):
+        assert group.result(rank) == ("died", EXIT_STATUS), group.stderr[rank].read_text()
+        (line,) = group.lines(rank)
+        assert line.startswith(
+            f"nodecomm: [group 'captured', rank {rank}] group aborted: the daemon connection was lost"
+        ), line
+
+
 @pytest.mark.parametrize(
     ("daemon_policy", "job_policy", "ends"),
     [("log", "", False), ("exit", "log", False), ("log", "exit", True)],
