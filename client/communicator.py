@@ -15,6 +15,7 @@ from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
+    DeadlineExceededError,
     GroupMismatchError,
     InternalError,
     InvalidArgumentError,
@@ -46,6 +47,8 @@ _NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
 # A lane call's outcomes (native/lane_api.h).
 _DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED = range(6)
+# How the wait for the ranks' table offers ended (native/control.h, OfferWait).
+_OFFERS_COMPLETE, _OFFERS_ABORTED, _OFFERS_TIMED_OUT = range(3)
 
 
 class Communicator:
@@ -102,6 +105,7 @@ class Communicator:
         self._operation_timeout = operation_timeout
         self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
+        self._switch_point = 0  # table switch points passed (_agree_on_table), the same on every rank
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._session = Session(self._stub, membership, control.address, self._dispatch, self._metadata)
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
@@ -454,20 +458,43 @@ class Communicator:
         self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
 
     def _agree_on_table(self) -> None:
-        """Every rank shares the newest table epoch it was offered; all switch to the lowest of
-        them, which every rank holds, so all dispatch the next call by the same table."""
+        """At every table switch point each rank switches to the lowest epoch the ranks offered at
+        the point before, which every rank holds, then offers the newest it holds: all dispatch the
+        next call by the same table. Through the control page (native/control.h), with no
+        collective: no call waits for a GPU, nor for a peer unless its host is a whole
+        table_switch_period behind."""
 
-        def lowest_of_ranks(epoch: int) -> int:
-            mine = torch.tensor([epoch], dtype=torch.int64, device=self.device)
-            gathered = torch.empty((self.world_size, 1), dtype=torch.int64, device=self.device)
-            # Through the transport, not all_gather(): the client's own traffic is not the engine's to count.
-            self._run(self._transport.all_gather, mine, gathered, self._operation_timeout)
-            return int(gathered.min())
+        def lowest_of_ranks(newest: int) -> int:
+            with self._lock:
+                self._check_usable()
+                self._switch_point += 1
+                point = self._switch_point
+                lowest = self._dispatcher.table.epoch if point == 1 else self._lowest_offer(point - 1)
+                _native.publish_offer(self._control.address, self.rank, point, newest)
+            return lowest
 
         self._session.flush_if_full()
         agreed = self._dispatcher.agree(self._session.offered, lowest_of_ranks)
         if agreed is not None:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
+
+    def _lowest_offer(self, point: int) -> int:
+        """The lowest epoch the ranks offered at `point`. A peer that has not offered within the
+        operation timeout stalled: the group aborts, as after a wait that ran out in a collective."""
+        outcome, lowest, missing = _native.lowest_offer(
+            self._control.address, self.world_size, point, self._operation_timeout
+        )
+        if outcome == _OFFERS_COMPLETE:
+            return lowest
+        if outcome == _OFFERS_TIMED_OUT:
+            _native.abort_group(self._control.address, _native.AbortReason.STALLED, self.rank)
+            raise DeadlineExceededError(
+                f"waited {self._operation_timeout:.1f} s for rank {missing} at table switch point {point}",
+                group=self.group,
+                rank=self.rank,
+            )
+        self._check_usable()
+        raise InternalError("the table offers' wait ended without the group aborting", **self.membership.where)
 
     @property
     def operation_timeout(self) -> float:

@@ -158,10 +158,11 @@ class Dispatcher:
         return self.native.switch_due(capturing)
 
     def agree(self, offered: dict[int, DispatchTable], lowest_of_ranks: Callable[[int], int]) -> int | None:
-        """Every rank shares the newest table epoch it was offered; all switch to the lowest of
-        them, which every rank holds, so all dispatch the next call by the same table.
-        `lowest_of_ranks(epoch)` returns the lowest epoch any rank passed. Returns the epoch
-        switched to, or None. Offers up to it are dropped from `offered`."""
+        """Every rank offers the newest table epoch it holds; all switch to the lowest epoch
+        offered, which every rank holds, so all dispatch the next call by the same table.
+        `lowest_of_ranks(epoch)` offers `epoch` and returns the lowest epoch the ranks agreed on
+        (Communicator._agree_on_table: the lowest of the previous switch point's offers). Returns
+        the epoch switched to, or None. Offers up to it are dropped from `offered`."""
         newest = max(offered, default=self.table.epoch)
         agreed = lowest_of_ranks(max(newest, self.table.epoch))
         if agreed <= self.table.epoch:

@@ -2,6 +2,8 @@
 // out) that every rank maps, and that CUDA ranks also map into their device's address space.
 //
 //   [0, 8)                         abort word: reason << 32 | detail; 0 while the group is healthy
+//   [kOfferOffset + 32 * r, +32)   rank r's table offers: two slots, by the parity of the table
+//                                  switch point, each (point, the newest epoch it held there)
 //   [kCapturedOffset + 8 * r, +8)  rank r's captured calls: how many of its calls CUDA graphs hold
 //                                  (its host counts them as it enqueues them under capture); a
 //                                  group with any is watched for an abort (capture_watch.h)
@@ -24,6 +26,7 @@
 #include <utility>
 
 #include "agreement.h"
+#include "codes.h"
 #include "errors.h"
 
 namespace nodecomm::control {
@@ -32,8 +35,12 @@ constexpr std::size_t kControlBytes = 4096;
 constexpr std::size_t kErrorOffset = 1024;
 constexpr std::size_t kErrorStride = 64;
 constexpr int kMaxRecords = int((kControlBytes - kErrorOffset) / kErrorStride);
-constexpr std::size_t kCapturedOffset = 512;
-static_assert(kCapturedOffset + 8 * kMaxRecords <= kErrorOffset, "captured counts overlap the error records");
+constexpr std::size_t kOfferOffset = 128;
+constexpr std::size_t kOfferStride = 32;
+constexpr std::size_t kCapturedOffset = 768;
+static_assert(kOfferOffset + kOfferStride * kMaxRanks <= kCapturedOffset, "table offers overlap the captured counts");
+static_assert(kCapturedOffset + 8 * kMaxRanks <= kErrorOffset, "captured counts overlap the error records");
+static_assert(kMaxRanks <= kMaxRecords, "a rank without an error record");
 
 // Abort reasons; equal to what nodecomm.client expects.
 enum AbortReason : std::uint64_t {
@@ -83,14 +90,65 @@ inline std::pair<std::uint64_t, std::uint64_t> abort_state(std::uintptr_t contro
 
 // Counted by the rank's host under its call lock, read by its capture watch and by the daemon.
 inline void record_captured(std::uintptr_t control, int rank) {
-  if (rank < 0 || rank >= kMaxRecords) return;
+  if (rank < 0 || rank >= kMaxRanks) return;
   __atomic_fetch_add(reinterpret_cast<std::uint64_t*>(control + kCapturedOffset + 8 * rank), 1, __ATOMIC_RELEASE);
 }
 
 inline std::uint64_t captured_calls(std::uintptr_t control, int rank) {
-  if (rank < 0 || rank >= kMaxRecords) return 0;
+  if (rank < 0 || rank >= kMaxRanks) return 0;
   return __atomic_load_n(reinterpret_cast<const std::uint64_t*>(control + kCapturedOffset + 8 * rank),
                          __ATOMIC_ACQUIRE);
+}
+
+// Table switches are agreed through the control page, with no collective and so no wait for a
+// GPU: at its q-th switch point every rank reads the epochs all ranks offered at point q - 1 (each
+// has by then, unless its host is a whole period behind) and switches to the lowest, then offers
+// the newest it holds for point q. A slot is rewritten at point q + 2 only after its writer read
+// every rank's point-q + 1 offer, which each rank writes after reading its point-q slots.
+inline std::uint64_t* offer_slot(std::uintptr_t control, int rank, std::uint64_t point) {
+  return reinterpret_cast<std::uint64_t*>(control + kOfferOffset + kOfferStride * rank + 16 * (point % 2));
+}
+
+inline void publish_offer(std::uintptr_t control, int rank, std::uint64_t point, std::uint64_t epoch) {
+  std::uint64_t* slot = offer_slot(control, rank, point);
+  __atomic_store_n(slot + 1, epoch, __ATOMIC_RELAXED);
+  __atomic_store_n(slot, point, __ATOMIC_RELEASE);  // the point last: a reader that sees it sees the epoch
+}
+
+enum class OfferWait { kComplete, kAborted, kTimedOut };
+
+struct Offers {
+  OfferWait outcome;
+  std::uint64_t lowest;  // kComplete: the lowest epoch offered at the point
+  int missing;           // kTimedOut: a rank that had not offered
+};
+
+// The lowest epoch the ranks offered at `point`, once every rank has; a look every 20 us (a peer's
+// host that is behind is behind by at least a call), up to `timeout_ns` or the group's abort.
+inline Offers lowest_offer(std::uintptr_t control, int world_size, std::uint64_t point, std::uint64_t timeout_ns) {
+  timespec started{};
+  clock_gettime(CLOCK_MONOTONIC, &started);
+  for (;;) {
+    Offers offers{OfferWait::kComplete, UINT64_MAX, -1};
+    for (int r = 0; r < world_size && offers.missing < 0; ++r) {
+      const std::uint64_t* slot = offer_slot(control, r, point);
+      if (__atomic_load_n(slot, __ATOMIC_ACQUIRE) != point) {
+        offers.missing = r;
+      } else {
+        const std::uint64_t epoch = __atomic_load_n(slot + 1, __ATOMIC_RELAXED);
+        offers.lowest = epoch < offers.lowest ? epoch : offers.lowest;
+      }
+    }
+    if (offers.missing < 0) return offers;
+    if (abort_state(control).first != 0) return {OfferWait::kAborted, 0, offers.missing};
+    timespec now{};
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const std::uint64_t waited = std::uint64_t(now.tv_sec - started.tv_sec) * 1000000000ull + now.tv_nsec -
+                                 started.tv_nsec;
+    if (waited > timeout_ns) return {OfferWait::kTimedOut, 0, offers.missing};
+    const timespec pause{0, 20000};
+    nanosleep(&pause, nullptr);
+  }
 }
 
 struct ErrorRecord {

@@ -88,6 +88,22 @@ void bind_control(py::module_& m) {
       },
       py::arg("control"), py::arg("rank"),
       "(code, rank waited for, barrier epoch) a CUDA kernel of `rank` recorded; code 0: none.");
+  m.def("publish_offer", &control::publish_offer, py::arg("control"), py::arg("rank"), py::arg("point"),
+        py::arg("epoch"), "Offer `epoch`, the newest table `rank` holds, at its `point`-th table switch point.");
+  m.def(
+      "lowest_offer",
+      [](std::uintptr_t address, int world_size, std::uint64_t point, double timeout_s) {
+        control::Offers offers;
+        {
+          py::gil_scoped_release release;
+          const double ns = timeout_s > 0 ? timeout_s * 1e9 : 0;
+          offers = control::lowest_offer(address, world_size, point, ns < 1.8e19 ? std::uint64_t(ns) : UINT64_MAX);
+        }
+        return py::make_tuple(int(offers.outcome), offers.lowest, offers.missing);
+      },
+      py::arg("control"), py::arg("world_size"), py::arg("point"), py::arg("timeout_s"),
+      "(outcome, lowest epoch, a missing rank) of the ranks' offers at `point`: outcome 0 once every rank "
+      "offered, 1 if the group aborted first, 2 past `timeout_s`.");
   m.def("record_captured", &control::record_captured, py::arg("control"), py::arg("rank"),
         "Count one call of `rank` that a CUDA graph holds (enqueued under capture).");
   m.def("captured_calls", &control::captured_calls, py::arg("control"), py::arg("rank"),
