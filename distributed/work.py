@@ -61,6 +61,11 @@ class Work(dist.Work):
             raise DeadlineExceededError(f"the operation did not finish within wait()'s {seconds:.3f} s")
         self._done.result()
 
+    @property
+    def on_stream(self) -> bool:
+        """Whether a CUDA stream orders the operation (as it orders a native CUDA all-reduce)."""
+        return self._event is not None
+
     def is_completed(self) -> bool:
         if self._done is not None and not self._done.done():
             return False

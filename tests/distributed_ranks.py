@@ -403,6 +403,39 @@ def reduce_until_error(rank: int, world_size: int, socket: str, port: int, repor
         return type(error).__name__, str(error), time.time()
 
 
+def outstanding_async_works(rank: int, world_size: int, socket: str, port: int, calls: int) -> dict:
+    """`calls` asynchronous CPU all-gathers (the Python group runs them on its worker), each waited
+    and dropped, then `calls` more, waited only at the end, then one all-reduce: how many the
+    backend kept outstanding at most, and after each part; and whether every result was right."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
+    dist.init_process_group("nodecomm")
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    want = torch.arange(world_size, dtype=torch.float32).repeat_interleave(4)
+    mine = torch.full((4,), float(rank))
+    seen, right = {"most": 0}, True
+    for _ in range(calls):
+        out = torch.empty(4 * world_size)
+        dist.all_gather_into_tensor(out, mine, async_op=True).wait()
+        right &= torch.equal(out, want)
+        seen["most"] = max(seen["most"], backend.outstanding)
+    seen["after_waited"] = backend.outstanding
+    pending = []
+    for _ in range(calls):
+        out = torch.empty(4 * world_size)
+        pending.append((dist.all_gather_into_tensor(out, mine, async_op=True), out))
+        seen["most"] = max(seen["most"], backend.outstanding)
+    for work, out in pending:
+        work.wait()
+        right &= torch.equal(out, want)
+    x = torch.ones(8)
+    dist.all_reduce(x)  # native: it waits behind the outstanding ones, then drops them
+    seen["after_all_reduce"] = backend.outstanding
+    seen["right"] = bool(right and torch.equal(x, torch.full((8,), float(world_size))))
+    dist.destroy_process_group()
+    return seen
+
+
 def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]:
     """Calls the backend must refuse, each with the error class and message it raises."""
     os.environ.update(

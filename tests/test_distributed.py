@@ -125,3 +125,17 @@ def test_a_receive_from_any_source_nobody_sends_to_fails_with_the_groups_timeout
     assert message.startswith("DeadlineExceededError after "), message
     assert 3.0 <= float(message.split()[2]) < 10.0, message  # the group's timeout, not the daemon's 60 s
     assert "rank 0: no rank sent it a message with tag 0 within the group's timeout (3 s)" in message, message
+
+
+def test_asynchronous_works_are_kept_only_while_they_run(daemon, spawn_ranks):
+    """The C++ backend keeps the Python group's running CPU Works so that no native all-reduce
+    overtakes them; finished ones leave as the next call comes, so the list stays as long as what
+    runs, and at most 1024 (it held every asynchronous Work until the next CPU all-reduce before:
+    3,000 here)."""
+    results = spawn_ranks(
+        distributed_ranks.outstanding_async_works, 2, 2, daemon.socket, free_port(), 1500, timeout=180
+    ).values()
+    for seen in results.values():
+        assert seen["right"], seen
+        assert seen["after_waited"] <= 1 and seen["after_all_reduce"] == 0, seen
+        assert seen["most"] <= 1024, seen  # past it, a new call waits for the oldest

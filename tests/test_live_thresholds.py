@@ -79,8 +79,9 @@ def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switche
     """A stored calibration of this machine sends every size to one path, and at 1 MiB the other
     is faster on the ranks' own timings: with exploration as the daemon has it by default, the table
     moves to the faster path within 2,000 calls on the daemon's own evidence (its log), every rank
-    switching tables at the same calls, and stays there. Which path is faster there depends on the
-    run: on the 2-core VM twoshot took 110 us against oneshot's 121 while exploring in some runs,
+    switching tables at the same calls. (It may move back later: on a loaded 2-core CI machine the
+    evidence changed sides within one run, and the table followed it.) Which path is faster there
+    depends on the run: on the 2-core VM twoshot took 110 us against oneshot's 121 while exploring in some runs,
     and oneshot ~500 us against twoshot's ~610 in others (ranks pinned to cores of their own or
     not), the bench's hot loop showing the same two modes. So the table starts on oneshot and,
     where the evidence settles that twoshot is the slower (the table was right), on twoshot, and
@@ -96,6 +97,6 @@ def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switche
         assert '"msg": "exploration settled"' in daemon.log(), (stored, results[0], daemon.log()[-3000:])
     faster = "twoshot" if stored == "oneshot" else "oneshot"
     moved = [call for call, _, path in results[0]["switches"] if path == faster]
-    assert moved and moved[0] < 2000 and results[0]["switches"][-1][2] == faster, (results[0], daemon.log()[-3000:])
+    assert moved and moved[0] < 2000, (results[0], daemon.log()[-3000:])
     assert f'"winner": "{faster}"' in daemon.log()
     assert results[0]["origin"].startswith("live timings of group 'converge', moved from: " + str(state))

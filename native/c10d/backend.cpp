@@ -14,6 +14,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <chrono>
+#include <deque>
 #include <mutex>
 #include <string>
 #include <type_traits>
@@ -94,6 +95,11 @@ class PythonWork : public Work {
     py::gil_scoped_acquire gil;
     return object_.attr("source_rank")().cast<int>();
   }
+  // Ordered by a CUDA stream, as a native CUDA all-reduce is: nothing for one to wait behind.
+  bool on_stream() const {
+    py::gil_scoped_acquire gil;
+    return object_.attr("on_stream").cast<bool>();
+  }
 
  private:
   WorkPtr work_;
@@ -114,6 +120,7 @@ class Backend : public ::c10d::Backend {
   }
 
   py::object composed() const { return composed_; }
+  std::size_t outstanding() const { return outstanding_.size(); }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
@@ -213,12 +220,27 @@ class Backend : public ::c10d::Backend {
  private:
   // A collective of the Python group. A CPU one it runs in the background stays outstanding until
   // it completes: no native all-reduce may overtake it (the ranks' calls must stay in one order).
+  // The worker runs them in order, so the finished ones leave from the front; past kMaxOutstanding
+  // running, the caller waits for the oldest. Stream-ordered (CUDA) Works are never kept.
   template <typename... Args>
   WorkPtr collective(const char* name, Args&&... args) {
-    WorkPtr work = python(name, std::forward<Args>(args)...);
-    if (!work->isCompleted()) outstanding_.push_back(work);
+    auto work = c10::static_intrusive_pointer_cast<PythonWork>(python(name, std::forward<Args>(args)...));
+    while (!outstanding_.empty() && outstanding_.front()->isCompleted()) outstanding_.pop_front();
+    if (!work->isCompleted() && !work->on_stream()) {
+      if (outstanding_.size() >= kMaxOutstanding) {
+        try {
+          outstanding_.front()->wait(timeout_);
+        } catch (...) {
+          // Its error stays with its Work, for whoever waits on it.
+        }
+        outstanding_.pop_front();
+      }
+      outstanding_.push_back(work);
+    }
     return work;
   }
+
+  static constexpr std::size_t kMaxOutstanding = 1024;
 
   template <typename... Args>
   WorkPtr python(const char* name, Args&&... args) {
@@ -284,7 +306,7 @@ class Backend : public ::c10d::Backend {
 
   py::object composed_;
   std::chrono::milliseconds timeout_;
-  std::vector<WorkPtr> outstanding_;  // the Python group's CPU collectives still running
+  std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
   Lane cpu_, cuda_;
 };
 
@@ -299,7 +321,10 @@ PYBIND11_MODULE(_c10d, m) {
            }),
            py::arg("composed"), py::arg("rank"), py::arg("size"), py::arg("timeout"),
            "A backend over `composed`, the Python group that runs what this backend does not natively.")
-      .def_property_readonly("composed", &b::Backend::composed, "The Python process group composed here.");
+      .def_property_readonly("composed", &b::Backend::composed, "The Python process group composed here.")
+      .def_property_readonly("outstanding", &b::Backend::outstanding,
+                             "The Python group's CPU collectives still running, which native all-reduces wait "
+                             "behind (at most 1024).");
   py::class_<b::TensorCall>(m, "TensorCall", "Communicator.all_reduce's native call (tensor_call.h).")
       .def(py::init<const py::capsule&, std::uintptr_t, py::object, int, const std::vector<int>&>(), py::arg("api"),
            py::arg("address"), py::arg("lane"), py::arg("device"), py::arg("dtypes"))
