@@ -310,15 +310,36 @@ class Communicator:
         if self._dispatch.switch_due(capturing):
             self._agree_on_table()
 
-    def accepts(self, tensor: torch.Tensor) -> bool:
+    def accepts(self, tensor: torch.Tensor, *, max_bytes: int | None = None) -> bool:
         """Whether all_reduce(tensor) would run here: a contiguous tensor of this group's dtypes on
-        its device, of a size the dispatch table gives a path this rank runs. False for the sizes
-        the table gives NCCL when the caller runs NCCL itself (connect(nccl_by_caller=True)): an
-        engine's custom all-reduce slot declines those, and the engine's own NCCL takes them. False
-        once closed."""
+        its device (of at most `max_bytes`, where given), of a size the dispatch table gives a path
+        this rank runs. False for the sizes the table gives NCCL when the caller runs NCCL itself
+        (connect(nccl_by_caller=True)): an engine's custom all-reduce slot declines those, and the
+        engine's own NCCL takes them. False once closed. One native call for a plain tensor."""
+        answer = self._tensor_call.accepts(tensor, -1 if max_bytes is None else max_bytes)
+        if answer is not None:
+            return answer
         if self._closed or not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
             return False
-        return self._dispatcher.accepts(tensor.numel() * tensor.element_size())
+        nbytes = tensor.numel() * tensor.element_size()
+        return (max_bytes is None or nbytes <= max_bytes) and self._dispatcher.accepts(nbytes)
+
+    def slot_all_reduce(self, tensor: torch.Tensor, *, max_bytes: int | None = None) -> torch.Tensor | None:
+        """An engine's custom all-reduce slot in one call: the sum of `tensor` as all_reduce(tensor)
+        returns it, or None, with nothing run, where accepts(tensor, max_bytes=max_bytes) is False
+        (the engine then runs its own all-reduce). Every rank declines the same calls. One native
+        call for a plain tensor on the table's peer paths."""
+        done = self._tensor_call.slot(tensor, -1 if max_bytes is None else max_bytes)
+        if done is None:
+            if type(tensor) is torch.Tensor or not self.accepts(tensor, max_bytes=max_bytes):
+                return None
+            return self.all_reduce(tensor)  # a tensor subclass: the Python path
+        if type(done) is torch.Tensor:
+            return done
+        outcome, out, sampled, kind, message = done
+        if outcome == _FAILED:
+            raise self._lane_error(_native.error(kind, message))
+        return self._after_lane(outcome, tensor, out, sampled, False)  # a switch, or NCCL or the service path
 
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:

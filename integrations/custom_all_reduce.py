@@ -95,8 +95,8 @@ class NodecommAllreduce:
     nodecomm group name over it (collective: every rank constructs together). device: the rank's
     GPU ("cpu" works too, over host shared memory, which is how CI drives this class).
     max_size: the largest all-reduce taken, in bytes. table_switching: True lets the group switch
-    to the tables live recalibration makes, at the cost of a host all-gather on every 256th eager
-    call; off by default, so the table the group formed with stays. symm_mem_enabled and
+    to the tables live recalibration makes (agreed on the group's control page every 256th call,
+    with no wait for the GPU); off by default, so the table the group formed with stays. symm_mem_enabled and
     register_graph_buffers are vLLM's arguments: accepted, and they change nothing here.
 
     Construction never raises into the engine: a group that spans nodes, a daemon that cannot be
@@ -211,9 +211,7 @@ class NodecommAllreduce:
         """Whether this class takes `inp`: not disabled, at most max_size bytes (any size when
         deterministic), and a size the dispatch table gives a nodecomm path (not NCCL) for a
         dtype and device the group has."""
-        if self.disabled or self.max_size is not None and inp.numel() * inp.element_size() > self.max_size:
-            return False
-        return self.comm.accepts(inp)
+        return not self.disabled and self.comm.accepts(inp, max_bytes=self.max_size)
 
     def all_reduce(
         self, inp: torch.Tensor, *, out: torch.Tensor | None = None, registered: bool = False
@@ -224,10 +222,9 @@ class NodecommAllreduce:
         return self.comm.all_reduce(inp, out=out)
 
     def custom_all_reduce(self, input: torch.Tensor) -> torch.Tensor | None:  # noqa: A002 (the engines' name)
-        """The sum of `input` across the group, or None where should_custom_ar declines it."""
-        if not self.should_custom_ar(input):
-            return None
-        return self.comm.all_reduce(input)
+        """The sum of `input` across the group, or None where should_custom_ar declines it (one
+        native call: Communicator.slot_all_reduce)."""
+        return None if self.disabled else self.comm.slot_all_reduce(input, max_bytes=self.max_size)
 
     def fused_allreduce_rmsnorm(
         self, input_: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -49,9 +49,8 @@ class NodecommCudaCommunicator(CudaCommunicator):
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         nodecomm = self.nodecomm
-        if nodecomm is not None and not nodecomm.disabled and nodecomm.should_custom_ar(input_):
-            return nodecomm.custom_all_reduce(input_)
-        return super().all_reduce(input_)
+        out = None if nodecomm is None else nodecomm.custom_all_reduce(input_)  # None: declined
+        return super().all_reduce(input_) if out is None else out
 
     def all_reduce_rms_norm(
         self, input_: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float

@@ -17,7 +17,12 @@
 
 #include <unistd.h>
 
+#include <linux/futex.h>
+#include <sys/syscall.h>
+
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <cstdint>
 #include <ctime>
 #include <string>
@@ -41,10 +46,16 @@ class CaptureWatch {
     thread_ = std::thread([this] { run(); });
   }
 
-  // Stops the thread: called before this rank leaves, so that its own leaving is not watched.
+  // Stops the thread: called before this rank leaves, so that its own leaving is not watched. The
+  // thread may be between its look at the stop word and its sleep on the abort word, where one
+  // wake is lost: wake it until it has gone.
   ~CaptureWatch() {
-    stopping_.store(true, std::memory_order_release);
-    wake_abort_waiters(control_);
+    __atomic_store_n(&stop_, 1u, __ATOMIC_RELEASE);
+    while (!gone_.load(std::memory_order_acquire)) {
+      wake_abort_waiters(control_);
+      syscall(SYS_futex, &stop_, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
     thread_.join();
   }
 
@@ -55,21 +66,28 @@ class CaptureWatch {
   static constexpr timespec kPoll{0, 20 * 1000 * 1000};
   static constexpr timespec kIdlePoll{1, 0};
 
+  bool stopping() const { return __atomic_load_n(&stop_, __ATOMIC_ACQUIRE) != 0; }
+
+  // Sleep on the stop word (the abort word is set by now, so a wait on it would not sleep).
+  void pause(const timespec& period) { syscall(SYS_futex, &stop_, FUTEX_WAIT, 0, &period, nullptr, 0); }
+
   void run() {
-    while (!stopping_.load(std::memory_order_acquire)) {
-      const std::uint32_t reason = wait_for_abort(control_, captured_calls(control_, rank_) ? &kPoll : &kIdlePoll);
-      if (reason == 0) continue;
-      if (stopping_.load(std::memory_order_acquire)) return;
+    while (!stopping()) {
       const std::uint64_t captured = captured_calls(control_, rank_);
-      if (captured == 0) return;  // eager calls raise at the next call; after an abort none is captured
-      if (reason == kPeerLeft && error_record(control_, rank_).code == kErrorNone) {
-        timespec poll = kPoll;
-        nanosleep(&poll, nullptr);
-        continue;
+      const std::uint32_t reason = wait_for_abort(control_, captured ? &kPoll : &kIdlePoll);
+      if (reason == 0 || stopping()) continue;
+      // Looked at again after the abort: a call captured as it came is counted after its enqueue.
+      const std::uint64_t now_captured = captured_calls(control_, rank_);
+      if (now_captured == 0) {
+        pause(kIdlePoll);  // eager calls raise at the next call; none is captured after an abort
+      } else if (reason == kPeerLeft && error_record(control_, rank_).code == kErrorNone) {
+        pause(kPoll);
+      } else {
+        speak(reason, now_captured);
+        break;
       }
-      speak(reason, captured);
-      return;
     }
+    gone_.store(true, std::memory_order_release);
   }
 
   void speak(std::uint32_t reason, std::uint64_t captured) const {
@@ -93,7 +111,8 @@ class CaptureWatch {
   int rank_;
   std::string where_;
   CapturedAbortPolicy policy_;
-  std::atomic<bool> stopping_{false};
+  std::uint32_t stop_ = 0;  // a futex word: 1 once the watch is to stop
+  std::atomic<bool> gone_{false};
   std::thread thread_;
 };
 

@@ -123,11 +123,13 @@ struct Offers {
   int missing;           // kTimedOut: a rank that had not offered
 };
 
-// The lowest epoch the ranks offered at `point`, once every rank has; a look every 20 us (a peer's
-// host that is behind is behind by at least a call), up to `timeout_ns` or the group's abort.
+// The lowest epoch the ranks offered at `point`, once every rank has; looks 20 us apart at first,
+// then further, up to 1 ms apart (a peer's host that is behind is behind by at least a call, and
+// a long wait should not keep a core busy), up to `timeout_ns` or the group's abort.
 inline Offers lowest_offer(std::uintptr_t control, int world_size, std::uint64_t point, std::uint64_t timeout_ns) {
   timespec started{};
   clock_gettime(CLOCK_MONOTONIC, &started);
+  long pause_ns = 20000;
   for (;;) {
     Offers offers{OfferWait::kComplete, UINT64_MAX, -1};
     for (int r = 0; r < world_size && offers.missing < 0; ++r) {
@@ -146,8 +148,9 @@ inline Offers lowest_offer(std::uintptr_t control, int world_size, std::uint64_t
     const std::uint64_t waited = std::uint64_t(now.tv_sec - started.tv_sec) * 1000000000ull + now.tv_nsec -
                                  started.tv_nsec;
     if (waited > timeout_ns) return {OfferWait::kTimedOut, 0, offers.missing};
-    const timespec pause{0, 20000};
+    const timespec pause{0, pause_ns};
     nanosleep(&pause, nullptr);
+    pause_ns = pause_ns < 1000000 ? pause_ns * 2 : 1000000;
   }
 }
 

@@ -5,6 +5,7 @@
 // this module.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -31,6 +32,12 @@ class HostLane {
 
   // Called with the lock held, before the mappings go.
   void close() { closed_ = true; }
+
+  // Whether the table gives an all-reduce of `nbytes` a path this lane runs, while it is open.
+  // Without the call lock: callers hold the GIL, which a holder of the call lock may wait for.
+  bool accepts(std::uint64_t nbytes) const {
+    return !closed_.load(std::memory_order_acquire) && dispatch_.accepts(nbytes);
+  }
 
   // Sum `count` elements of `dtype` from in into out (which may equal in) on the path and wire the
   // dispatch decides (forced: a path code or 0; forced_wire: a wire code or -1); `taken` says which.
@@ -84,7 +91,7 @@ class HostLane {
   std::uintptr_t control_;
   double timeout_s_;
   std::mutex& lock_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
 };
 
 }  // namespace nodecomm::lane

@@ -24,7 +24,7 @@ struct Taken {
   bool sampled = false;
 };
 
-constexpr int kLaneApiVersion = 4;
+constexpr int kLaneApiVersion = 5;
 // nodecomm._native's HostLane.api() and CudaLane.api() return a PyCapsule of this name holding a
 // NodecommLaneApi.
 constexpr const char* kLaneCapsule = "nodecomm.LaneApi";
@@ -41,5 +41,9 @@ struct NodecommLaneApi {
   // (NUL-terminated).
   int (*all_reduce)(void* lane, void* in, void* out, std::size_t count, int dtype, int forced, int wire, void* stream,
                     int* sampled, int* error_kind, char* message, std::size_t message_bytes);
+  // Nonzero where the table gives an all-reduce of `nbytes` a path this rank runs (the service
+  // path, and NCCL where the rank runs it, included) and the lane is open: what an engine's custom
+  // all-reduce slot asks first. Takes no lock: callers may hold the GIL.
+  int (*accepts)(void* lane, std::size_t nbytes);
 };
 }

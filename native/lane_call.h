@@ -27,6 +27,11 @@ int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, 
 }
 
 template <typename Lane>
-inline const NodecommLaneApi kLaneApi{kLaneApiVersion, &c_all_reduce<Lane>};
+int c_accepts(void* lane, std::size_t nbytes) {
+  return static_cast<Lane*>(lane)->accepts(nbytes) ? 1 : 0;
+}
+
+template <typename Lane>
+inline const NodecommLaneApi kLaneApi{kLaneApiVersion, &c_all_reduce<Lane>, &c_accepts<Lane>};
 
 }  // namespace nodecomm::lane

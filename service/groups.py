@@ -385,7 +385,8 @@ class GroupRegistry:
         set_by_rank, detail = group.memory.abort_state()
         if set_by_rank and set_by_rank != _native.AbortReason.DAEMON_LOST:
             _, words = _native.abort_error(group.memory.control_address, set_by_rank, detail)
-            reason, rank, message, quiet = set_by_rank, detail, words.split(": ", 1)[-1], False
+            reason, rank, message, quiet = set_by_rank, self._lost_rank(group, set_by_rank, detail), words, False
+            message = message.split(": ", 1)[-1]
         if not group.abort(reason, rank, message):
             return
         self._release_name(group)
@@ -405,6 +406,18 @@ class GroupRegistry:
         self._update_gauges()
         (log.info if quiet else log.warning)("group aborted", extra=where)
 
+    @staticmethod
+    def _lost_rank(group: Group, reason: int, detail: int) -> int:
+        """The rank an abort a rank set names as lost: for a timeout, whom the waiting rank (the
+        detail) waited for, where its kernel recorded it. The page is the ranks' to write: a rank
+        out of the group's range is told as rank 0's."""
+        world = group.args.world_size
+        if reason == _native.AbortReason.STALLED and detail < world:
+            code, peer, _ = _native.error_record(group.memory.control_address, detail)
+            if code == _native.KernelError.TIMEOUT and peer < world:
+                return peer
+        return detail if detail < world else 0
+
     def notice_aborts(self) -> None:
         """Abort, for the daemon too, the groups whose ranks set their abort word themselves: a
         kernel or a CPU rank that timed out waiting for a peer, ranks that disagreed. Their peers
@@ -415,7 +428,10 @@ class GroupRegistry:
                 continue
             reason, detail = group.memory.abort_state()
             if reason and reason != _native.AbortReason.DAEMON_LOST:  # that one: close_session
-                self._abort(group, reason, detail, "")  # _abort tells it in the word's terms
+                try:
+                    self._abort(group, reason, detail, "")  # _abort tells it in the word's terms
+                except Exception:  # one group's page must not stop the daemon noticing the others'
+                    log.exception("noticing an abort failed", extra={"group": group.name, "group_id": group.group_id})
 
     def _release_if_empty(self, group: Group) -> None:
         if group.group_id not in self._groups:

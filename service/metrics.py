@@ -36,7 +36,8 @@ class DaemonMetrics:
         self.captured_aborts = Counter(
             "nodecomm_captured_group_aborts_total",
             "Groups aborted while CUDA graphs held a rank's calls (their replays return without their result; "
-            "each such rank ends its process or logs, by its captured_abort policy), by reason.",
+            "each such rank ends its process or logs, by its captured_abort policy), by reason; not a peer that "
+            "left (a rank's graphs replaying after that end it too, which the daemon does not see).",
             ["reason"],
             registry=r,
         )

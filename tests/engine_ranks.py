@@ -306,7 +306,14 @@ def vllm_platform_dispatch(rank: int, world_size: int, socket: str, port: int, w
     communicator.qr_comm = _Backend("quick", 16 << 20, cpu_group, served)
     communicator.fi_ar_comm = _Backend("flashinfer", float("inf"), cpu_group, served)
     custom_all_reduce = communicator.nodecomm.custom_all_reduce
-    communicator.nodecomm.custom_all_reduce = lambda x: served.append(("nodecomm", x.numel())) or custom_all_reduce(x)
+
+    def served_by_nodecomm(x: torch.Tensor) -> torch.Tensor | None:  # None: declined, nothing run
+        out = custom_all_reduce(x)
+        if out is not None:
+            served.append(("nodecomm", x.numel()))
+        return out
+
+    communicator.nodecomm.custom_all_reduce = served_by_nodecomm
     problems, dtype = [], torch.bfloat16
     for count in counts:
         got = communicator.all_reduce(rank_input(rank, count, dtype, count))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -498,8 +499,9 @@ def hold_captured_group(
     ending are the same code). This process's stderr goes to `stderr_path`. Rank 0 then, for up
     to 60 s, `after`: "check"s (comm.check(), every 10 ms, as an engine under the "log" policy
     does between steps) or "reduce"s (all-reduces, as replays' kernels wait on a stopped peer);
-    the others wait to be killed, stopped or ("leave") close. Each rank puts its number on
-    `report` once running. Returns rank 0's (error, message)."""
+    the others wait to be killed or stopped (all-reducing in step with rank 0 under "reduce") or
+    ("leave") close. Each rank puts its number on `report` once running. Returns rank 0's (error,
+    message)."""
     from nodecomm import _native
 
     with open(stderr_path, "wb") as stderr:
@@ -512,6 +514,10 @@ def hold_captured_group(
         _native.record_captured(comm._control.address, rank)
         report.put(rank)
         if rank != 0:
+            if after == "reduce":
+                with contextlib.suppress(nodecomm.NodecommError):
+                    while True:  # until stopped or killed, or rank 0's end aborts the group
+                        comm.all_reduce(x)
             if after != "leave":
                 time.sleep(120)  # killed or stopped
             return "left", ""
@@ -534,3 +540,35 @@ def hold_captured_group(
                 error = again
             return type(error).__name__, str(error)
         return "no error", ""
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass: left to the Python path."""
+
+
+def slot_calls(rank: int, world_size: int, socket: str) -> dict:
+    """What an engine slot gets from slot_all_reduce and accepts(max_bytes=), on a table that sends
+    4 KiB and up to the service path: each call's result (as a list, or None where declined)."""
+    with nodecomm.connect(
+        "slot", rank, world_size, socket=socket, timeout=30, thresholds={"service_min_bytes": "4KiB"}
+    ) as comm:
+        small, large = torch.full((16,), float(rank + 1)), torch.full((2048,), float(rank + 1))
+        seen = {
+            "small": comm.slot_all_reduce(small),
+            "large (service path)": comm.slot_all_reduce(large),
+            "past max_bytes": comm.slot_all_reduce(large, max_bytes=1024),
+            "float64": comm.slot_all_reduce(small.double()),
+            "strided": comm.slot_all_reduce(torch.ones(32)[::2]),
+            "subclass": comm.slot_all_reduce(small.as_subclass(_Tagged)),
+        }
+        answers = {
+            "small": comm.accepts(small),
+            "past max_bytes": comm.accepts(large, max_bytes=1024),
+            "at max_bytes": comm.accepts(large, max_bytes=8192),
+            "float64": comm.accepts(small.double()),
+            "subclass past max_bytes": comm.accepts(large.as_subclass(_Tagged), max_bytes=1024),
+        }
+        results = {name: None if out is None else sorted(set(out.tolist())) for name, out in seen.items()}
+    answers["closed"] = comm.accepts(small)
+    results["closed"] = comm.slot_all_reduce(small)
+    return {"results": results, "accepts": answers}

@@ -7,6 +7,7 @@ tests/gpu/test_captured_abort_cuda.py."""
 
 import multiprocessing as mp
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,12 @@ def test_a_lost_peer_ends_the_process_whose_graphs_hold_the_group(daemon, spawn_
 def test_a_stopped_peer_ends_it_once_the_wait_times_out(make_daemon, spawn_ranks, tmp_path):
     daemon = make_daemon("--operation-timeout-seconds", "2")
     group = CapturedGroup(spawn_ranks, daemon.socket, tmp_path, after="reduce")
+    time.sleep(0.5)  # both all-reducing, in step
+    signalled = time.monotonic()
     group.signal(1, signal.SIGSTOP)
     try:
         assert group.result(0) == ("died", EXIT_STATUS), group.stderr[0].read_text()
+        assert time.monotonic() - signalled > 1.5  # the wait ran out: it was not over before the stop
         (line,) = group.lines(0)
         assert line.startswith(LINE_START + "rank 0 timed out waiting for a peer; 1 captured calls"), line
     finally:

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import engine_ranks
+import ranks
 from conftest import free_port
 
 # bfloat16 elements: small decode sizes, one past a slot, and 9 MiB (past the 8 MiB max_size).
@@ -128,3 +129,28 @@ def test_the_vllm_slot_keeps_vllms_static_buffer_helpers():
     env = {"PATH": "/usr/bin:/bin", "NODECOMM_CUSTOM_ALLREDUCE": "1"}
     printed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env)
     assert printed.stdout.strip() == 'True NodecommAllreduce ["vLLM\'s own", 4096]', printed.stderr
+
+
+def test_the_slot_call_runs_what_accepts_takes_and_declines_the_rest_untouched(daemon, spawn_ranks):
+    """Communicator.slot_all_reduce, what the engines' slot calls: one native call that runs the
+    table's path (the service path too, where accepts() said yes) and returns None, with nothing
+    run, for whatever accepts() declines; every rank the same."""
+    results = spawn_ranks(ranks.slot_calls, 2, 2, daemon.socket).values()
+    assert results[0] == results[1]
+    assert results[0]["results"] == {
+        "small": [3.0],
+        "large (service path)": [3.0],
+        "past max_bytes": None,
+        "float64": None,
+        "strided": None,
+        "subclass": [3.0],
+        "closed": None,
+    }
+    assert results[0]["accepts"] == {
+        "small": True,
+        "past max_bytes": False,
+        "at max_bytes": True,
+        "float64": False,
+        "subclass past max_bytes": False,
+        "closed": False,
+    }

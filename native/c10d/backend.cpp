@@ -331,5 +331,10 @@ PYBIND11_MODULE(_c10d, m) {
       .def("__call__", &b::TensorCall::operator(), py::arg("tensor"), py::arg("out"), py::arg("forced") = 0,
            py::arg("wire") = -1,
            "None: not taken; the output: done; else (outcome, output, sampled, error kind, message). forced: a "
-           "path code (0: the table's); wire: a wire code (-1: the table's).");
+           "path code (0: the table's); wire: a wire code (-1: the table's).")
+      .def("accepts", &b::TensorCall::accepts, py::arg("tensor"), py::arg("max_bytes") = -1,
+           "Whether all_reduce(tensor) runs here (at most max_bytes; -1: any size); None for a tensor subclass.")
+      .def("slot", &b::TensorCall::slot, py::arg("tensor"), py::arg("max_bytes") = -1,
+           "An engine slot's all-reduce: None (nothing run) where accepts() declines, the output where done, "
+           "else as __call__.");
 }

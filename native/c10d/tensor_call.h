@@ -55,11 +55,37 @@ class TensorCall {
   // None: not taken. The output (`out`, or a new tensor where it is None): done. Otherwise
   // (outcome, output, sampled, error kind, message) for the Communicator to finish.
   py::object operator()(py::handle tensor, py::handle out, int forced, int wire) const {
+    return call(tensor, out, forced, wire, -1, false);
+  }
+
+  // Communicator.accepts' answer for an exact tensor: one this group reduces, at most `max_bytes`
+  // (-1: any size), of a size the table gives a path the lane runs. None for what Python answers
+  // (a tensor subclass, or no tensor).
+  py::object accepts(py::handle tensor, std::int64_t max_bytes) const {
+    if (!THPVariable_CheckExact(tensor.ptr())) return py::none();
+    const at::Tensor& in = THPVariable_Unpack(tensor.ptr());
+    const std::size_t nbytes = in.numel() * in.element_size();
+    const bool yes = takes(in) && (max_bytes < 0 || nbytes <= std::size_t(max_bytes)) && api_->accepts(address_, nbytes);
+    return py::bool_(yes);
+  }
+
+  // An engine slot's call: as operator() with no `out`, and None (nothing run) for what accepts()
+  // declines, so that a slot that answered "yes" first always runs the call.
+  py::object slot(py::handle tensor, std::int64_t max_bytes) const {
+    return call(tensor, py::none(), 0, -1, max_bytes, true);
+  }
+
+ private:
+  py::object call(py::handle tensor, py::handle out, int forced, int wire, std::int64_t max_bytes, bool decline) const {
     if (!THPVariable_CheckExact(tensor.ptr()) || !(out.is_none() || THPVariable_CheckExact(out.ptr()))) {
       return py::none();
     }
     const at::Tensor& in = THPVariable_Unpack(tensor.ptr());
     if (!takes(in)) return py::none();
+    if (decline) {
+      const std::size_t nbytes = in.numel() * in.element_size();
+      if ((max_bytes >= 0 && nbytes > std::size_t(max_bytes)) || !api_->accepts(address_, nbytes)) return py::none();
+    }
     at::Tensor output;
     if (out.is_none()) {
       output = at::empty(in.sizes(), in.options());
@@ -88,7 +114,6 @@ class TensorCall {
     return py::make_tuple(outcome, result, sampled != 0, kind, std::string(message));
   }
 
- private:
   bool takes(const at::Tensor& tensor) const {
     const int code = dtype_code(tensor);
     if (code == 0 || !(dtypes_ & (1u << code)) || tensor.layout() != at::kStrided || !tensor.is_contiguous() ||

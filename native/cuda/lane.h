@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -43,6 +44,12 @@ class CudaLane {
   void close() {
     closed_ = true;
     release();
+  }
+
+  // Whether the table gives an all-reduce of `nbytes` a path this lane runs, while it is open.
+  // Without the call lock: callers hold the GIL, which a holder of the call lock may wait for.
+  bool accepts(std::uint64_t nbytes) const {
+    return !closed_.load(std::memory_order_acquire) && dispatch_.accepts(nbytes);
   }
 
   // Enqueue on `stream` an all-reduce of `count` elements from in into out (which may equal in) on
@@ -143,7 +150,7 @@ class CudaLane {
   std::uintptr_t control_;
   double timeout_s_;
   std::mutex& lock_;
-  bool closed_ = false;
+  std::atomic<bool> closed_{false};
   std::array<Timing, kTimings> timings_{};
   std::deque<std::size_t> pending_;  // indices into timings_, oldest first
   std::size_t next_ = 0;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -13,36 +14,35 @@ import nodecomm
 import nodecomm.distributed
 
 HIDDEN, ROWS, TOPK = 256, 8, 4
+TIMEOUT_S = 3  # the group's operation timeout: how long a replay waits for a stopped peer
 
 
 def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: str, stderr_path: str, report) -> dict:
     """Capture in one graph what a decode step holds of nodecomm, through `how`: "comm" (an
     all-reduce of 64K floats, the fused all-reduce + RMSNorm and a top-k stage), "distributed"
     (dist.all_reduce of init_process_group("nodecomm")) or "vllm" (the vLLM stand-in's all_reduce
-    inside its graph_capture); then replay it with new inputs for up to 60 s. After each replay the
-    rank synchronises, reads the outputs, then calls check(), as an engine that checks its steps
-    would. Rank 1 puts its number on `report` and waits to be killed or stopped; rank 0 does once
-    it has replayed once. This process's stderr goes to `stderr_path`, where rank 0 writes a line
+    inside its graph_capture); then both ranks replay it with new inputs, in step, until rank 1 is
+    killed or stopped (each puts its number on `report` after its third replay). After each replay
+    rank 0 synchronises, reads the outputs, then calls check(), as an engine that checks its steps
+    would, for up to 120 s. This process's stderr goes to `stderr_path`, where rank 0 writes a line
     for every stale output that check() let through ("silent"): there must be none. Returns (if
-    the process is not ended) the replays, the stale ones, the silent ones and check()'s error."""
+    the process is not ended) rank 0's replays, the stale ones, the silent ones and check()'s
+    error."""
     with open(stderr_path, "wb") as stderr:
         os.dup2(stderr.fileno(), 2)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
     step, check = _captured_step(rank, world_size, socket, port, how, device)
-    step(0)
-    torch.cuda.synchronize()
-    if rank != 0:
-        report.put(rank)
-        time.sleep(120)  # killed or stopped
-        return {}
-    report.put(rank)
     replays = stale = silent = 0
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         replays += 1
         fresh = step(replays)
         torch.cuda.synchronize()
+        if replays == 3:
+            report.put(rank)
+        if rank != 0:
+            continue  # replays until killed or stopped
         if not fresh():
             stale += 1
         try:
@@ -100,7 +100,8 @@ def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str,
     elif how == "distributed":
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
-        dist.init_process_group("nodecomm")
+        # The group's timeout is the operation timeout its collectives wait (the daemon's is only a default).
+        dist.init_process_group("nodecomm", timeout=timedelta(seconds=TIMEOUT_S))
 
         def capture() -> list[torch.Tensor]:
             dist.all_reduce(x)
