@@ -15,7 +15,6 @@ from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
     DaemonUnavailableError,
-    DeadlineExceededError,
     GroupMismatchError,
     InternalError,
     InvalidArgumentError,
@@ -37,6 +36,7 @@ from .mapping import SegmentMapping
 from .membership import Membership
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .session import Session
+from .table_offers import TableOffers
 from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
 from .transport import Transport
 
@@ -47,8 +47,6 @@ _NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
 # A lane call's outcomes (native/lane_api.h).
 _DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED = range(6)
-# How the wait for the ranks' table offers ended (native/control.h, OfferWait).
-_OFFERS_COMPLETE, _OFFERS_ABORTED, _OFFERS_TIMED_OUT = range(3)
 
 
 class Communicator:
@@ -105,7 +103,6 @@ class Communicator:
         self._operation_timeout = operation_timeout
         self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
-        self._switch_point = 0  # table switch points passed (_agree_on_table), the same on every rank
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
         self._session = Session(self._stub, membership, control.address, self._dispatch, self._metadata)
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
@@ -119,6 +116,7 @@ class Communicator:
         # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
+        self._offers = TableOffers(control.address, membership, operation_timeout)
         # all_reduce's one native call on the table's path (tensor checks, stream, lane).
         device = transport.device.index if transport.kind == DeviceKind.CUDA else -1
         self._tensor_call = _c10d.TensorCall(
@@ -479,43 +477,21 @@ class Communicator:
         self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
 
     def _agree_on_table(self) -> None:
-        """At every table switch point each rank switches to the lowest epoch the ranks offered at
-        the point before, which every rank holds, then offers the newest it holds: all dispatch the
-        next call by the same table. Through the control page (native/control.h), with no
-        collective: no call waits for a GPU, nor for a peer unless its host is a whole
-        table_switch_period behind."""
+        """Every rank switches to the same new table at the same call (client/table_offers.py)."""
 
         def lowest_of_ranks(newest: int) -> int:
             with self._lock:
                 self._check_usable()
-                self._switch_point += 1
-                point = self._switch_point
-                lowest = self._dispatcher.table.epoch if point == 1 else self._lowest_offer(point - 1)
-                _native.publish_offer(self._control.address, self.rank, point, newest)
-            return lowest
+                try:
+                    return self._offers.lowest_of_ranks(newest, self._dispatcher.table.epoch)
+                except InternalError:
+                    self._check_usable()  # the abort's own error
+                    raise
 
         self._session.flush_if_full()
         agreed = self._dispatcher.agree(self._session.offered, lowest_of_ranks)
         if agreed is not None:
             log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
-
-    def _lowest_offer(self, point: int) -> int:
-        """The lowest epoch the ranks offered at `point`. A peer that has not offered within the
-        operation timeout stalled: the group aborts, as after a wait that ran out in a collective."""
-        outcome, lowest, missing = _native.lowest_offer(
-            self._control.address, self.world_size, point, self._operation_timeout
-        )
-        if outcome == _OFFERS_COMPLETE:
-            return lowest
-        if outcome == _OFFERS_TIMED_OUT:
-            _native.abort_group(self._control.address, _native.AbortReason.STALLED, self.rank)
-            raise DeadlineExceededError(
-                f"waited {self._operation_timeout:.1f} s for rank {missing} at table switch point {point}",
-                group=self.group,
-                rank=self.rank,
-            )
-        self._check_usable()
-        raise InternalError("the table offers' wait ended without the group aborting", **self.membership.where)
 
     @property
     def operation_timeout(self) -> float:
