@@ -130,8 +130,8 @@ def test_a_receive_from_any_source_nobody_sends_to_fails_with_the_groups_timeout
 def test_asynchronous_works_are_kept_only_while_they_run(daemon, spawn_ranks):
     """The C++ backend keeps the Python group's running CPU Works so that no native all-reduce
     overtakes them; finished ones leave as the next call comes, so the list stays as long as what
-    runs, and at most 1024 (it held every asynchronous Work until the next CPU all-reduce before:
-    3,000 here)."""
+    runs, and at most 1024 (before, every asynchronous Work stayed until the next CPU all-reduce,
+    which this test does last)."""
     results = spawn_ranks(
         distributed_ranks.outstanding_async_works, 2, 2, daemon.socket, free_port(), 1500, timeout=180
     ).values()
