@@ -16,11 +16,13 @@ import nodecomm.distributed
 
 
 def no_sync_no_growth(rank: int, world_size: int, socket: str, port: int, calls: int, async_calls: int) -> dict:
-    """`calls` all-reduces of 1 KiB through each API (comm.all_reduce, the slot's call,
-    dist.all_reduce with and without async_op, funcol.all_reduce) under
-    torch.cuda.set_sync_debug_mode("error"), each API's calls crossing table switch points; then
-    `async_calls` asynchronous dist.all_reduces of fresh 64 KiB tensors, each waited and dropped:
-    the allocated GPU memory and the backend's outstanding Works before and after."""
+    """Through each API (comm.all_reduce, the slot's call, dist.all_reduce with and without
+    async_op, funcol.all_reduce) at 1 KiB: `calls` calls under torch.cuda.set_sync_debug_mode
+    ("error"), which catches torch's own synchronisations; and 64 calls (4 table switch points)
+    enqueued behind a kernel that sleeps about a second, which the host must outrun: nodecomm's own
+    native calls are seen by that alone. Then `async_calls` asynchronous dist.all_reduces of fresh
+    64 KiB tensors, each waited and dropped: the allocated GPU memory and the backend's outstanding
+    Works before and after."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
     device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -38,7 +40,7 @@ def no_sync_no_growth(rank: int, world_size: int, socket: str, port: int, calls:
     for call in calls_of.values():  # joins, first launches: what may synchronise once
         call()
     torch.cuda.synchronize()
-    synchronised = {}
+    synchronised, waited = {}, []
     for name, call in calls_of.items():
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -48,7 +50,12 @@ def no_sync_no_growth(rank: int, world_size: int, socket: str, port: int, calls:
             synchronised[name] = str(error).splitlines()[0]
         finally:
             torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second of GPU cycles ahead of the calls
+        for _ in range(64):
+            call()
+        if torch.cuda.current_stream(device).query():
+            waited.append(name)  # the host waited for the stream somewhere in those calls
+        torch.cuda.synchronize()
 
     backend = dist.group.WORLD._get_backend(device)
     gc.collect()
@@ -62,4 +69,4 @@ def no_sync_no_growth(rank: int, world_size: int, socket: str, port: int, calls:
     after = (torch.cuda.memory_allocated(device), backend.outstanding)
     comm.close()
     dist.destroy_process_group()
-    return {"synchronised": synchronised, "before": before, "after": after}
+    return {"synchronised": synchronised, "waited": waited, "before": before, "after": after}

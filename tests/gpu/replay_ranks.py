@@ -43,13 +43,16 @@ def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: 
             report.put(rank)
         if rank != 0:
             continue  # replays until killed or stopped
-        if not fresh():
-            stale += 1
+        ok = fresh()
+        stale += not ok
         try:
             check()
         except nodecomm.NodecommError as error:
+            # A kernel that gave up sets the abort word from the GPU, which the watch reads at its
+            # next look (20 ms): under "exit" it ends this process meanwhile.
+            time.sleep(3)
             return {"replays": replays, "stale": stale, "silent": silent, "error": (type(error).__name__, str(error))}
-        if stale:
+        if not ok:
             silent += 1
             os.write(2, f"silent stale output at replay {replays}\n".encode())
     return {"replays": replays, "stale": stale, "silent": silent, "error": None}
