@@ -91,8 +91,7 @@ class CaptureWatch {
   }
 
   void speak(std::uint32_t reason, std::uint64_t captured) const {
-    const auto [kind, message] = abort_error(control_, reason, abort_state(control_).second);
-    (void)kind;
+    const std::string message = abort_error(control_, reason, abort_state(control_).second).second;
     std::string line = "nodecomm: " + where_ + " " + message + "; " + std::to_string(captured) +
                        " captured calls of this group now replay without their result: ";
     line += policy_ == CapturedAbortPolicy::kExit

@@ -385,8 +385,8 @@ class GroupRegistry:
         set_by_rank, detail = group.memory.abort_state()
         if set_by_rank and set_by_rank != _native.AbortReason.DAEMON_LOST:
             _, words = _native.abort_error(group.memory.control_address, set_by_rank, detail)
-            reason, rank, message, quiet = set_by_rank, self._lost_rank(group, set_by_rank, detail), words, False
-            message = message.split(": ", 1)[-1]
+            reason, rank, quiet = set_by_rank, self._lost_rank(group, set_by_rank, detail), False
+            message = words.split(": ", 1)[-1]  # "group aborted: ..." as the daemon's own words have it
         if not group.abort(reason, rank, message):
             return
         self._release_name(group)

@@ -71,7 +71,9 @@ class CompletedWork : public Work {
 // torch's Work trampoline forwards wait() and get_future(); the rest is asked of Python here.
 class PythonWork : public Work {
  public:
-  explicit PythonWork(py::object work) : work_(work.cast<WorkPtr>()), object_(std::move(work)) {}
+  // Made under the GIL (Backend::python).
+  explicit PythonWork(py::object work)
+      : work_(work.cast<WorkPtr>()), on_stream_(work.attr("on_stream").cast<bool>()), object_(std::move(work)) {}
   ~PythonWork() override { drop(object_); }
   bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
@@ -96,13 +98,11 @@ class PythonWork : public Work {
     return object_.attr("source_rank")().cast<int>();
   }
   // Ordered by a CUDA stream, as a native CUDA all-reduce is: nothing for one to wait behind.
-  bool on_stream() const {
-    py::gil_scoped_acquire gil;
-    return object_.attr("on_stream").cast<bool>();
-  }
+  bool on_stream() const { return on_stream_; }
 
  private:
   WorkPtr work_;
+  bool on_stream_;
   py::object object_;
 };
 

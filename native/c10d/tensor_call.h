@@ -63,10 +63,7 @@ class TensorCall {
   // (a tensor subclass, or no tensor).
   py::object accepts(py::handle tensor, std::int64_t max_bytes) const {
     if (!THPVariable_CheckExact(tensor.ptr())) return py::none();
-    const at::Tensor& in = THPVariable_Unpack(tensor.ptr());
-    const std::size_t nbytes = in.numel() * in.element_size();
-    const bool yes = takes(in) && (max_bytes < 0 || nbytes <= std::size_t(max_bytes)) && api_->accepts(address_, nbytes);
-    return py::bool_(yes);
+    return py::bool_(admits(THPVariable_Unpack(tensor.ptr()), max_bytes));
   }
 
   // An engine slot's call: as operator() with no `out`, and None (nothing run) for what accepts()
@@ -81,11 +78,7 @@ class TensorCall {
       return py::none();
     }
     const at::Tensor& in = THPVariable_Unpack(tensor.ptr());
-    if (!takes(in)) return py::none();
-    if (decline) {
-      const std::size_t nbytes = in.numel() * in.element_size();
-      if ((max_bytes >= 0 && nbytes > std::size_t(max_bytes)) || !api_->accepts(address_, nbytes)) return py::none();
-    }
+    if (decline ? !admits(in, max_bytes) : !takes(in)) return py::none();
     at::Tensor output;
     if (out.is_none()) {
       output = at::empty(in.sizes(), in.options());
@@ -112,6 +105,13 @@ class TensorCall {
                                       : py::reinterpret_borrow<py::object>(out);
     if (outcome == lane::kDone) return result;
     return py::make_tuple(outcome, result, sampled != 0, kind, std::string(message));
+  }
+
+  // accepts()' answer: a tensor this group reduces, of at most `max_bytes` (-1: any), of a size the
+  // table gives a path the lane runs.
+  bool admits(const at::Tensor& tensor, std::int64_t max_bytes) const {
+    const std::size_t nbytes = tensor.numel() * tensor.element_size();
+    return takes(tensor) && (max_bytes < 0 || nbytes <= std::size_t(max_bytes)) && api_->accepts(address_, nbytes);
   }
 
   bool takes(const at::Tensor& tensor) const {
