@@ -32,7 +32,9 @@ def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: 
         os.dup2(stderr.fileno(), 2)
     torch.cuda.set_device(rank % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device())
-    step, check = _captured_step(rank, world_size, socket, port, how, device)
+    # The engine's objects are held while it replays, as an engine holds them: dropped, they would
+    # close and unmap the buffers the graph addresses.
+    step, check, _engine_objects = _captured_step(rank, world_size, socket, port, how, device)
     replays = stale = silent = 0
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -43,8 +45,8 @@ def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: 
             report.put(rank)
         if rank != 0:
             continue  # replays until killed or stopped
-        ok = fresh()
-        stale += not ok
+        wrong = fresh()
+        stale += bool(wrong)
         try:
             check()
         except nodecomm.NodecommError as error:
@@ -52,19 +54,29 @@ def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: 
             # next look (20 ms): under "exit" it ends this process meanwhile.
             time.sleep(3)
             return {"replays": replays, "stale": stale, "silent": silent, "error": (type(error).__name__, str(error))}
-        if not ok:
+        if wrong:
             silent += 1
-            os.write(2, f"silent stale output at replay {replays}\n".encode())
+            os.write(2, f"silent stale output at replay {replays}: {wrong}\n".encode())
     return {"replays": replays, "stale": stale, "silent": silent, "error": None}
 
 
 def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str, device: torch.device):
-    """(step(k): refill the inputs for replay k, replay, and return fresh(): whether every output
-    is replay k's result; check: the engine's comm.check())."""
+    """(step(k): refill the inputs for replay k, replay, and return fresh(): "" where every output
+    is replay k's result, else what differs; check: the engine's comm.check(); what the engine
+    holds while it replays: the objects whose buffers the graph addresses, which closing, or
+    dropping, would unmap under the replays)."""
     full = world_size * (world_size - 1) // 2  # the sum of the ranks' offsets
 
     def expected(k: int) -> float:
         return float(world_size * k + full)
+
+    def differs(name: str, got: torch.Tensor, want: torch.Tensor | float) -> str:
+        if bool((got == want).all()):
+            return ""
+        values = got.float().unique()[:4].tolist()
+        return (
+            f"{name} holds {values} where {want if isinstance(want, float) else want.flatten()[:4].tolist()} is due; "
+        )
 
     # 64K floats; 4K under vLLM, where the sizes the table gives NCCL go to the engine's own
     # all-reduce (gloo where ranks share a GPU, which no graph captures).
@@ -90,13 +102,13 @@ def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str,
             rows.fill_(k % 64 + rank)  # sums up to 2 * 63 + world_size: exact in bfloat16
             idx.fill_(10 * k + rank)
 
-        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
+        def fresh(k: int, outputs: list[torch.Tensor]) -> str:
             owned_idx = outputs[0]  # [owned rows, source, topk]: each source's candidates
             sources = torch.arange(world_size, device=device, dtype=torch.int32).view(1, -1, 1)
-            return bool(
-                (y == expected(k)).all()
-                and (summed.float() == expected(k % 64)).all()
-                and (owned_idx == 10 * k + sources).all()
+            return (
+                differs("the all-reduce", y, expected(k))
+                + differs("the fused norm's sum", summed.float(), expected(k % 64))
+                + differs("the top-k stage", owned_idx, (10 * k + sources).expand_as(owned_idx))
             )
 
         check = comm.check
@@ -113,8 +125,8 @@ def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str,
         def refill(k: int) -> None:
             x.fill_(k + rank)
 
-        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
-            return bool((x == expected(k)).all())
+        def fresh(k: int, outputs: list[torch.Tensor]) -> str:
+            return differs("the all-reduce", x, expected(k))
 
         check = nodecomm.distributed.communicator(None, device).check
     else:
@@ -130,8 +142,8 @@ def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str,
         def refill(k: int) -> None:
             x.fill_(k + rank)
 
-        def fresh(k: int, outputs: list[torch.Tensor]) -> bool:
-            return bool((outputs[0] == expected(k)).all())
+        def fresh(k: int, outputs: list[torch.Tensor]) -> str:
+            return differs("the all-reduce", outputs[0], expected(k))
 
         check = ca_comm.comm.check
 
@@ -157,4 +169,4 @@ def _captured_step(rank: int, world_size: int, socket: str, port: int, how: str,
         graph.replay()
         return lambda: fresh(k, outputs)
 
-    return step, check
+    return step, check, capture  # capture() holds the communicator, exchange or engine communicator
