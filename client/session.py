@@ -30,6 +30,10 @@ log = logging.getLogger("nodecomm.client")
 
 _BATCH = 32
 _FLUSH_SECONDS = 1.0
+# The most timings one message carries. The daemon ends a session whose message holds more than
+# 256 (service/timings.py); the native lanes hold up to 4,096 between flushes (a burst of native
+# calls that reach no Python), and what is past the newest of them is older than live tables need.
+_MAX_TIMINGS_PER_MESSAGE = 128
 # Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
 # bounded pace, and a rank that samples faster loses samples rather than memory.
 _MAX_QUEUED_BATCHES = 256
@@ -147,7 +151,8 @@ class Session:
             self.flush()
 
     def _take_batch(self) -> pb.SessionUp | None:
-        """The timings and counts not sent yet, as one message (None if there are none)."""
+        """The timings (the newest _MAX_TIMINGS_PER_MESSAGE) and counts not sent yet, as one message
+        (None if there are none)."""
         with self._batch_lock:
             self._last_flush = time.monotonic()
             counts = [
@@ -156,7 +161,7 @@ class Session:
             ]
             timings = [
                 pb.Timing(path=path, bytes=nbytes, seconds=seconds, wire=wire)
-                for path, wire, nbytes, seconds in self._counts.take_samples()
+                for path, wire, nbytes, seconds in self._counts.take_samples()[-_MAX_TIMINGS_PER_MESSAGE:]
             ]
         if not timings and not counts:
             return None

@@ -352,6 +352,23 @@ def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int)
         return exact
 
 
+def sample_backlog(rank: int, world_size: int, socket: str, calls: int) -> dict:
+    """`calls` native all-reduces with nothing between them that reaches Python (every call timed:
+    the daemon's timing_sample_period is 1, table switches off), then a wait past the session's
+    once-a-second flush of the backlog, then one more call: what it gave and the session's state."""
+    with nodecomm.connect("backlog", rank, world_size, socket=socket, timeout=30) as comm:
+        x = torch.ones(256)
+        for _ in range(calls):
+            comm.all_reduce(x, out=x)
+        time.sleep(2.5)
+        lost = comm._session.lost_reason
+        try:
+            last = comm.all_reduce(torch.ones(256)).tolist()[:2]
+        except nodecomm.NodecommError as error:
+            last = f"{type(error).__name__}: {error}"
+        return {"lost": lost, "last": last}
+
+
 def rank_device(rank: int, device: str) -> str:
     """The rank's device: the CPU, or (device "cuda") its GPU, shared where there is only one."""
     if device == "cpu":

@@ -100,3 +100,18 @@ def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switche
     assert moved and moved[0] < 2000, (results[0], daemon.log()[-3000:])
     assert f'"winner": "{faster}"' in daemon.log()
     assert results[0]["origin"].startswith("live timings of group 'converge', moved from: " + str(state))
+
+
+def test_a_backlog_of_native_timings_reaches_the_daemon_without_ending_the_session(make_daemon, spawn_ranks):
+    """2,000 timed native all-reduces with no Python call between them leave 2,000 samples held;
+    the session's next flush sends the newest 128, within the 256 a message may carry, and the
+    session lives on (a flush of all of them once ended it: "the daemon connection was lost")."""
+    daemon = make_daemon("--timing-sample-period", "1", "--table-switch-period", "1000000")
+    results = spawn_ranks(ranks.sample_backlog, 2, 2, daemon.socket, 2000, timeout=120).values()
+    assert results == {0: {"lost": None, "last": [2.0, 2.0]}, 1: {"lost": None, "last": [2.0, 2.0]}}, results
+    sampled = sum(
+        float(line.split()[-1])
+        for line in daemon.metrics_text().splitlines()
+        if line.startswith("nodecomm_sampled_operations_total{")
+    )
+    assert 2 * 128 <= sampled < 2 * 2000, sampled
