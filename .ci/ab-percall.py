@@ -1,5 +1,6 @@
 """Per-call host time of all-reduces at world 2, back to back (median of 5 runs), in one run.
-CPU: dist.all_reduce on the "nodecomm" group, comm.all_reduce in place, the native lane's call
+CPU: dist.all_reduce on the "nodecomm" group (synchronous, asynchronous and waited, and torch's
+functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
 on torch's "fake" backend, which moves nothing and returns a completed Work: torch.distributed's
 own cost per call, which every backend pays (CPU and CUDA alike).
@@ -36,10 +37,14 @@ def per_call_us(call, calls: int) -> float:
 
 
 def rows_for(x: torch.Tensor, comm, gloo, fake) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
     from nodecomm.client.dtypes import DTYPE_CODES
 
     rows = {
         "dist.all_reduce nodecomm": lambda: dist.all_reduce(x),
+        "async_op=True .wait()": lambda: dist.all_reduce(x, async_op=True).wait(),
+        "funcol.all_reduce waited": lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD)),
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
     }
     if fake is not None:

@@ -569,39 +569,57 @@ def bound_device() -> list[str]:
     return problems
 
 
-def workloads() -> list[str]:
+def workloads(device_kind: str = "cpu") -> list[str]:
     """DDP training and DTensor tensor parallelism (parallelize_module), once on the nodecomm group
-    and once on a gloo group of the same ranks, from the same seeds: the same bits."""
+    and once on a gloo group of the same ranks, from the same seeds: the same bits. On CUDA
+    (`device_kind` "cuda") DDP trains 20 steps with its default reduction and with each of
+    allreduce_hook and fp16_compress_hook registered: its buckets are asynchronous all-reduces,
+    which the C++ backend runs natively and chains the hooks' futures on."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.nn.parallel import DistributedDataParallel
 
+    cuda = device_kind == "cuda"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count()) if cuda else None
+    if cuda:
+        torch.cuda.set_device(device)
     dist.init_process_group("nodecomm")
     rank = dist.get_rank()
     groups = {"nodecomm": dist.distributed_c10d._get_default_group(), "gloo": dist.new_group(backend="gloo")}
+    hooks = {"default": None, "allreduce_hook": default_hooks.allreduce_hook}
+    if cuda:
+        hooks["fp16_compress_hook"] = default_hooks.fp16_compress_hook
 
     def model() -> torch.nn.Module:
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32))
+        return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 32)).to(device)
 
     def data(step: int) -> torch.Tensor:
-        return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank))
+        return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
 
     results: dict[str, list[torch.Tensor]] = {}
     for name, group in groups.items():
-        ddp = DistributedDataParallel(model(), process_group=group, bucket_cap_mb=0.01)
-        optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for step in range(3):
-            optimizer.zero_grad()
-            ddp(data(step)).square().mean().backward()
-            optimizer.step()
+        trained: list[torch.Tensor] = []
+        for hook in hooks.values():
+            ddp = DistributedDataParallel(
+                model(), process_group=group, bucket_cap_mb=0.01, device_ids=[device] if cuda else None
+            )
+            if hook is not None:
+                ddp.register_comm_hook(group, hook)
+            optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for step in range(20 if cuda else 3):
+                optimizer.zero_grad()
+                ddp(data(step)).square().mean().backward()
+                optimizer.step()
+            trained += [p.detach().cpu() for p in ddp.parameters()]
         tp = parallelize_module(
-            model(), DeviceMesh.from_group(group, "cpu"), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+            model(), DeviceMesh.from_group(group, device_kind), {"0": ColwiseParallel(), "2": RowwiseParallel()}
         )
         out = tp(data(7))
         out.square().mean().backward()
-        grads = [p.grad.full_tensor() for p in tp.parameters()]
-        results[name] = [p.detach().clone() for p in ddp.parameters()] + [out.detach().clone(), *grads]
+        grads = [p.grad.full_tensor().cpu() for p in tp.parameters()]
+        results[name] = [*trained, out.detach().cpu(), *grads]
     problems = [
         f"tensor {i}: nodecomm and gloo differ"
         for i, (a, b) in enumerate(zip(results["nodecomm"], results["gloo"], strict=True))
@@ -613,9 +631,13 @@ def workloads() -> list[str]:
 
 if __name__ == "__main__":
     mode = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    found = {"mixed": mixed_backends, "across": across_nodes, "device_id": bound_device, "workloads": workloads}.get(
-        mode, lambda: all_collectives(mode)
-    )()
+    found = {
+        "mixed": mixed_backends,
+        "across": across_nodes,
+        "device_id": bound_device,
+        "workloads": workloads,
+        "workloads-cuda": lambda: workloads("cuda"),
+    }.get(mode, lambda: all_collectives(mode))()
     daemon = [line for line in found if line.startswith("daemon ")]
     found = [line for line in found if not line.startswith("daemon ")][:20]
     report = json.dumps({"rank": int(os.environ["RANK"]), "problems": found, "daemon": daemon[0][7:] if daemon else ""})

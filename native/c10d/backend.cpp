@@ -2,11 +2,14 @@
 //
 // torch holds one Backend per device type it was named for ("nodecomm", "cpu:gloo,cuda:nodecomm").
 // An all-reduce SUM of one contiguous float32/float16/bfloat16 tensor runs through the rank's lane
-// with no Python (../lane_api.h: HostLane on the CPU; CudaLane on the tensor's current stream, for
-// a synchronous call): checks, path decision, collective, sample, count. Every other operation
+// with no Python (../lane_api.h: HostLane on the CPU; CudaLane on the tensor's current stream,
+// synchronous or not, an asynchronous one returning a StreamWork): checks, path decision,
+// collective, sample, count. Every other operation
 // goes to the Python process group this backend composes (nodecomm.distributed.process_group), by
 // its Python name, and comes back as that group's Work.
+#include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <c10/core/impl/VirtualGuardImpl.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 #include <pybind11/chrono.h>
@@ -16,6 +19,7 @@
 #include <chrono>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -63,6 +67,46 @@ class CompletedWork : public Work {
 
  private:
   std::vector<at::Tensor> result_;
+  std::once_flag made_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;
+};
+
+// An asynchronous CUDA operation enqueued on `stream`, as ProcessGroupNCCL's Work is seen by its
+// callers: an event recorded after it; wait() makes the caller's current stream wait on it (the
+// host does not), isCompleted() queries it, and getFuture() is a CUDA-aware future, completed on
+// the operation's stream, that DDP's comm hooks and then() callbacks can chain on. The event and
+// the device guard are reached through c10's device-generic interfaces: no CUDA library here.
+class StreamWork : public Work {
+ public:
+  StreamWork(std::vector<at::Tensor> result, OpType type, c10::Stream stream)
+      : Work(-1, type), result_(std::move(result)), stream_(stream), done_(stream.device_type()) {
+    done_.record(stream_);
+  }
+  bool isCompleted() override { return done_.query(); }
+  bool isSuccess() const override { return done_.query(); }
+  bool wait(std::chrono::milliseconds /*timeout: kernels give up by their own*/) override {
+    done_.block(c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device()));
+    return true;
+  }
+  void synchronize() override { done_.synchronize(); }
+  std::vector<at::Tensor> result() override { return result_; }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::call_once(made_, [this] {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::ofTensors(),
+                                                         std::vector<c10::Device>{stream_.device()});
+      // The future records its events on the current stream: make that the operation's.
+      const c10::impl::VirtualGuardImpl guard(stream_.device_type());
+      const c10::Stream previous = guard.exchangeStream(stream_);
+      future_->markCompleted(c10::IValue(result_));
+      guard.exchangeStream(previous);
+    });
+    return future_;
+  }
+
+ private:
+  std::vector<at::Tensor> result_;
+  c10::Stream stream_;
+  c10::Event done_;
   std::once_flag made_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -125,21 +169,23 @@ class Backend : public ::c10d::Backend {
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
       at::Tensor& tensor = tensors[0];
-      Lane* bound = lane_for(tensor, opts.asyncOp);
+      Lane* bound = lane_for(tensor);
       if (bound != nullptr) {
-        void* stream = tensor.is_cuda()
-                           ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()).native_handle()
-                           : nullptr;
+        const std::optional<c10::Stream> stream =
+            tensor.is_cuda() ? std::optional(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()))
+                             : std::nullopt;
         int sampled = 0, kind = 0;
         char message[1024];
         message[0] = '\0';
         const int outcome = bound->api->all_reduce(bound->address, tensor.data_ptr(), tensor.data_ptr(),
-                                                  tensor.numel(), dtype_code(tensor), 0, -1, stream, &sampled,
-                                                  &kind, message, sizeof message);
-        if (outcome != lane::kDone) {
+                                                  tensor.numel(), dtype_code(tensor), 0, -1,
+                                                  stream ? stream->native_handle() : nullptr, &sampled, &kind,
+                                                  message, sizeof message);
+        if (outcome != lane::kDone) {  // finished on the stream by Python (NCCL's Work is waited there)
           py::gil_scoped_acquire gil;
           bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
         }
+        if (stream && opts.asyncOp) return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream);
         return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
       }
     }
@@ -260,8 +306,8 @@ class Backend : public ::c10d::Backend {
 
   // The lane that runs this all-reduce natively, or null: the Python group takes it. A CPU call
   // waits for nothing the Python group runs in the background (the ranks' calls keep one order);
-  // a CUDA one is ordered by its stream, and an asynchronous one needs the Python group's Work.
-  Lane* lane_for(const at::Tensor& tensor, bool async) {
+  // a CUDA one is ordered by its stream.
+  Lane* lane_for(const at::Tensor& tensor) {
     if (dtype_code(tensor) == 0 || tensor.layout() != at::kStrided || !tensor.is_contiguous() || tensor.numel() == 0)
       return nullptr;
     if (tensor.is_cpu()) {
@@ -272,7 +318,7 @@ class Backend : public ::c10d::Backend {
       }
       return &cpu_;
     }
-    if (tensor.is_cuda() && !async && cuda_.api != nullptr && cuda_.device == tensor.device().index()) return &cuda_;
+    if (tensor.is_cuda() && cuda_.api != nullptr && cuda_.device == tensor.device().index()) return &cuda_;
     return nullptr;
   }
 
