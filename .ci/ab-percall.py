@@ -10,7 +10,8 @@ the stream lookups, an event record (what the bench adds per call) and one torch
 than a call's GPU time shows that. Start one process per rank:
     python .ci/ab-percall.py RANK WORLD STORE_FILE [cpu|cuda]   (rank 0 prints "call bytes us")
 NC_BEFORE=1 with an earlier tree's install first on PYTHONPATH runs that tree (the editable
-install's finder is dropped so that it cannot shadow it), without the rows it lacks."""
+install's finder is dropped so that it cannot shadow it), without the rows it lacks. NC_QUICK=1
+makes a quarter of the calls."""
 
 import os
 import statistics
@@ -71,8 +72,7 @@ def main() -> None:
     store = dist.FileStore(store_path, world)
     if cuda:
         torch.cuda.set_device(device)
-    # device_id= needs the C++ backend, which trees from before it lack
-    bound = {"device_id": device} if cuda and not os.environ.get("NC_BEFORE") else {}
+    bound = {"device_id": device} if cuda else {}
     dist.init_process_group("nodecomm", rank=rank, world_size=world, store=store, **bound)
     gloo = dist.new_group(backend="gloo")
     try:  # the same on every rank: a torch whose fake backend cannot serve here skips the row
@@ -83,10 +83,11 @@ def main() -> None:
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)
     comm = nodecomm.distributed.communicator(device=device)
+    scale = 4 if os.environ.get("NC_QUICK") else 1  # a quarter of the calls, for a short device call
     for nbytes in (1024, 16384, 262144):
         x = torch.ones(nbytes // 4, device=device)
         for name, call in rows_for(x, comm, gloo, fake).items():
-            calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1)
+            calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale
             call()
             runs = [per_call_us(call, calls) for _ in range(5)]
             if cuda:
