@@ -252,7 +252,7 @@ class Communicator:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
         if outcome in (_SERVICE_DECIDED, _NCCL_DECIDED):  # the all-reduce runs there, the norm here
-            self.all_reduce(x, out=out, path=PATHS[taken].value)
+            self.all_reduce(x, out=out, path=self._daemonless(PATHS[taken]).value)
             self._transport.add_rms_norm(out, residual, weight, float(eps), out, residual_out)
         return out, residual_out
 
@@ -269,6 +269,9 @@ class Communicator:
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
         capturing = self._transport.capturing()
         nbytes = tensor.nbytes
+        if outcome == _SERVICE_DECIDED and self._session.lost_reason is not None:
+            done = self.all_reduce(tensor, out=out, path=self._daemonless(Path.SERVICE).value)
+            return ServiceWork.completed(done) if async_op else done
         if outcome == _SERVICE_DECIDED:
             work = self._submitted(self._service.all_reduce, tensor, out)
         elif outcome == _NCCL_DECIDED:
@@ -283,6 +286,14 @@ class Communicator:
         self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()
+
+    def _daemonless(self, path: Path) -> Path:
+        """The path a call the table gives `path` takes: the same, unless it is the service path
+        and the daemon that runs it is gone, where a peer path of the same bits takes it (twoshot:
+        the service path's sizes are large)."""
+        if path is not Path.SERVICE or self._session.lost_reason is None:
+            return path
+        return Path.TWOSHOT if Path.TWOSHOT in self._transport.paths else Path.ONESHOT
 
     def _lane_error(self, error: NodecommError) -> NodecommError:
         """A lane's error, located; a CUDA group that a mismatch stopped says what every rank called."""
@@ -342,6 +353,12 @@ class Communicator:
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:
             self._check_usable()
+            if self._session.lost_reason is not None:
+                raise DaemonUnavailableError(
+                    f"{self._session.lost_reason}: the service path needs the daemon (this group's peer paths "
+                    "run on without it)",
+                    **self.membership.where,
+                )
             try:
                 return submit(*args)
             except NodecommError as error:
@@ -534,12 +551,6 @@ class Communicator:
         kernels never ran it)."""
         if self._closed:
             raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
-        if self._session.lost_reason is not None:
-            raise DaemonUnavailableError(
-                f"{self._session.lost_reason}; close this communicator and connect again",
-                group=self.group,
-                rank=self.rank,
-            )
         reason, detail = _native.abort_state(self._control.address)
         if reason == _native.AbortReason.MISMATCH and call_follows:
             return

@@ -125,10 +125,12 @@ class Session:
                 self.lost_reason = f"the daemon's session message could not be read: {error!r}"
         finally:
             if not self._closing and self.refusal is None:
-                _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
-                # The message names everything: under Python's default logging only it is printed.
+                # The group runs on: its ranks hold its memory, and its peer paths need no daemon.
+                # A daemon that wants a group gone aborts it (its abort word) before it ends a
+                # session. The message names everything: under Python's default logging only it is printed.
                 log.warning(
-                    f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}",
+                    f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}; the group "
+                    "runs on without the daemon (peer paths; no service path, table moves or timings)",
                     extra={"group": self._group, "rank": self._rank, "reason": self.lost_reason},
                 )
             self._ready.set()
@@ -174,9 +176,9 @@ class Session:
             self.flush()
 
     def flush(self) -> None:
-        """Send the timings and counts not sent yet."""
+        """Send the timings and counts not sent yet (dropped once the daemon is gone)."""
         batch = self._take_batch()
-        if batch is None:
+        if batch is None or self.lost_reason is not None:
             return
         if self._outbox.qsize() >= _MAX_QUEUED_BATCHES:
             if not self._dropping:

@@ -163,6 +163,9 @@ class DaemonConfig:
     timing_rate_per_caller: int = 16000
     max_topk_exchanges_per_group: int = 32
     drain_grace_seconds: float = 5.0
+    # On SIGTERM/SIGINT: leave the running groups to their ranks (False: a restart or an upgrade
+    # costs them nothing), or abort every group first (True: an operator who wants them gone).
+    drain_on_stop: bool = False
     # The service path: collectives a group may have queued past the next one to run (a submit
     # beyond gets RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
     service_queue_depth: int = 64
@@ -359,6 +362,7 @@ HELP = {
     "max_ranks_per_group": "largest world size a Join may ask for",
     "max_bytes_per_gpu": "buffers one GPU may hold",
     "drain_grace_seconds": "on SIGTERM, how long running calls get before the server stops",
+    "drain_on_stop": "on SIGTERM, abort every group first (false: running groups go on without the daemon)",
     "service_queue_depth": "service-path collectives a group may queue",
     "service_threads": "threads that run every group's service-path collectives",
     "allow_shared_devices": "let the ranks of one CUDA group share a GPU (development)",

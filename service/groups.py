@@ -84,6 +84,7 @@ class GroupRegistry:
         self.quotas = Quotas(config, self._groups)
         self.topk_openings = TopkOpenings(config, metrics, claims, self.quotas)
         self._draining = False
+        self._stopping = False  # stop(): sessions end, groups run on
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
         self.timings = TimingIntake(config, metrics, self.tables)
         self.peer_checks = PeerChecks(metrics, self.tables)
@@ -336,6 +337,8 @@ class GroupRegistry:
             return
         member = group.members[rank]
         member.session = None
+        if self._stopping:
+            return  # this daemon ended the session; the group runs on without it
         if not member.left and not member.lost:
             member.lost = True
             self._abort(group, _native.AbortReason.PEER_LOST, rank, f"rank {rank}'s session ended without Leave")
@@ -472,6 +475,19 @@ class GroupRegistry:
         for key, forming in list(self._forming.items()):
             if forming.failure is not None and now - forming.failed_at > self.config.join_timeout_seconds:
                 del self._forming[key]
+
+    def stop(self) -> None:
+        """Refuse new joins and end every session, leaving every group running: its ranks hold its
+        memory and run its peer paths without a daemon (a restart or an upgrade costs them no call)."""
+        self._draining = self._stopping = True
+        for forming in list(self._forming.values()):
+            self._fail_forming(forming, DaemonUnavailableError("the daemon is stopping", group=forming.name))
+        self._forming.clear()
+        for group in self._groups.values():
+            for member in group.members.values():
+                if member.session is not None:
+                    member.session.put_nowait(None)  # ends the stream
+                    member.session = None
 
     def drain(self) -> None:
         """Refuse new joins, tell every rank, abort every group, end every session."""

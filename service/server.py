@@ -1,5 +1,6 @@
 """nodecommd: the gRPC control plane over the GroupRegistry, the descriptor socket, /metrics, and
-a graceful drain on SIGTERM/SIGINT (health NOT_SERVING, refuse joins, tell ranks, free, exit 0)."""
+a graceful stop on SIGTERM/SIGINT (health NOT_SERVING, refuse joins, end the sessions, exit 0),
+leaving running groups to their ranks, or with drain_on_stop a drain (abort every group first)."""
 
 from __future__ import annotations
 
@@ -581,9 +582,13 @@ async def serve(config: DaemonConfig) -> int:
     if probe is not None:
         probe.cancel()
 
-    log.info("draining")
     await health_servicer.enter_graceful_shutdown()
-    registry.drain()
+    if config.drain_on_stop:
+        log.info("draining")
+        registry.drain()
+    else:
+        log.info("stopping: running groups go on without this daemon")
+        registry.stop()
     await server.stop(config.drain_grace_seconds)
     await gate.close()
     sweeper.cancel()

@@ -177,11 +177,9 @@ def survive_daemon_restart(rank: int, world_size: int, socket: str, commands, re
     report.put(("connected", rank))
     assert commands.get(timeout=60) == "daemon restarted"
     try:
-        comm.all_reduce(torch.ones(8))
-        outcome["after_restart"] = "no error"
+        outcome["after_restart"] = comm.all_reduce(torch.full((8,), float(rank + 2))).tolist()
     except nodecomm.NodecommError as error:
-        outcome["after_restart"] = type(error).__name__
-        outcome["message"] = str(error)
+        outcome["after_restart"] = f"{type(error).__name__}: {error}"
     comm.close()
     with nodecomm.connect("restart", rank, world_size, socket=socket, timeout=30) as again:
         outcome["reconnected"] = again.all_reduce(torch.full((8,), float(rank + 1))).tolist()
@@ -394,17 +392,16 @@ def hold_group_for_metrics(rank: int, world_size: int, socket: str, report, comm
     return seen
 
 
-def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -> str:
-    """Connect, tell the test, wait until it has killed the daemon, then see the call fail."""
+def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -> list[float] | str:
+    """Connect, tell the test, wait until it has killed the daemon, then call again: its result."""
     with nodecomm.connect("lost", rank, world_size, socket=socket, timeout=30) as comm:
         report.put("connected")
         commands.get(timeout=60)
         time.sleep(0.5)  # the session thread notices the closed stream
         try:
-            comm.all_reduce(torch.ones(4))
+            return comm.all_reduce(torch.ones(4)).tolist()
         except nodecomm.NodecommError as error:
-            return type(error).__name__
-    return "no error"
+            return f"{type(error).__name__}: {error}"
 
 
 def disagree(rank: int, world_size: int, socket: str) -> dict:

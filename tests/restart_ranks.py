@@ -1,0 +1,120 @@
+"""Rank programs that keep calling while the test stops, kills and restarts their daemon
+(tests/test_daemon_restart.py): every result checked exactly, every failure counted."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+
+import torch
+import torch.distributed as dist
+
+import nodecomm
+import nodecomm.distributed  # registers the "nodecomm" backend
+
+ROWS, TOPK = 8, 4
+
+
+def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, report, commands) -> dict:
+    """Call in a loop until the test says "stop": through `api` "connect" an all-reduce, an
+    all-gather and a top-k stage per step, through "dist" (init_process_group("nodecomm")) a
+    dist.all_reduce and a dist.all_gather_single, each step's inputs new and its outputs
+    checked bit for bit. Then leave, and form a new group on the daemon serving now. Returns the
+    steps, the failed and the wrong ones (the first few errors), the longest pause between two
+    steps' ends (ms), the new group's sum and whether leaving raised. `commands`: every rank's
+    queue."""
+    commands = commands[rank]
+    step, failed, wrong, errors, longest = 0, 0, 0, [], 0.0
+    full = world_size * (world_size - 1) // 2
+    if api == "connect":
+        comm = nodecomm.connect("ride", rank, world_size, socket=socket, timeout=60, operation_timeout=20)
+        exchange = comm.topk_exchange(ROWS, TOPK)
+
+        def one_step(k: int, leaving: bool) -> tuple[bool, bool]:
+            summed = comm.all_reduce(_values(k + rank, leaving))
+            gathered = comm.all_gather(torch.tensor([10 * k + rank], dtype=torch.int64))
+            owned_idx, _ = exchange.stage(
+                torch.full((ROWS, TOPK), 10 * k + rank, dtype=torch.int32), torch.zeros((ROWS, TOPK))
+            )
+            sources = torch.arange(world_size, dtype=torch.int32).view(1, -1, 1)
+            return (
+                bool((summed[:-1] == world_size * k + full).all())
+                and gathered.flatten().tolist() == [10 * k + r for r in range(world_size)]
+                and bool((owned_idx == 10 * k + sources).all())
+            ), bool(summed[-1] > 0)
+    else:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
+        dist.init_process_group("nodecomm")
+
+        def one_step(k: int, leaving: bool) -> tuple[bool, bool]:
+            x = _values(k + rank, leaving)
+            dist.all_reduce(x)
+            gathered = torch.empty(world_size, dtype=torch.int64)
+            dist.all_gather_single(gathered, torch.tensor([10 * k + rank], dtype=torch.int64))
+            exact = bool((x[:-1] == world_size * k + full).all())
+            return exact and gathered.tolist() == [10 * k + r for r in range(world_size)], bool(x[-1] > 0)
+
+    one_step(0, False)
+    report.put(("running", rank))
+    last = time.monotonic()
+    leaving = stop = False
+    while not stop:  # every rank stops after the same step: the one whose sum says a rank asked to
+        step += 1
+        try:
+            exact, stop = one_step(step, leaving)
+            wrong += not exact
+        except nodecomm.NodecommError as error:
+            failed += 1
+            errors.append(f"{type(error).__name__}: {error}")
+            if failed >= 3:
+                break
+        now = time.monotonic()
+        longest, last = max(longest, now - last), now
+        try:
+            leaving = leaving or commands.get_nowait() == "stop"
+        except queue.Empty:
+            pass
+    left = "ok"
+    try:
+        if api == "connect":
+            comm.close()
+        else:
+            dist.destroy_process_group()
+    except Exception as error:  # what leaving a group whose daemon is gone raised
+        left = f"{type(error).__name__}: {error}"
+    with nodecomm.connect("after", rank, world_size, socket=socket, timeout=60) as again:
+        after = again.all_reduce(torch.full((4,), float(rank + 1))).tolist()
+    return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
+            "after": after, "left": left}  # fmt: skip
+
+
+def _values(value: int, leaving: bool) -> torch.Tensor:
+    """A step's all-reduce input: 4096 of `value`, then 1 where this rank asks every rank to stop."""
+    x = torch.full((4097,), float(value))
+    x[-1] = float(leaving)
+    return x
+
+
+def die_while_no_daemon(rank: int, world_size: int, socket: str, report, commands) -> tuple[str, str, float] | None:
+    """All-reduce until told the daemon is gone; then rank 1 dies (the test kills it) and rank 0
+    calls on: the error its next call raises and how long after the death it came. `commands`:
+    every rank's queue."""
+    commands = commands[rank]
+    with nodecomm.connect("orphan", rank, world_size, socket=socket, timeout=60, operation_timeout=2) as comm:
+        comm.all_reduce(torch.ones(8))
+        report.put(("running", rank))
+        assert commands.get(timeout=60) == "daemon gone"
+        comm.all_reduce(torch.ones(8))  # still served, by the peers alone
+        report.put(("served", rank))
+        if rank != 0:
+            time.sleep(120)  # killed
+            return None
+        assert commands.get(timeout=60) == "peer killed"
+        killed = time.monotonic()
+        try:
+            while True:
+                comm.all_reduce(torch.ones(8))
+        except nodecomm.NodecommError as error:
+            return type(error).__name__, str(error), time.monotonic() - killed
