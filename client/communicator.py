@@ -534,7 +534,7 @@ class Communicator:
 
     def check(self) -> None:
         """Raise what this communicator's next call would raise: the group aborted (a peer lost or
-        left, a mismatch, a timeout, the daemon gone) or the communicator closed; return if it is
+        left, a mismatch, a timeout, a drain of the daemon) or the communicator closed; return if it is
         usable. Cheap: it reads the group's control page in this process, with no device
         synchronisation and no call to the daemon. An engine that replays captured graphs and
         keeps its process under the "log" policy (nodecomm.captured_abort) calls it after a step:
