@@ -104,7 +104,9 @@ class Communicator:
         self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        self._session = Session(self._stub, membership, control.address, self._dispatch, self._metadata)
+        self._session = Session(
+            self._stub, membership, control.address, self._dispatch, self._metadata, self._needs_daemon
+        )
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
@@ -252,7 +254,7 @@ class Communicator:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
         if outcome in (_SERVICE_DECIDED, _NCCL_DECIDED):  # the all-reduce runs there, the norm here
-            self.all_reduce(x, out=out, path=self._daemonless(PATHS[taken]).value)
+            self.all_reduce(x, out=out, path=PATHS[taken].value)
             self._transport.add_rms_norm(out, residual, weight, float(eps), out, residual_out)
         return out, residual_out
 
@@ -269,9 +271,6 @@ class Communicator:
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
         capturing = self._transport.capturing()
         nbytes = tensor.nbytes
-        if outcome == _SERVICE_DECIDED and self._session.lost_reason is not None:
-            done = self.all_reduce(tensor, out=out, path=self._daemonless(Path.SERVICE).value)
-            return ServiceWork.completed(done) if async_op else done
         if outcome == _SERVICE_DECIDED:
             work = self._submitted(self._service.all_reduce, tensor, out)
         elif outcome == _NCCL_DECIDED:
@@ -287,13 +286,15 @@ class Communicator:
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()
 
-    def _daemonless(self, path: Path) -> Path:
-        """The path a call the table gives `path` takes: the same, unless it is the service path
-        and the daemon that runs it is gone, where a peer path of the same bits takes it (twoshot:
-        the service path's sizes are large)."""
-        if path is not Path.SERVICE or self._session.lost_reason is None:
-            return path
-        return Path.TWOSHOT if Path.TWOSHOT in self._transport.paths else Path.ONESHOT
+    def _needs_daemon(self) -> str | None:
+        """Why this group cannot run on once its daemon is gone (None: it can). Every rank answers
+        alike where the ranks hold one table; one that aborts aborts them all."""
+        if not self._transport.memory_outlives_daemon:
+            return "its buffers are legacy CUDA IPC memory, which the daemon's exit frees"
+        if Path.SERVICE in self._dispatcher.table.range_paths:
+            # A rank that learned of the loss later would send a call the daemon ran to its peers.
+            return "its table sends sizes to the service path, which the daemon runs"
+        return None
 
     def _lane_error(self, error: NodecommError) -> NodecommError:
         """A lane's error, located; a CUDA group that a mismatch stopped says what every rank called."""

@@ -19,7 +19,7 @@ from nodecomm.errors import GroupMismatchError
 from nodecomm.thresholds import PEER_PATHS, Path, Wire
 
 from .dtypes import DTYPE_CODES
-from .mapping import SegmentMapping
+from .mapping import MappedFrom, SegmentMapping
 from .transport import rms_norm_arguments
 
 _RECORDS_WAIT_SECONDS = 0.5
@@ -66,6 +66,9 @@ class CudaTransport:
         self.wire_paths = capabilities.wire_paths
         self.paths = capabilities.paths | ({Path.NCCL} if nccl_group else set())
         self._buffers = buffers
+        # VMM allocations live while any process holds a handle; legacy IPC memory is the daemon's
+        # cudaMalloc, freed when it exits.
+        self.memory_outlives_daemon = all(b.source is not MappedFrom.IPC_HANDLE for b in buffers)
         self._control = control
         self._nccl_group = nccl_group
         self.group = _native.CudaGroup(

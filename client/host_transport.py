@@ -16,6 +16,7 @@ class HostTransport:
     kind = DeviceKind.CPU
     paths = CAPABILITIES[DeviceKind.CPU].paths
     wire_paths = CAPABILITIES[DeviceKind.CPU].wire_paths
+    memory_outlives_daemon = True  # memfds: mapped, they live on
 
     def __init__(
         self, rank: int, world_size: int, buffers: list[SegmentMapping], control: SegmentMapping, capacity_bytes: int

@@ -2,9 +2,11 @@
 
 Down the stream come group events and new tables (kept as offers until the ranks agree to
 switch); up go batches of sampled timings and operation counts. If the stream breaks after
-the daemon accepted it while the communicator is open, the daemon is gone: the session sets the
-group's abort word (so peers spinning in a barrier stop too) and the communicator's next call
-raises DaemonUnavailableError. A stream the daemon refuses at the start keeps its status.
+the daemon accepted it while the communicator is open, the daemon is gone: the group runs on
+without it on its peer paths, unless it needs the daemon (legacy CUDA IPC buffers, a table with a
+service range), when the session sets the group's abort word (so peers spinning in a barrier stop
+too) and the next call raises DaemonUnavailableError. A stream the daemon refuses at the start
+keeps its status.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -47,6 +49,7 @@ class Session:
         control_address: int,
         counts: _native.Dispatch,
         metadata: tuple[tuple[str, bytes], ...] = (),
+        needs_daemon: Callable[[], str | None] = lambda: None,
     ):
         self._group = membership.group
         self._stub = stub
@@ -54,6 +57,8 @@ class Session:
         self._rank = membership.rank
         self._control = control_address
         self._metadata = metadata
+        # Why the group cannot run on without its daemon, when the session is lost (None: it can).
+        self._needs_daemon = needs_daemon
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         # Operations per (op, path, wire) and sampled timings, kept natively by every call.
         self._counts = counts
@@ -125,12 +130,20 @@ class Session:
                 self.lost_reason = f"the daemon's session message could not be read: {error!r}"
         finally:
             if not self._closing and self.refusal is None:
-                # The group runs on: its ranks hold its memory, and its peer paths need no daemon.
-                # A daemon that wants a group gone aborts it (its abort word) before it ends a
-                # session. The message names everything: under Python's default logging only it is printed.
+                # The group runs on where it can: its ranks hold its memory, and its peer paths need
+                # no daemon. A daemon that wants a group gone aborts it (its abort word) before it
+                # ends a session. Where it cannot, this rank aborts it, for every rank (the word is
+                # shared). The message names everything: under Python's default logging only it is printed.
+                why = self._needs_daemon()
+                if why is not None:
+                    _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
+                    outcome = f"the group is aborted: {why}"
+                else:
+                    outcome = (
+                        "the group runs on without the daemon (peer paths; no service path, table moves or timings)"
+                    )
                 log.warning(
-                    f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}; the group "
-                    "runs on without the daemon (peer paths; no service path, table moves or timings)",
+                    f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}; {outcome}",
                     extra={"group": self._group, "rank": self._rank, "reason": self.lost_reason},
                 )
             self._ready.set()

@@ -22,6 +22,7 @@ class Transport(Protocol):
     device: torch.device
     paths: frozenset[Path]  # what the dispatch may pick: the kind's (nodecomm.capabilities), NCCL where given
     wire_paths: frozenset[Path]  # those of them that carry compressed wires
+    memory_outlives_daemon: bool  # the group's buffers live while this rank maps them, daemon or not
 
     def lane(self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock) -> object:
         """The native all-reduce call on this group (native/lane_api.h)."""

@@ -483,11 +483,14 @@ class GroupRegistry:
         for forming in list(self._forming.values()):
             self._fail_forming(forming, DaemonUnavailableError("the daemon is stopping", group=forming.name))
         self._forming.clear()
-        for group in self._groups.values():
+        for group in list(self._groups.values()):
+            if group.memory.memory_kind == pb.CUDA_IPC_LEGACY:  # this process's cudaMalloc: it goes with it
+                self._abort(group, _native.AbortReason.SHUTDOWN, 0, "the daemon is stopping and its memory with it")
             for member in group.members.values():
                 if member.session is not None:
                     member.session.put_nowait(None)  # ends the stream
                     member.session = None
+        self._update_gauges()
 
     def drain(self) -> None:
         """Refuse new joins, tell every rank, abort every group, end every session."""

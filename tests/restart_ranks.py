@@ -22,8 +22,8 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
     dist.all_reduce and a dist.all_gather_single, each step's inputs new and its outputs
     checked bit for bit. Then leave, and form a new group on the daemon serving now. Returns the
     steps, the failed and the wrong ones (the first few errors), the longest pause between two
-    steps' ends (ms), the new group's sum and whether leaving raised. `commands`: every rank's
-    queue."""
+    steps' ends (ms), the new group's sum, whether leaving raised and (through connect) whether
+    the session saw its daemon go. `commands`: every rank's queue."""
     commands = commands[rank]
     step, failed, wrong, errors, longest = 0, 0, 0, [], 0.0
     full = world_size * (world_size - 1) // 2
@@ -76,6 +76,8 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
             leaving = leaving or commands.get_nowait() == "stop"
         except queue.Empty:
             pass
+    # Whether this rank's session saw its daemon go (dist's communicators hold theirs inside).
+    lost = comm._session.lost_reason is not None if api == "connect" else None
     left = "ok"
     try:
         if api == "connect":
@@ -87,7 +89,7 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
     with nodecomm.connect("after", rank, world_size, socket=socket, timeout=60) as again:
         after = again.all_reduce(torch.full((4,), float(rank + 1))).tolist()
     return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
-            "after": after, "left": left}  # fmt: skip
+            "after": after, "left": left, "lost": lost}  # fmt: skip
 
 
 def _values(value: int, leaving: bool) -> torch.Tensor:
@@ -118,3 +120,18 @@ def die_while_no_daemon(rank: int, world_size: int, socket: str, report, command
                 comm.all_reduce(torch.ones(8))
         except nodecomm.NodecommError as error:
             return type(error).__name__, str(error), time.monotonic() - killed
+
+
+def lose_the_daemon_with(rank: int, world_size: int, socket: str, thresholds: dict, report, commands) -> list | str:
+    """Join with `thresholds` (a service range: a group that needs its daemon), wait until the test
+    has killed the daemon, then all-reduce a small tensor: its result or error. `commands`: every
+    rank's queue."""
+    with nodecomm.connect("needs", rank, world_size, socket=socket, timeout=60, thresholds=thresholds) as comm:
+        comm.all_reduce(torch.ones(4))
+        report.put(("running", rank))
+        assert commands[rank].get(timeout=60) == "daemon gone"
+        time.sleep(0.5)  # the session thread notices the closed stream
+        try:
+            return comm.all_reduce(torch.ones(4)).tolist()
+        except nodecomm.NodecommError as error:
+            return f"{type(error).__name__}: {error}"

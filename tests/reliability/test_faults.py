@@ -1,7 +1,7 @@
 """Faults: a rank stopped or killed at each stage of a group's life, a daemon killed under active
-groups, a claim token never used, an allocation that fails half-way. Every surviving rank gets an
-error that names what happened within its timeout, the daemon keeps serving, and the name forms
-again."""
+groups (those on peer paths run on), a claim token never used, an allocation that fails half-way.
+Every surviving rank gets an error that names what happened within its timeout, the daemon keeps
+serving, and the name forms again."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import grpc
 import pytest
 
 import nodecomm
-from conftest import Daemon, join_request, stub_for
+import restart_ranks
+from conftest import Daemon, free_port, join_request, stub_for
 from nodecomm.errors import ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
 from waiting import wait_until
@@ -185,29 +186,36 @@ def test_a_service_allocation_short_of_descriptors_leaves_nothing(tmp_path):
 
 
 def test_the_daemon_killed_under_active_groups(tmp_path, spawn_ranks):
+    """A group calling on peer paths runs on without a call lost; a service-path call (which
+    needs the daemon) fails within its timeout; both names form again on the next daemon."""
     daemon = Daemon(tmp_path, list(DAEMON_ARGS)).start()
     try:
         context = mp.get_context("spawn")
         report, signalled = context.Queue(), context.Queue()
-        groups = [
-            spawn_ranks(fault_ranks.work_until_error, 2, 2, daemon.socket, f"dk-{stage}", stage, report, signalled)
-            for stage in ("collective", "service")
-        ]
-        assert len({report.get(timeout=90) for _ in range(4)}) == 2  # (ready, 0) and (ready, 1), twice
+        commands = [context.Queue() for _ in range(2)]
+        service = spawn_ranks(
+            fault_ranks.work_until_error, 2, 2, daemon.socket, "dk-service", "service", report, signalled
+        )  # fmt: skip
+        collective = spawn_ranks(
+            restart_ranks.ride_through, 2, 2, daemon.socket, free_port(), "connect", report, commands, timeout=180
+        )  # fmt: skip
+        assert len({report.get(timeout=90) for _ in range(4)}) == 4  # ready and running, of ranks 0 and 1
         time.sleep(0.3)
         daemon.stop(signal.SIGKILL)
-        for _ in range(4):
+        for _ in range(2):
             signalled.put(time.time())
-        for ranks in groups:
-            for name, message, waited in ranks.values().values():
-                assert name in ("DaemonUnavailableError", "PeerLostError"), (name, message)
-                assert waited < OPERATION_TIMEOUT + 15.0, (waited, message)
+        for name, message, waited in service.values().values():
+            assert name in ("DaemonUnavailableError", "PeerLostError"), (name, message)
+            assert waited < OPERATION_TIMEOUT + 15.0, (waited, message)
         daemon.start()
-        for stage in ("collective", "service"):
-            assert spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, f"dk-{stage}", timeout=120).values() == {
-                0: 3.0,
-                1: 3.0,
-            }
+        for queue in commands:
+            queue.put("stop")
+        for outcome in collective.values().values():
+            assert outcome["failed"] == 0 and outcome["wrong"] == 0 and outcome["after"] == [3.0] * 4, outcome
+        assert spawn_ranks(fault_ranks.reform, 2, 2, daemon.socket, "dk-service", timeout=120).values() == {
+            0: 3.0,
+            1: 3.0,
+        }
     finally:
         daemon.stop(signal.SIGKILL)
     _survived("daemon killed under active groups")
