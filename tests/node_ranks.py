@@ -124,6 +124,36 @@ def live_table_across_nodes(rank: int, world_size: int, sockets: list[str], port
     return {"tables": tables, "digest": digest.hexdigest()}
 
 
+def reduce_through(rank: int, world_size: int, sockets: list[str], port: int, count: int, report, commands) -> dict:
+    """All-reduce in a loop, each sum checked, until a rank is told "stop" (every rank stops after
+    the same call: the one whose sum says a rank asked to); rank 0 says when 20 calls are done.
+    Returns the calls, the failed and the wrong ones, and the first error. `commands`: every
+    rank's queue."""
+    store = _store(port)
+    calls, failed, wrong, first = 0, 0, 0, None
+    with nodecomm.connect_across_nodes(
+        "riding", rank, world_size, store=store, socket=sockets[rank], timeout=60
+    ) as comm:
+        leaving = False
+        while True:
+            calls += 1
+            x = torch.ones(count)
+            x[-1] = float(leaving)
+            try:
+                summed = comm.all_reduce(x)
+            except nodecomm.NodecommError as error:
+                failed, first = failed + 1, f"{type(error).__name__}: {error}"
+                break
+            wrong += not bool((summed[:-1] == world_size).all())
+            if summed[-1] > 0:
+                break
+            if calls == 20 and rank == 0:
+                report.put(rank)
+            if not leaving and not commands[rank].empty():
+                leaving = commands[rank].get() == "stop"
+    return {"calls": calls, "failed": failed, "wrong": wrong, "error": first}
+
+
 def reduce_until_error(rank: int, world_size: int, sockets: list[str], port: int, count: int, report) -> tuple:
     """All-reduce in a loop until a call raises; rank 0 says when 20 calls are done. Returns
     (error class, message, when it was raised)."""

