@@ -459,6 +459,13 @@ class Communicator:
         """
         with self._lock:
             self._check_usable()
+            if self._session.lost_reason is not None:
+                # Whatever serves the socket now was never checked as this group's daemon.
+                raise DaemonUnavailableError(
+                    f"{self._session.lost_reason}: a new top-k exchange needs the group's daemon (its peer paths "
+                    "run on without it)",
+                    **self.membership.where,
+                )
             # Every call takes the next number, failed or not, so the ranks' n-th calls meet.
             sequence = self._exchange_calls
             self._exchange_calls += 1

@@ -135,3 +135,19 @@ def lose_the_daemon_with(rank: int, world_size: int, socket: str, thresholds: di
             return comm.all_reduce(torch.ones(4)).tolist()
         except nodecomm.NodecommError as error:
             return f"{type(error).__name__}: {error}"
+
+
+def ask_the_next_daemon(rank: int, world_size: int, socket: str, report, commands) -> dict:
+    """Once the test has killed the daemon and started another on its socket: what a new top-k
+    exchange of the running group gives (it must not be asked of a daemon never checked as the
+    group's), and an all-reduce. `commands`: every rank's queue."""
+    with nodecomm.connect("asking", rank, world_size, socket=socket, timeout=60) as comm:
+        report.put(("running", rank))
+        assert commands[rank].get(timeout=60) == "next daemon serving"
+        time.sleep(0.5)  # the session thread notices the closed stream
+        try:
+            comm.topk_exchange(8, 4)
+            exchange = "opened"
+        except nodecomm.NodecommError as error:
+            exchange = f"{type(error).__name__}: {error}"
+        return {"exchange": exchange, "sum": comm.all_reduce(torch.ones(4)).tolist()}

@@ -117,3 +117,23 @@ def test_a_group_whose_table_uses_the_service_path_is_aborted_with_its_daemon(ma
     assert "the group is aborted: its table sends sizes to the service path, which the daemon runs" in (
         capfd.readouterr().err
     )
+
+
+def test_a_running_group_asks_nothing_of_the_next_daemon(make_daemon, spawn_ranks):
+    """Its channel would reach whatever serves the socket now, never checked as its daemon: a new
+    top-k exchange is refused there, and its peer paths run on."""
+    daemon = make_daemon()
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
+    group = spawn_ranks(restart_ranks.ask_the_next_daemon, 2, 2, daemon.socket, report, commands, timeout=120)
+    assert sorted(report.get(timeout=60) for _ in range(2)) == [("running", 0), ("running", 1)]
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    for queue in commands:
+        queue.put("next daemon serving")
+    for rank, outcome in group.values().items():
+        assert outcome["exchange"].startswith(f"DaemonUnavailableError: [group 'asking', rank {rank}] the daemon"), (
+            outcome
+        )
+        assert "a new top-k exchange needs the group's daemon" in outcome["exchange"], outcome
+        assert outcome["sum"] == [2.0] * 4, outcome
