@@ -476,36 +476,28 @@ class GroupRegistry:
             if forming.failure is not None and now - forming.failed_at > self.config.join_timeout_seconds:
                 del self._forming[key]
 
-    def stop(self) -> None:
-        """Refuse new joins and end every session, leaving every group running: its ranks hold its
-        memory and run its peer paths without a daemon (a restart or an upgrade costs them no call)."""
-        self._draining = self._stopping = True
+    def stop(self, drain: bool) -> None:
+        """Refuse new joins and end every session. Without `drain` every group runs on: its ranks
+        hold its memory and run its peer paths without a daemon (a restart or an upgrade costs
+        them no call), but for one on legacy CUDA IPC memory, this process's cudaMalloc, which goes
+        with it. With `drain`, every group is aborted (its ranks told) and released."""
+        self._draining, self._stopping = True, not drain
+        said = "the daemon is shutting down" if drain else "the daemon is stopping"
         for forming in list(self._forming.values()):
-            self._fail_forming(forming, DaemonUnavailableError("the daemon is stopping", group=forming.name))
+            self._fail_forming(forming, DaemonUnavailableError(said, group=forming.name))
         self._forming.clear()
         for group in list(self._groups.values()):
-            if group.memory.memory_kind == pb.CUDA_IPC_LEGACY:  # this process's cudaMalloc: it goes with it
-                self._abort(group, _native.AbortReason.SHUTDOWN, 0, "the daemon is stopping and its memory with it")
+            if drain:
+                self._abort(group, _native.AbortReason.SHUTDOWN, 0, said)
+            elif group.memory.memory_kind == pb.CUDA_IPC_LEGACY:
+                self._abort(group, _native.AbortReason.SHUTDOWN, 0, f"{said} and its memory with it")
             for member in group.members.values():
                 if member.session is not None:
                     member.session.put_nowait(None)  # ends the stream
                     member.session = None
-        self._update_gauges()
-
-    def drain(self) -> None:
-        """Refuse new joins, tell every rank, abort every group, end every session."""
-        self._draining = True
-        for forming in list(self._forming.values()):
-            self._fail_forming(forming, DaemonUnavailableError("the daemon is shutting down", group=forming.name))
-        self._forming.clear()
-        for group in list(self._groups.values()):
-            self._abort(group, _native.AbortReason.SHUTDOWN, 0, "the daemon is shutting down")
-            for member in group.members.values():
-                if member.session is not None:
-                    member.session.put_nowait(None)  # ends the stream
-                    member.session = None
-                member.lost = member.lost or not member.left
-            self._release_if_empty(group)
+                member.lost = member.lost or (drain and not member.left)
+            if drain:
+                self._release_if_empty(group)
         self._update_gauges()
 
     def _update_gauges(self) -> None:

@@ -583,12 +583,8 @@ async def serve(config: DaemonConfig) -> int:
         probe.cancel()
 
     await health_servicer.enter_graceful_shutdown()
-    if config.drain_on_stop:
-        log.info("draining")
-        registry.drain()
-    else:
-        log.info("stopping: running groups go on without this daemon")
-        registry.stop()
+    log.info("draining" if config.drain_on_stop else "stopping: running groups go on without this daemon")
+    registry.stop(drain=config.drain_on_stop)
     await server.stop(config.drain_grace_seconds)
     await gate.close()
     sweeper.cancel()

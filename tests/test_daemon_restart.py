@@ -16,19 +16,25 @@ import restart_ranks
 from conftest import free_port
 
 
+def _running(spawn_ranks, target, world_size: int, *args, timeout: float = 120):
+    """`world_size` ranks of `target`, started with (*args, report, every rank's command queue),
+    once each has reported ("running", rank): (the ranks, the report queue, the command queues)."""
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), [context.Queue() for _ in range(world_size)]
+    group = spawn_ranks(target, world_size, world_size, *args, report, commands, timeout=timeout)
+    assert sorted(report.get(timeout=120) for _ in range(world_size)) == [("running", r) for r in range(world_size)]
+    return group, report, commands
+
+
 def _ride(make_daemon, spawn_ranks, world_size: int, api: str, restarts: list[int], seconds: float = 0.5) -> dict:
     """Ranks calling in a loop while the daemon is stopped with each signal of `restarts` and
     started again on the same socket and state, `seconds` apart; every rank's outcome."""
     daemon = make_daemon()
     directory = _entries(os.path.dirname(daemon.socket))
     shm = set(os.listdir("/dev/shm"))
-    context = mp.get_context("spawn")
-    report, commands = context.Queue(), [context.Queue() for _ in range(world_size)]
-    port = free_port()
-    group = spawn_ranks(
-        restart_ranks.ride_through, world_size, world_size, daemon.socket, port, api, report, commands, timeout=300
-    )  # fmt: skip
-    assert sorted(report.get(timeout=120) for _ in range(world_size)) == [("running", r) for r in range(world_size)]
+    group, _, commands = _running(
+        spawn_ranks, restart_ranks.ride_through, world_size, daemon.socket, free_port(), api, timeout=300
+    )
     pids = []
     for sig in restarts:
         pids.append(daemon.process.pid)
@@ -79,10 +85,7 @@ def test_twenty_restarts_in_a_row_cost_no_call(make_daemon, spawn_ranks):
 
 def test_a_peer_that_dies_while_no_daemon_serves_fails_its_group_within_the_timeout(make_daemon, spawn_ranks):
     daemon = make_daemon()
-    context = mp.get_context("spawn")
-    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
-    group = spawn_ranks(restart_ranks.die_while_no_daemon, 2, 2, daemon.socket, report, commands, timeout=120)
-    assert sorted(report.get(timeout=60) for _ in range(2)) == [("running", 0), ("running", 1)]
+    group, report, commands = _running(spawn_ranks, restart_ranks.die_while_no_daemon, 2, daemon.socket)
     daemon.stop(signal.SIGKILL)
     for queue in commands:
         queue.put("daemon gone")
@@ -100,13 +103,9 @@ def test_a_group_whose_table_uses_the_service_path_is_aborted_with_its_daemon(ma
     """Its ranks could learn of the loss at different calls, one sending a call to the service path
     while another ran it on a peer path: the first rank to learn aborts the group for all."""
     daemon = make_daemon()
-    context = mp.get_context("spawn")
-    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
-    group = spawn_ranks(
-        restart_ranks.lose_the_daemon_with, 2, 2, daemon.socket, {"service_min_bytes": "4KiB"}, report, commands,
-        timeout=120,
-    )  # fmt: skip
-    assert sorted(report.get(timeout=60) for _ in range(2)) == [("running", 0), ("running", 1)]
+    group, _, commands = _running(
+        spawn_ranks, restart_ranks.lose_the_daemon_with, 2, daemon.socket, {"service_min_bytes": "4KiB"}
+    )
     daemon.stop(signal.SIGKILL)
     for queue in commands:
         queue.put("daemon gone")
@@ -123,10 +122,7 @@ def test_a_running_group_asks_nothing_of_the_next_daemon(make_daemon, spawn_rank
     """Its channel would reach whatever serves the socket now, never checked as its daemon: a new
     top-k exchange is refused there, and its peer paths run on."""
     daemon = make_daemon()
-    context = mp.get_context("spawn")
-    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
-    group = spawn_ranks(restart_ranks.ask_the_next_daemon, 2, 2, daemon.socket, report, commands, timeout=120)
-    assert sorted(report.get(timeout=60) for _ in range(2)) == [("running", 0), ("running", 1)]
+    group, _, commands = _running(spawn_ranks, restart_ranks.ask_the_next_daemon, 2, daemon.socket)
     daemon.stop(signal.SIGKILL)
     daemon.start()
     for queue in commands:
