@@ -3,9 +3,11 @@ shared buffers; the daemon is only consulted for the dispatch table and holds th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
+from collections.abc import Iterator
 
 import grpc
 import torch
@@ -27,6 +29,7 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .capture_probe import fastest_path
 from .cuda_transport import mismatch_error
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .descriptors import DescriptorSocket
@@ -46,7 +49,8 @@ _SERVICE = PATH_CODES[Path.SERVICE]
 _NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
 # A lane call's outcomes (native/lane_api.h).
-_DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED = range(6)
+_DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED, _PROBE = range(7)
+_LOSSLESS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 
 
 class Communicator:
@@ -117,6 +121,7 @@ class Communicator:
         # the buffers must not be unmapped under it. Native, so that an all-reduce (the lane, from
         # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
+        self._capture_depth = 0  # capture() entered and not left
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
         self._offers = TableOffers(control.address, membership, operation_timeout)
         # all_reduce's one native call on the table's path (tensor checks, stream, lane).
@@ -266,6 +271,9 @@ class Communicator:
         if outcome == _DONE_SWITCH:
             self._agree_on_table()
             return ServiceWork.completed(out) if async_op else out
+        if outcome == _PROBE:
+            self._probe_for_capture(tensor)
+            return self.all_reduce(tensor, out=out, async_op=async_op)
         if outcome == _UNUSABLE:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
@@ -285,6 +293,42 @@ class Communicator:
         self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[None]:
+        """Around a phase of CUDA-graph captures (an engine's graph_capture(), which enters it
+        through the custom all-reduce slot): the first eager call of each size in here (the
+        warm-up an engine runs of each shape before capturing it) first times every lossless path
+        of that size in CUDA graphs, and the calls of that size captured in here take the fastest
+        (client/capture_probe.py), on every rank alike. Entering it again times the sizes afresh.
+        Collective in effect: every rank enters it at the same call. Nothing on a CPU group."""
+        armed = self._transport.kind == DeviceKind.CUDA and self._capture_depth == 0
+        self._capture_depth += 1
+        if armed:
+            self._dispatch.arm_probes(True)
+        try:
+            yield
+        finally:
+            self._capture_depth -= 1
+            if armed:
+                self._dispatch.arm_probes(False)
+
+    def _probe_for_capture(self, tensor: torch.Tensor) -> None:
+        """Time `tensor`'s size on every lossless path in graphs; its captured calls take the fastest."""
+        table_path = self._dispatcher.table.path_for(tensor.nbytes)
+        candidates = [path for path in _LOSSLESS if path in self._dispatcher.paths]
+        path, summed = fastest_path(self.all_reduce, tensor, candidates, table_path)
+        self._dispatch.set_probed(tensor.nbytes, PATH_CODES[path])
+        log.info(
+            "captured size probed",
+            extra={
+                **self.membership.where,
+                "bytes": tensor.nbytes,
+                "path": path.value,
+                "table_path": table_path.value,
+                "seconds": dict(zip((p.value for p in candidates), summed, strict=True)),
+            },
+        )
 
     def _needs_daemon(self) -> str | None:
         """Why this group cannot run on once its daemon is gone (None: it can). Every rank answers

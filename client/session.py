@@ -178,9 +178,10 @@ class Session:
                 pb.Timing(path=path, bytes=nbytes, seconds=seconds, wire=wire)
                 for path, wire, nbytes, seconds in self._counts.take_samples()[-_MAX_TIMINGS_PER_MESSAGE:]
             ]
-        if not timings and not counts:
+            captured = [pb.CapturedSize(bytes=nbytes, path=path) for nbytes, path in self._counts.take_captured()]
+        if not timings and not counts and not captured:
             return None
-        return pb.SessionUp(timings=pb.TimingBatch(timings=timings, counts=counts))
+        return pb.SessionUp(timings=pb.TimingBatch(timings=timings, counts=counts, captured=captured))
 
     def flush_if_full(self) -> None:
         """Send the timings not sent yet once there is a batch of them (the hot path keeps them

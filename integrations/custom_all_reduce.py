@@ -6,8 +6,9 @@ should_custom_ar(x) and then custom_all_reduce(x); the sizes it declines go to t
 NCCL. This class answers with nodecomm's dispatch table: it declines what the table gives NCCL
 (the group is joined with nccl_by_caller, so the table keeps its NCCL ranges) and runs the rest
 through nodecomm on the current stream. Nothing needs registering for a captured graph (the
-buffers are the group's, mapped once), so capture() only marks the capture, and warm-up calls
-inside it communicate for real: their results are right, not placeholders.
+buffers are the group's, mapped once), so capture() marks the capture and probes sizes for it
+(Communicator.capture()), and warm-up calls inside it communicate for real: their results are
+right, not placeholders.
 """
 
 from __future__ import annotations
@@ -246,10 +247,13 @@ class NodecommAllreduce:
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[None]:
-        """Entered around an engine's CUDA-graph capture. Nothing to register on exit."""
+        """Entered around an engine's CUDA-graph captures, which run each shape eagerly first: those
+        warm-up calls time their size's paths in graphs, and the captured calls take the fastest
+        (Communicator.capture()). Nothing to register on exit."""
         self._IS_CAPTURING = True
         try:
-            yield
+            with self.comm.capture() if self.comm is not None else contextlib.nullcontext():
+                yield
         finally:
             self._IS_CAPTURING = False
 

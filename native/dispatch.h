@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <map>
 #include <tuple>
 #include <vector>
 
@@ -150,6 +151,43 @@ class Dispatch {
     for (auto& c : kind_) c = char(std::toupper(static_cast<unsigned char>(c)));
   }
 
+  // Sizes probed for capture (Communicator.capture(), entered around an engine's capture phase, in
+  // which it runs each shape eagerly before capturing it). While armed, the first eager call of a
+  // size the table gives a lossless path is left to the caller (probe_due), which times every
+  // lossless path this rank runs in CUDA graphs, agrees with its peers on the fastest and sets it
+  // (set_probed); that size's calls captured later take it. Arming again forgets the last phase's.
+  void arm_probes(bool armed) {
+    if (armed) probed_.clear();
+    probing_ = armed;
+  }
+
+  bool probe_due(std::uint64_t nbytes, int forced, int forced_wire, bool capturing) const {
+    if (!probing_ || capturing || forced != 0 || forced_wire >= 0 || probed_.size() >= kMaxSizes) return false;
+    const Path path = table_.path_for(nbytes);
+    if (!lossless_path(path) || !runs(path) || table_.wire_for(nbytes) != wire::Wire::kLossless) return false;
+    if (probed_.count(nbytes)) return false;
+    for (Path rival : {Path::kOneshot, Path::kTwoshot, Path::kDma})
+      if (rival != path && runs(rival)) return true;
+    return false;
+  }
+
+  void set_probed(std::uint64_t nbytes, Path path) {
+    NODECOMM_CHECK(lossless_path(path) && runs(path),
+                   std::string("a probed size's path must be a lossless one this rank runs, not ") + path_name(path));
+    probed_[nbytes] = path;
+  }
+
+  // Every size a table-decided call was captured at, and the path it took, where that changed
+  // since the last take (empty otherwise): what the operator sees beside the table in force.
+  std::vector<std::pair<std::uint64_t, int>> take_captured() {
+    std::vector<std::pair<std::uint64_t, int>> taken;
+    std::lock_guard<std::mutex> hold(counts_lock_);
+    if (!captured_changed_) return taken;
+    captured_changed_ = false;
+    for (const auto& [nbytes, path] : captured_) taken.emplace_back(nbytes, int(path));
+    return taken;
+  }
+
   void install(Table table) {
     for (int b = 0; b < kBuckets; ++b)
       if (table_.range_paths.empty() || routes_differ(table_, table, bucket_low(b), bucket_high(b))) buckets_[b] = {};
@@ -187,6 +225,7 @@ class Dispatch {
     }
     Decision decision = path_decision(nbytes, forced, capturing);
     decision.sampled = sampled;
+    if (capturing && forced == 0 && forced_wire < 0) decision.path = captured_path(nbytes, decision.path);
     if (wanted == wire::Wire::kLossless) return decision;
     if (!carries(decision.path)) {
       if (forced_wire < 0) return decision;  // the table's wire on a path this rank carries losslessly only
@@ -264,6 +303,20 @@ class Dispatch {
 
  private:
   static constexpr std::size_t kMaxSamples = 4096;
+  static constexpr std::size_t kMaxSizes = 256;  // probed, and captured as the operator sees them
+
+  // A table-decided call under capture: the probed path for its size, else the table's; recorded.
+  Path captured_path(std::uint64_t nbytes, Path table_path) {
+    const auto probed = probed_.find(nbytes);
+    const Path path = probed != probed_.end() ? probed->second : table_path;
+    std::lock_guard<std::mutex> hold(counts_lock_);
+    const auto known = captured_.find(nbytes);
+    if (known != captured_.end() ? known->second != path : captured_.size() < kMaxSizes) {
+      captured_[nbytes] = path;
+      captured_changed_ = true;
+    }
+    return path;
+  }
 
   struct Count {
     std::uint64_t operations = 0, bytes = 0, wire_bytes = 0;
@@ -346,7 +399,11 @@ class Dispatch {
   std::array<Bucket, kBuckets> buckets_{};
   int undone_ = -1;  // the bucket the last call counted in, and its counts before: for undo()
   Bucket before_;
-  std::mutex counts_lock_;  // guards counts_ and samples_
+  bool probing_ = false;
+  std::map<std::uint64_t, Path> probed_;
+  std::mutex counts_lock_;  // guards counts_, samples_ and captured_
+  std::map<std::uint64_t, Path> captured_;
+  bool captured_changed_ = false;
   std::vector<Sample> samples_;
   std::array<std::array<std::array<Count, kWires>, kPaths>, kOps> counts_{};
 };

@@ -16,6 +16,7 @@ enum Outcome : int {
   kService = 3,     // not run: decided (and counted as decided) for the service path
   kFailed = 4,      // the collective raised: error kind and message filled in
   kNccl = 5,        // not run: decided (and counted as decided) for the engine's NCCL group
+  kProbe = 6,       // not run nor counted: a size to time in graphs before it is captured; call again
 };
 
 // What a lane decided for a call (nodecomm.v1 codes), and whether the call is timed.
@@ -24,7 +25,7 @@ struct Taken {
   bool sampled = false;
 };
 
-constexpr int kLaneApiVersion = 5;
+constexpr int kLaneApiVersion = 6;
 // nodecomm._native's HostLane.api() and CudaLane.api() return a PyCapsule of this name holding a
 // NodecommLaneApi.
 constexpr const char* kLaneCapsule = "nodecomm.LaneApi";

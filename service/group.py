@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import PeerLostError
-from nodecomm.thresholds import DispatchTable
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 
 from .allocator import GroupMemory, TopkSlabs
@@ -61,6 +61,7 @@ class Group:
     devices: list[str] = field(default_factory=list)  # each rank's device: "cpu" or a GPU UUID
     creator: Caller = TCP_CALLER  # the first joiner: the group's name is in its namespace
     captured_ranks: list[int] = field(default_factory=list)  # at its abort: ranks whose calls graphs held
+    captured: dict[int, Path] = field(default_factory=dict)  # sizes its ranks captured -> the path taken
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's
@@ -115,6 +116,7 @@ class Group:
             topk_exchanges=len(self.topk_slabs),
             service_bytes=self.service.reserved_bytes if self.service is not None else 0,
             service_ordering=self.service_ordering,
+            captured=[pb.CapturedSize(bytes=n, path=path.to_proto()) for n, path in sorted(self.captured.items())],
         )
 
     @property

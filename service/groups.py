@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 
 from nodecomm import _native
@@ -30,7 +30,7 @@ from nodecomm.errors import (
     shown,
 )
 from nodecomm.join_rules import MAX_WORLD_SIZE
-from nodecomm.thresholds import DispatchTable
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 
 from .callers import Caller
@@ -41,7 +41,7 @@ from .group_state import GroupState
 from .handles import ClaimTable
 from .join_args import JoinArgs, validate_join
 from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
-from .metrics import DaemonMetrics
+from .metrics import CapturedSizes, DaemonMetrics
 from .peer_checks import PeerChecks
 from .quotas import Quotas
 from .rendezvous import OnStop, Rendezvous
@@ -87,6 +87,7 @@ class GroupRegistry:
         self._stopping = False  # stop(): sessions end, groups run on
         self.tables = TableKeeper(config, metrics, MAX_WORLD_SIZE, len(gpus))
         self.timings = TimingIntake(config, metrics, self.tables)
+        metrics.registry.register(CapturedSizes(self.captured_paths))
         self.peer_checks = PeerChecks(metrics, self.tables)
         self.service_memory = ServiceMemory(config, metrics, claims, self.quotas)
         self.formation = Formation(config, gpus, self.quotas, self.tables, claims, executor, self._service_done)
@@ -345,10 +346,19 @@ class GroupRegistry:
         self._release_if_empty(group)
         self._update_gauges()
 
-    def record_counts(self, group_id: int, counts: list[pb.OperationCount]) -> None:
+    def record_counts(self, group_id: int, batch: pb.TimingBatch) -> None:
+        """A rank's operation counts and captured sizes."""
         group = self._groups.get(group_id)
         if group is not None:
-            self.timings.record_counts(group, counts)
+            self.timings.record_counts(group, batch.counts)
+            self.timings.record_captured(group, batch.captured)
+
+    def captured_paths(self) -> Iterator[tuple[str, Path, Path]]:
+        """(group, path, the table's path now) of every size a live group's ranks captured."""
+        for group in list(self._groups.values()):
+            if group.state == GroupState.ACTIVE:
+                for nbytes, path in list(group.captured.items()):
+                    yield group.name, path, group.table.path_for(nbytes)
 
     def record_timings(self, group_id: int, rank: int, timings: Sequence[pb.Timing]) -> None:
         self.timings.record_timings(self._groups.get(group_id), rank, timings)

@@ -6,12 +6,16 @@ ranks report, for at most timings.MAX_REPORTING_UIDS uids)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter as Tally
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from nodecomm.byte_size import format_byte_size
 from nodecomm.evidence import SIZE_BUCKETS
+from nodecomm.thresholds import Path
 
 from .group_state import GroupState
 
@@ -23,6 +27,27 @@ def size_bucket(nbytes: int) -> str:
         if nbytes <= top:
             return format_byte_size(top)
     return "inf"
+
+
+class CapturedSizes(Collector):
+    """nodecomm_captured_sizes, read from the groups at each scrape: a captured graph keeps the
+    path it was captured with while the table moves on, so a size whose path and table_path
+    differ replays on a path the table no longer prefers (re-capture to move it)."""
+
+    def __init__(self, captured_paths: Callable[[], Iterable[tuple[str, Path, Path]]]):
+        self._captured_paths = captured_paths
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "nodecomm_captured_sizes",
+            "All-reduce sizes a live group's ranks captured in CUDA graphs, by group, the path captured and the "
+            "path the group's table gives that size now.",
+            labels=["group", "path", "table_path"],
+        )
+        tally = Tally((group, path.value, now.value) for group, path, now in self._captured_paths())
+        for labels, sizes in sorted(tally.items()):
+            family.add_metric(list(labels), sizes)
+        yield family
 
 
 class DaemonMetrics:

@@ -323,7 +323,7 @@ class ControlServicer(pb_grpc.ControlServicer):
                     await pace.wait(slots)
                 if message.WhichOneof("kind") == "timings":
                     self.registry.record_timings(group_id, rank, message.timings.timings)
-                    self.registry.record_counts(group_id, list(message.timings.counts))
+                    self.registry.record_counts(group_id, message.timings)
 
         upstream = asyncio.ensure_future(pump_up())
         upstream.add_done_callback(lambda _: queue.put_nowait(None))

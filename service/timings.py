@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 # A bound far past the 32 timings a client batches: anything longer is not a client of ours.
 MAX_TIMINGS_PER_BATCH = 256
+# The captured sizes a rank reports (native/dispatch.h keeps as many): a longer list is ignored.
+MAX_CAPTURED_SIZES = 256
 # The most bytes a session message may be: twice the largest batch the daemon reads (that many
 # timings and a count for every op, path and wire, each field at its largest), room for fields a
 # newer client adds. A longer one is refused before it is parsed, and its session ends.
@@ -45,6 +47,7 @@ MAX_SESSION_MESSAGE_BYTES = (
                 for path in pb.Path.values()
                 for wire in pb.Wire.values()
             ],
+            captured=[pb.CapturedSize(bytes=2**64 - 1, path=max(pb.Path.values()))] * MAX_CAPTURED_SIZES,
         )
     ).ByteSize()
 )
@@ -151,6 +154,14 @@ class TimingIntake:
                 group.wires.add(wire)
                 self.metrics.wire_operations.labels(group.name, wire).inc(count.operations)
                 self.metrics.wire_bytes.labels(group.name, wire).inc(count.wire_bytes or count.bytes)
+
+    @staticmethod
+    def record_captured(group: Group, captured: Sequence[pb.CapturedSize]) -> None:
+        """A rank's sizes captured in CUDA graphs, and their paths, now the group's (its ranks
+        capture alike; the newest report stands)."""
+        if not captured or len(captured) > MAX_CAPTURED_SIZES:
+            return
+        group.captured = {c.bytes: Path.from_proto(c.path) for c in captured if c.path in pb.Path.values() and c.path}
 
     def record_timings(self, group: Group | None, rank: int, timings: Sequence[pb.Timing]) -> None:
         """Use `rank`'s timings (of `group`; none once it is released)."""

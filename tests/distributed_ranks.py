@@ -599,6 +599,7 @@ def workloads(device_kind: str = "cpu") -> list[str]:
         return torch.randn(8, 64, generator=torch.Generator().manual_seed(100 * step + rank)).to(device)
 
     results: dict[str, list[torch.Tensor]] = {}
+    problems = []
     for name, group in groups.items():
         trained: list[torch.Tensor] = []
         for hook in hooks.values():
@@ -608,10 +609,14 @@ def workloads(device_kind: str = "cpu") -> list[str]:
             if hook is not None:
                 ddp.register_comm_hook(group, hook)
             optimizer = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            native = group._get_backend(device) if cuda and name == "nodecomm" else None
+            before = native.lane_calls if native is not None else 0
             for step in range(20 if cuda else 3):
                 optimizer.zero_grad()
                 ddp(data(step)).square().mean().backward()
                 optimizer.step()
+            if native is not None and native.lane_calls - before < 20:
+                problems.append(f"DDP's buckets did not take the native lane: {native.lane_calls - before} calls")
             trained += [p.detach().cpu() for p in ddp.parameters()]
         tp = parallelize_module(
             model(), DeviceMesh.from_group(group, device_kind), {"0": ColwiseParallel(), "2": RowwiseParallel()}
@@ -620,7 +625,7 @@ def workloads(device_kind: str = "cpu") -> list[str]:
         out.square().mean().backward()
         grads = [p.grad.full_tensor().cpu() for p in tp.parameters()]
         results[name] = [*trained, out.detach().cpu(), *grads]
-    problems = [
+    problems += [
         f"tensor {i}: nodecomm and gloo differ"
         for i, (a, b) in enumerate(zip(results["nodecomm"], results["gloo"], strict=True))
         if not same_bits(a, b)

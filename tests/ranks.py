@@ -392,6 +392,23 @@ def hold_group_for_metrics(rank: int, world_size: int, socket: str, report, comm
     return seen
 
 
+def report_captured_sizes(rank: int, world_size: int, socket: str, report, commands) -> None:
+    """Record in the rank's native dispatch what a CUDA group's captured calls record (a CPU
+    group captures nothing): 4 KiB captured on the table's oneshot, and 64 KiB, which the table
+    gives twoshot, on the oneshot a capture probe chose; flush them to the daemon through the
+    session, report "sent" and hold the group until the test sends "stop"."""
+    with nodecomm.connect("captured", rank, world_size, socket=socket, timeout=60) as comm:
+        native = comm._dispatch
+        native.decide(4096, 0, -1, True)
+        native.arm_probes(True)
+        native.set_probed(65536, 1)  # oneshot's code
+        native.decide(65536, 0, -1, True)
+        native.arm_probes(False)
+        comm._session.flush()
+        report.put("sent")
+        assert commands[rank].get(timeout=120) == "stop"
+
+
 def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -> list[float] | str:
     """Connect, tell the test, wait until it has killed the daemon, then call again: its result."""
     with nodecomm.connect("lost", rank, world_size, socket=socket, timeout=30) as comm:

@@ -51,6 +51,40 @@ def test_status_and_thresholds_show_a_live_group(daemon, spawn_ranks):
     group.results()
 
 
+def test_captured_sizes_show_beside_the_table_in_status_and_metrics(daemon, spawn_ranks):
+    """What the ranks' sessions report of their captured sizes: each with the path its graphs
+    replay on and the path the table gives it now, in `nodecomm status` (a line for those that
+    differ) and in nodecomm_captured_sizes."""
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
+    group = spawn_ranks(ranks.report_captured_sizes, 2, 2, daemon.socket, report, commands, timeout=120)
+    for _ in range(2):
+        assert report.get(timeout=60) == "sent"
+
+    def shown() -> list:
+        status = nodecomm_cli("--socket", daemon.socket, "status", "--json")
+        return json.loads(status.stdout)["groups"][0]["captured"]
+
+    wait_until(lambda: shown() != [], timeout=30, what="the captured sizes reach the daemon")
+    assert shown() == [
+        {"bytes": 4096, "path": "oneshot", "table_path": "oneshot"},
+        {"bytes": 65536, "path": "oneshot", "table_path": "twoshot"},
+    ]
+    human = nodecomm_cli("--socket", daemon.socket, "status").stdout
+    assert (
+        "captured on a path the table no longer gives (re-capture to move): 64KiB on oneshot (table: twoshot)" in human
+    )
+    metrics = daemon.metrics_text()
+    assert 'nodecomm_captured_sizes{group="captured",path="oneshot",table_path="oneshot"} 1.0' in metrics
+    assert 'nodecomm_captured_sizes{group="captured",path="oneshot",table_path="twoshot"} 1.0' in metrics
+    for queue in commands:
+        queue.put("stop")
+    group.values()
+    wait_until(
+        lambda: "nodecomm_captured_sizes{" not in daemon.metrics_text(), timeout=30, what="the group's series go"
+    )
+
+
 def test_sampled_timings_reach_the_daemon(make_daemon, spawn_ranks):
     daemon = make_daemon("--timing-sample-period", "1")
     spawn_ranks(ranks.join_only, 2, 2, daemon.socket, "timed", {}).values()

@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from nodecomm.client.dispatch import Dispatcher
+from nodecomm.client.dispatch import PATH_CODES, Dispatcher
 from nodecomm.errors import InvalidArgumentError
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 
@@ -222,3 +222,39 @@ def test_a_failed_call_is_taken_back_from_its_buckets_exploration():
     other.native.undo()
     both = [[d.decide(30 * KIB, forced=None, capturing=False).explored for _ in range(4)] for d in (one, other)]
     assert both[0] == both[1] == [False, True, False, True]
+
+
+def test_sizes_probed_for_a_capture_take_their_path_when_captured():
+    """Communicator.capture() arms probes: the first eager call of a size the table gives a
+    lossless path is left to the caller (the lane's outcome 6) until a path is set for it, which
+    that size's captured calls then take; eager calls keep the table's, and what was captured is
+    taken whole once per change, for the daemon."""
+    native = cuda_dispatcher().native
+    oneshot, twoshot, dma = (PATH_CODES[p] for p in (Path.ONESHOT, Path.TWOSHOT, Path.DMA))
+    assert not native.probe_due(4 * KIB, 0, -1, False)  # not armed
+    native.arm_probes(True)
+    assert native.probe_due(4 * KIB, 0, -1, False)
+    assert not native.probe_due(4 * KIB, oneshot, -1, False)  # forced
+    assert not native.probe_due(4 * KIB, 0, -1, True)  # already capturing: too late
+    assert not native.probe_due(128 << 20, 0, -1, False)  # the service path's size: not lossless
+    native.set_probed(4 * KIB, dma)
+    assert not native.probe_due(4 * KIB, 0, -1, False)
+    assert native.decide(4 * KIB, 0, -1, True)[0] == dma
+    assert native.decide(4 * KIB, 0, -1, False)[0] == oneshot
+    assert native.decide(64 * KIB, 0, -1, True)[0] == twoshot  # not probed: the table's
+    assert native.decide(64 * KIB, dma, -1, True)[0] == dma  # forced: not recorded
+    assert native.take_captured() == [(4 * KIB, dma), (64 * KIB, twoshot)]
+    assert native.take_captured() == []
+    native.decide(4 * KIB, 0, -1, True)
+    assert native.take_captured() == []  # nothing changed
+    native.arm_probes(True)  # a new capture phase probes afresh
+    assert native.probe_due(4 * KIB, 0, -1, False)
+    assert native.decide(4 * KIB, 0, -1, True)[0] == oneshot
+    assert native.take_captured() == [(4 * KIB, oneshot), (64 * KIB, twoshot)]
+    with pytest.raises(InvalidArgumentError, match="must be a lossless one this rank runs, not service"):
+        native.set_probed(4 * KIB, PATH_CODES[Path.SERVICE])
+    for n in range(300):
+        native.decide(8 + n, 0, -1, True)
+    assert len(native.take_captured()) == 256  # bounded
+    native.arm_probes(False)
+    assert not native.probe_due(8 * KIB, 0, -1, False)

@@ -19,7 +19,7 @@ from nodecomm.capabilities import path_names
 from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import NodecommError, from_rpc_error
 from nodecomm.socket_path import default_socket_path
-from nodecomm.thresholds import PEER_PATHS, DispatchTable, Wire, range_end
+from nodecomm.thresholds import PEER_PATHS, DispatchTable, Path, Wire, range_end
 from nodecomm.trust import node_daemon_uids
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -67,6 +67,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                             "topk_exchanges": g.topk_exchanges,
                             "capacity_bytes": g.geometry.capacity_bytes,
                             "paths": _paths_summary(g.thresholds) if g.thresholds.ranges else None,
+                            "captured": _captured(g),
                         }
                         for g in groups
                     ],
@@ -89,9 +90,27 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"{_ORDERING_NAMES.get(g.service_ordering, '-'):<12} {g.topk_exchanges:>4}  "
             f"{_paths_summary(g.thresholds) if g.thresholds.ranges else '-'}"
         )
+        moved = [c for c in _captured(g) if c["path"] != c["table_path"]]
+        if moved:
+            sizes = ", ".join(
+                f"{format_byte_size(c['bytes'])} on {c['path']} (table: {c['table_path']})" for c in moved
+            )
+            print(f"  captured on a path the table no longer gives (re-capture to move): {sizes}")
     if not groups:
         print("(no groups)")
     return code
+
+
+def _captured(group: pb.GroupInfo) -> list[dict]:
+    """The sizes a group's ranks captured in CUDA graphs: the path each replays on and the path
+    the table in force gives it."""
+    if not group.captured or not group.thresholds.ranges:
+        return []
+    table = DispatchTable.from_proto(group.thresholds)
+    return [
+        {"bytes": c.bytes, "path": Path.from_proto(c.path).value, "table_path": table.path_for(c.bytes).value}
+        for c in group.captured
+    ]
 
 
 # How a CUDA group's service path orders its streams (DaemonConfig.cuda_service_ordering's names).

@@ -63,6 +63,18 @@ void bind_dispatch(py::module_& m) {
       .def("accepts", &d::Dispatch::accepts, py::arg("nbytes"), "Whether the table gives nbytes a path run here.")
       .def("switch_due", &d::Dispatch::switch_due, py::arg("capturing"),
            "Whether the ranks agree on a table after this call.")
+      .def("arm_probes", &d::Dispatch::arm_probes, py::arg("armed"),
+           "While armed, the first eager call of each size the table gives a lossless path is left to the caller "
+           "(lane outcome 6) to probe; arming forgets the sizes probed before.")
+      .def("probe_due", &d::Dispatch::probe_due, py::arg("nbytes"), py::arg("forced"), py::arg("wire"),
+           py::arg("capturing"), "Whether an all-reduce of nbytes is left to the caller to probe first (lane outcome 6).")
+      .def(
+          "set_probed",
+          [](d::Dispatch& self, std::uint64_t nbytes, int path) { self.set_probed(nbytes, path_of(path)); },
+          py::arg("nbytes"), py::arg("path"), "The path (a code) that calls of nbytes captured from now on take.")
+      .def("take_captured", &d::Dispatch::take_captured,
+           "(bytes, path) of every size a table-decided call was captured at, where that changed since the last "
+           "take; else empty.")
       .def_property_readonly("calls", &d::Dispatch::calls, "All-reduces decided: the same count on every rank.")
       .def_property_readonly("epoch", [](const d::Dispatch& self) { return self.table().epoch; });
 }

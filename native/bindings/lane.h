@@ -42,7 +42,8 @@ void bind_lane(pybind11::module_& m, const char* name, const char* doc) {
           "(outcome, path, wire, sampled) of an all-reduce on the path and wire the dispatch decides (forced: a path "
           "code, 0: the table's; wire: a wire code, -1: the table's), on `stream` (a CUDA lane's; 0 on the CPU). "
           "Outcomes (../lane_api.h): 0 done, 1 done and a table switch is due, 2 not run (closed or aborted), 3 not "
-          "run (decided for the service path), 5 not run (decided for the engine's NCCL group).")
+          "run (decided for the service path), 5 not run (decided for the engine's NCCL group), 6 not run (a size "
+          "to probe in graphs before it is captured: Communicator.capture()).")
       .def(
           "all_reduce_rms_norm",
           [](Lane& self, std::uintptr_t in, std::uintptr_t residual, std::uintptr_t weight, std::uintptr_t out,

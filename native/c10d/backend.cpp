@@ -16,6 +16,7 @@
 #include <pybind11/stl.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
 #include <chrono>
 #include <deque>
 #include <mutex>
@@ -83,12 +84,17 @@ class StreamWork : public Work {
     done_.record(stream_);
   }
   bool isCompleted() override { return done_.query(); }
-  bool isSuccess() const override { return done_.query(); }
+  // Enqueued without an error: a kernel that gives up sets the group's abort word, which the next
+  // call raises (as ProcessGroupNCCL's Work, this answers for errors, not for completion).
+  bool isSuccess() const override { return true; }
+  // Both make the caller's current stream wait, as ProcessGroupNCCL's do; the host never waits.
   bool wait(std::chrono::milliseconds /*timeout: kernels give up by their own*/) override {
-    done_.block(c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device()));
+    synchronize();
     return true;
   }
-  void synchronize() override { done_.synchronize(); }
+  void synchronize() override {
+    done_.block(c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device()));
+  }
   std::vector<at::Tensor> result() override { return result_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::call_once(made_, [this] {
@@ -165,6 +171,7 @@ class Backend : public ::c10d::Backend {
 
   py::object composed() const { return composed_; }
   std::size_t outstanding() const { return outstanding_.size(); }
+  std::uint64_t lane_calls() const { return lane_calls_.load(std::memory_order_relaxed); }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
@@ -181,6 +188,7 @@ class Backend : public ::c10d::Backend {
                                                   tensor.numel(), dtype_code(tensor), 0, -1,
                                                   stream ? stream->native_handle() : nullptr, &sampled, &kind,
                                                   message, sizeof message);
+        lane_calls_.fetch_add(1, std::memory_order_relaxed);
         if (outcome != lane::kDone) {  // finished on the stream by Python (NCCL's Work is waited there)
           py::gil_scoped_acquire gil;
           bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
@@ -353,6 +361,7 @@ class Backend : public ::c10d::Backend {
   py::object composed_;
   std::chrono::milliseconds timeout_;
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
+  std::atomic<std::uint64_t> lane_calls_{0};
   Lane cpu_, cuda_;
 };
 
@@ -370,7 +379,9 @@ PYBIND11_MODULE(_c10d, m) {
       .def_property_readonly("composed", &b::Backend::composed, "The Python process group composed here.")
       .def_property_readonly("outstanding", &b::Backend::outstanding,
                              "The Python group's CPU collectives still running, which native all-reduces wait "
-                             "behind (at most 1024).");
+                             "behind (at most 1024).")
+      .def_property_readonly("lane_calls", &b::Backend::lane_calls,
+                             "All-reduces handed to the native lane (not to the Python group) so far.");
   py::class_<b::TensorCall>(m, "TensorCall", "Communicator.all_reduce's native call (tensor_call.h).")
       .def(py::init<const py::capsule&, std::uintptr_t, py::object, int, const std::vector<int>&>(), py::arg("api"),
            py::arg("address"), py::arg("lane"), py::arg("device"), py::arg("dtypes"))

@@ -65,6 +65,10 @@ class CudaLane {
     NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     const bool capturing = capture != cudaStreamCaptureStatusNone;
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
+    if (dispatch_.probe_due(nbytes, forced, forced_wire, capturing)) {
+      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless), false};
+      return kProbe;
+    }
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, capturing);
     *taken = {int(decision.path), int(decision.wire), decision.sampled && !capturing};
     if (decision.path == Path::kService) return kService;

@@ -543,3 +543,49 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
             _native.cuda_write_word_now(torch.cuda.current_device(), done, never)
         torch.cuda.synchronize()
         return {**seen, "marker": marker.item()}
+
+
+def probed_captures(rank: int, world_size: int, socket: str, counts: list[int], report, commands) -> dict:
+    """As an engine captures: inside comm.capture(), each size warmed up by one eager call (which
+    probes its paths) and then captured, 3 calls per graph; every graph replayed twice after the
+    phase and its output compared bit for bit with the reference; the captured sizes flushed to
+    the daemon, then "sent" reported and the group held until the test sends "stop". Returns the
+    problems and the path each size's probe chose (from the client's log)."""
+    import logging
+
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    chosen: dict[int, str] = {}
+
+    class Probes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage() == "captured size probed":
+                chosen[record.bytes] = record.path
+
+    logging.getLogger("nodecomm.client").addHandler(Probes())
+    logging.getLogger("nodecomm.client").setLevel(logging.INFO)
+    problems, graphs = [], []
+    with nodecomm.connect("probed", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+        with comm.capture():
+            for seed, count in enumerate(counts):
+                x = rank_input(rank, count, torch.bfloat16, seed).to(device)
+                expected = reference_sum(world_size, count, torch.bfloat16, seed)
+                out = torch.empty_like(x)
+                if not _same_bits(comm.all_reduce(x, out=out), expected):
+                    problems.append(f"the warm-up of {count} elements differs from the reference")
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.graph(graph, stream=stream):
+                    for _ in range(3):
+                        comm.all_reduce(x, out=out)
+                graphs.append((graph, out, expected, count))
+        for _ in range(2):
+            for graph, out, expected, count in graphs:
+                out.zero_()
+                graph.replay()
+                if not _same_bits(out, expected):
+                    problems.append(f"a replay of {count} elements differs from the reference")
+        comm._session.flush()
+        report.put("sent")
+        assert commands[rank].get(timeout=120) == "stop"
+    return {"problems": problems, "chosen": chosen}

@@ -251,12 +251,22 @@ class SessionHello(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class TimingBatch(_message.Message):
-    __slots__ = ("timings", "counts")
+    __slots__ = ("timings", "counts", "captured")
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
     timings: _containers.RepeatedCompositeFieldContainer[Timing]
     counts: _containers.RepeatedCompositeFieldContainer[OperationCount]
-    def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[OperationCount, _Mapping]]] = ...) -> None: ...
+    captured: _containers.RepeatedCompositeFieldContainer[CapturedSize]
+    def __init__(self, timings: _Optional[_Iterable[_Union[Timing, _Mapping]]] = ..., counts: _Optional[_Iterable[_Union[OperationCount, _Mapping]]] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ...) -> None: ...
+
+class CapturedSize(_message.Message):
+    __slots__ = ("bytes", "path")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    path: Path
+    def __init__(self, bytes: _Optional[int] = ..., path: _Optional[_Union[Path, str]] = ...) -> None: ...
 
 class OperationCount(_message.Message):
     __slots__ = ("op", "path", "operations", "bytes", "wire", "wire_bytes")
@@ -521,7 +531,7 @@ class ListGroupsRequest(_message.Message):
     def __init__(self, group_key: _Optional[bytes] = ...) -> None: ...
 
 class GroupInfo(_message.Message):
-    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes", "service_ordering", "owner")
+    __slots__ = ("name", "group_id", "world_size", "joined_ranks", "live_ranks", "state", "device_kind", "reserved_bytes", "geometry", "thresholds", "topk_exchanges", "service_bytes", "service_ordering", "owner", "captured")
     NAME_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +546,7 @@ class GroupInfo(_message.Message):
     SERVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    CAPTURED_FIELD_NUMBER: _ClassVar[int]
     name: str
     group_id: int
     world_size: int
@@ -550,7 +561,8 @@ class GroupInfo(_message.Message):
     service_bytes: int
     service_ordering: ServiceOrdering
     owner: str
-    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., owner: _Optional[str] = ...) -> None: ...
+    captured: _containers.RepeatedCompositeFieldContainer[CapturedSize]
+    def __init__(self, name: _Optional[str] = ..., group_id: _Optional[int] = ..., world_size: _Optional[int] = ..., joined_ranks: _Optional[_Iterable[int]] = ..., live_ranks: _Optional[_Iterable[int]] = ..., state: _Optional[str] = ..., device_kind: _Optional[str] = ..., reserved_bytes: _Optional[int] = ..., geometry: _Optional[_Union[Geometry, _Mapping]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., topk_exchanges: _Optional[int] = ..., service_bytes: _Optional[int] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., owner: _Optional[str] = ..., captured: _Optional[_Iterable[_Union[CapturedSize, _Mapping]]] = ...) -> None: ...
 
 class ListGroupsReply(_message.Message):
     __slots__ = ("groups",)
