@@ -578,9 +578,9 @@ def probed_captures(rank: int, world_size: int, socket: str, counts: list[int], 
                 with torch.cuda.graph(graph, stream=stream):
                     for _ in range(3):
                         comm.all_reduce(x, out=out)
-                graphs.append((graph, out, expected, count))
+                graphs.append((graph, x, out, expected, count))  # x too: the graph reads its memory
         for _ in range(2):
-            for graph, out, expected, count in graphs:
+            for graph, _, out, expected, count in graphs:
                 out.zero_()
                 graph.replay()
                 if not _same_bits(out, expected):
