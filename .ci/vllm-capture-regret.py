@@ -3,7 +3,8 @@ private daemon (empty state directory: the built-in table), two ranks on GPU 0: 
 capture(), each size warmed up by one custom_all_reduce, then CALLS of them captured in one graph,
 as vLLM's capture loop does (warm-up in CUDAGraphMode.NONE, then the capture); beside it, the same
 size captured with every call forced onto each lossless path. Rank 0 prints, per size, the p50
-per-call time of REPLAYS replays of each graph and auto's over the best path's.
+per-call time of REPLAYS replays of each graph and auto's over the best path's; the sizes the
+slot declines (the table gives them NCCL, which vLLM runs itself) are named.
     python .ci/vllm-capture-regret.py"""
 
 import statistics
@@ -46,6 +47,9 @@ def rank_main(rank: int, socket: str, port: int) -> None:
     rows = []
     for nbytes in SIZES:
         x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+        if not slot.should_custom_ar(x):  # the table gives it NCCL: vLLM's own all-reduce runs it
+            rows.append((nbytes, None, {}))
+            continue
         with slot.capture():
             slot.custom_all_reduce(x)  # the warm-up
             auto = graph_us(lambda x=x: slot.custom_all_reduce(x))
@@ -55,6 +59,9 @@ def rank_main(rank: int, socket: str, port: int) -> None:
     if rank == 0:
         print(f"{'bytes':>9} {'auto us':>8} " + " ".join(f"{p:>8}" for p in PATHS) + "  auto/best  best")
         for nbytes, auto, forced in rows:
+            if auto is None:
+                print(f"{nbytes:>9} declined: the table gives it NCCL, which vLLM runs")
+                continue
             best = min(forced, key=forced.get)
             cells = " ".join(f"{forced[p]:8.2f}" for p in PATHS)
             print(f"{nbytes:>9} {auto:8.2f} {cells}  {auto / forced[best]:9.3f}  {best}")
