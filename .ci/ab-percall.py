@@ -50,6 +50,8 @@ def rows_for(x: torch.Tensor, comm, gloo, fake) -> dict:
     }
     if fake is not None:
         rows["dist.all_reduce fake"] = lambda: dist.all_reduce(x, group=fake)
+        rows["async_op=True .wait() fake"] = lambda: dist.all_reduce(x, group=fake, async_op=True).wait()
+        rows["funcol waited fake"] = lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", fake))
     if hasattr(comm, "_lane"):  # trees from before the native hot path have no lane
         lane, stream = comm._lane, comm._transport.stream()
         args = (x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], 0, -1, stream)
