@@ -15,6 +15,7 @@ import torch
 from nodecomm import _c10d, _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
+from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import (
     DaemonUnavailableError,
     GroupMismatchError,
@@ -82,8 +83,14 @@ class Communicator:
         daemon_lease: JobLeaseHandle | None = None,
         service_ordering: int = pb.SERVICE_ORDERING_UNSPECIFIED,
         captured_abort: _native.CapturedAbortPolicy = _native.CapturedAbortPolicy.EXIT,
+        control_fd: int = -1,
+        ticket: pb.AdoptionTicket | None = None,
     ):
         self.membership = membership
+        # What hands the group to the next daemon on the socket (_reattach): a descriptor of the
+        # control page (owned here) and the ticket the daemon that formed the group gave.
+        self._control_fd = control_fd
+        self._ticket = ticket
         self.group, self.rank = membership.group, membership.rank
         self.world_size, self.group_id = membership.world_size, membership.group_id
         self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
@@ -108,9 +115,11 @@ class Communicator:
         self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
         self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
+        adoptable = control_fd >= 0 and ticket is not None and bool(ticket.tag) and daemon is not None
         self._session = Session(
-            self._stub, membership, control.address, self._dispatch, self._metadata, self._needs_daemon
-        )
+            self._stub, membership, control.address, self._dispatch, self._metadata, self._needs_daemon,
+            self._reattach if adoptable else None,
+        )  # fmt: skip
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
@@ -329,6 +338,35 @@ class Communicator:
                 "seconds": dict(zip((p.value for p in candidates), summed, strict=True)),
             },
         )
+
+    def _reattach(self, calls_without_daemon: int) -> pb_grpc.ControlStub:
+        """Hand this rank's group to the daemon serving the socket now (service/adoption.py): it
+        must prove who it is as at connect() (nodecomm.daemon_channel), then takes the control page
+        and the ticket; returns its stub. Raises DaemonUnavailableError while nothing serves."""
+        where = self.membership.where
+        channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 2.0, [("grpc.enable_retries", 0)])
+        try:
+            token = self._descriptor_socket.hand_back(self._control_fd, 2.0, where)
+            stub = pb_grpc.ControlStub(channel)
+            request = pb.AdoptRequest(
+                ticket=self._ticket, rank=self.rank, control_token=token,
+                thresholds=self._dispatcher.table.to_proto(), calls_without_daemon=calls_without_daemon,
+            )  # fmt: skip
+            reply = stub.Adopt(request, timeout=10.0, metadata=self._metadata)
+        except grpc.RpcError as error:
+            channel.close()
+            raise from_rpc_error(error, **where) from None
+        except BaseException:
+            channel.close()
+            raise
+        log.info(
+            "group handed to the daemon serving now",
+            extra={**where, "adopted_here": reply.adopted, "calls_without_daemon": calls_without_daemon},
+        )
+        previous, self._channel, self._stub = self._channel, channel, stub
+        self._service.use(stub)
+        previous.close()
+        return stub
 
     def _needs_daemon(self) -> str | None:
         """Why this group cannot run on once its daemon is gone (None: it can). Every rank answers
@@ -710,6 +748,8 @@ class Communicator:
                     log.info("leave failed", extra=where)
             self._session.close()
             self._control.unmap()
+            if self._control_fd >= 0:
+                os.close(self._control_fd)
             self._channel.close()
             if self._daemon_lease is not None:
                 self._daemon_lease.release()  # the job's private daemon may leave once every rank has

@@ -177,6 +177,7 @@ def _join(
 
     expected_kinds = (pb.HOST_MEMFD,) if device_index is None else (pb.CUDA_VMM_FD, pb.CUDA_IPC_LEGACY)
     control: SegmentMapping | None = None
+    control_fd = -1
     buffers: list[SegmentMapping] = []
     transport: Transport | None = None
     try:
@@ -205,6 +206,7 @@ def _join(
         fds = descriptor_socket.claim(reply.claim_token, 1 if legacy else len(sizes), timeout, where)
         try:
             control = SegmentMapping.from_descriptor(fds[0], sizes[0], None, where)
+            control_fd = os.dup(fds[0])  # handed to the next daemon if this one goes (Communicator._reattach)
             if legacy:
                 for segment in reply.buffers:
                     buffers.append(SegmentMapping.from_ipc_handle(segment.ipc_handle, segment.size_bytes, device_index))
@@ -245,8 +247,13 @@ def _join(
             daemon_lease=lease,
             service_ordering=reply.service_ordering,
             captured_abort=policy_in_force(reply.captured_abort, spec.captured_abort),
+            control_fd=control_fd,
+            ticket=reply.adoption,
         )
+        control_fd = -1  # the communicator's now
     except BaseException:
+        if control_fd >= 0:
+            os.close(control_fd)
         if transport is not None:
             transport.close()
         else:

@@ -7,7 +7,7 @@ import socket
 from dataclasses import dataclass
 
 from nodecomm import trust
-from nodecomm.credentials import IDENTIFY
+from nodecomm.credentials import HANDBACK, IDENTIFY
 from nodecomm.errors import DaemonUnavailableError, NodecommError, PermissionDeniedError
 
 
@@ -86,3 +86,25 @@ class DescriptorSocket:
                 os.close(fd)
             raise DaemonUnavailableError(f"expected {expected} descriptors, received {len(fds)}", **where)
         return fds
+
+    def hand_back(self, fd: int, timeout: float, where: dict) -> bytes:
+        """Hand `fd` (the group's control page) to the daemon serving here now, for an Adopt:
+        returns the token the Adopt carries. The socket and its daemon are checked first."""
+        try:
+            with _connect(self.path, timeout, self.daemon_uids) as sock:
+                sock.sendall(HANDBACK)
+                if sock.recv(1) != b"\x00":
+                    raise PermissionDeniedError("the daemon refused to take the group's control page", **where)
+                socket.send_fds(sock, [b"\x00"], [fd])
+                answer = b""
+                while chunk := sock.recv(4096):
+                    answer += chunk
+        except NodecommError as error:
+            raise error.located(**where) from None
+        except OSError as error:
+            raise DaemonUnavailableError(f"descriptor socket {self.path}: {error}", **where) from None
+        if answer[:1] == b"\x00" and len(answer) == 17:
+            return answer[1:]
+        raise PermissionDeniedError(
+            f"the daemon refused the control page: {answer[1:].decode(errors='replace')}", **where
+        )

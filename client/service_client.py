@@ -205,6 +205,10 @@ class ServiceClient:
 
     # -- memory --------------------------------------------------------------------------------
 
+    def use(self, stub: pb_grpc.ControlStub) -> None:
+        """Call the daemon through `stub` from now on (the group was handed to a new daemon)."""
+        self._stub = stub
+
     def allocate(self, size_bytes: int) -> ServiceBuffer:
         try:
             reply = self._stub.AllocateMemory(

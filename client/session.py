@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from nodecomm import _native
-from nodecomm.errors import InternalError, NodecommError, from_rpc_error, shown
+from nodecomm.errors import DaemonUnavailableError, InternalError, NodecommError, from_rpc_error, shown
 from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -39,6 +39,8 @@ _MAX_TIMINGS_PER_MESSAGE = 128
 # Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
 # bounded pace, and a rank that samples faster loses samples rather than memory.
 _MAX_QUEUED_BATCHES = 256
+# How often a rank whose daemon is gone tries to hand its group to the next one.
+_RETRY_SECONDS = 0.1
 
 
 class Session:
@@ -50,6 +52,7 @@ class Session:
         counts: _native.Dispatch,
         metadata: tuple[tuple[str, bytes], ...] = (),
         needs_daemon: Callable[[], str | None] = lambda: None,
+        reattach: Callable[[int], pb_grpc.ControlStub] | None = None,
     ):
         self._group = membership.group
         self._stub = stub
@@ -59,6 +62,11 @@ class Session:
         self._metadata = metadata
         # Why the group cannot run on without its daemon, when the session is lost (None: it can).
         self._needs_daemon = needs_daemon
+        # Hands the group to the daemon serving the socket now (Communicator._reattach), given the
+        # calls made while none did; returns the stub to open the session with there.
+        self._reattach = reattach
+        self._closed = threading.Event()
+        self.adoptions = 0  # times this rank's group was handed to a new daemon
         self._outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
         # Operations per (op, path, wire) and sampled timings, kept natively by every call.
         self._counts = counts
@@ -85,10 +93,10 @@ class Session:
         if self.lost_reason is not None:
             raise ConnectionError(self.lost_reason)
 
-    def _requests(self) -> Iterator[pb.SessionUp]:
+    def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.SessionUp]:
         while True:
             try:
-                message = self._outbox.get(timeout=_FLUSH_SECONDS)
+                message = outbox.get(timeout=_FLUSH_SECONDS)
             except queue.Empty:
                 # A rank gone quiet still reports what it did, about once a second.
                 batch = self._take_batch()
@@ -100,8 +108,52 @@ class Session:
             yield message
 
     def _run(self) -> None:
+        """The session's stream; where it is lost and the group runs on, the group is handed to the
+        next daemon on the socket (service/adoption.py) and the stream opened there, as often as
+        that happens, until the communicator closes."""
+        self._stream()
+        while self.lost_reason is not None and not self._closing and self._reattach is not None:
+            if self._control_aborted():
+                return
+            stub = self._reattached()
+            if stub is None:
+                return
+            self._stub = stub
+            self.adoptions += 1
+            self.lost_reason = None
+            self._outbox = queue.SimpleQueue()  # the lost stream's reader may still hold the old one
+            self._outbox.put(pb.SessionUp(hello=pb.SessionHello(group_id=self._group_id, rank=self._rank)))
+            self._stream()
+
+    def _control_aborted(self) -> bool:
+        return _native.abort_state(self._control)[0] != 0
+
+    def _reattached(self) -> pb_grpc.ControlStub | None:
+        """The stub of the next daemon once it has taken the group, trying every _RETRY_SECONDS
+        (the calls go on meanwhile); None when the communicator closes, the group aborts, or a
+        daemon refuses it for good (logged: the group runs on without one)."""
+        calls_at_loss = self._counts.calls
+        where = {"group": self._group, "rank": self._rank}
+        while not self._closed.wait(_RETRY_SECONDS):
+            if self._control_aborted():
+                return None
+            try:
+                return self._reattach(self._counts.calls - calls_at_loss)
+            except (DaemonUnavailableError, ConnectionError, OSError) as error:
+                log.debug("no daemon took the group yet", extra={**where, "error": str(error)})
+                continue  # nothing serves yet, or a daemon that is leaving
+            except NodecommError as error:
+                log.warning(
+                    f"[group {shown(self._group)}, rank {self._rank}] the daemon serving now did not take the "
+                    f"group: {error}; it runs on without one",
+                    extra={**where, "error": str(error)},
+                )
+                return None
+        return None
+
+    def _stream(self) -> None:
         try:
-            self._call = self._stub.Session(self._requests(), metadata=self._metadata)
+            self._call = self._stub.Session(self._requests(self._outbox), metadata=self._metadata)
             for message in self._call:
                 if message.WhichOneof("kind") == "thresholds":
                     # Offered, not used: the ranks switch together (Communicator._agree_on_table).
@@ -140,7 +192,8 @@ class Session:
                     outcome = f"the group is aborted: {why}"
                 else:
                     outcome = (
-                        "the group runs on without the daemon (peer paths; no service path, table moves or timings)"
+                        "the group runs on without the daemon (peer paths; no service path, table moves or timings) "
+                        "and is handed to the next one on the socket"
                     )
                 log.warning(
                     f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}; {outcome}",
@@ -168,6 +221,8 @@ class Session:
     def _take_batch(self) -> pb.SessionUp | None:
         """The timings (the newest _MAX_TIMINGS_PER_MESSAGE) and counts not sent yet, as one message
         (None if there are none)."""
+        if self.lost_reason is not None:
+            return None
         with self._batch_lock:
             self._last_flush = time.monotonic()
             counts = [
@@ -190,9 +245,10 @@ class Session:
             self.flush()
 
     def flush(self) -> None:
-        """Send the timings and counts not sent yet (dropped once the daemon is gone)."""
+        """Send the timings and counts not sent yet; while no daemon serves they wait (natively:
+        every count, the newest timings) for the next."""
         batch = self._take_batch()
-        if batch is None or self.lost_reason is not None:
+        if batch is None:
             return
         if self._outbox.qsize() >= _MAX_QUEUED_BATCHES:
             if not self._dropping:
@@ -210,6 +266,7 @@ class Session:
         if self._closing:
             return
         self._closing = True
+        self._closed.set()
         self.flush()
         self._outbox.put(None)  # half-close: the daemon takes the last timings, then ends the stream
         if self._thread.is_alive():

@@ -103,6 +103,10 @@ CALIBRATION_STAKES = Stakes(
     "put a calibration there that decides the path of every group's collectives",
     "Point state_dir (or XDG_STATE_HOME) at a directory only the daemon's user or root can write.",
 )
+ADOPTION_STAKES = Stakes(
+    "read the adoption key there and act as any rank of a group the daemon formed",
+    "Point state_dir (or XDG_STATE_HOME) at a directory only the daemon's user or root can write.",
+)
 
 
 def resolve_directory(path: str, trusted: frozenset[int], stakes: Stakes = _DAEMON_STAKES) -> str:

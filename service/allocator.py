@@ -85,10 +85,12 @@ class GroupMemory:
     # Set where a stream of the daemon's may still wait on words in the buffers (the CUDA service
     # path's stream words): it unmaps them once that stream is idle, not at close.
     unmap_later: Callable[[int, int], None] | None = None
+    # An adopted group's (service/adoption.py): the ranks hold its buffers, this many, not the daemon.
+    adopted_buffers: int = 0
 
     @property
     def buffer_count(self) -> int:
-        return len(self.buffer_fds) or len(self.legacy_buffers)
+        return len(self.buffer_fds) or len(self.legacy_buffers) or self.adopted_buffers
 
     @property
     def ipc_handles(self) -> list[bytes]:

@@ -15,7 +15,9 @@ from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import ResourceExhaustedError, UnsupportedError
 from nodecomm.thresholds import Wire
+from nodecomm.v1 import control_pb2 as pb
 
+from .adoption import SALT_BYTES, rank_secret, ticket_for
 from .allocator import GroupMemory, allocate_group, max_blocks_for
 from .config import DaemonConfig
 from .cuda_execution import CudaExecution
@@ -37,6 +39,7 @@ class Formation:
     claims: ClaimTable
     executor: Executor  # runs the service path's collectives
     on_service_done: Callable[[str, str, int], None]
+    adoption_key: bytes  # the node's (service/adoption.py): rank secrets and tickets
 
     def build(self, forming: FormingGroup) -> tuple[Group, dict[int, bytes], int]:
         """The formed group of `forming`'s arrivals, each rank's claim token, and the CUDA kernels'
@@ -47,22 +50,40 @@ class Formation:
         devices = [None if a.device == DeviceKind.CPU else self.gpus.index(a.device) for a in joined]
         max_blocks = 0 if devices[0] is None else max_blocks_for(devices)
         memory = allocate_group(first.group, first.capacity_bytes, devices, self.config.cuda_memory)
+        group_id, salt = secrets.randbits(63), secrets.token_bytes(SALT_BYTES)
         try:
             group = Group(
                 name=first.group,
-                group_id=secrets.randbits(63),
+                group_id=group_id,
                 args=first,
                 memory=memory,
                 table=self.tables.for_new_group(
                     first.device_kind, first.nccl_fallback, dict(first.overrides), Wire.from_proto(first.wire), devices
                 ),
-                members={r: Member(r, pid=a.pid, uid=a.uid) for r, a in enumerate(joined)},
+                members={
+                    r: Member(r, pid=a.pid, uid=a.uid, secret=rank_secret(self.adoption_key, group_id, salt, r))
+                    for r, a in enumerate(joined)
+                },
                 devices=[a.device for a in joined],
                 creator=forming.creator,
                 live=(
                     LiveEstimates(first.world_size, self.config.live_margin, self.config.live_min_samples)
                     if self.config.live_recalibration
                     else None
+                ),
+            )
+            group.ticket = ticket_for(
+                self.adoption_key,
+                pb.GroupRecord(
+                    group_id=group_id,
+                    salt=salt,
+                    join=first.to_request(),
+                    ranks=[pb.RecordedRank(pid=a.pid, uid=a.uid, device=a.device) for a in joined],
+                    memory_kind=memory.memory_kind,
+                    buffer_bytes=memory.buffer_bytes,
+                    creator_uid=forming.creator.uid or 0,
+                    creator_is_tcp=forming.creator.uid is None,
+                    max_blocks=max_blocks,
                 ),
             )
             depth = self.config.service_queue_depth

@@ -62,6 +62,8 @@ class Group:
     creator: Caller = TCP_CALLER  # the first joiner: the group's name is in its namespace
     captured_ranks: list[int] = field(default_factory=list)  # at its abort: ranks whose calls graphs held
     captured: dict[int, Path] = field(default_factory=dict)  # sizes its ranks captured -> the path taken
+    ticket: pb.AdoptionTicket = field(default_factory=pb.AdoptionTicket)  # JoinReply.adoption
+    adopted: bool = False  # taken over from an earlier daemon (service/adoption.py)
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's

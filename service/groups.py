@@ -13,34 +13,40 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import os
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 
-from nodecomm import _native
+from nodecomm import _native, host_memory
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     AlreadyExistsError,
     DaemonUnavailableError,
     DeadlineExceededError,
+    InvalidArgumentError,
     NodecommError,
     NotFoundError,
     PermissionDeniedError,
+    UnsupportedError,
     shown,
 )
 from nodecomm.join_rules import MAX_WORLD_SIZE
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 
+from .adoption import rank_secret, record_of
+from .allocator import GroupMemory
 from .callers import Caller
 from .config import DaemonConfig
 from .formation import Formation
-from .group import Group
+from .group import Group, Member
 from .group_state import GroupState
-from .handles import ClaimTable
+from .handles import ClaimTable, HandbackTable, is_declared_process
 from .join_args import JoinArgs, validate_join
 from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
+from .live_thresholds import LiveEstimates
 from .metrics import CapturedSizes, DaemonMetrics
 from .peer_checks import PeerChecks
 from .quotas import Quotas
@@ -71,8 +77,12 @@ class GroupRegistry:
         claims: ClaimTable,
         gpus: list[str],
         executor: Executor,
+        adoption_key: bytes,
+        handbacks: HandbackTable,
     ):
         self.config = config
+        self.adoption_key = adoption_key  # service/adoption.py
+        self.handbacks = handbacks  # control pages ranks handed back, for adopt()
         self.executor = executor  # runs the service path's collectives
         self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
         self.metrics = metrics
@@ -90,7 +100,9 @@ class GroupRegistry:
         metrics.registry.register(CapturedSizes(self.captured_paths))
         self.peer_checks = PeerChecks(metrics, self.tables)
         self.service_memory = ServiceMemory(config, metrics, claims, self.quotas)
-        self.formation = Formation(config, gpus, self.quotas, self.tables, claims, executor, self._service_done)
+        self.formation = Formation(
+            config, gpus, self.quotas, self.tables, claims, executor, self._service_done, adoption_key
+        )
 
     # -- thresholds ----------------------------------------------------------------------------
 
@@ -238,6 +250,119 @@ class GroupRegistry:
             },
         )
 
+    # -- adoption (service/adoption.py) --------------------------------------------------------
+
+    def adopt(self, request: pb.AdoptRequest, secret: bytes, caller: Caller) -> pb.AdoptReply:
+        """A rank of a group an earlier daemon formed hands it over: the first such call adopts the
+        group (its record from the ticket, its control page from the handback, its table from the
+        rank), the others find it adopted. Each rank then opens its session as after a Join."""
+        handback = self.handbacks.take(request.control_token)
+        try:
+            record = record_of(self.adoption_key, request.ticket)
+            where = dict(group=record.join.group, rank=request.rank)
+            if len(record.ranks) != record.join.world_size or not 0 <= request.rank < len(record.ranks):
+                raise InvalidArgumentError(
+                    f"rank {request.rank}: expected one of the group's {len(record.ranks)}", **where
+                )
+            if self._draining or self._stopping:  # the rank tries the next daemon
+                raise DaemonUnavailableError("the daemon is shutting down and adopts no groups", **where)
+            recorded = record.ranks[request.rank]
+            expected = rank_secret(self.adoption_key, record.group_id, record.salt, request.rank)
+            if not hmac.compare_digest(expected, secret) or caller.uid not in (None, recorded.uid):
+                raise PermissionDeniedError(
+                    f"this caller does not hold rank {request.rank}'s membership (its rank secret, uid {recorded.uid})",
+                    **where,
+                )
+            if handback is None:
+                raise InvalidArgumentError(
+                    "control_token: unknown, used or expired; hand the control page back on the descriptor socket "
+                    "first",
+                    **where,
+                )
+            if handback.uid != recorded.uid or not is_declared_process(handback.pid, recorded.pid):
+                raise PermissionDeniedError(
+                    f"the control page was handed back by pid {handback.pid} (uid {handback.uid}), not by rank "
+                    f"{request.rank}'s process (pid {recorded.pid}, uid {recorded.uid})",
+                    **where,
+                )
+            self.metrics.calls_without_daemon.inc(request.calls_without_daemon)
+            known = self._groups.get(record.group_id)
+            if known is not None:
+                if known.state != GroupState.ACTIVE:
+                    raise NotFoundError(f"the group is {known.state}", **where)
+                return pb.AdoptReply(group_id=record.group_id, adopted=False)
+            group = self._adopted(record, request.thresholds, handback.fd, request.ticket, where)
+            handback.fd = -1  # the group's memory holds it now
+        finally:
+            if handback is not None and handback.fd >= 0:
+                os.close(handback.fd)
+        self._active[self._key(group.creator, group.name)] = group
+        self._groups[group.group_id] = group
+        for placed in group.placement():
+            self.metrics.reserve(*placed)
+        self.metrics.adoptions.inc()
+        self._update_gauges()
+        asyncio.get_running_loop().call_later(
+            self.config.session_grace_seconds, self._check_sessions, group.group_id, "reattach to this daemon"
+        )
+        log.info(
+            "group adopted",
+            extra={"group": group.name, "group_id": group.group_id, "world_size": group.args.world_size,
+                   "by_rank": request.rank, "table_epoch": group.table.epoch},
+        )  # fmt: skip
+        return pb.AdoptReply(group_id=group.group_id, adopted=True)
+
+    def _adopted(
+        self, record: pb.GroupRecord, thresholds: pb.ThresholdTable, control_fd: int, ticket: pb.AdoptionTicket,
+        where: dict,
+    ) -> Group:  # fmt: skip
+        """The group `record` describes, on the control page `control_fd` and the ranks' table."""
+        args = JoinArgs.from_request(record.join, record.ranks[0].uid)
+        validate_join(args, self.config, self.gpus)
+        for recorded in record.ranks:
+            if recorded.device != DeviceKind.CPU and recorded.device not in self.gpus:
+                raise UnsupportedError(f"this daemon does not see the group's GPU {recorded.device}", **where)
+        if record.memory_kind not in (pb.HOST_MEMFD, pb.CUDA_VMM_FD):
+            raise UnsupportedError("a group on legacy CUDA IPC buffers dies with its daemon", **where)
+        key = self._key(Caller(None if record.creator_is_tcp else record.creator_uid), args.group)
+        if key in self._active or key in self._forming:
+            raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
+        try:
+            table = DispatchTable.from_proto(thresholds)
+        except (ValueError, KeyError) as error:
+            raise InvalidArgumentError(f"thresholds: {error}", **where) from None
+        if Path.SERVICE in table.range_paths:
+            raise UnsupportedError("a group whose table has a service range dies with its daemon", **where)
+        if os.fstat(control_fd).st_size < _native.CONTROL_BYTES:
+            raise InvalidArgumentError("the handed-back descriptor is not a control page", **where)
+        self.tables.adopt_epoch(table.epoch)
+        address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
+        memory = GroupMemory(
+            record.memory_kind, control_fd, address, [], record.buffer_bytes, adopted_buffers=len(record.ranks)
+        )
+        return Group(
+            name=args.group,
+            group_id=record.group_id,
+            args=args,
+            memory=memory,
+            table=table,
+            members={
+                r: Member(
+                    r, pid=m.pid, uid=m.uid, secret=rank_secret(self.adoption_key, record.group_id, record.salt, r)
+                )
+                for r, m in enumerate(record.ranks)
+            },
+            devices=[m.device for m in record.ranks],
+            creator=key[0] or Caller(None if record.creator_is_tcp else record.creator_uid),
+            live=(
+                LiveEstimates(args.world_size, self.config.live_margin, self.config.live_min_samples)
+                if self.config.live_recalibration
+                else None
+            ),
+            ticket=ticket,
+            adopted=True,
+        )
+
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
     async def check_peers(self, report: pb.PeerCheckReport, timeout: float) -> pb.PeerCheckVerdict:
@@ -276,6 +401,12 @@ class GroupRegistry:
         member = group.members[rank]
         if member.gone:
             raise NotFoundError(f"rank {rank} is no longer a member of this group", **where)
+        if group.service is None:
+            raise DaemonUnavailableError(
+                "the service path died with the daemon that formed this group (it was adopted since); its peer "
+                "paths run on",
+                **where,
+            )
         return group, group.service
 
     def allocate_memory(self, request: pb.AllocateMemoryRequest) -> pb.AllocateMemoryReply:
@@ -363,14 +494,14 @@ class GroupRegistry:
     def record_timings(self, group_id: int, rank: int, timings: Sequence[pb.Timing]) -> None:
         self.timings.record_timings(self._groups.get(group_id), rank, timings)
 
-    def _check_sessions(self, group_id: int) -> None:
+    def _check_sessions(self, group_id: int, what: str = "open its session") -> None:
         group = self._groups.get(group_id)
         if group is None:
             return
         for member in group.members.values():
             if not member.session_seen and not member.gone:
                 member.lost = True
-                reason = f"rank {member.rank} did not open its session within {self.config.session_grace_seconds:.1f} s"
+                reason = f"rank {member.rank} did not {what} within {self.config.session_grace_seconds:.1f} s"
                 log.warning("rank lost", extra={"group": group.name, "group_id": group.group_id, "reason": reason})
                 self._abort(group, _native.AbortReason.PEER_LOST, member.rank, reason)
         self._release_if_empty(group)

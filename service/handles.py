@@ -1,7 +1,8 @@
 """The descriptor socket: where a rank trades its one-time claim token for its group's memfds, and
 where a process proves who it is before it joins.
 
-Protocol (one exchange per connection): the rank sends 16 bytes, a claim token or IDENTIFY. For a
+Protocol (one exchange per connection): the rank sends 16 bytes, a claim token, IDENTIFY or
+HANDBACK (nodecomm.credentials: then its control page, for an Adopt). For a
 token the daemon checks the connecting process's SO_PEERCRED against the uid that joined and the
 pid the Join declared, then answers with one status byte and, on success (0), the descriptors
 attached with SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY
@@ -26,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from nodecomm.credentials import IDENTIFY
+from nodecomm.credentials import HANDBACK, IDENTIFY
 from nodecomm.trust import peer_credentials
 
 TOKEN_BYTES = 16
@@ -149,6 +150,46 @@ class IdentityTable:
         return identity if identity is not None and identity.expires_at >= time.monotonic() else None
 
 
+@dataclass
+class Handback:
+    fd: int  # owned by the table until taken
+    pid: int
+    uid: int
+    expires_at: float
+
+
+class HandbackTable:
+    """Control pages ranks handed back on the descriptor socket, until an Adopt takes them.
+    Thread-safe; at most _MAX_PENDING_PER_UID per uid (the oldest is closed past it)."""
+
+    def __init__(self, ttl: float = 60.0) -> None:
+        self._lock = threading.Lock()
+        self._ttl = ttl
+        self._held: dict[bytes, Handback] = {}
+
+    def hold(self, fd: int, pid: int, uid: int) -> bytes:
+        token = os.urandom(TOKEN_BYTES)
+        now = time.monotonic()
+        with self._lock:
+            stale = [t for t, h in self._held.items() if h.expires_at < now]
+            same = [t for t, h in self._held.items() if h.uid == uid]
+            stale += same[: max(0, len(same) - _MAX_PENDING_PER_UID + 1)]
+            closing = [self._held.pop(t) for t in dict.fromkeys(stale)]
+            self._held[token] = Handback(fd, pid, uid, now + self._ttl)
+        for handback in closing:
+            os.close(handback.fd)
+        return token
+
+    def take(self, token: bytes) -> Handback | None:
+        """The handback for `token`, now owned by the caller; None if unknown, used or expired."""
+        with self._lock:
+            handback = self._held.pop(token, None)
+        if handback is not None and handback.expires_at < time.monotonic():
+            os.close(handback.fd)
+            return None
+        return handback
+
+
 @dataclass(frozen=True)
 class Admission:
     """Who may use the daemon: anyone who can reach its sockets when both lists are empty;
@@ -217,10 +258,12 @@ class DescriptorServer:
         identities: IdentityTable | None = None,
         admission: Admission = Admission(),
         identity_ttl: float = 60.0,
+        handbacks: HandbackTable | None = None,
     ):
         self.path = path
         self._claims = claims
         self._identities = identities or IdentityTable()
+        self._handbacks = handbacks or HandbackTable()
         self._admission = admission
         self._identity_ttl = identity_ttl
         self._on_claim = on_claim  # (result, detail) for metrics and logs
@@ -346,6 +389,8 @@ class DescriptorServer:
             return self._refuse(conn, "malformed", f"expected a {TOKEN_BYTES}-byte claim token, got {len(token)} bytes")
         if token == IDENTIFY:
             return self._identify(conn)
+        if token == HANDBACK:
+            return self._hand_back(conn)
         claim = self._claims.take(token)
         if claim is None:
             return self._refuse(conn, "unknown_token", "unknown, already used or expired claim token")
@@ -382,6 +427,20 @@ class DescriptorServer:
             )
         conn.sendall(b"\x00" + self._identities.issue(pid, uid, gids, self._identity_ttl))
         self._on_claim("identified", f"pid {pid} uid {uid}")
+
+    def _hand_back(self, conn: socket.socket) -> None:
+        """A rank's control page, for its Adopt: held under a token, with who handed it."""
+        pid, uid, gid = peer_credentials(conn)
+        if not self._admission.admits(uid, process_groups(pid, gid)):
+            return self._refuse(conn, "not_admitted", f"uid {uid} may not use this daemon")
+        conn.sendall(b"\x00")
+        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            return self._refuse(conn, "malformed", "expected one descriptor after HANDBACK")
+        conn.sendall(b"\x00" + self._handbacks.hold(fds[0], pid, uid))
+        self._on_claim("handed_back", f"pid {pid} uid {uid}")
 
     def _refuse(self, conn: socket.socket, result: str, reason: str) -> None:
         conn.sendall(b"\x01" + reason.encode())

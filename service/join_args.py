@@ -51,6 +51,19 @@ class JoinArgs:
             ),
         )
 
+    def to_request(self) -> pb.JoinRequest:
+        """The Join these arguments came from (what a group's record keeps: service/adoption.py)."""
+        return pb.JoinRequest(
+            group=self.group,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            geometry=pb.Geometry(capacity_bytes=self.capacity_bytes, dtypes=self.dtypes, wire=self.wire),
+            pid=self.pid,
+            nccl_fallback=self.nccl_fallback,
+            overrides=[pb.Boundary(name=n, value_bytes=v) for n, v in self.overrides],
+        )
+
     # The fields every rank must agree on, with how to show a value in an error.
     AGREED = ("world_size", "device_kind", "capacity_bytes", "dtypes", "nccl_fallback", "overrides", "wire")
 

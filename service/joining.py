@@ -167,6 +167,7 @@ def join_replies(
             rank_secret=group.members[rank].secret,
             service_ordering=group.service_ordering,
             captured_abort=CAPTURED_ABORT_POLICIES[config.captured_abort],
+            adoption=group.ticket,
         )
         for owner in range(group.args.world_size):
             reply.buffers.add(

@@ -119,6 +119,16 @@ class DaemonMetrics:
             ["kind"],
             registry=r,
         )
+        self.adoptions = Counter(
+            "nodecomm_adopted_groups_total",
+            "Groups an earlier daemon formed that this one took over when their ranks came back (service/adoption.py).",
+            registry=r,
+        )
+        self.calls_without_daemon = Counter(
+            "nodecomm_calls_without_daemon_total",
+            "All-reduces the ranks of adopted groups ran while no daemon served them (summed over ranks).",
+            registry=r,
+        )
         self.claims = Counter(
             "nodecomm_descriptor_claims_total", "Descriptor claims by outcome.", ["result"], registry=r
         )

@@ -36,13 +36,22 @@ from nodecomm.errors import (
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from .adoption import load_key
 from .allocator import raise_descriptor_limit
 from .calibration import CalibrationStore
 from .callers import Caller, Peer
 from .config import DaemonConfig, load_config, parse_ids
 from .connections import Gate, GateInterceptor
 from .groups import GroupRegistry
-from .handles import Admission, ClaimTable, DescriptorServer, IdentityTable, is_declared_process, process_uid
+from .handles import (
+    Admission,
+    ClaimTable,
+    DescriptorServer,
+    HandbackTable,
+    IdentityTable,
+    is_declared_process,
+    process_uid,
+)
 from .job_lease import JobLease
 from .join_args import JoinArgs
 from .listening import (
@@ -383,6 +392,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         return pb.LeaveReply()
 
     @rpc()
+    async def Adopt(self, request: pb.AdoptRequest, context) -> pb.AdoptReply:
+        return self.registry.adopt(request, _rank_secret(context), self._peer(context).caller)
+
+    @rpc()
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
         caller = self._peer(context).caller
         table = self.registry.table_for(
@@ -426,7 +439,10 @@ async def serve(config: DaemonConfig) -> int:
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
-    registry = GroupRegistry(config, metrics, claims, gpus, executor)
+    # A job's private daemon keeps its key in the user's cache, where its successor finds it.
+    adoption_key = load_key(config.cache_dir if config.private else config.state_dir)
+    handbacks = HandbackTable()
+    registry = GroupRegistry(config, metrics, claims, gpus, executor, adoption_key, handbacks)
     # Where calibrations are read (the newer of them is used) and written: the node's state, or for
     # a job's private daemon the node's state, read-only, beside the user's own cache.
     store = CalibrationStore(config.state_dir)
@@ -466,7 +482,7 @@ async def serve(config: DaemonConfig) -> int:
         on_claim=lambda result, detail: (
             metrics.claims.labels(result).inc(),
             claim_log.log(
-                logging.INFO if result in ("ok", "identified") else logging.WARNING,
+                logging.INFO if result in ("ok", "identified", "handed_back") else logging.WARNING,
                 result,
                 "descriptor claim",
                 result=result,
@@ -476,6 +492,7 @@ async def serve(config: DaemonConfig) -> int:
         identities=identities,
         admission=admission,
         identity_ttl=config.claim_token_ttl_seconds,
+        handbacks=handbacks,
     )
     restrict_socket_file(config.descriptor_socket, 0o660, config.socket_group)
 

@@ -311,6 +311,10 @@ class TableKeeper:
         table = build_table(boundaries, fallback_path(nccl_fallback), epoch, wire)
         return dataclasses.replace(table, origin=origin)
 
+    def adopt_epoch(self, epoch: int) -> None:
+        """An adopted group dispatches by `epoch`: tables made from now on come after it."""
+        self._epoch = max(self._epoch, epoch)
+
     def _next_epoch(self) -> int:
         self._epoch += 1
         return self._epoch

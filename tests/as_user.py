@@ -9,6 +9,7 @@ Questions:
   identify  send IDENTIFY, write the raw answer (b"\\x02": none; b"\\x03" + the error: no connection)
   connect   what nodecomm.connect's first step (identify) raises: "no error" or "Class message"
   health    a health check on the control socket at PATH: "SERVING", or the gRPC status and details
+  serve     remove what is at PATH and bind a socket there: "bound", or the error
 """
 
 from __future__ import annotations
@@ -57,7 +58,19 @@ def health(path: str) -> bytes:
         return f"{error.code().name} {error.details()}".encode()
 
 
-QUESTIONS = {"identify": raw_identify, "connect": connect_identify, "health": health}
+def serve(path: str) -> bytes:
+    """Take the daemon's socket path over (remove what is there, bind a socket of this uid's)."""
+    try:
+        if os.path.lexists(path):
+            os.unlink(path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.bind(path)
+        return b"bound"
+    except OSError as error:
+        return f"{type(error).__name__}: {error}".encode()
+
+
+QUESTIONS = {"identify": raw_identify, "connect": connect_identify, "health": health, "serve": serve}
 
 if __name__ == "__main__":
     uid, gid, question, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]

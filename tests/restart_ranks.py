@@ -14,6 +14,7 @@ import nodecomm
 import nodecomm.distributed  # registers the "nodecomm" backend
 
 ROWS, TOPK = 8, 4
+GAP_CALLS = 50  # adopted(): all-reduces while no daemon serves
 
 
 def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, report, commands) -> dict:
@@ -76,8 +77,10 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
             leaving = leaving or commands.get_nowait() == "stop"
         except queue.Empty:
             pass
-    # Whether this rank's session saw its daemon go (dist's communicators hold theirs inside).
+    # Whether this rank's session is still without a daemon, and how often its group was handed
+    # to a new one (dist's communicators hold theirs inside).
     lost = comm._session.lost_reason is not None if api == "connect" else None
+    adoptions = comm._session.adoptions if api == "connect" else None
     left = "ok"
     try:
         if api == "connect":
@@ -89,7 +92,7 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
     with nodecomm.connect("after", rank, world_size, socket=socket, timeout=60) as again:
         after = again.all_reduce(torch.full((4,), float(rank + 1))).tolist()
     return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
-            "after": after, "left": left, "lost": lost}  # fmt: skip
+            "after": after, "left": left, "lost": lost, "adoptions": adoptions}  # fmt: skip
 
 
 def _values(value: int, leaving: bool) -> torch.Tensor:
@@ -137,17 +140,38 @@ def lose_the_daemon_with(rank: int, world_size: int, socket: str, thresholds: di
             return f"{type(error).__name__}: {error}"
 
 
-def ask_the_next_daemon(rank: int, world_size: int, socket: str, report, commands) -> dict:
-    """Once the test has killed the daemon and started another on its socket: what a new top-k
-    exchange of the running group gives (it must not be asked of a daemon never checked as the
-    group's), and an all-reduce. `commands`: every rank's queue."""
-    with nodecomm.connect("asking", rank, world_size, socket=socket, timeout=60) as comm:
+def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
+    """Once the test has killed the daemon: GAP_CALLS all-reduces, reported ("called", rank); once
+    it has started another on the socket: all-reduce until the
+    group was handed to it, then open a top-k exchange there and stage once, all-reduce, and report
+    ("adopted", rank, its ticket). Then, as the test says, "leave" (close: Leave through the new
+    daemon) or "die" (rank 1 is killed; rank 0 calls until it raises). `commands`: every rank's queue."""
+    with nodecomm.connect("adopted", rank, world_size, socket=socket, timeout=60, operation_timeout=5) as comm:
         report.put(("running", rank))
+        assert commands[rank].get(timeout=60) == "daemon gone"
+        for _ in range(GAP_CALLS):
+            assert comm.all_reduce(torch.ones(4)).tolist() == [float(world_size)] * 4
+        report.put(("called", rank))
         assert commands[rank].get(timeout=60) == "next daemon serving"
-        time.sleep(0.5)  # the session thread notices the closed stream
+        calls, deadline = 0, time.monotonic() + 30
+        while time.monotonic() < deadline:  # until every rank's group was handed over (the sum says)
+            calls += 1
+            if comm.all_reduce(torch.tensor([float(comm._session.adoptions > 0)])).item() == world_size:
+                break
+        exchange = comm.topk_exchange(ROWS, TOPK)
+        owned_idx, _ = exchange.stage(torch.full((ROWS, TOPK), rank, dtype=torch.int32), torch.zeros((ROWS, TOPK)))
+        staged = bool((owned_idx == torch.arange(world_size, dtype=torch.int32).view(1, -1, 1)).all())
+        summed = comm.all_reduce(torch.ones(4)).tolist()
+        report.put(("adopted", rank, comm._ticket.SerializeToString()))
+        outcome = {"adoptions": comm._session.adoptions, "calls": calls, "staged": staged, "sum": summed}
+        command = commands[rank].get(timeout=120)
+        if command == "leave":
+            return outcome
+        if rank != 0:
+            time.sleep(120)  # killed
+        _, killed = command  # ("die", when the test killed rank 1: CLOCK_MONOTONIC is the machine's)
         try:
-            comm.topk_exchange(8, 4)
-            exchange = "opened"
+            while True:
+                comm.all_reduce(torch.ones(8))
         except nodecomm.NodecommError as error:
-            exchange = f"{type(error).__name__}: {error}"
-        return {"exchange": exchange, "sum": comm.all_reduce(torch.ones(4)).tolist()}
+            return {**outcome, "error": f"{type(error).__name__}: {error}", "took": time.monotonic() - killed}

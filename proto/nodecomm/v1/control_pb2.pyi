@@ -151,7 +151,7 @@ class Segment(_message.Message):
     def __init__(self, owner_rank: _Optional[int] = ..., size_bytes: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering", "captured_abort")
+    __slots__ = ("group_id", "claim_token", "descriptor_socket", "memory_kind", "control", "buffers", "thresholds", "timing_sample_period", "operation_timeout_seconds", "max_blocks", "table_switch_period", "explore_period", "rank_secret", "service_ordering", "captured_abort", "adoption")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     CLAIM_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class JoinReply(_message.Message):
     RANK_SECRET_FIELD_NUMBER: _ClassVar[int]
     SERVICE_ORDERING_FIELD_NUMBER: _ClassVar[int]
     CAPTURED_ABORT_FIELD_NUMBER: _ClassVar[int]
+    ADOPTION_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     claim_token: bytes
     descriptor_socket: str
@@ -182,7 +183,70 @@ class JoinReply(_message.Message):
     rank_secret: bytes
     service_ordering: ServiceOrdering
     captured_abort: CapturedAbort
-    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., captured_abort: _Optional[_Union[CapturedAbort, str]] = ...) -> None: ...
+    adoption: AdoptionTicket
+    def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., captured_abort: _Optional[_Union[CapturedAbort, str]] = ..., adoption: _Optional[_Union[AdoptionTicket, _Mapping]] = ...) -> None: ...
+
+class GroupRecord(_message.Message):
+    __slots__ = ("group_id", "salt", "join", "ranks", "memory_kind", "buffer_bytes", "creator_uid", "creator_is_tcp", "max_blocks")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_KIND_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CREATOR_UID_FIELD_NUMBER: _ClassVar[int]
+    CREATOR_IS_TCP_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    salt: bytes
+    join: JoinRequest
+    ranks: _containers.RepeatedCompositeFieldContainer[RecordedRank]
+    memory_kind: MemoryKind
+    buffer_bytes: int
+    creator_uid: int
+    creator_is_tcp: bool
+    max_blocks: int
+    def __init__(self, group_id: _Optional[int] = ..., salt: _Optional[bytes] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RecordedRank, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., buffer_bytes: _Optional[int] = ..., creator_uid: _Optional[int] = ..., creator_is_tcp: _Optional[bool] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+
+class RecordedRank(_message.Message):
+    __slots__ = ("pid", "uid", "device")
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uid: int
+    device: str
+    def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class AdoptionTicket(_message.Message):
+    __slots__ = ("record", "tag")
+    RECORD_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    record: bytes
+    tag: bytes
+    def __init__(self, record: _Optional[bytes] = ..., tag: _Optional[bytes] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("ticket", "rank", "control_token", "thresholds", "calls_without_daemon")
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    THRESHOLDS_FIELD_NUMBER: _ClassVar[int]
+    CALLS_WITHOUT_DAEMON_FIELD_NUMBER: _ClassVar[int]
+    ticket: AdoptionTicket
+    rank: int
+    control_token: bytes
+    thresholds: ThresholdTable
+    calls_without_daemon: int
+    def __init__(self, ticket: _Optional[_Union[AdoptionTicket, _Mapping]] = ..., rank: _Optional[int] = ..., control_token: _Optional[bytes] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., calls_without_daemon: _Optional[int] = ...) -> None: ...
+
+class AdoptReply(_message.Message):
+    __slots__ = ("group_id", "adopted")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    group_id: int
+    adopted: bool
+    def __init__(self, group_id: _Optional[int] = ..., adopted: _Optional[bool] = ...) -> None: ...
 
 class Boundary(_message.Message):
     __slots__ = ("name", "value_bytes", "source")

@@ -79,6 +79,11 @@ class ControlStub:
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=nodecomm_dot_v1_dot_control__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/nodecomm.v1.Control/Adopt',
+                request_serializer=nodecomm_dot_v1_dot_control__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=nodecomm_dot_v1_dot_control__pb2.AdoptReply.FromString,
+                _registered_method=True)
         self.GetThresholds = channel.unary_unary(
                 '/nodecomm.v1.Control/GetThresholds',
                 request_serializer=nodecomm_dot_v1_dot_control__pb2.GetThresholdsRequest.SerializeToString,
@@ -170,6 +175,16 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """A rank of a group an earlier daemon formed, whose session was lost, hands its group to this
+        daemon: its ticket (which a daemon holding the node's adoption key recognises), its rank
+        secret (as every per-rank call) and its control page (handed back on the descriptor socket).
+        The first rank's call adopts the group; each rank then opens its Session again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetThresholds(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -229,6 +244,11 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=nodecomm_dot_v1_dot_control__pb2.LeaveRequest.FromString,
                     response_serializer=nodecomm_dot_v1_dot_control__pb2.LeaveReply.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=nodecomm_dot_v1_dot_control__pb2.AdoptRequest.FromString,
+                    response_serializer=nodecomm_dot_v1_dot_control__pb2.AdoptReply.SerializeToString,
             ),
             'GetThresholds': grpc.unary_unary_rpc_method_handler(
                     servicer.GetThresholds,
@@ -484,6 +504,33 @@ class Control:
             '/nodecomm.v1.Control/Leave',
             nodecomm_dot_v1_dot_control__pb2.LeaveRequest.SerializeToString,
             nodecomm_dot_v1_dot_control__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nodecomm.v1.Control/Adopt',
+            nodecomm_dot_v1_dot_control__pb2.AdoptRequest.SerializeToString,
+            nodecomm_dot_v1_dot_control__pb2.AdoptReply.FromString,
             options,
             channel_credentials,
             insecure,

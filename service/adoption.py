@@ -1,0 +1,92 @@
+"""Adoption: how a daemon takes over the groups an earlier one formed, which ran on without it.
+
+The daemon that forms a group gives every rank a ticket: the group's record (pb.GroupRecord: its
+id, the Join every rank agreed with, each rank's pid, uid and device, its memory) and an HMAC of
+the record under the node's adoption key, a secret in the state directory that only the daemon's
+uid can read. Each rank's secret is an HMAC of the group's id, a salt and the rank under the same
+key. When its session is lost, a rank reconnects with the checks of a first connection
+(nodecomm.daemon_channel), hands its control page back on the descriptor socket and calls Adopt
+with its ticket and its secret. A daemon holding the same key knows the record for one it (or
+its predecessor) wrote and the secret for the rank's, and takes the group over: the control page
+gives it the abort word, and each rank's session comes back as after a Join. The buffers stay
+where they are, with the ranks (a memfd lives while a process maps it, a CUDA VMM allocation while
+a process holds it); a group whose memory the daemon's exit freed (legacy CUDA IPC) was aborted
+and is never adopted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hmac
+import logging
+import os
+import secrets
+
+from nodecomm import trust
+from nodecomm.errors import NodecommError, PermissionDeniedError
+from nodecomm.v1 import control_pb2 as pb
+
+log = logging.getLogger("nodecomm.adoption")
+
+KEY_FILE = "adoption.key"
+KEY_BYTES = 32
+SALT_BYTES = 16
+
+
+def load_key(directory: str) -> bytes:
+    """The node's adoption key, from `directory`/adoption.key (made 0600, with a new key, where
+    missing). Where the directory or the file fails the checks a secret needs (this uid's, no one
+    else may read or write it), a key of this process's own: its groups still form and run, but
+    no later daemon can adopt them (logged)."""
+    path = os.path.join(directory, KEY_FILE)
+    try:
+        os.makedirs(directory, 0o700, exist_ok=True)
+        trust.trusted_directory(directory, frozenset({os.geteuid()}), trust.ADOPTION_STAKES)
+        with os.fdopen(trust.open_private_file(path), "r+b") as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            if mode & 0o077:
+                raise PermissionDeniedError(f"{path} has mode {mode & 0o777:o}; expected 600: others could read it")
+            fcntl.flock(handle, fcntl.LOCK_EX)  # two daemons starting at once write one key
+            key = handle.read()
+            if not key:
+                key = secrets.token_bytes(KEY_BYTES)
+                handle.write(key)
+                handle.flush()
+                os.fsync(handle.fileno())
+            elif len(key) != KEY_BYTES:
+                raise PermissionDeniedError(f"{path} holds {len(key)} bytes; expected a {KEY_BYTES}-byte key")
+        return key
+    except (OSError, NodecommError) as error:
+        log.warning(
+            f"no adoption key in {directory} ({error}): the groups this daemon forms run on if it stops, "
+            "but the next daemon cannot adopt them",
+            extra={"path": path},
+        )
+        return secrets.token_bytes(KEY_BYTES)
+
+
+def rank_secret(key: bytes, group_id: int, salt: bytes, rank: int) -> bytes:
+    """What proves rank `rank` of the group: given at its Join, known again to a daemon with the key."""
+    message = b"nodecomm rank secret\0" + group_id.to_bytes(8, "little") + salt + rank.to_bytes(4, "little")
+    return hmac.digest(key, message, "sha256")[:16]
+
+
+def ticket_for(key: bytes, record: pb.GroupRecord) -> pb.AdoptionTicket:
+    data = record.SerializeToString(deterministic=True)
+    return pb.AdoptionTicket(record=data, tag=_tag(key, data))
+
+
+def record_of(key: bytes, ticket: pb.AdoptionTicket) -> pb.GroupRecord:
+    """The record a ticket carries, where this key made its tag; PermissionDeniedError otherwise
+    (another node's daemon, a key since replaced, or a forged ticket)."""
+    if not hmac.compare_digest(_tag(key, ticket.record), ticket.tag):
+        raise PermissionDeniedError(
+            "this group's ticket was not issued under this node's adoption key (another node, a replaced "
+            "state directory, or a forged ticket): the group cannot be adopted; close the communicator and "
+            "connect again"
+        )
+    return pb.GroupRecord.FromString(ticket.record)
+
+
+def _tag(key: bytes, data: bytes) -> bytes:
+    return hmac.digest(key, b"nodecomm group record\0" + data, "sha256")
