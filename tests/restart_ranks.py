@@ -175,3 +175,49 @@ def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
                 comm.all_reduce(torch.ones(8))
         except nodecomm.NodecommError as error:
             return {**outcome, "error": f"{type(error).__name__}: {error}", "took": time.monotonic() - killed}
+
+
+def ride_through_on_cuda(rank: int, world_size: int, socket: str, report, commands) -> dict:
+    """On the GPU (ranks sharing it): a CUDA graph of one all-reduce captured before any restart,
+    then, until the test says "stop", steps of an eager all-reduce of new inputs and a replay of
+    the graph on new inputs, every output compared bit for bit, while the test restarts the
+    daemon. Returns the steps, the failed and wrong ones, the longest pause (ms) and how often the
+    group was handed to a new daemon. `commands`: every rank's queue."""
+    device = f"cuda:{rank % torch.cuda.device_count()}"
+    torch.cuda.set_device(device)
+    full = world_size * (world_size - 1) // 2
+    with nodecomm.connect("ride-cuda", rank, world_size, device=device, socket=socket, timeout=60) as comm:
+        static_in = torch.zeros(4097, device=device)
+        static_out = torch.empty_like(static_in)
+        comm.all_reduce(static_in, out=static_out)  # warm-up before capture
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.graph(graph, stream=stream):
+            comm.all_reduce(static_in, out=static_out)
+        report.put(("running", rank))
+        step, failed, wrong, errors, longest, last = 0, 0, 0, [], 0.0, time.monotonic()
+        leaving = stop = False
+        while not stop:
+            step += 1
+            try:
+                summed = comm.all_reduce(_values(step + rank, leaving).to(device))
+                static_in.copy_(_values(2 * step + rank, False).to(device))
+                graph.replay()
+                exact = bool((summed[:-1] == world_size * step + full).all()) and bool(
+                    (static_out[:-1] == world_size * 2 * step + full).all()
+                )
+                wrong += not exact
+                stop = bool(summed[-1] > 0)
+            except nodecomm.NodecommError as error:
+                failed += 1
+                errors.append(f"{type(error).__name__}: {error}")
+                if failed >= 3:
+                    break
+            now = time.monotonic()
+            longest, last = max(longest, now - last), now
+            try:
+                leaving = leaving or commands[rank].get_nowait() == "stop"
+            except queue.Empty:
+                pass
+        return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
+                "adoptions": comm._session.adoptions}  # fmt: skip
