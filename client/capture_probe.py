@@ -35,13 +35,14 @@ def calls_per_graph(nbytes: int) -> int:
     return max(2, min(16, (2 << 20) // max(nbytes, 1)))
 
 
-def graph_seconds(run: Callable[[], object], calls: int) -> float:
-    """Per-call seconds of `run`, captured `calls` times in one graph: the median of REPLAYS replays."""
+def graph_seconds(run: Callable[[], object], calls: int, device: torch.device) -> float:
+    """Per-call seconds of `run` (on `device`'s current stream), captured `calls` times in one
+    graph: the median of REPLAYS replays."""
     graph = torch.cuda.CUDAGraph()
-    current, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    current, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
     side.wait_stream(current)
     # capture_begin, not torch.cuda.graph(): that one also collects garbage and empties the cache.
-    with torch.cuda.stream(side):
+    with torch.cuda.device(device), torch.cuda.stream(side):
         graph.capture_begin()
         try:
             for _ in range(calls):
@@ -50,11 +51,12 @@ def graph_seconds(run: Callable[[], object], calls: int) -> float:
             graph.capture_end()
     current.wait_stream(side)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(REPLAYS + 1)]
-    graph.replay()
-    events[0].record()
-    for event in events[1:]:
+    with torch.cuda.device(device), torch.cuda.stream(current):
         graph.replay()
-        event.record()
+        events[0].record()
+        for event in events[1:]:
+            graph.replay()
+            event.record()
     events[-1].synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in itertools.pairwise(events)) / 1e3 / calls
 
@@ -74,7 +76,7 @@ def fastest_path(
             all_reduce(x, out=out, path=name)
 
         run()  # once eagerly: nothing a path sets up on its first call lands in the graph
-        mine.append(graph_seconds(run, calls))
+        mine.append(graph_seconds(run, calls, like.device))
     # In the call's dtype, which the group reduces (bf16 keeps 3 digits: finer than MARGIN).
     times = torch.tensor([seconds * 1e6 for seconds in mine], dtype=like.dtype, device=like.device)
     summed = [us / 1e6 for us in all_reduce(times, path=candidates[0].value).tolist()]

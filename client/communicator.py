@@ -96,6 +96,7 @@ class Communicator:
         self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
         self._daemon_lease = daemon_lease
         self._channel = channel
+        self._retired_channels: list[grpc.Channel] = []  # those of daemons the group was handed on from
         self._stub = pb_grpc.ControlStub(channel)
         self._control = control
         self._descriptor_socket = descriptor_socket
@@ -344,15 +345,16 @@ class Communicator:
         must prove who it is as at connect() (nodecomm.daemon_channel), then takes the control page
         and the ticket; returns its stub. Raises DaemonUnavailableError while nothing serves."""
         where = self.membership.where
-        channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 2.0, [("grpc.enable_retries", 0)])
+        # Short waits: close() waits for the session thread that runs this.
+        channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 1.0, [("grpc.enable_retries", 0)])
         try:
-            token = self._descriptor_socket.hand_back(self._control_fd, 2.0, where)
+            token = self._descriptor_socket.hand_back(self._control_fd, 1.0, where)
             stub = pb_grpc.ControlStub(channel)
             request = pb.AdoptRequest(
                 ticket=self._ticket, rank=self.rank, control_token=token,
                 thresholds=self._dispatcher.table.to_proto(), calls_without_daemon=calls_without_daemon,
             )  # fmt: skip
-            reply = stub.Adopt(request, timeout=10.0, metadata=self._metadata)
+            reply = stub.Adopt(request, timeout=3.0, metadata=self._metadata)
         except grpc.RpcError as error:
             channel.close()
             raise from_rpc_error(error, **where) from None
@@ -363,9 +365,14 @@ class Communicator:
             "group handed to the daemon serving now",
             extra={**where, "adopted_here": reply.adopted, "calls_without_daemon": calls_without_daemon},
         )
-        previous, self._channel, self._stub = self._channel, channel, stub
-        self._service.use(stub)
-        previous.close()
+        with self._lock:
+            if self._closed:  # close() ran meanwhile: this channel is nobody's
+                channel.close()
+                raise DaemonUnavailableError("the communicator was closed", **where)
+            # The old channel is closed with the communicator: a call may still hold its stub.
+            self._retired_channels.append(self._channel)
+            self._channel, self._stub = channel, stub
+            self._service.use(stub)
         return stub
 
     def _needs_daemon(self) -> str | None:
@@ -750,7 +757,8 @@ class Communicator:
             self._control.unmap()
             if self._control_fd >= 0:
                 os.close(self._control_fd)
-            self._channel.close()
+            for channel in (*self._retired_channels, self._channel):
+                channel.close()
             if self._daemon_lease is not None:
                 self._daemon_lease.release()  # the job's private daemon may leave once every rank has
 

@@ -92,10 +92,7 @@ class DescriptorSocket:
         returns the token the Adopt carries. The socket and its daemon are checked first."""
         try:
             with _connect(self.path, timeout, self.daemon_uids) as sock:
-                sock.sendall(HANDBACK)
-                if sock.recv(1) != b"\x00":
-                    raise PermissionDeniedError("the daemon refused to take the group's control page", **where)
-                socket.send_fds(sock, [b"\x00"], [fd])
+                socket.send_fds(sock, [HANDBACK], [fd])
                 answer = b""
                 while chunk := sock.recv(4096):
                     answer += chunk
@@ -105,6 +102,8 @@ class DescriptorSocket:
             raise DaemonUnavailableError(f"descriptor socket {self.path}: {error}", **where) from None
         if answer[:1] == b"\x00" and len(answer) == 17:
             return answer[1:]
+        if not answer:  # a daemon leaving, or one that closed a connection it found too slow
+            raise DaemonUnavailableError(f"descriptor socket {self.path} closed without answering", **where)
         raise PermissionDeniedError(
             f"the daemon refused the control page: {answer[1:].decode(errors='replace')}", **where
         )

@@ -20,7 +20,16 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from nodecomm import _native
-from nodecomm.errors import DaemonUnavailableError, InternalError, NodecommError, from_rpc_error, shown
+from nodecomm.errors import (
+    AlreadyExistsError,
+    InternalError,
+    NodecommError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnsupportedError,
+    from_rpc_error,
+    shown,
+)
 from nodecomm.thresholds import DispatchTable, Path, Wire
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
@@ -39,8 +48,10 @@ _MAX_TIMINGS_PER_MESSAGE = 128
 # Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
 # bounded pace, and a rank that samples faster loses samples rather than memory.
 _MAX_QUEUED_BATCHES = 256
-# How often a rank whose daemon is gone tries to hand its group to the next one.
+# How often a rank whose daemon is gone tries to hand its group to the next one, and the answers
+# after which it stops trying (the daemon serving there will not take this group).
 _RETRY_SECONDS = 0.1
+_REFUSALS = (PermissionDeniedError, UnsupportedError, AlreadyExistsError, NotFoundError)
 
 
 class Session:
@@ -116,13 +127,14 @@ class Session:
             if self._control_aborted():
                 return
             stub = self._reattached()
-            if stub is None:
+            if stub is None or self._closing:
                 return
             self._stub = stub
             self.adoptions += 1
+            outbox: queue.SimpleQueue[pb.SessionUp | None] = queue.SimpleQueue()
+            outbox.put(pb.SessionUp(hello=pb.SessionHello(group_id=self._group_id, rank=self._rank)))
+            self._outbox = outbox  # the lost stream's reader may still hold the old one
             self.lost_reason = None
-            self._outbox = queue.SimpleQueue()  # the lost stream's reader may still hold the old one
-            self._outbox.put(pb.SessionUp(hello=pb.SessionHello(group_id=self._group_id, rank=self._rank)))
             self._stream()
 
     def _control_aborted(self) -> bool:
@@ -139,16 +151,16 @@ class Session:
                 return None
             try:
                 return self._reattach(self._counts.calls - calls_at_loss)
-            except (DaemonUnavailableError, ConnectionError, OSError) as error:
-                log.debug("no daemon took the group yet", extra={**where, "error": str(error)})
-                continue  # nothing serves yet, or a daemon that is leaving
-            except NodecommError as error:
+            except _REFUSALS as error:  # this daemon will not take the group, now or later
                 log.warning(
                     f"[group {shown(self._group)}, rank {self._rank}] the daemon serving now did not take the "
                     f"group: {error}; it runs on without one",
                     extra={**where, "error": str(error)},
                 )
                 return None
+            except (NodecommError, ConnectionError, OSError) as error:
+                # Nothing serves yet, a daemon that is leaving, one that is full for now: try again.
+                log.debug("no daemon took the group yet", extra={**where, "error": str(error)})
         return None
 
     def _stream(self) -> None:

@@ -12,6 +12,14 @@ gives it the abort word, and each rank's session comes back as after a Join. The
 where they are, with the ranks (a memfd lives while a process maps it, a CUDA VMM allocation while
 a process holds it); a group whose memory the daemon's exit freed (legacy CUDA IPC) was aborted
 and is never adopted.
+
+Why the ranks re-register, rather than the old daemon handing its state over (Envoy's hot restart,
+HAProxy's seamless reload) or systemd keeping descriptors (FileDescriptorStoreMax=): only the
+ranks still hold everything after a SIGKILL or an OOM kill, which leave no old daemon to hand
+anything over; a descriptor store serves systemd alone, not a Kubernetes pod replaced by its
+DaemonSet; and a rank that re-registers needs no second daemon beside the first on one socket
+(no maxSurge). What the daemon must keep across its own death is only the key, in the state
+directory that already holds its calibrations.
 """
 
 from __future__ import annotations

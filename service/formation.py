@@ -6,6 +6,7 @@ for its descriptors. Anything that fails frees what was built and raises; the re
 
 from __future__ import annotations
 
+import os
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -84,6 +85,8 @@ class Formation:
                     creator_uid=forming.creator.uid or 0,
                     creator_is_tcp=forming.creator.uid is None,
                     max_blocks=max_blocks,
+                    control_device=os.fstat(memory.control_fd).st_dev,
+                    control_inode=os.fstat(memory.control_fd).st_ino,
                 ),
             )
             depth = self.config.service_queue_depth

@@ -59,6 +59,9 @@ from .topk_exchanges import TopkOpenings
 
 log = logging.getLogger("nodecomm.groups")
 
+# The highest table epoch an adopted group may bring: the daemon's own epochs count on from it.
+MAX_ADOPTED_EPOCH = 1 << 62
+
 # The nodecomm_group_aborts_total label of each abort reason; any other is "other".
 ABORT_REASONS = {
     _native.AbortReason.PEER_LOST: "peer_lost",
@@ -324,7 +327,8 @@ class GroupRegistry:
                 raise UnsupportedError(f"this daemon does not see the group's GPU {recorded.device}", **where)
         if record.memory_kind not in (pb.HOST_MEMFD, pb.CUDA_VMM_FD):
             raise UnsupportedError("a group on legacy CUDA IPC buffers dies with its daemon", **where)
-        key = self._key(Caller(None if record.creator_is_tcp else record.creator_uid), args.group)
+        creator = Caller(None if record.creator_is_tcp else record.creator_uid)
+        key = self._key(creator, args.group)
         if key in self._active or key in self._forming:
             raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
         try:
@@ -333,10 +337,17 @@ class GroupRegistry:
             raise InvalidArgumentError(f"thresholds: {error}", **where) from None
         if Path.SERVICE in table.range_paths:
             raise UnsupportedError("a group whose table has a service range dies with its daemon", **where)
-        if os.fstat(control_fd).st_size < _native.CONTROL_BYTES:
-            raise InvalidArgumentError("the handed-back descriptor is not a control page", **where)
-        self.tables.adopt_epoch(table.epoch)
+        if table.epoch > MAX_ADOPTED_EPOCH:
+            raise InvalidArgumentError(f"thresholds.epoch {table.epoch}: expected at most {MAX_ADOPTED_EPOCH}", **where)
+        page = os.fstat(control_fd)  # its size and seals were checked as it was handed back
+        if (page.st_dev, page.st_ino) != (record.control_device, record.control_inode):
+            raise PermissionDeniedError("the descriptor handed back is not this group's control page", **where)
+        self.quotas.check_group(args, [m.device for m in record.ranks], creator)
         address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
+        if _native.abort_state(address)[0] != 0:
+            host_memory.unmap_segment(address, _native.CONTROL_BYTES)
+            raise NotFoundError("the group was aborted (or its ranks left): it cannot be adopted", **where)
+        self.tables.adopt_epoch(table.epoch)
         memory = GroupMemory(
             record.memory_kind, control_fd, address, [], record.buffer_bytes, adopted_buffers=len(record.ranks)
         )
@@ -353,7 +364,7 @@ class GroupRegistry:
                 for r, m in enumerate(record.ranks)
             },
             devices=[m.device for m in record.ranks],
-            creator=key[0] or Caller(None if record.creator_is_tcp else record.creator_uid),
+            creator=creator,
             live=(
                 LiveEstimates(args.world_size, self.config.live_margin, self.config.live_min_samples)
                 if self.config.live_recalibration
@@ -585,6 +596,10 @@ class GroupRegistry:
             del self._groups[group.group_id]
             self.claims.drop_group(group.group_id)
             self.metrics.forget_group(group.name, group.held(), group.counted, group.wires)
+            if group.memory.abort_state()[0] == 0:
+                # No rank is left to read it: it marks the page as a released group's, which a
+                # replayed ticket cannot bring back (adopt()).
+                group.memory.abort(_native.AbortReason.PEER_LEFT, 0)
             group.close()
             self._update_gauges()
             log.info("group released", extra={"group": group.name, "group_id": group.group_id})

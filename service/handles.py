@@ -2,7 +2,8 @@
 where a process proves who it is before it joins.
 
 Protocol (one exchange per connection): the rank sends 16 bytes, a claim token, IDENTIFY or
-HANDBACK (nodecomm.credentials: then its control page, for an Adopt). For a
+HANDBACK (nodecomm.credentials; its control page attached to those bytes, for an Adopt: the daemon
+answers 0 and a 16-byte token, or 1 and the reason). For a
 token the daemon checks the connecting process's SO_PEERCRED against the uid that joined and the
 pid the Join declared, then answers with one status byte and, on success (0), the descriptors
 attached with SCM_RIGHTS; on failure (1) the rest of the message is a UTF-8 reason. For IDENTIFY
@@ -18,10 +19,12 @@ group's memory.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import selectors
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable
@@ -158,14 +161,34 @@ class Handback:
     expires_at: float
 
 
+# What a handed-back control page must be: a memfd of CONTROL_BYTES sealed against shrinking and
+# growing (host_memory.create_segment's), so that no one can truncate it under the daemon's mapping.
+_PAGE_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+_MAX_HANDBACKS_PER_UID = 64
+_MAX_HANDBACKS = 1024
+
+
 class HandbackTable:
     """Control pages ranks handed back on the descriptor socket, until an Adopt takes them.
-    Thread-safe; at most _MAX_PENDING_PER_UID per uid (the oldest is closed past it)."""
+    Thread-safe; at most _MAX_HANDBACKS_PER_UID per uid and _MAX_HANDBACKS in all (the oldest is
+    closed past either), each for `ttl` seconds (drop_expired)."""
 
-    def __init__(self, ttl: float = 60.0) -> None:
+    def __init__(self, page_bytes: int, ttl: float = 60.0) -> None:
         self._lock = threading.Lock()
+        self._page_bytes = page_bytes
         self._ttl = ttl
         self._held: dict[bytes, Handback] = {}
+
+    def check(self, fd: int) -> str | None:
+        """Why `fd` is not a control page this daemon may map (None: it may)."""
+        try:
+            info = os.fstat(fd)
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as error:
+            return f"not a sealed memfd ({error.strerror})"
+        if not stat.S_ISREG(info.st_mode) or info.st_size != self._page_bytes or seals & _PAGE_SEALS != _PAGE_SEALS:
+            return f"not a control page (a sealed memfd of {self._page_bytes} bytes)"
+        return None
 
     def hold(self, fd: int, pid: int, uid: int) -> bytes:
         token = os.urandom(TOKEN_BYTES)
@@ -173,12 +196,21 @@ class HandbackTable:
         with self._lock:
             stale = [t for t, h in self._held.items() if h.expires_at < now]
             same = [t for t, h in self._held.items() if h.uid == uid]
-            stale += same[: max(0, len(same) - _MAX_PENDING_PER_UID + 1)]
-            closing = [self._held.pop(t) for t in dict.fromkeys(stale)]
+            stale += same[: max(0, len(same) - _MAX_HANDBACKS_PER_UID + 1)]
+            stale += list(self._held)[: max(0, len(self._held) - _MAX_HANDBACKS + 1)]
+            closing = [self._held.pop(t) for t in dict.fromkeys(stale) if t in self._held]
             self._held[token] = Handback(fd, pid, uid, now + self._ttl)
         for handback in closing:
             os.close(handback.fd)
         return token
+
+    def drop_expired(self) -> int:
+        now = time.monotonic()
+        with self._lock:
+            closing = [self._held.pop(t) for t, h in list(self._held.items()) if h.expires_at < now]
+        for handback in closing:
+            os.close(handback.fd)
+        return len(closing)
 
     def take(self, token: bytes) -> Handback | None:
         """The handback for `token`, now owned by the caller; None if unknown, used or expired."""
@@ -263,7 +295,7 @@ class DescriptorServer:
         self.path = path
         self._claims = claims
         self._identities = identities or IdentityTable()
-        self._handbacks = handbacks or HandbackTable()
+        self._handbacks = handbacks
         self._admission = admission
         self._identity_ttl = identity_ttl
         self._on_claim = on_claim  # (result, detail) for metrics and logs
@@ -275,6 +307,7 @@ class DescriptorServer:
         # turn away real claims instead of queueing them for the accept loop.
         self._sock.listen(socket.SOMAXCONN)
         self._thread = threading.Thread(target=self._serve, name="nodecomm-descriptors", daemon=True)
+        self._attached: dict[socket.socket, list[int]] = {}  # descriptors a waiting connection sent
         self._stopping = False
         self._last_warning = 0.0
 
@@ -351,29 +384,38 @@ class DescriptorServer:
     def _receive(self, selector: selectors.BaseSelector, pending: dict, conn: socket.socket) -> None:
         _, token, _ = pending[conn]
         try:
-            chunk = conn.recv(TOKEN_BYTES - len(token))
+            # A HANDBACK carries its one descriptor with its first bytes (SCM_RIGHTS).
+            chunk, fds, _, _ = socket.recv_fds(conn, TOKEN_BYTES - len(token), 1)
         except BlockingIOError:
             return
         except OSError:
-            chunk = b""
+            chunk, fds = b"", []
+        attached = self._attached.setdefault(conn, [])
+        attached += fds
         token += chunk
         if chunk and len(token) < TOKEN_BYTES:
             return
         selector.unregister(conn)
         del pending[conn]
+        self._attached.pop(conn, None)
         with conn:
             conn.setblocking(True)
             conn.settimeout(_CLAIM_IO_TIMEOUT)
             try:
-                self._exchange(conn, bytes(token))
+                self._exchange(conn, bytes(token), attached)
             except OSError as error:
                 self._on_claim("io_error", str(error))
+            finally:
+                for fd in attached:
+                    os.close(fd)
 
     def _drop(
         self, selector: selectors.BaseSelector, pending: dict, conn: socket.socket, result: str, why: str
     ) -> None:
         selector.unregister(conn)
         del pending[conn]
+        for fd in self._attached.pop(conn, []):
+            os.close(fd)
         conn.close()
         self._on_claim(result, why)
 
@@ -384,13 +426,13 @@ class DescriptorServer:
             self._last_warning = now
             log.warning(message, extra={"error": error})
 
-    def _exchange(self, conn: socket.socket, token: bytes) -> None:
+    def _exchange(self, conn: socket.socket, token: bytes, attached: list[int]) -> None:
         if len(token) != TOKEN_BYTES:
             return self._refuse(conn, "malformed", f"expected a {TOKEN_BYTES}-byte claim token, got {len(token)} bytes")
         if token == IDENTIFY:
             return self._identify(conn)
         if token == HANDBACK:
-            return self._hand_back(conn)
+            return self._hand_back(conn, attached)
         claim = self._claims.take(token)
         if claim is None:
             return self._refuse(conn, "unknown_token", "unknown, already used or expired claim token")
@@ -428,18 +470,20 @@ class DescriptorServer:
         conn.sendall(b"\x00" + self._identities.issue(pid, uid, gids, self._identity_ttl))
         self._on_claim("identified", f"pid {pid} uid {uid}")
 
-    def _hand_back(self, conn: socket.socket) -> None:
+    def _hand_back(self, conn: socket.socket, attached: list[int]) -> None:
         """A rank's control page, for its Adopt: held under a token, with who handed it."""
         pid, uid, gid = peer_credentials(conn)
+        if self._handbacks is None:
+            return self._refuse(conn, "malformed", "this daemon takes no control pages")
         if not self._admission.admits(uid, process_groups(pid, gid)):
             return self._refuse(conn, "not_admitted", f"uid {uid} may not use this daemon")
-        conn.sendall(b"\x00")
-        _, fds, _, _ = socket.recv_fds(conn, 1, 1)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            return self._refuse(conn, "malformed", "expected one descriptor after HANDBACK")
-        conn.sendall(b"\x00" + self._handbacks.hold(fds[0], pid, uid))
+        if len(attached) != 1:
+            return self._refuse(conn, "malformed", f"HANDBACK carries one descriptor, not {len(attached)}")
+        why = self._handbacks.check(attached[0])
+        if why is not None:
+            return self._refuse(conn, "malformed", f"the descriptor handed back is {why}")
+        token = self._handbacks.hold(attached.pop(), pid, uid)
+        conn.sendall(b"\x00" + token)
         self._on_claim("handed_back", f"pid {pid} uid {uid}")
 
     def _refuse(self, conn: socket.socket, result: str, reason: str) -> None:

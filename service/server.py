@@ -441,7 +441,7 @@ async def serve(config: DaemonConfig) -> int:
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
     # A job's private daemon keeps its key in the user's cache, where its successor finds it.
     adoption_key = load_key(config.cache_dir if config.private else config.state_dir)
-    handbacks = HandbackTable()
+    handbacks = HandbackTable(_native.CONTROL_BYTES, config.claim_token_ttl_seconds)
     registry = GroupRegistry(config, metrics, claims, gpus, executor, adoption_key, handbacks)
     # Where calibrations are read (the newer of them is used) and written: the node's state, or for
     # a job's private daemon the node's state, read-only, beside the user's own cache.
@@ -563,7 +563,7 @@ async def serve(config: DaemonConfig) -> int:
     async def sweep_tokens() -> None:
         while True:
             await asyncio.sleep(max(1.0, config.claim_token_ttl_seconds / 4))
-            dropped = claims.drop_expired()
+            dropped = claims.drop_expired() + handbacks.drop_expired()
             if dropped:
                 metrics.claims.labels("expired").inc(dropped)
             registry.sweep()

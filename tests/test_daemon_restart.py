@@ -16,6 +16,7 @@ import pytest
 
 import restart_ranks
 from conftest import free_port
+from waiting import wait_until
 
 
 def _running(spawn_ranks, target, world_size: int, *args, timeout: float = 120):
@@ -43,6 +44,8 @@ def _ride(make_daemon, spawn_ranks, world_size: int, api: str, restarts: list[in
         assert daemon.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         daemon.start()
         time.sleep(seconds)  # the ranks call on meanwhile
+    # The last daemon took the running group over (through either API).
+    wait_until(lambda: "nodecomm_adopted_groups_total 1.0" in daemon.metrics_text(), 30, daemon.log)
     for queue in commands:
         queue.put("stop")
     outcomes = group.values()
@@ -77,9 +80,10 @@ def test_a_running_group_calls_on_through_a_daemon_restart(make_daemon, spawn_ra
     _check(_ride(make_daemon, spawn_ranks, world_size, "connect", [sig]), world_size)
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
-def test_a_torch_group_calls_on_through_a_daemon_restart(make_daemon, spawn_ranks, sig):
-    _check(_ride(make_daemon, spawn_ranks, 2, "dist", [sig]), 2)
+def test_a_torch_group_calls_on_through_a_daemon_restart(make_daemon, spawn_ranks, sig, world_size):
+    _check(_ride(make_daemon, spawn_ranks, world_size, "dist", [sig]), world_size)
 
 
 def test_twenty_restarts_in_a_row_cost_no_call(make_daemon, spawn_ranks):
@@ -246,3 +250,33 @@ def test_another_user_cannot_serve_the_socket_while_no_daemon_does(make_daemon, 
         queue.put("leave")
     for outcome in group.values().values():
         assert outcome["adoptions"] == 1, outcome
+
+
+def test_the_descriptor_socket_takes_only_control_pages_and_waits_for_no_one(daemon):
+    """A handback must carry a sealed memfd of a control page's size (one that could shrink would
+    fault the daemon's mapping), and connections that send a HANDBACK without one and stop hold up no
+    other caller: the socket's one thread reads them as it reads claims."""
+    import socket
+
+    from nodecomm import _native
+    from nodecomm.client.descriptors import DescriptorSocket
+    from nodecomm.credentials import HANDBACK
+    from nodecomm.errors import PermissionDeniedError
+
+    descriptors = DescriptorSocket(daemon.socket + ".fd", frozenset({os.geteuid()}))
+    unsealed = os.memfd_create("not-a-page")
+    os.ftruncate(unsealed, _native.CONTROL_BYTES)
+    with pytest.raises(PermissionDeniedError, match="not a control page"):
+        descriptors.hand_back(unsealed, 5.0, {})
+    os.close(unsealed)
+    silent = []
+    for _ in range(4):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(daemon.socket + ".fd")
+        sock.sendall(HANDBACK)  # and no descriptor, and nothing more
+        silent.append(sock)
+    started = time.monotonic()
+    assert len(descriptors.identify(5.0, {})) == 16
+    assert time.monotonic() - started < 1.0  # not behind the silent ones' 2 s deadlines
+    for sock in silent:
+        sock.close()

@@ -187,7 +187,7 @@ class JoinReply(_message.Message):
     def __init__(self, group_id: _Optional[int] = ..., claim_token: _Optional[bytes] = ..., descriptor_socket: _Optional[str] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., control: _Optional[_Union[Segment, _Mapping]] = ..., buffers: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., thresholds: _Optional[_Union[ThresholdTable, _Mapping]] = ..., timing_sample_period: _Optional[int] = ..., operation_timeout_seconds: _Optional[float] = ..., max_blocks: _Optional[int] = ..., table_switch_period: _Optional[int] = ..., explore_period: _Optional[int] = ..., rank_secret: _Optional[bytes] = ..., service_ordering: _Optional[_Union[ServiceOrdering, str]] = ..., captured_abort: _Optional[_Union[CapturedAbort, str]] = ..., adoption: _Optional[_Union[AdoptionTicket, _Mapping]] = ...) -> None: ...
 
 class GroupRecord(_message.Message):
-    __slots__ = ("group_id", "salt", "join", "ranks", "memory_kind", "buffer_bytes", "creator_uid", "creator_is_tcp", "max_blocks")
+    __slots__ = ("group_id", "salt", "join", "ranks", "memory_kind", "buffer_bytes", "creator_uid", "creator_is_tcp", "max_blocks", "control_device", "control_inode")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SALT_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +197,8 @@ class GroupRecord(_message.Message):
     CREATOR_UID_FIELD_NUMBER: _ClassVar[int]
     CREATOR_IS_TCP_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CONTROL_INODE_FIELD_NUMBER: _ClassVar[int]
     group_id: int
     salt: bytes
     join: JoinRequest
@@ -206,7 +208,9 @@ class GroupRecord(_message.Message):
     creator_uid: int
     creator_is_tcp: bool
     max_blocks: int
-    def __init__(self, group_id: _Optional[int] = ..., salt: _Optional[bytes] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RecordedRank, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., buffer_bytes: _Optional[int] = ..., creator_uid: _Optional[int] = ..., creator_is_tcp: _Optional[bool] = ..., max_blocks: _Optional[int] = ...) -> None: ...
+    control_device: int
+    control_inode: int
+    def __init__(self, group_id: _Optional[int] = ..., salt: _Optional[bytes] = ..., join: _Optional[_Union[JoinRequest, _Mapping]] = ..., ranks: _Optional[_Iterable[_Union[RecordedRank, _Mapping]]] = ..., memory_kind: _Optional[_Union[MemoryKind, str]] = ..., buffer_bytes: _Optional[int] = ..., creator_uid: _Optional[int] = ..., creator_is_tcp: _Optional[bool] = ..., max_blocks: _Optional[int] = ..., control_device: _Optional[int] = ..., control_inode: _Optional[int] = ...) -> None: ...
 
 class RecordedRank(_message.Message):
     __slots__ = ("pid", "uid", "device")
