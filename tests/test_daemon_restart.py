@@ -44,8 +44,15 @@ def _ride(make_daemon, spawn_ranks, world_size: int, api: str, restarts: list[in
         assert daemon.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         daemon.start()
         time.sleep(seconds)  # the ranks call on meanwhile
-    # The last daemon took the running group over (through either API).
-    wait_until(lambda: "nodecomm_adopted_groups_total 1.0" in daemon.metrics_text(), 30, daemon.log)
+    # The last daemon took the running group over (through either API), and every rank is back.
+    wait_until(
+        lambda: (
+            {"nodecomm_adopted_groups_total 1.0", f"nodecomm_ranks {float(world_size)}"}
+            <= set(daemon.metrics_text().splitlines())
+        ),
+        30,
+        daemon.log,
+    )
     for queue in commands:
         queue.put("stop")
     outcomes = group.values()
@@ -167,9 +174,10 @@ def test_the_next_daemon_adopts_the_running_group(make_daemon, spawn_ranks, tmp_
     for outcome in outcomes.values():
         assert outcome["adoptions"] == 1 and outcome["staged"] and outcome["sum"] == [2.0] * 4, outcome
     print(outcomes, without)
-    # The calls each rank made while no daemon served, and some of those it made until its session was back.
+    # Calls each rank made while no daemon served (from when its session saw the loss), at most
+    # those it made until its session was back.
     gap = 2 * restart_ranks.GAP_CALLS
-    assert gap <= float(without[0].split()[-1]) <= gap + sum(o["calls"] for o in outcomes.values()), without
+    assert 0 < float(without[0].split()[-1]) <= gap + sum(o["calls"] for o in outcomes.values()), without
     assert "adopted" not in _status(daemon)
     assert 'nodecomm_group_aborts_total{reason="peer_left"} 1.0' in daemon.metrics_text()  # Leave, as ever
     assert {name for name in set(os.listdir("/dev/shm")) - shm if "nodecomm" in name} == set()
