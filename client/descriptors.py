@@ -56,11 +56,7 @@ class DescriptorSocket:
         process's uid and groups, or when the socket or its daemon fails the checks,
         DaemonUnavailableError when the socket is there but this process may not open it."""
         try:
-            with _connect(self.path, timeout, self.daemon_uids) as sock:
-                sock.sendall(IDENTIFY)
-                answer = b""
-                while chunk := sock.recv(4096):
-                    answer += chunk
+            answer = self._answer(IDENTIFY, [], timeout)
         except (FileNotFoundError, ConnectionRefusedError):
             return b""  # then the Join goes without one, and the daemon says if it needs one
         except NodecommError as error:
@@ -91,11 +87,7 @@ class DescriptorSocket:
         """Hand `fd` (the group's control page) to the daemon serving here now, for an Adopt:
         returns the token the Adopt carries. The socket and its daemon are checked first."""
         try:
-            with _connect(self.path, timeout, self.daemon_uids) as sock:
-                socket.send_fds(sock, [HANDBACK], [fd])
-                answer = b""
-                while chunk := sock.recv(4096):
-                    answer += chunk
+            answer = self._answer(HANDBACK, [fd], timeout)
         except NodecommError as error:
             raise error.located(**where) from None
         except OSError as error:
@@ -107,3 +99,15 @@ class DescriptorSocket:
         raise PermissionDeniedError(
             f"the daemon refused the control page: {answer[1:].decode(errors='replace')}", **where
         )
+
+    def _answer(self, message: bytes, fds: list[int], timeout: float) -> bytes:
+        """The daemon's whole answer to `message` (`fds` attached) on a checked connection."""
+        with _connect(self.path, timeout, self.daemon_uids) as sock:
+            if fds:
+                socket.send_fds(sock, [message], fds)
+            else:
+                sock.sendall(message)
+            answer = b""
+            while chunk := sock.recv(4096):
+                answer += chunk
+        return answer

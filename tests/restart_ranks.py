@@ -25,8 +25,6 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
     steps, the failed and the wrong ones (the first few errors), the longest pause between two
     steps' ends (ms), the new group's sum, whether leaving raised and (through connect) whether
     the session saw its daemon go. `commands`: every rank's queue."""
-    commands = commands[rank]
-    step, failed, wrong, errors, longest = 0, 0, 0, [], 0.0
     full = world_size * (world_size - 1) // 2
     if api == "connect":
         comm = nodecomm.connect("ride", rank, world_size, socket=socket, timeout=60, operation_timeout=20)
@@ -59,9 +57,32 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
 
     one_step(0, False)
     report.put(("running", rank))
-    last = time.monotonic()
+    outcome = _steps(one_step, commands[rank])
+    # Whether this rank's session is still without a daemon, and how often its group was handed
+    # to a new one (dist's communicators hold theirs inside).
+    lost = comm._session.lost_reason is not None if api == "connect" else None
+    adoptions = comm._session.adoptions if api == "connect" else None
+    left = "ok"
+    try:
+        if api == "connect":
+            comm.close()
+        else:
+            dist.destroy_process_group()
+    except Exception as error:  # what leaving a group whose daemon is gone raised
+        left = f"{type(error).__name__}: {error}"
+    with nodecomm.connect("after", rank, world_size, socket=socket, timeout=60) as again:
+        after = again.all_reduce(torch.full((4,), float(rank + 1))).tolist()
+    return {**outcome, "after": after, "left": left, "lost": lost, "adoptions": adoptions}
+
+
+def _steps(one_step, commands) -> dict:
+    """`one_step(k, leaving) -> (exact, stop)` for k = 1, 2, ... until every rank stops after the
+    same step, the one whose sum says a rank asked to (once `commands` said "stop"); three failed
+    steps end it too. The steps, the failed and the wrong ones (the first few errors) and the
+    longest pause between two steps' ends (ms)."""
+    step, failed, wrong, errors, longest, last = 0, 0, 0, [], 0.0, time.monotonic()
     leaving = stop = False
-    while not stop:  # every rank stops after the same step: the one whose sum says a rank asked to
+    while not stop:
         step += 1
         try:
             exact, stop = one_step(step, leaving)
@@ -77,22 +98,7 @@ def ride_through(rank: int, world_size: int, socket: str, port: int, api: str, r
             leaving = leaving or commands.get_nowait() == "stop"
         except queue.Empty:
             pass
-    # Whether this rank's session is still without a daemon, and how often its group was handed
-    # to a new one (dist's communicators hold theirs inside).
-    lost = comm._session.lost_reason is not None if api == "connect" else None
-    adoptions = comm._session.adoptions if api == "connect" else None
-    left = "ok"
-    try:
-        if api == "connect":
-            comm.close()
-        else:
-            dist.destroy_process_group()
-    except Exception as error:  # what leaving a group whose daemon is gone raised
-        left = f"{type(error).__name__}: {error}"
-    with nodecomm.connect("after", rank, world_size, socket=socket, timeout=60) as again:
-        after = again.all_reduce(torch.full((4,), float(rank + 1))).tolist()
-    return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
-            "after": after, "left": left, "lost": lost, "adoptions": adoptions}  # fmt: skip
+    return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3}
 
 
 def _values(value: int, leaving: bool) -> torch.Tensor:
@@ -194,30 +200,15 @@ def ride_through_on_cuda(rank: int, world_size: int, socket: str, report, comman
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.graph(graph, stream=stream):
             comm.all_reduce(static_in, out=static_out)
+
+        def one_step(k: int, leaving: bool) -> tuple[bool, bool]:
+            summed = comm.all_reduce(_values(k + rank, leaving).to(device))
+            static_in.copy_(_values(2 * k + rank, False).to(device))
+            graph.replay()
+            exact = bool((summed[:-1] == world_size * k + full).all()) and bool(
+                (static_out[:-1] == world_size * 2 * k + full).all()
+            )
+            return exact, bool(summed[-1] > 0)
+
         report.put(("running", rank))
-        step, failed, wrong, errors, longest, last = 0, 0, 0, [], 0.0, time.monotonic()
-        leaving = stop = False
-        while not stop:
-            step += 1
-            try:
-                summed = comm.all_reduce(_values(step + rank, leaving).to(device))
-                static_in.copy_(_values(2 * step + rank, False).to(device))
-                graph.replay()
-                exact = bool((summed[:-1] == world_size * step + full).all()) and bool(
-                    (static_out[:-1] == world_size * 2 * step + full).all()
-                )
-                wrong += not exact
-                stop = bool(summed[-1] > 0)
-            except nodecomm.NodecommError as error:
-                failed += 1
-                errors.append(f"{type(error).__name__}: {error}")
-                if failed >= 3:
-                    break
-            now = time.monotonic()
-            longest, last = max(longest, now - last), now
-            try:
-                leaving = leaving or commands[rank].get_nowait() == "stop"
-            except queue.Empty:
-                pass
-        return {"steps": step, "failed": failed, "wrong": wrong, "errors": errors[:3], "longest_ms": longest * 1e3,
-                "adoptions": comm._session.adoptions}  # fmt: skip
+        return {**_steps(one_step, commands[rank]), "adoptions": comm._session.adoptions}
