@@ -32,7 +32,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
 from .capture_probe import fastest_path
 from .cuda_transport import mismatch_error
-from .daemon_choice import DaemonChoice, JobLeaseHandle
+from .daemon_choice import DaemonChoice, DaemonMode, JobLeaseHandle, attach_private
 from .descriptors import DescriptorSocket
 from .dispatch import PATH_CODES, PATHS, Dispatcher
 from .dtypes import DTYPE_CODES
@@ -345,8 +345,18 @@ class Communicator:
         must prove who it is as at connect() (nodecomm.daemon_channel), then takes the control page
         and the ticket; returns its stub. Raises DaemonUnavailableError while nothing serves."""
         where = self.membership.where
-        # Short waits: close() waits for the session thread that runs this.
-        channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 1.0, [("grpc.enable_retries", 0)])
+        lease = None
+        if self.daemon.kind is DaemonMode.PRIVATE:
+            # The job's own daemon: one of its ranks starts the next (under the job directory's
+            # lock, so one does), and each takes a lease on it as at connect().
+            _, lease = attach_private(self.daemon.socket, 2.0, where)
+        try:
+            # Short waits: close() waits for the session thread that runs this.
+            channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 1.0, [("grpc.enable_retries", 0)])
+        except BaseException:
+            if lease is not None:
+                lease.release()
+            raise
         try:
             token = self._descriptor_socket.hand_back(self._control_fd, 1.0, where)
             stub = pb_grpc.ControlStub(channel)
@@ -355,11 +365,12 @@ class Communicator:
                 thresholds=self._dispatcher.table.to_proto(), calls_without_daemon=calls_without_daemon,
             )  # fmt: skip
             reply = stub.Adopt(request, timeout=3.0, metadata=self._metadata)
-        except grpc.RpcError as error:
+        except BaseException as error:
             channel.close()
-            raise from_rpc_error(error, **where) from None
-        except BaseException:
-            channel.close()
+            if lease is not None:
+                lease.release()
+            if isinstance(error, grpc.RpcError):
+                raise from_rpc_error(error, **where) from None
             raise
         log.info(
             "group handed to the daemon serving now",
@@ -368,11 +379,17 @@ class Communicator:
         with self._lock:
             if self._closed:  # close() ran meanwhile: this channel is nobody's
                 channel.close()
+                if lease is not None:
+                    lease.release()
                 raise DaemonUnavailableError("the communicator was closed", **where)
             # The old channel is closed with the communicator: a call may still hold its stub.
             self._retired_channels.append(self._channel)
             self._channel, self._stub = channel, stub
             self._service.use(stub)
+            if lease is not None:
+                if self._daemon_lease is not None:
+                    self._daemon_lease.release()
+                self._daemon_lease = lease
         return stub
 
     def _needs_daemon(self) -> str | None:

@@ -239,7 +239,11 @@ class JobLeaseHandle:
     def take(cls, path: str, where: dict) -> JobLeaseHandle:
         with cls._guard:
             held = cls._connections.get(path)
-            if held is None:
+            if held is not None and _closed_by_peer(held[0]):
+                # The daemon it was held on is gone (killed): this process holds the next one's.
+                held[0].close()
+                held = (None, held[1])
+            if held is None or held[0] is None:
                 try:
                     connection = trust.connect_checked(path, trust.private_daemon_uids(), 5.0)
                 except NodecommError as error:
@@ -247,7 +251,7 @@ class JobLeaseHandle:
                 except OSError as error:
                     raise DaemonUnavailableError(f"could not take the lease at {path}: {error}", **where) from None
                 connection.settimeout(None)
-                held = (connection, 0)
+                held = (connection, held[1] if held is not None else 0)
             cls._connections[path] = (held[0], held[1] + 1)
         return cls(path)
 
@@ -263,3 +267,13 @@ class JobLeaseHandle:
             del self._connections[self.path]
         with contextlib.suppress(OSError):
             connection.close()
+
+
+def _closed_by_peer(connection: socketlib.socket) -> bool:
+    """Whether the daemon at the other end of a lease connection has gone (it never sends)."""
+    try:
+        return connection.recv(1, socketlib.MSG_PEEK | socketlib.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True

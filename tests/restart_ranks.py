@@ -212,3 +212,20 @@ def ride_through_on_cuda(rank: int, world_size: int, socket: str, report, comman
 
         report.put(("running", rank))
         return {**_steps(one_step, commands[rank]), "adoptions": comm._session.adoptions}
+
+
+def ride_on_private(rank: int, world_size: int, runtime: str, report, commands) -> dict:
+    """On the job's own daemon (daemon="private", under `runtime`): report ("running", rank, its
+    socket), then all-reduce steps, each checked, until the test says "stop", while the test kills
+    that daemon (one of the ranks starts the next). The steps, failures, the longest pause and how
+    often the group was handed on. `commands`: every rank's queue."""
+    os.environ["XDG_RUNTIME_DIR"] = runtime
+    full = world_size * (world_size - 1) // 2
+    with nodecomm.connect("job", rank, world_size, daemon="private", timeout=60, operation_timeout=20) as comm:
+
+        def one_step(k: int, leaving: bool) -> tuple[bool, bool]:
+            summed = comm.all_reduce(_values(k + rank, leaving))
+            return bool((summed[:-1] == world_size * k + full).all()), bool(summed[-1] > 0)
+
+        report.put(("running", rank, comm.daemon.socket))
+        return {**_steps(one_step, commands[rank]), "adoptions": comm._session.adoptions}

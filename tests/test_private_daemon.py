@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,29 @@ def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
     assert (cache / "nodecomm").stat().st_mode & 0o777 == 0o700 and stored.read_bytes() == before
     second = spawn_ranks(learn_privately, 2, 2, runtime_directory, mib, [], 10, timeout=120).values()
     assert second[0]["first"][0] == "twoshot" and second[0]["first"][1].startswith(f"{kept}, measured "), second
+
+
+def test_a_private_daemon_that_dies_is_replaced_by_its_jobs_ranks(runtime_directory, spawn_ranks, monkeypatch):
+    """SIGKILL of a job's own daemon: its ranks call on, one of them starts the next (the job
+    directory's lock decides which), and it adopts the group (its key is in the user's cache);
+    once the ranks are gone it leaves as the first would have."""
+    import restart_ranks
+
+    monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(runtime_directory, "cache"))
+    context = mp.get_context("spawn")
+    report, commands = context.Queue(), [context.Queue() for _ in range(2)]
+    group = spawn_ranks(restart_ranks.ride_on_private, 2, 2, runtime_directory, report, commands, timeout=180)
+    seen = sorted(report.get(timeout=60) for _ in range(2))
+    socket = seen[0][2]
+    (first,) = private_daemons(socket)
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: private_daemons(socket) not in ([], [first]), 30, "a rank started the next private daemon")
+    (second,) = private_daemons(socket)
+    time.sleep(2.0)  # the ranks hand the group over and call on
+    for queue in commands:
+        queue.put("stop")
+    for outcome in group.values().values():
+        assert outcome["failed"] == 0 and outcome["wrong"] == 0 and outcome["steps"] > 10, outcome
+        assert outcome["adoptions"] == 1, outcome
+    assert second != first
+    wait_gone(socket, 15)
