@@ -18,6 +18,7 @@ from nodecomm.credentials import rank_metadata
 from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import (
     DaemonUnavailableError,
+    DeadlineExceededError,
     GroupMismatchError,
     InternalError,
     InvalidArgumentError,
@@ -38,6 +39,7 @@ from .dispatch import PATH_CODES, PATHS, Dispatcher
 from .dtypes import DTYPE_CODES
 from .mapping import SegmentMapping
 from .membership import Membership
+from .peer_liveness import PeerLiveness
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .session import Session
 from .table_offers import TableOffers
@@ -91,6 +93,8 @@ class Communicator:
         # control page (owned here) and the ticket the daemon that formed the group gave.
         self._control_fd = control_fd
         self._ticket = ticket
+        # Tells a peer that is gone from one that is slow, with or without a daemon.
+        self._liveness = PeerLiveness.held(control_fd, membership.rank) if control_fd >= 0 else None
         self.group, self.rank = membership.group, membership.rank
         self.world_size, self.group_id = membership.world_size, membership.group_id
         self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
@@ -678,10 +682,25 @@ class Communicator:
             return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
         if reason == _native.AbortReason.PEER_LOST and self._session.event_message:
             return PeerLostError(f"group aborted: {self._session.event_message}", group=self.group, rank=self.rank)
+        if reason == _native.AbortReason.STALLED:
+            lost = self._lost_peer()
+            if lost is not None:
+                return self._located(lost)
         return self._located(_native.error(*_native.abort_error(self._control.address, reason, detail)))
 
     def _located(self, error: NodecommError) -> NodecommError:
+        if isinstance(error, DeadlineExceededError):
+            error = self._lost_peer() or error
         return error.located(group=self.group, rank=self.rank)
+
+    def _lost_peer(self) -> PeerLostError | None:
+        """For a wait that ran out: PeerLostError where a peer's process has ended (peer_liveness.py)."""
+        if self._liveness is None:
+            return None
+        gone = [r for r in range(self.world_size) if r != self.rank and self._liveness.gone(r)]
+        if not gone:
+            return None
+        return PeerLostError(f"group aborted: peer rank {gone[0]} was lost (its process has ended)")
 
     def _reducible(self, tensor: torch.Tensor) -> bool:
         """A tensor all_reduce takes: one of the group's dtypes, contiguous, on its device."""
@@ -774,6 +793,8 @@ class Communicator:
             self._control.unmap()
             if self._control_fd >= 0:
                 os.close(self._control_fd)
+            if self._liveness is not None:
+                self._liveness.close()
             for channel in (*self._retired_channels, self._channel):
                 channel.close()
             if self._daemon_lease is not None:

@@ -109,9 +109,11 @@ def test_a_peer_that_dies_while_no_daemon_serves_fails_its_group_within_the_time
     commands[0].put("peer killed")
     status, (name, message, took) = group.results()[0]
     print(name, message, f"{took:.2f} s")
-    assert status == "ok" and name == "DeadlineExceededError", message
-    assert "waited 2." in message and "for rank 1" in message, message
-    assert took < 2 + 3, took  # the group's operation timeout, and scheduling on a busy machine
+    # Its wait for rank 1 ran out (the group's operation timeout) and rank 1's lock on the control
+    # page was free: a peer gone, not a slow one (client/peer_liveness.py).
+    assert status == "ok" and name == "PeerLostError", message
+    assert message.endswith("group aborted: peer rank 1 was lost (its process has ended)"), message
+    assert 2 <= took < 2 + 3, took  # the timeout, and scheduling on a busy machine
 
 
 def test_a_group_whose_table_uses_the_service_path_is_aborted_with_its_daemon(make_daemon, spawn_ranks, capfd):
