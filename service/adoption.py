@@ -42,7 +42,7 @@ SALT_BYTES = 16
 
 
 def load_key(directory: str) -> bytes:
-    """The node's adoption key, from `directory`/adoption.key (made 0600, with a new key, where
+    """The node's adoption key (a job's, for its private daemon), from `directory`/adoption.key (made 0600, with a new key, where
     missing). Where the directory or the file fails the checks a secret needs (this uid's, no one
     else may read or write it), a key of this process's own: its groups still form and run, but
     no later daemon can adopt them (logged)."""

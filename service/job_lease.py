@@ -21,6 +21,8 @@ from collections.abc import Callable
 
 from nodecomm.socket_path import PRIVATE_LOCK_NAME, PRIVATE_LOG_NAME, lease_socket_path
 
+from .adoption import KEY_FILE
+
 log = logging.getLogger("nodecomm.server")
 
 
@@ -103,7 +105,7 @@ class JobLease:
         if self._lock is None:
             return  # stopped by a signal, not for want of holders: ranks may still come
         if self._same_directory():
-            for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME):
+            for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME, KEY_FILE):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self._directory)
             with contextlib.suppress(OSError):

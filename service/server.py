@@ -439,8 +439,9 @@ async def serve(config: DaemonConfig) -> int:
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
     executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
-    # A job's private daemon keeps its key in the user's cache, where its successor finds it.
-    adoption_key = load_key(config.cache_dir if config.private else config.state_dir)
+    # A job's private daemon keeps its key in its job's directory: it lives as long as that does
+    # (a daemon killed leaves it for the next, one that leaves removes it: job_lease.py).
+    adoption_key = load_key(os.path.dirname(os.path.abspath(config.socket)) if config.private else config.state_dir)
     handbacks = HandbackTable(_native.CONTROL_BYTES, config.claim_token_ttl_seconds)
     registry = GroupRegistry(config, metrics, claims, gpus, executor, adoption_key, handbacks)
     # Where calibrations are read (the newer of them is used) and written: the node's state, or for

@@ -208,13 +208,13 @@ def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
     assert second[0]["first"][0] == "twoshot" and second[0]["first"][1].startswith(f"{kept}, measured "), second
 
 
-def test_a_private_daemon_that_dies_is_replaced_by_its_jobs_ranks(runtime_directory, spawn_ranks, monkeypatch):
+def test_a_private_daemon_that_dies_is_replaced_by_its_jobs_ranks(runtime_directory, spawn_ranks):
     """SIGKILL of a job's own daemon: its ranks call on, one of them starts the next (the job
-    directory's lock decides which), and it adopts the group (its key is in the user's cache);
-    once the ranks are gone it leaves as the first would have."""
+    directory's lock decides which), and it adopts the group (the key is in the job's directory,
+    which the killed daemon left); once the ranks are gone it leaves as the first would have,
+    taking the directory, key included."""
     import restart_ranks
 
-    monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(runtime_directory, "cache"))
     context = mp.get_context("spawn")
     report, commands = context.Queue(), [context.Queue() for _ in range(2)]
     group = spawn_ranks(restart_ranks.ride_on_private, 2, 2, runtime_directory, report, commands, timeout=180)
