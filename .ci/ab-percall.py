@@ -4,7 +4,8 @@ functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
 on torch's "fake" backend, which moves nothing and returns a completed Work: torch.distributed's
 own cost per call, which every backend pays (CPU and CUDA alike).
-CUDA (ranks sharing a GPU under MPS have no NCCL): the same nodecomm rows and, each timed alone,
+CUDA (ranks sharing a GPU under MPS have no NCCL): the same nodecomm rows, the vLLM slot's call
+(NodecommAllreduce as vLLM's CudaCommunicator calls it) and, each timed alone,
 the stream lookups, an event record (what the bench adds per call) and one torch kernel
 (x.mul_(1)). A launch queued behind kernels that have not run waits for one, so a row cheaper
 than a call's GPU time shows that. Start one process per rank:
@@ -28,16 +29,28 @@ import torch.testing._internal.distributed.fake_pg  # noqa: E402, F401 (register
 import nodecomm  # noqa: E402
 import nodecomm.distributed  # noqa: E402
 
+# CUDA calls are timed in runs of this many, the GPU drained between runs (not timed): a launch
+# queue that fills (about a thousand launches) makes a call wait for the GPU, and the time
+# measured is then the kernels', not the host's.
+CUDA_RUN = 100
 
-def per_call_us(call, calls: int) -> float:
+
+def per_call_us(call, calls: int, cuda: bool) -> float:
     dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    return (time.perf_counter() - start) / calls * 1e6
+    took, done = 0.0, 0
+    while done < calls:
+        count = min(calls - done, CUDA_RUN) if cuda else calls
+        start = time.perf_counter()
+        for _ in range(count):
+            call()
+        took += time.perf_counter() - start
+        done += count
+        if cuda:
+            torch.cuda.synchronize()
+    return took / calls * 1e6
 
 
-def rows_for(x: torch.Tensor, comm, gloo, fake) -> dict:
+def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
     import torch.distributed._functional_collectives as funcol
 
     from nodecomm.client.dtypes import DTYPE_CODES
@@ -48,6 +61,8 @@ def rows_for(x: torch.Tensor, comm, gloo, fake) -> dict:
         "funcol.all_reduce waited": lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD)),
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
     }
+    if slot is not None:  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
+        rows["vLLM slot call"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)
     if fake is not None:
         rows["dist.all_reduce fake"] = lambda: dist.all_reduce(x, group=fake)
         rows["async_op=True .wait() fake"] = lambda: dist.all_reduce(x, group=fake, async_op=True).wait()
@@ -85,13 +100,20 @@ def main() -> None:
     if rank == 0:
         print("nodecomm from", nodecomm.__file__, file=sys.stderr)
     comm = nodecomm.distributed.communicator(device=device)
+    slot = None
+    if cuda:  # the engines' slot class, on the job's daemon (its own group, as an engine's)
+        from nodecomm.integrations.custom_all_reduce import NodecommAllreduce
+
+        socket = nodecomm.distributed.daemon(device=device).socket
+        slot = NodecommAllreduce(dist.group.WORLD, device, max_size=1 << 20, socket=socket)
+        assert not slot.disabled, slot.disabled_reason
     scale = 4 if os.environ.get("NC_QUICK") else 1  # a quarter of the calls, for a short device call
     for nbytes in (1024, 16384, 262144):
         x = torch.ones(nbytes // 4, device=device)
-        for name, call in rows_for(x, comm, gloo, fake).items():
+        for name, call in rows_for(x, comm, gloo, fake, slot).items():
             calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale
             call()
-            runs = [per_call_us(call, calls) for _ in range(5)]
+            runs = [per_call_us(call, calls, cuda) for _ in range(5)]
             if cuda:
                 torch.cuda.synchronize()
             if rank == 0:

@@ -1,6 +1,8 @@
 """One eager all-reduce call, repeated, for a profiler: `python .ci/profile-eager.py RANK WORLD
-STORE_FILE ROW CALLS [cpu|cuda]` with ROW `comm` (comm.all_reduce(x, out=x)) or `dist`
-(dist.all_reduce(x) on the "nodecomm" group), 16 KiB of float32; CUDA ranks share GPU 0 (under
+STORE_FILE ROW CALLS [cpu|cuda]` with ROW `comm` (comm.all_reduce(x, out=x)), `dist`
+(dist.all_reduce(x) on the "nodecomm" group), `async` (dist.all_reduce(x, async_op=True).wait())
+or `slot` (vLLM's call of NodecommAllreduce: should_custom_ar, then custom_all_reduce; CUDA), 16
+KiB of float32; CUDA ranks share GPU 0 (under
 MPS on the device). Every rank makes the same calls; .ci/device-profile.sh runs rank 0 under
 py-spy. Prints the calls' host time per call. NC_BEFORE as in ab-percall.py."""
 
@@ -26,7 +28,19 @@ def main() -> None:
     dist.init_process_group("nodecomm", rank=rank, world_size=world, store=dist.FileStore(store_path, world))
     comm = nodecomm.distributed.communicator(device=device)
     x = torch.ones(4096, device=device)
-    call = (lambda: comm.all_reduce(x, out=x)) if row == "comm" else (lambda: dist.all_reduce(x))
+    calls_of = {
+        "comm": lambda: comm.all_reduce(x, out=x),
+        "dist": lambda: dist.all_reduce(x),
+        "async": lambda: dist.all_reduce(x, async_op=True).wait(),
+    }
+    if row == "slot":  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
+        from nodecomm.integrations.custom_all_reduce import NodecommAllreduce
+
+        socket = nodecomm.distributed.daemon(device=device).socket
+        slot = NodecommAllreduce(dist.group.WORLD, device, max_size=1 << 20, socket=socket)
+        assert not slot.disabled, slot.disabled_reason
+        calls_of["slot"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)
+    call = calls_of[row]
     synchronize = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(200):
         call()

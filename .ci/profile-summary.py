@@ -2,7 +2,8 @@
 each PROFILE py-spy's raw output (collapsed stacks, `--native`) of .ci/profile-eager.py's rank 0.
 Only stacks inside the timed loop count; each sample goes to the code that ran it: the first frame
 from the leaf up that belongs to a known library or Python package (libc and the interpreter's
-own frames go to whoever called them). Prints each owner's share of the loop's samples."""
+own frames go to whoever called them). Prints each owner's share of the loop's samples, and the
+functions most of them ran in."""
 
 import collections
 import re
@@ -36,8 +37,19 @@ def owner_of(frames: list[str]) -> str:
     return "interpreter / libc"
 
 
+def leaf_of(frames: list[str]) -> str:
+    """The function a sample's time is spent in: the innermost frame that is not libc's or the
+    interpreter's own."""
+    for frame in reversed(frames):
+        match = FRAME.match(frame)
+        if match and not re.search(PASS_THROUGH, match.group("where")):
+            return f"{match.group('name')[:60]} ({match.group('where').rsplit('/', 1)[-1][:30]})"
+    return "interpreter / libc"
+
+
 def summary(path: str) -> None:
     shares: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
     for line in open(path):
         stack, _, count = line.rstrip("\n").rpartition(" ")
         frames = stack.split(";")
@@ -46,10 +58,14 @@ def summary(path: str) -> None:
         if not lambdas:
             continue
         shares[owner_of(frames[lambdas[0] + 1 :])] += int(count)
+        leaves[leaf_of(frames[lambdas[0] + 1 :])] += int(count)
     total = sum(shares.values())
     print(f"{path}: {total} samples in the timed loop")
     for owner, samples in shares.most_common():
         print(f"  {owner:34s} {samples / max(total, 1) * 100:5.1f} %")
+    print("  the functions most samples ran in:")
+    for leaf, samples in leaves.most_common(12):
+        print(f"    {samples / max(total, 1) * 100:5.1f} %  {leaf}")
 
 
 if __name__ == "__main__":

@@ -241,7 +241,8 @@ class Communicator:
         aligned, hidden is a multiple of 8 and the payload fits a slot (twoshot: twice); elsewhere
         the all-reduce runs on its path and a norm kernel follows. It can be captured in a CUDA
         graph. path: force one, as all_reduce's; by default the table's path for x's size (these
-        calls are not explored or timed: their time is not an all-reduce's).
+        calls are not explored or timed: their time is not an all-reduce's), and inside capture()
+        the path an all-reduce of that size was probed to (its first eager call there probes it).
         """
         self._check_tensor(x, "x")
         shape, dtype = tuple(x.shape), x.dtype
@@ -269,6 +270,9 @@ class Communicator:
             )
         except NodecommError as error:
             raise self._lane_error(error) from None
+        if outcome == _PROBE:  # the size's captured calls, fused or not, take the path its all-reduces favour
+            self._probe_for_capture(x)
+            return self.all_reduce_rms_norm(x, residual, weight, eps, out=out, residual_out=residual_out, path=path)
         if outcome == _UNUSABLE:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)

@@ -242,11 +242,13 @@ class Dispatch {
   }
 
   // The path of a call that is neither explored nor timed nor counted towards a table switch: the
-  // forced one (a path code) or the table's, checked as decide() checks them. all_reduce_rms_norm
-  // takes its path so: its timings are not an all-reduce's.
-  Path fixed_path(std::uint64_t nbytes, int forced, bool capturing) const {
+  // forced one (a path code) or the table's, checked as decide() checks them; a captured call of
+  // the table's takes its size's probed path, as decide() does. all_reduce_rms_norm takes its path
+  // so: its timings are not an all-reduce's.
+  Path fixed_path(std::uint64_t nbytes, int forced, bool capturing) {
     NODECOMM_ASSERT(!table_.range_paths.empty(), "a call was decided before any table was installed");
-    return path_decision(nbytes, forced, capturing).path;
+    const Path path = path_decision(nbytes, forced, capturing).path;
+    return capturing && forced == 0 ? captured_path(nbytes, path) : path;
   }
 
   // One call of `op` on `path` over `wire`, moving nbytes of this rank's payload as wire_bytes.

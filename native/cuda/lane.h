@@ -95,7 +95,7 @@ class CudaLane {
 
   // Enqueue on `stream` an all_reduce_rms_norm of `rows` on the forced path (a code, 0: the
   // table's), neither explored nor timed (../dispatch.h's fixed_path); `taken` says the path. The
-  // service path and NCCL are left to the caller, as for all_reduce.
+  // service path, NCCL and a probe before capture are left to the caller, as for all_reduce.
   Outcome all_reduce_rms_norm(const norm::Rows& rows, DType dtype, int forced, std::uintptr_t stream, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
     const std::uint64_t reason = control::abort_state(control_).first;
@@ -104,6 +104,10 @@ class CudaLane {
     NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
     const bool capturing = capture != cudaStreamCaptureStatusNone;
+    if (dispatch_.probe_due(nbytes, forced, -1, capturing)) {  // probed as an all-reduce of its size
+      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless), false};
+      return kProbe;
+    }
     const Path path = dispatch_.fixed_path(nbytes, forced, capturing);
     *taken = {int(path), int(wire::Wire::kLossless), false};
     if (path == Path::kService) return kService;

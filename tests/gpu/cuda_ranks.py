@@ -545,12 +545,16 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
         return {**seen, "marker": marker.item()}
 
 
-def probed_captures(rank: int, world_size: int, socket: str, counts: list[int], report, commands) -> dict:
+def probed_captures(
+    rank: int, world_size: int, socket: str, counts: list[int], norm: tuple[int, int], report, commands
+) -> dict:
     """As an engine captures: inside comm.capture(), each size warmed up by one eager call (which
     probes its paths) and then captured, 3 calls per graph; every graph replayed twice after the
-    phase and its output compared bit for bit with the reference; the captured sizes flushed to
-    the daemon, then "sent" reported and the group held until the test sends "stop". Returns the
-    problems and the path each size's probe chose (from the client's log)."""
+    phase and its output compared bit for bit with the reference; the same for one fused
+    all_reduce_rms_norm of `norm` (rows, hidden), whose warm-up probes its size and whose replays
+    are compared with that warm-up's outputs; the captured sizes flushed to the daemon, then
+    "sent" reported and the group held until the test sends "stop". Returns the problems and the
+    path each size's probe chose (from the client's log)."""
     import logging
 
     device = device_for(rank)
@@ -579,7 +583,29 @@ def probed_captures(rank: int, world_size: int, socket: str, counts: list[int], 
                     for _ in range(3):
                         comm.all_reduce(x, out=out)
                 graphs.append((graph, x, out, expected, count))  # x too: the graph reads its memory
+            rows, hidden = norm
+            x = rank_input(rank, rows * hidden, torch.bfloat16, len(counts)).to(device).view(rows, hidden)
+            residual, weight = torch.ones_like(x), torch.full((hidden,), 0.5, dtype=x.dtype, device=device)
+            out, residual_out = torch.empty_like(x), torch.empty_like(x)
+
+            def fused() -> None:
+                comm.all_reduce_rms_norm(x, residual, weight, 1e-6, out=out, residual_out=residual_out)
+
+            fused()  # the warm-up: probes the size
+            warm = (out.clone(), residual_out.clone())
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.graph(graph, stream=stream):
+                for _ in range(3):
+                    fused()
+            norm_graph = (graph, x, residual, weight, out, residual_out, warm)
         for _ in range(2):
+            graph, *_, out, residual_out, warm = norm_graph
+            out.zero_()
+            residual_out.zero_()
+            graph.replay()
+            if not (_same_bits(out, warm[0]) and _same_bits(residual_out, warm[1])):
+                problems.append("a replay of the fused norm differs from its warm-up")
             for graph, _, out, expected, count in graphs:
                 out.zero_()
                 graph.replay()
