@@ -590,7 +590,7 @@ class Communicator:
         )  # fmt: skip
         where, callbacks = (
             self.membership.where,
-            dict(count=self._count_topk_stage, service_stage=self._service_topk_stage),
+            dict(count=self._count_topk_stage, service_stage=self._service_topk_stage, gather=self.all_gather),
         )
         if device is not None:
             exchange = CudaTopkExchange(

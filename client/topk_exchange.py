@@ -22,6 +22,7 @@ from nodecomm.topk_layout import LAYOUT_VERSION, SLOTS, TopkLayout, owned_rows
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from . import topk_merge
 from .descriptors import DescriptorSocket
 from .mapping import SegmentMapping, map_descriptors
 from .membership import Membership
@@ -122,8 +123,56 @@ def check_candidates(
         raise InvalidArgumentError(f"{local_idx.shape[0]} rows exceed the exchange's max_rows {max_rows}", **where)
 
 
-class TopkExchange:
-    """Built by Communicator.topk_exchange; stage() is collective, like every collective."""
+class _Merge:
+    """merge(), the DCP top-k merge on an exchange's stages (client/topk_merge.py)."""
+
+    max_rows: int
+    topk: int
+    _rank: int
+    _layout: TopkLayout
+    _gather: topk_merge.Gather | None
+    _where: dict
+    _group_device: torch.device  # where the group's tensors live
+    stage: topk_merge.Stage
+
+    def merge(
+        self,
+        logits: torch.Tensor,
+        topk_indices: torch.Tensor,
+        cp_interleave: int = 1,
+        row_starts: torch.Tensor | None = None,
+        score_bits: int = 32,
+        id_bits: int = 32,
+    ) -> None:
+        """Collective: overwrite `topk_indices` ([rows, topk] int32, this rank's top-k positions in
+        its KV shard, -1 for none; rows the same on every rank, any number: past max_rows it runs
+        in stages of max_rows) with the global top-k of every row, as global token ids, -1 where a
+        row has fewer; `logits` ([rows, columns] float32) holds the scores they index, from
+        `row_starts[row]` on where given. Every rank gets the same rows; the set in a row is
+        vLLM's DCP merge's (vLLM's workspace.merge, with its arguments), by vLLM's key: the top
+        `score_bits` of each score, then the smaller global id (its low `id_bits`). On CUDA it is
+        enqueued on the current stream and capturable."""
+        topk_merge.check_merge(
+            logits,
+            topk_indices,
+            self.topk,
+            self._group_device,
+            cp_interleave,
+            row_starts,
+            score_bits,
+            id_bits,
+            self._where,
+        )
+        if self._gather is None:
+            raise InvalidArgumentError("this exchange was opened without its group's all_gather", **self._where)
+        topk_merge.merge(
+            self.stage, self._gather, self.max_rows, self._rank, self._layout.world_size, logits, topk_indices,
+            cp_interleave, row_starts, score_bits, id_bits,
+        )  # fmt: skip
+
+
+class TopkExchange(_Merge):
+    """Built by Communicator.topk_exchange; stage() and merge() are collective, like every collective."""
 
     def __init__(
         self,
@@ -135,6 +184,7 @@ class TopkExchange:
         *,
         count: Callable[[int], None] = lambda nbytes: None,
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        gather: topk_merge.Gather | None = None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
@@ -144,6 +194,8 @@ class TopkExchange:
         self._barrier = barrier
         self._service_stage = service_stage
         self._count = count  # (bytes of candidates) for the daemon's operation counts
+        self._gather = gather  # the group's all_gather, for merge()
+        self._group_device = torch.device("cpu")
         self._where = where
         self._stages = 0
         self._closed = False
@@ -191,7 +243,7 @@ class TopkExchange:
             slab.unmap()
 
 
-class CudaTopkExchange:
+class CudaTopkExchange(_Merge):
     """A CUDA group's exchange: each stage is one kernel on the current stream (capturable in a
     CUDA graph), writing into the owners' slabs on their GPUs (native/cuda/topk.h); the grid and
     the slab geometry are the daemon's, the same for every rank."""
@@ -209,6 +261,7 @@ class CudaTopkExchange:
         *,
         count: Callable[[int], None] = lambda nbytes: None,
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+        gather: topk_merge.Gather | None = None,
     ):
         self.max_rows, self.topk = layout.max_rows, layout.topk
         self._layout = layout
@@ -222,6 +275,8 @@ class CudaTopkExchange:
         self._timeout = timeout
         self._where = where
         self._count = count
+        self._gather = gather  # the group's all_gather, for merge()
+        self._group_device = transport.device
         self._closed = False
 
     def stage(

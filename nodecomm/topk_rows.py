@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -15,7 +17,8 @@ def row_topk(idx: torch.Tensor, scores: torch.Tensor, k: int) -> tuple[torch.Ten
     if idx.shape != scores.shape:
         raise ValueError(f"idx has shape {tuple(idx.shape)} but scores has {tuple(scores.shape)}; expected equal")
     rows = idx.shape[0] if idx.dim() else 0
-    flat_idx, flat_scores = idx.reshape(rows, -1), scores.reshape(rows, -1)
+    width = math.prod(idx.shape[1:])  # an owner with no rows has [0, world, topk] tables
+    flat_idx, flat_scores = idx.reshape(rows, width), scores.reshape(rows, width)
     if not 0 <= k <= flat_idx.shape[1]:
         raise ValueError(f"k {k}: expected 0..{flat_idx.shape[1]}, the candidates per row")
     by_index = torch.sort(flat_idx, dim=1, stable=True)

@@ -66,3 +66,6 @@ def test_row_topk_is_exact_with_the_tie_rule():
         assert torch.equal(got_scores, torch.topk(scores.reshape(40, -1), k, dim=1).values)
     with pytest.raises(ValueError, match="expected 0..48"):
         nodecomm.row_topk(idx, scores, 49)
+    # An owner with no rows in a stage gets [0, world, topk] tables: [0, k] out.
+    empty_idx, empty_scores = nodecomm.row_topk(idx[:0], scores[:0], 7)
+    assert empty_idx.shape == empty_scores.shape == (0, 7)

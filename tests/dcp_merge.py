@@ -1,0 +1,120 @@
+"""vLLM's DCP top-k merge, for the tests: the inputs every rank makes of a case, the merge as
+vLLM states it (sparse_attn_indexer.py's _merge_dcp_topk_global, dcp_indexer_cutedsl.py's pack
+and stable_key, vLLM 0.34.0) written here from those rules with Python integers, and the rank that
+runs nodecomm's merge on a real group."""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+
+import nodecomm
+
+
+@dataclass(frozen=True)
+class Case:
+    """One merge: `rows` query rows of `topk` candidates a rank over `columns` logits columns."""
+
+    name: str
+    rows: int
+    topk: int
+    columns: int
+    interleave: int = 1
+    score_bits: int = 32
+    row_starts: bool = False
+    scores: str = "random"  # "random", "bf16" (upcast bf16 logits), "ties" (few values), "low_bits"
+    padding: float = 0.1  # the share of candidates that are -1 (and every 4th row is all -1)
+
+
+def cases(max_rows: int) -> list[Case]:
+    return [
+        Case("random fp32", 5, 16, 64),
+        Case("bf16 logits, 16 score bits", 7, 16, 64, score_bits=16, scores="bf16"),
+        Case("ties across ranks", 6, 16, 40, scores="ties"),
+        Case("ties past the 16 bits kept", 6, 16, 40, score_bits=16, scores="low_bits"),
+        Case("interleave 4, row starts", 5, 8, 48, interleave=4, row_starts=True),
+        Case("mostly padding", 6, 8, 32, padding=0.95),
+        Case("all padding", 3, 8, 16, padding=1.0),
+        Case(
+            "rows past max_rows", 2 * max_rows + 3, 8, 32, interleave=2, row_starts=True, score_bits=16, scores="bf16"
+        ),
+        Case("no rows", 0, 8, 16),
+    ]
+
+
+def id_bits(case: Case, world_size: int) -> int:
+    """vLLM's dcp_topk_id_bits(num_positions), with every global position of the case below it."""
+    return max(1, min(32, (case.columns * world_size - 1).bit_length()))
+
+
+def rank_inputs(case: Case, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(logits [rows, columns] float32, local top-k positions [rows, topk] int32, row starts or None)."""
+    generator = torch.Generator().manual_seed(seed * 1000 + rank)
+    shape = (case.rows, case.columns)
+    if case.scores == "ties":
+        logits = torch.randint(-3, 4, shape, generator=generator).float()
+    elif case.scores == "low_bits":  # equal in their top 16 bits, different below them
+        logits = 1.5 + torch.randint(0, 200, shape, generator=generator).float() * 2.0**-20
+    else:
+        logits = torch.randn(shape, generator=generator)
+        if case.scores == "bf16":
+            logits = logits.bfloat16().float()
+    starts = torch.randint(0, case.columns - case.topk + 1, (case.rows,), generator=generator)
+    local = torch.empty(case.rows, case.topk, dtype=torch.int32)
+    for row in range(case.rows):
+        span = case.columns - (int(starts[row]) if case.row_starts else 0)
+        local[row] = torch.randperm(span, generator=generator)[: case.topk].to(torch.int32)
+    dropped = torch.rand(local.shape, generator=generator) < case.padding
+    local[dropped] = -1
+    local[::4] = -1
+    return logits, local, (starts.to(torch.int32) if case.row_starts else None)
+
+
+def vllm_merge(case: Case, world_size: int, seed: int) -> list[list[int]]:
+    """Every row's global top-k as vLLM's pack and stable-key selection give it, sorted."""
+    ids_bits = id_bits(case, world_size)
+    id_mask, id_shift = (1 << ids_bits) - 1, 64 - case.score_bits - ids_bits
+    everyone = [rank_inputs(case, rank, seed) for rank in range(world_size)]
+    merged = []
+    for row in range(case.rows):
+        keys = []
+        for rank, (logits, local, starts) in enumerate(everyone):
+            for position in local[row].tolist():
+                if position < 0:
+                    keys.append(0)  # padding's key
+                    continue
+                column = min(position + (int(starts[row]) if starts is not None else 0), case.columns - 1)
+                score = float(logits[row, column])
+                token = (
+                    (position // case.interleave) * (world_size * case.interleave)
+                    + rank * case.interleave
+                    + position % case.interleave
+                )
+                token = int(struct.unpack("<f", struct.pack("<f", float(token)))[0])  # packed as float32
+                bits = struct.unpack("<I", struct.pack("<f", score))[0]
+                flipped = bits ^ (0xFFFFFFFF if bits & 0x80000000 else 0x80000000)
+                score_key = (flipped >> (32 - case.score_bits)) << (64 - case.score_bits)
+                keys.append(score_key | ((~token & 0xFFFFFFFF & id_mask) << id_shift))
+        best = sorted(keys, reverse=True)[: case.topk]
+        merged.append(sorted(-1 if key == 0 else ~(key >> id_shift) & id_mask for key in best))
+    return merged
+
+
+def merge_rank(rank: int, world_size: int, socket: str, max_rows: int, seed: int) -> list[list[list[int]]]:
+    """Every case of cases(max_rows) merged on a CPU group, each on one exchange of its topk;
+    returns each case's rows, each sorted."""
+    results = []
+    with nodecomm.connect("dcp-merge", rank, world_size, socket=socket, timeout=120) as comm:
+        exchanges = {}
+        for case in cases(max_rows):
+            if case.topk not in exchanges:
+                exchanges[case.topk] = comm.topk_exchange(max_rows, case.topk)
+            logits, local, starts = rank_inputs(case, rank, seed)
+            exchanges[case.topk].merge(
+                logits, local, cp_interleave=case.interleave, row_starts=starts, score_bits=case.score_bits,
+                id_bits=id_bits(case, world_size),
+            )  # fmt: skip
+            results.append(local.sort(dim=1).values.tolist())
+    return results
