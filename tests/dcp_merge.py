@@ -102,19 +102,42 @@ def vllm_merge(case: Case, world_size: int, seed: int) -> list[list[int]]:
     return merged
 
 
-def merge_rank(rank: int, world_size: int, socket: str, max_rows: int, seed: int) -> list[list[list[int]]]:
-    """Every case of cases(max_rows) merged on a CPU group, each on one exchange of its topk;
-    returns each case's rows, each sorted."""
+def merge_rank(
+    rank: int, world_size: int, socket: str, max_rows: int, seed: int, device: str = "cpu"
+) -> list[list[list[list[int]]]]:
+    """Every case of cases(max_rows) merged on a group on `device`, each on one exchange of its
+    topk; returns, per case, its rows (each sorted) of every run: the eager call, and on CUDA two
+    replays of a graph that captured it (its inputs put back between them)."""
+    if device != "cpu":
+        torch.cuda.set_device(torch.device(device))
     results = []
-    with nodecomm.connect("dcp-merge", rank, world_size, socket=socket, timeout=120) as comm:
+    with nodecomm.connect("dcp-merge", rank, world_size, device=device, socket=socket, timeout=120) as comm:
         exchanges = {}
         for case in cases(max_rows):
             if case.topk not in exchanges:
                 exchanges[case.topk] = comm.topk_exchange(max_rows, case.topk)
-            logits, local, starts = rank_inputs(case, rank, seed)
-            exchanges[case.topk].merge(
-                logits, local, cp_interleave=case.interleave, row_starts=starts, score_bits=case.score_bits,
-                id_bits=id_bits(case, world_size),
+            logits, local, starts = (
+                None if t is None else t.to(device) for t in rank_inputs(case, rank, seed)
             )  # fmt: skip
-            results.append(local.sort(dim=1).values.tolist())
+            given = local.clone()
+
+            def merge(exchange=exchanges[case.topk], case=case, logits=logits, local=local, starts=starts) -> None:
+                exchange.merge(
+                    logits, local, cp_interleave=case.interleave, row_starts=starts, score_bits=case.score_bits,
+                    id_bits=id_bits(case, world_size),
+                )  # fmt: skip
+
+            merge()
+            runs = [local.sort(dim=1).values.tolist()]
+            if device != "cpu" and case.rows:
+                graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+                local.copy_(given)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.graph(graph, stream=stream):
+                    merge()
+                for _ in range(2):
+                    local.copy_(given)
+                    graph.replay()
+                    runs.append(local.sort(dim=1).values.tolist())
+            results.append(runs)
     return results

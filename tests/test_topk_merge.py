@@ -19,7 +19,7 @@ def test_every_rank_gets_vllms_merge(daemon, spawn_ranks, world_size):
     wanted = [dcp_merge.vllm_merge(case, world_size, seed) for case in dcp_merge.cases(MAX_ROWS)]
     for index, case in enumerate(dcp_merge.cases(MAX_ROWS)):
         for rank in range(world_size):
-            assert got[rank][index] == wanted[index], (case.name, rank)
+            assert got[rank][index] == [wanted[index]], (case.name, rank)
     rows = [row for want in wanted for row in want]
     # The cases reach what they are for: rows padded in part and in whole.
     assert any(-1 in row and set(row) != {-1} for row in rows) and any(set(row) == {-1} for row in rows)
