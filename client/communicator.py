@@ -454,12 +454,22 @@ class Communicator:
         (the engine then runs its own all-reduce). Every rank declines the same calls. One native
         call for a plain tensor on the table's peer paths."""
         done = self._tensor_call.slot(tensor, -1 if max_bytes is None else max_bytes)
+        return done if type(done) is torch.Tensor else self._slot_finish(tensor, done, max_bytes)
+
+    def engine_slot(self, *, max_bytes: int | None = None) -> _c10d.EngineSlot:
+        """The two calls an engine's custom all-reduce slot makes per all-reduce, native:
+        `should_custom_ar(tensor)` is accepts(tensor, max_bytes=max_bytes) and
+        `custom_all_reduce(tensor)` is slot_all_reduce(tensor, max_bytes=max_bytes)
+        (NodecommAllreduce binds them on itself)."""
+        return _c10d.EngineSlot(self._tensor_call, self, -1 if max_bytes is None else max_bytes)
+
+    def _slot_finish(self, tensor: torch.Tensor, done: object, max_bytes: int | None) -> torch.Tensor | None:
+        """What the slot's native call left: None (a decline, or a tensor subclass it does not
+        take), or (outcome, output, sampled, error kind, message) of a call it ran or decided."""
         if done is None:
             if type(tensor) is torch.Tensor or not self.accepts(tensor, max_bytes=max_bytes):
                 return None
             return self.all_reduce(tensor)  # a tensor subclass: the Python path
-        if type(done) is torch.Tensor:
-            return done
         outcome, out, sampled, kind, message = done
         if outcome == _FAILED:
             raise self._lane_error(_native.error(kind, message))

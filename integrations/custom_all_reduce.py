@@ -17,13 +17,12 @@ import contextlib
 import logging
 import os
 import platform
-import secrets
 from collections.abc import Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 
-from nodecomm.errors import NodecommError
+from . import engine_group
 
 log = logging.getLogger("nodecomm.integrations")
 
@@ -142,62 +141,30 @@ class NodecommAllreduce:
         if self.world_size == 1:
             self.disabled_reason = "a group of one rank has nothing to reduce"
             return
-        try:
-            reason = self._join(socket, timeout, thresholds, table_switching)
-        except Exception as error:  # noqa: BLE001 (whatever failed, the engine runs on without us)
-            reason = f"{type(error).__name__}: {error}"
-        try:
-            usable = [0 if reason else 1]
-            everyone = [None] * self.world_size
-            dist.all_gather_object(everyone, usable[0], group=group)
-            agreed = min(everyone)
-        except Exception as error:  # noqa: BLE001
-            reason, agreed = reason or f"the ranks could not agree over the CPU group: {error}", 0
-        if not agreed:
-            self.disabled_reason = reason or "another rank of the group cannot use nodecomm"
+
+        def usable(comm) -> str:
+            return "" if comm.thresholds().paths() & comm.paths else "the dispatch table gives every size to NCCL"
+
+        joined = engine_group.join(
+            group, self.device, "engine-ar", usable, socket=socket, timeout=timeout,
+            nccl_by_caller=self.device.type == "cuda" and not self.deterministic, thresholds=thresholds,
+            table_switching=table_switching,
+        )  # fmt: skip
+        if joined.comm is None:
+            self.disabled_reason = joined.disabled_reason
             log.warning(
                 f"nodecomm custom all-reduce disabled; the engine's own all-reduce takes every size: "
                 f"{self.disabled_reason}",
                 extra={"rank": self.rank, "reason": self.disabled_reason},
             )
-            self.close()
             return
+        self.comm = joined.comm
+        self.fully_connected = engine_group.nvlink_between(joined.gpu_uuids)
         self.disabled = False
-
-    def _join(
-        self, socket: str | None, timeout: float, thresholds: Mapping[str, str | int | None] | None, switching: bool
-    ) -> str:
-        """Join the group's nodecomm group; the reason this rank cannot, or "". Every rank learns
-        rank 0's token (a fresh name per engine) and group key (which admits this engine's ranks,
-        and no other process, to the group), and every rank's node, over the engine's CPU group."""
-        mine = (node_identity(), secrets.token_hex(6), secrets.token_hex(16), _gpu_uuid(self.device))
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        nodes = {node for node, *_ in everyone}
-        if len(nodes) > 1:
-            return f"the group spans {len(nodes)} nodes; nodecomm reduces within one"
-        _, token, group_key, _ = everyone[0]
-        import nodecomm
-
-        try:
-            self.comm = nodecomm.connect(
-                f"engine-ar.{token}",
-                self.rank,
-                self.world_size,
-                device="cpu" if self.device.type == "cpu" else f"cuda:{self.device.index}",
-                socket=socket,
-                timeout=timeout,
-                nccl_by_caller=self.device.type == "cuda" and not self.deterministic,
-                thresholds=thresholds,
-                table_switching=switching,
-                group_key=group_key,
-            )
-        except NodecommError as error:
-            return str(error)
-        if not self.comm.thresholds().paths() & self.comm.paths:
-            return "the dispatch table gives every size to NCCL"
-        self.fully_connected = nvlink_between([uuid for *_, uuid in everyone])
-        return ""
+        # The engines' two calls per all-reduce, native on this object (the methods below are what
+        # they do, and what a closed slot answers).
+        calls = self.comm.engine_slot(max_bytes=self.max_size)
+        self.should_custom_ar, self.custom_all_reduce = calls.should_custom_ar, calls.custom_all_reduce
 
     # Attributes the engines read.
     @property
@@ -265,6 +232,8 @@ class NodecommAllreduce:
         process groups are gone (SGLang destroys them first)."""
         comm, self.comm = self.comm, None
         self.disabled = True
+        for native in ("should_custom_ar", "custom_all_reduce"):
+            self.__dict__.pop(native, None)
         if comm is not None:
             comm.close()
 

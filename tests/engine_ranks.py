@@ -91,6 +91,11 @@ def engine_sequence(
     communicator, ca_comm, device = engine_communicator(rank, world_size, socket, port, engine, device_kind)
     cuda = device.type == "cuda"
     outcome: dict = {"class": type(ca_comm).__name__, "disabled": ca_comm.disabled, "taken": {}, "problems": []}
+    # The engine's two calls per all-reduce, as the object answers them: native (Communicator.engine_slot).
+    outcome["native calls"] = sorted(
+        name for name in ("should_custom_ar", "custom_all_reduce")
+        if type(getattr(getattr(ca_comm, name), "__self__", None)).__name__ == "EngineSlot"
+    )  # fmt: skip
     problems = outcome["problems"]
     dtype = torch.bfloat16
 

@@ -577,29 +577,41 @@ class _Tagged(torch.Tensor):
     """A tensor subclass: left to the Python path."""
 
 
-def slot_calls(rank: int, world_size: int, socket: str) -> dict:
-    """What an engine slot gets from slot_all_reduce and accepts(max_bytes=), on a table that sends
-    4 KiB and up to the service path: each call's result (as a list, or None where declined)."""
+def slot_calls(rank: int, world_size: int, socket: str, native: bool) -> dict:
+    """What an engine slot gets from slot_all_reduce and accepts(max_bytes=) (or, `native`, from
+    the two calls of comm.engine_slot(max_bytes=), as NodecommAllreduce binds them), on a table
+    that sends 4 KiB and up to the service path: each call's result (as a list, or None where
+    declined)."""
     with nodecomm.connect(
         "slot", rank, world_size, socket=socket, timeout=30, thresholds={"service_min_bytes": "4KiB"}
     ) as comm:
+        if native:
+            slots = {limit: comm.engine_slot(max_bytes=limit) for limit in (None, 1024, 8192)}
+
+            def call(x, max_bytes=None):
+                return slots[max_bytes].custom_all_reduce(x)
+
+            def accepts(x, max_bytes=None):
+                return slots[max_bytes].should_custom_ar(x)
+        else:
+            call, accepts = comm.slot_all_reduce, comm.accepts
         small, large = torch.full((16,), float(rank + 1)), torch.full((2048,), float(rank + 1))
         seen = {
-            "small": comm.slot_all_reduce(small),
-            "large (service path)": comm.slot_all_reduce(large),
-            "past max_bytes": comm.slot_all_reduce(large, max_bytes=1024),
-            "float64": comm.slot_all_reduce(small.double()),
-            "strided": comm.slot_all_reduce(torch.ones(32)[::2]),
-            "subclass": comm.slot_all_reduce(small.as_subclass(_Tagged)),
+            "small": call(small),
+            "large (service path)": call(large),
+            "past max_bytes": call(large, max_bytes=1024),
+            "float64": call(small.double()),
+            "strided": call(torch.ones(32)[::2]),
+            "subclass": call(small.as_subclass(_Tagged)),
         }
         answers = {
-            "small": comm.accepts(small),
-            "past max_bytes": comm.accepts(large, max_bytes=1024),
-            "at max_bytes": comm.accepts(large, max_bytes=8192),
-            "float64": comm.accepts(small.double()),
-            "subclass past max_bytes": comm.accepts(large.as_subclass(_Tagged), max_bytes=1024),
+            "small": accepts(small),
+            "past max_bytes": accepts(large, max_bytes=1024),
+            "at max_bytes": accepts(large, max_bytes=8192),
+            "float64": accepts(small.double()),
+            "subclass past max_bytes": accepts(large.as_subclass(_Tagged), max_bytes=1024),
         }
         results = {name: None if out is None else sorted(set(out.tolist())) for name, out in seen.items()}
-    answers["closed"] = comm.accepts(small)
-    results["closed"] = comm.slot_all_reduce(small)
+    answers["closed"] = accepts(small)
+    results["closed"] = call(small)
     return {"results": results, "accepts": answers}

@@ -25,6 +25,7 @@ def test_engine_call_sequence(daemon, spawn_ranks, engine):
     ).values()  # fmt: skip
     for outcome in results.values():
         assert outcome["class"] == "NodecommAllreduce" and not outcome["disabled"]
+        assert outcome["native calls"] == ["custom_all_reduce", "should_custom_ar"]
         assert outcome["problems"] == []
         # Everything up to max_size is taken; the 9 MiB call goes to the engine's own all-reduce.
         assert outcome["taken"] == {count: count * 2 <= 8 << 20 for count in COUNTS}
@@ -61,7 +62,7 @@ def test_a_slot_one_rank_cannot_join_is_disabled_on_every_rank_without_raising(d
 
 
 def test_the_slot_knows_one_node_from_another_by_the_kernels_boot():
-    from nodecomm.integrations.custom_all_reduce import node_identity, nvlink_between
+    from nodecomm.integrations.engine_group import node_identity, nvlink_between
 
     assert node_identity() == node_identity() != ""
     assert not nvlink_between(["", ""])  # the CPU, or GPUs this process cannot name
@@ -131,11 +132,13 @@ def test_the_vllm_slot_keeps_vllms_static_buffer_helpers():
     assert printed.stdout.strip() == 'True NodecommAllreduce ["vLLM\'s own", 4096]', printed.stderr
 
 
-def test_the_slot_call_runs_what_accepts_takes_and_declines_the_rest_untouched(daemon, spawn_ranks):
+@pytest.mark.parametrize("native", [False, True], ids=["communicator", "engine_slot"])
+def test_the_slot_call_runs_what_accepts_takes_and_declines_the_rest_untouched(daemon, spawn_ranks, native):
     """Communicator.slot_all_reduce, what the engines' slot calls: one native call that runs the
     table's path (the service path too, where accepts() said yes) and returns None, with nothing
-    run, for whatever accepts() declines; every rank the same."""
-    results = spawn_ranks(ranks.slot_calls, 2, 2, daemon.socket).values()
+    run, for whatever accepts() declines; every rank the same. The same through engine_slot()'s
+    two native calls, which finish in Python what the lane leaves (the service path, a subclass)."""
+    results = spawn_ranks(ranks.slot_calls, 2, 2, daemon.socket, native).values()
     assert results[0] == results[1]
     assert results[0]["results"] == {
         "small": [3.0],

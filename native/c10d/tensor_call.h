@@ -130,4 +130,39 @@ class TensorCall {
   std::uint32_t dtypes_ = 0;
 };
 
+// An engine's custom all-reduce slot as two native calls, which NodecommAllreduce binds on its
+// instance (the engines call them per all-reduce): should_custom_ar is TensorCall::accepts and
+// custom_all_reduce TensorCall::slot, at the slot's max_bytes. What those leave to Python (a
+// tensor subclass; a call that ran and is due a table switch, or that the lane decided for NCCL or
+// the service path, or that failed) goes to the Communicator: accepts() and _slot_finish().
+class EngineSlot {
+ public:
+  EngineSlot(py::object call, py::object communicator, std::int64_t max_bytes)
+      : call_(call.cast<const TensorCall*>()), owner_(std::move(call)), communicator_(std::move(communicator)),
+        max_bytes_(max_bytes) {}
+
+  py::object should_custom_ar(py::handle tensor) const {
+    py::object answer = call_->accepts(tensor, max_bytes_);
+    if (!answer.is_none()) return answer;
+    return communicator_.attr("accepts")(tensor, py::arg("max_bytes") = max_bytes_or_none());
+  }
+
+  py::object custom_all_reduce(py::handle tensor) const {
+    py::object done = call_->slot(tensor, max_bytes_);
+    if (!done.is_none() && THPVariable_CheckExact(done.ptr())) return done;
+    return communicator_.attr("_slot_finish")(tensor, done, max_bytes_or_none());
+  }
+
+ private:
+  py::object max_bytes_or_none() const {
+    if (max_bytes_ < 0) return py::none();
+    return py::int_(max_bytes_);
+  }
+
+  const TensorCall* call_;
+  py::object owner_;  // keeps call_ alive
+  py::object communicator_;
+  std::int64_t max_bytes_;
+};
+
 }  // namespace nodecomm::c10d_backend
