@@ -19,6 +19,7 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -72,6 +73,46 @@ class CompletedWork : public Work {
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
 
+// Events for StreamWorks, kept for the next Work once one is dropped (as ProcessGroupNCCL's event
+// cache): a CUDA event made and destroyed per call costs more than recording it.
+class EventPool : public std::enable_shared_from_this<EventPool> {
+ public:
+  explicit EventPool(c10::DeviceType type) : type_(type) {}
+
+  std::shared_ptr<c10::Event> take() {
+    std::unique_ptr<c10::Event> event;
+    {
+      std::lock_guard<std::mutex> hold(lock_);
+      if (!free_.empty()) {
+        event = std::move(free_.back());
+        free_.pop_back();
+      }
+    }
+    if (!event) event = std::make_unique<c10::Event>(type_);
+    std::weak_ptr<EventPool> pool = weak_from_this();
+    return std::shared_ptr<c10::Event>(event.release(), [pool](c10::Event* dropped) {
+      if (auto alive = pool.lock()) {
+        alive->give(dropped);
+      } else {
+        delete dropped;
+      }
+    });
+  }
+
+ private:
+  static constexpr std::size_t kKept = 64;
+
+  void give(c10::Event* event) {
+    std::unique_ptr<c10::Event> owned(event);
+    std::lock_guard<std::mutex> hold(lock_);
+    if (free_.size() < kKept) free_.push_back(std::move(owned));
+  }
+
+  c10::DeviceType type_;
+  std::mutex lock_;
+  std::vector<std::unique_ptr<c10::Event>> free_;
+};
+
 // An asynchronous CUDA operation enqueued on `stream`, as ProcessGroupNCCL's Work is seen by its
 // callers: an event recorded after it; wait() makes the caller's current stream wait on it (the
 // host does not), isCompleted() queries it, and getFuture() is a CUDA-aware future, completed on
@@ -79,11 +120,11 @@ class CompletedWork : public Work {
 // the device guard are reached through c10's device-generic interfaces: no CUDA library here.
 class StreamWork : public Work {
  public:
-  StreamWork(std::vector<at::Tensor> result, OpType type, c10::Stream stream)
-      : Work(-1, type), result_(std::move(result)), stream_(stream), done_(stream.device_type()) {
-    done_.record(stream_);
+  StreamWork(std::vector<at::Tensor> result, OpType type, c10::Stream stream, std::shared_ptr<c10::Event> done)
+      : Work(-1, type), result_(std::move(result)), stream_(stream), done_(std::move(done)) {
+    done_->record(stream_);
   }
-  bool isCompleted() override { return done_.query(); }
+  bool isCompleted() override { return done_->query(); }
   // Enqueued without an error: a kernel that gives up sets the group's abort word, which the next
   // call raises (as ProcessGroupNCCL's Work, this answers for errors, not for completion).
   bool isSuccess() const override { return true; }
@@ -93,7 +134,7 @@ class StreamWork : public Work {
     return true;
   }
   void synchronize() override {
-    done_.block(c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device()));
+    done_->block(c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device()));
   }
   std::vector<at::Tensor> result() override { return result_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
@@ -112,7 +153,7 @@ class StreamWork : public Work {
  private:
   std::vector<at::Tensor> result_;
   c10::Stream stream_;
-  c10::Event done_;
+  std::shared_ptr<c10::Event> done_;  // from the backend's EventPool
   std::once_flag made_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -193,7 +234,9 @@ class Backend : public ::c10d::Backend {
           py::gil_scoped_acquire gil;
           bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
         }
-        if (stream && opts.asyncOp) return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream);
+        if (stream && opts.asyncOp) {
+          return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream, events_->take());
+        }
         return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
       }
     }
@@ -362,6 +405,7 @@ class Backend : public ::c10d::Backend {
   std::chrono::milliseconds timeout_;
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
   std::atomic<std::uint64_t> lane_calls_{0};
+  std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>(c10::kCUDA);
   Lane cpu_, cuda_;
 };
 
@@ -394,4 +438,11 @@ PYBIND11_MODULE(_c10d, m) {
       .def("slot", &b::TensorCall::slot, py::arg("tensor"), py::arg("max_bytes") = -1,
            "An engine slot's all-reduce: None (nothing run) where accepts() declines, the output where done, "
            "else as __call__.");
+  py::class_<b::EngineSlot>(m, "EngineSlot", "An engine's custom all-reduce slot's two calls (tensor_call.h).")
+      .def(py::init<py::object, py::object, std::int64_t>(), py::arg("call"), py::arg("communicator"),
+           py::arg("max_bytes"))
+      .def("should_custom_ar", &b::EngineSlot::should_custom_ar, py::arg("tensor"),
+           "Whether custom_all_reduce(tensor) runs here (Communicator.accepts at the slot's max_bytes).")
+      .def("custom_all_reduce", &b::EngineSlot::custom_all_reduce, py::arg("tensor"),
+           "The sum of tensor, or None (nothing run) where should_custom_ar declines it.");
 }
