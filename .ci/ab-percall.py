@@ -60,6 +60,7 @@ def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
         "async_op=True .wait()": lambda: dist.all_reduce(x, async_op=True).wait(),
         "funcol.all_reduce waited": lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", dist.group.WORLD)),
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
+        "comm.all_reduce new out": lambda: comm.all_reduce(x),  # what the slot returns: a new tensor
     }
     if slot is not None:  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
         rows["vLLM slot call"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)

@@ -7,6 +7,7 @@ import os
 
 ENVIRONMENT_VARIABLE = "NODECOMM_CUSTOM_ALLREDUCE"  # the custom all-reduce slot, both engines
 PLATFORM_VARIABLE = "NODECOMM_VLLM_PLATFORM"  # vLLM's platform, whose communicator asks nodecomm first
+DCP_TOPK_VARIABLE = "NODECOMM_DCP_TOPK"  # vLLM's DCP top-k merge on nodecomm's owner exchange
 
 
 def requested(variable: str = ENVIRONMENT_VARIABLE) -> bool:

@@ -8,6 +8,8 @@ vLLM loads general plugins in every process before its workers build their commu
 its CudaCommunicator imports `CustomAllreduce` from
 vllm.distributed.device_communicators.custom_all_reduce inside its constructor, so replacing that
 module attribute is enough. Only with NODECOMM_CUSTOM_ALLREDUCE=1 (see docs/engine-guide.md).
+The same general plugin, with NODECOMM_DCP_TOPK=1, puts vLLM's DCP top-k merge on nodecomm's
+owner exchange (vllm_dcp_topk.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import importlib
 import logging
 
+from . import vllm_dcp_topk
 from .custom_all_reduce import NodecommAllreduce
 from .engine_switch import ENVIRONMENT_VARIABLE, PLATFORM_VARIABLE, requested
 
@@ -29,6 +32,7 @@ BUFFER_HELPERS = ("create_shared_buffer", "free_shared_buffer")
 
 def register() -> None:
     """vLLM calls this with no arguments, possibly several times per process."""
+    vllm_dcp_topk.install()  # with NODECOMM_DCP_TOPK=1
     if not requested():
         return
     module = importlib.import_module(SLOT_MODULE)

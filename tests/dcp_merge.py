@@ -141,3 +141,54 @@ def merge_rank(
                     runs.append(local.sort(dim=1).values.tolist())
             results.append(runs)
     return results
+
+
+def vllm_plugin_rank(
+    rank: int, world_size: int, socket: str, port: int, max_rows: int, seed: int, glm_first: bool
+) -> list[list[list[int]]]:
+    """The cases through vLLM's own names with nodecomm's plugin registered (NODECOMM_DCP_TOPK=1),
+    over the stand-ins in tests/engine_standins: a SparseAttnIndexer built (which opens the
+    exchange), then each case through the indexer module's merge (with row starts) or glm5next's
+    call of the name it imported (without); glm_first: glm5next imported before the plugin
+    registers. A CPU group; returns each case's rows, sorted."""
+    import os
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from engine_ranks import STANDINS
+
+    os.environ.update(NODECOMM_SOCKET=socket, NODECOMM_DCP_TOPK="1")
+    sys.path.insert(0, STANDINS)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, init_method=f"tcp://127.0.0.1:{port}")
+    from vllm.model_executor.layers import sparse_attn_indexer as indexer
+
+    indexer.DCP_GROUP = types.SimpleNamespace(
+        cpu_group=dist.new_group(backend="gloo"), world_size=world_size, rank_in_group=rank
+    )
+    if glm_first:
+        from vllm.models.glm5next.nvidia import sparse_indexer as glm
+    from nodecomm.integrations import vllm as plugin
+
+    plugin.register()
+    if not glm_first:
+        from vllm.models.glm5next.nvidia import sparse_indexer as glm
+    results = []
+    for topk in sorted({case.topk for case in cases(max_rows)}):
+        buffer = torch.empty(max_rows, topk, dtype=torch.int32)
+        indexer.SparseAttnIndexer(None, 128, "ue8m0", topk, 128, 1 << 16, 1 << 16, buffer)
+    for case in cases(max_rows):
+        logits, local, starts = rank_inputs(case, rank, seed)
+        dtype = torch.bfloat16 if case.score_bits == 16 else torch.float32
+        positions = case.columns * world_size
+        if case.row_starts:
+            indexer._merge_dcp_topk_global(
+                logits, local, case.topk, rank, world_size, case.interleave, row_starts=starts, logits_dtype=dtype,
+                num_positions=positions, direct_max_rows=max_rows,
+            )  # fmt: skip
+        else:
+            glm.merge_pools(logits, local, case.topk, rank, world_size, case.interleave, dtype, positions)
+        results.append(local.sort(dim=1).values.tolist())
+    dist.destroy_process_group()
+    return results

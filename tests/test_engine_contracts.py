@@ -4,13 +4,18 @@ NodecommAllreduce, so that a new release that reads one more fails here, naming 
 before an engine does; and vLLM's own dispatch function, run from its file, hands the slot what it
 accepts."""
 
+import ast
+import inspect
+import zipfile
+
 import engine_source
 import pytest
+import torch
 import torch.distributed as dist
 
 import engine_ranks
 from conftest import free_port
-from nodecomm.integrations import NodecommAllreduce
+from nodecomm.integrations import NodecommAllreduce, vllm_dcp_topk
 from nodecomm.integrations import vllm as vllm_plugin
 
 # Reads that are not of the slot, or that the engine reaches only where an attribute it probes
@@ -140,3 +145,94 @@ def test_sglangs_own_plugin_loader_and_all_reduce_dispatch_hand_the_slot_what_it
     for outcome in results:
         norm = {"flashinfer_asked": [1152], "problems": []}  # the rows nodecomm declines go on to FlashInfer's
         assert outcome == {"class": "NodecommAllreduce", "served": counts[:3], "problems": [], "norm": norm}, outcome
+
+
+# vLLM's DCP top-k merge (nodecomm.integrations.vllm_dcp_topk), read from the pinned release.
+INDEXER_FILE = "vllm/model_executor/layers/sparse_attn_indexer.py"
+CUTEDSL_FILE = "vllm/model_executor/kernels/attention/dsa/dcp_indexer_cutedsl.py"
+DIRECT_FILE = "vllm/model_executor/kernels/attention/dsa/dcp_topk_direct.py"
+
+
+def _vllm_modules(path) -> dict[str, ast.Module]:
+    with zipfile.ZipFile(path) as archive:
+        return {
+            name: ast.parse(archive.read(name).decode(), name)
+            for name in archive.namelist()
+            if name.startswith("vllm/") and name.endswith(".py") and b"_merge_dcp_topk_global" in archive.read(name)
+        }
+
+
+def _signature(tree: ast.Module, name: str, class_name: str | None = None) -> list[tuple[str, str | None]]:
+    """(parameter, its default as source or None) of a module function or method, `self` left out."""
+    body = tree.body
+    if class_name is not None:
+        (owner,) = [n for n in body if isinstance(n, ast.ClassDef) and n.name == class_name]
+        body = owner.body
+    (function,) = [n for n in body if isinstance(n, ast.FunctionDef) and n.name == name]
+    arguments = [a.arg for a in function.args.args if a.arg != "self"]
+    defaults = [None] * (len(arguments) - len(function.args.defaults)) + [
+        ast.unparse(d) for d in function.args.defaults
+    ]
+    return list(zip(arguments, defaults, strict=True))
+
+
+def _ours(function) -> list[tuple[str, str | None]]:
+    parameters = [p for p in inspect.signature(function, follow_wrapped=False).parameters.values() if p.name != "self"]
+    return [(p.name, None if p.default is inspect.Parameter.empty else p.default) for p in parameters]
+
+
+def _same_parameters(theirs: list[tuple[str, str | None]], ours: list[tuple[str, object]]) -> bool:
+    """The same names in the same order, and defaults that evaluate alike."""
+    namespace = {"torch": torch}
+    return [n for n, _ in theirs] == [n for n, _ in ours] and all(
+        (d is None and o is None) or (d is not None and eval(d, namespace) == o)  # noqa: S307 (vLLM's own defaults)
+        for (_, d), (_, o) in zip(theirs, ours, strict=True)
+    )
+
+
+def test_the_dcp_merge_plugin_replaces_what_vllm_calls_with_vllms_signature():
+    """The merge nodecomm puts in place has vLLM's parameters and defaults; every call of it in
+    the release binds to them; every module that imports it by name imports it from the indexer's
+    module (install() replaces it there, and in any module that imported it already); the
+    constructor the plugin wraps sets what it reads; and the workspace's merge is vLLM's."""
+    path = engine_source.wheel("vllm", "0.34.0")
+    modules = _vllm_modules(path)
+    indexer = modules[vllm_dcp_topk.INDEXER_MODULE.replace(".", "/") + ".py"]
+    ours = vllm_dcp_topk.merging(lambda *args, **kwargs: None)
+    assert _same_parameters(_signature(indexer, vllm_dcp_topk.MERGE), _ours(ours))
+    signature, calls, importers = inspect.signature(ours), 0, set()
+    for name, tree in modules.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == vllm_dcp_topk.MERGE:
+                calls += 1
+                signature.bind(*node.args, **{k.arg: k.value for k in node.keywords})  # TypeError if not
+            if isinstance(node, ast.ImportFrom) and any(a.name == vllm_dcp_topk.MERGE for a in node.names):
+                assert node.module == vllm_dcp_topk.INDEXER_MODULE, (name, node.module)
+                importers.add(name)
+    assert calls >= 4 and "vllm/models/glm5next/nvidia/sparse_indexer.py" in importers, (calls, importers)
+    (indexer_class,) = [
+        n for n in indexer.body if isinstance(n, ast.ClassDef) and n.name == vllm_dcp_topk.INDEXER_CLASS
+    ]
+    (constructor,) = [n for n in indexer_class.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    assigned = {t.attr for n in ast.walk(constructor) if isinstance(n, ast.Assign) for t in n.targets
+                if isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self"}  # fmt: skip
+    assert {"topk_tokens", "topk_indices_buffer", "dcp_world_size"} <= assigned
+    assert any(isinstance(n, ast.ImportFrom) and any(a.name == "get_dcp_group" for a in n.names) for n in indexer.body)
+    with zipfile.ZipFile(path) as archive:
+        direct = ast.parse(archive.read(DIRECT_FILE).decode(), DIRECT_FILE)
+    assert _same_parameters(
+        _signature(direct, "merge", "DirectDCPTopKWorkspace"), _ours(vllm_dcp_topk.DcpTopkWorkspace.merge)
+    )
+
+
+def test_the_dcp_merge_keys_scores_and_ids_on_vllms_bits():
+    """vLLM's own dcp_topk_score_bits and dcp_topk_id_bits, compiled from the release, give what
+    nodecomm's merge is passed."""
+    theirs = engine_source.functions(
+        engine_source.wheel("vllm", "0.34.0"), CUTEDSL_FILE, ["dcp_topk_score_bits", "dcp_topk_id_bits"],
+        {"torch": torch},
+    )  # fmt: skip
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert theirs["dcp_topk_score_bits"](dtype) == vllm_dcp_topk.score_bits(dtype)
+    for positions in (1, 2, 3, 1000, 1 << 16, (1 << 16) + 1, 163840, 1 << 31, 1 << 40):
+        assert theirs["dcp_topk_id_bits"](positions) == vllm_dcp_topk.id_bits(positions)

@@ -7,6 +7,7 @@ import torch
 
 import dcp_merge
 import nodecomm
+from conftest import free_port
 
 MAX_ROWS = 4
 
@@ -43,3 +44,18 @@ def test_bad_merges_are_refused_naming_what_was_expected(daemon):
         local[0] = torch.tensor([5, -1])
         exchange.merge(logits, local)  # a group of one: its own top-k, as global ids
         assert local[0].tolist() == [5, -1]
+
+
+@pytest.mark.parametrize("world_size, glm_first", [(2, False), (3, True)])
+def test_vllms_names_run_the_merge_once_the_plugin_registers(daemon, spawn_ranks, world_size, glm_first):
+    """Through vLLM's own names (the stand-ins of its modules), with NODECOMM_DCP_TOPK=1: the
+    indexer module's merge and glm5next's, imported by name before or after the plugin registers."""
+    seed = 5 + world_size
+    got = spawn_ranks(
+        dcp_merge.vllm_plugin_rank, world_size, world_size, daemon.socket, free_port(), MAX_ROWS, seed, glm_first,
+        timeout=300,
+    ).values()  # fmt: skip
+    for index, case in enumerate(dcp_merge.cases(MAX_ROWS)):
+        want = dcp_merge.vllm_merge(case, world_size, seed)
+        for rank in range(world_size):
+            assert got[rank][index] == want, (case.name, rank)
