@@ -64,9 +64,15 @@ def select(ids: torch.Tensor, scores: torch.Tensor, topk: int, score_bits: int, 
     bits = scores.reshape(shape).view(torch.int32).long() & 0xFFFFFFFF
     flipped = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
     flat_ids = ids.reshape(shape)
-    key = (flipped >> (32 - score_bits)).masked_fill(flat_ids < 0, -1)  # padding below every candidate
-    keyed_ids = torch.where(flat_ids < 0, flat_ids, flat_ids & ((1 << id_bits) - 1))
-    chosen, chosen_keys = row_topk(keyed_ids, key, topk)
+    mask = (1 << id_bits) - 1
+    keyed_ids = torch.where(flat_ids < 0, flat_ids, flat_ids & mask)
+    score_key = flipped >> (32 - score_bits)
+    if score_bits + id_bits <= 62:  # the whole key in one int64: one top-k, as vLLM's selector keys it
+        key = ((score_key << id_bits) | (~keyed_ids.long() & mask)).masked_fill(flat_ids < 0, -1)
+        best = torch.topk(key, topk, dim=1)
+        return torch.gather(keyed_ids, 1, best.indices).masked_fill(best.values < 0, -1)
+    # Too wide for one int64: the score's bits, ties to the smaller id (row_topk's two stable sorts).
+    chosen, chosen_keys = row_topk(keyed_ids, score_key.masked_fill(flat_ids < 0, -1), topk)
     return chosen.masked_fill(chosen_keys < 0, -1)
 
 

@@ -26,11 +26,13 @@ class Case:
     row_starts: bool = False
     scores: str = "random"  # "random", "bf16" (upcast bf16 logits), "ties" (few values), "low_bits"
     padding: float = 0.1  # the share of candidates that are -1 (and every 4th row is all -1)
+    full_ids: bool = False  # id_bits 32 (vLLM's without num_positions): a key wider than an int64
 
 
 def cases(max_rows: int) -> list[Case]:
     return [
         Case("random fp32", 5, 16, 64),
+        Case("fp32, 32 id bits, ties", 5, 16, 40, scores="ties", full_ids=True),
         Case("bf16 logits, 16 score bits", 7, 16, 64, score_bits=16, scores="bf16"),
         Case("ties across ranks", 6, 16, 40, scores="ties"),
         Case("ties past the 16 bits kept", 6, 16, 40, score_bits=16, scores="low_bits"),
@@ -45,8 +47,9 @@ def cases(max_rows: int) -> list[Case]:
 
 
 def id_bits(case: Case, world_size: int) -> int:
-    """vLLM's dcp_topk_id_bits(num_positions), with every global position of the case below it."""
-    return max(1, min(32, (case.columns * world_size - 1).bit_length()))
+    """vLLM's dcp_topk_id_bits(num_positions), with every global position of the case below it
+    (32 for full_ids: vLLM's without num_positions)."""
+    return 32 if case.full_ids else max(1, min(32, (case.columns * world_size - 1).bit_length()))
 
 
 def rank_inputs(case: Case, rank: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -181,8 +184,8 @@ def vllm_plugin_rank(
     for case in cases(max_rows):
         logits, local, starts = rank_inputs(case, rank, seed)
         dtype = torch.bfloat16 if case.score_bits == 16 else torch.float32
-        positions = case.columns * world_size
-        if case.row_starts:
+        positions = None if case.full_ids else case.columns * world_size
+        if case.row_starts or case.full_ids:
             indexer._merge_dcp_topk_global(
                 logits, local, case.topk, rank, world_size, case.interleave, row_starts=starts, logits_dtype=dtype,
                 num_positions=positions, direct_max_rows=max_rows,

@@ -179,6 +179,16 @@ def test_topk_bench_compares_tables_with_the_baseline():
     assert [r[0] for r in rows] == ["0", "5", "64"] and all(r[-1] == "yes" for r in rows)
 
 
+def test_topk_merge_bench_compares_sets_with_the_gathered_merge():
+    """Rows past --rows' largest are not asked for; 0 rows is a merge of nothing."""
+    result = nodecomm_cli(
+        "bench", "--op", "topk-merge", "--world-size", "3", "--rows", "0,5,40", "--topk", "8", "--iterations", "2"
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split() for line in result.stdout.splitlines() if not line.startswith("#")]
+    assert [r[0] for r in rows] == ["0", "5", "40"] and all(r[-1] == "yes" for r in rows), result.stdout
+
+
 def test_convergence_bench_reports_when_auto_reached_the_best_path_and_stayed():
     """A private daemon exploring every 4th call, from a stored table that sends every size to
     twoshot: a row per size with the best single path, the path in force at the end, the call (a

@@ -293,6 +293,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         rows = args.rows or [64, 256, 1024, 2048]
         print(run_topk_bench(args.world_size, rows, args.topk, args.iterations or 10, args.socket, args.device))
         return 0
+    if args.op == "topk-merge":
+        from nodecomm.tools.topk_merge_bench import run_topk_merge_bench
+
+        rows = args.rows or ([1, 16, 64] if args.device == "cpu" else [1, 16, 256, 2048, 8192])
+        print(run_topk_merge_bench(args.world_size, rows, args.topk, args.iterations or 10, args.socket, args.device))
+        return 0
     if args.op == "rms-norm":
         from nodecomm.tools.rms_norm_bench import run_rms_norm_bench
 
@@ -514,7 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--op",
         default="all_reduce",
-        choices=("all_reduce", "topk", "wire-error", "across-nodes", "convergence", "rms-norm"),
+        choices=("all_reduce", "topk", "topk-merge", "wire-error", "across-nodes", "convergence", "rms-norm"),
         help="wire-error: the compressed wires' error against the exact sum (docs/compressed-wires.md); "
         "convergence: the calls a fresh group's table needs to pick each size's fastest path; "
         "rms-norm: all_reduce_rms_norm against all_reduce and torch's add and RMSNorm",
@@ -523,7 +529,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--rows",
         type=whole_numbers(0),
-        help="topk: rows per stage (default: 64,256,1024,2048); rms-norm: tokens per call (default: 1,2,4,...,8192)",
+        help="topk: rows per stage (default: 64,256,1024,2048); topk-merge: rows per merge (default: 1,16,256,2048,"
+        "8192; CPU 1,16,64); rms-norm: tokens per call (default: 1,2,4,...,8192)",
     )
     bench.add_argument(
         "--hidden", type=whole_numbers(1), default="4096,8192", help="rms-norm: hidden sizes (default: 4096,8192)"
@@ -535,9 +542,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=whole_numbers(1), default="2,2", help="across-nodes: ranks per stand-in node (a daemon each)"
     )
     bench.add_argument("--count", type=whole_number(1), default=1 << 18, help="wire-error: Gaussian elements per rank")
-    bench.add_argument("--topk", type=whole_number(1), default=2048, help="topk: candidates per row and rank")
     bench.add_argument(
-        "--iterations", type=whole_number(1), help="topk: timed stages per size (default: 10); rms-norm: calls (50)"
+        "--topk", type=whole_number(1), default=2048, help="topk, topk-merge: candidates per row and rank"
+    )
+    bench.add_argument(
+        "--iterations",
+        type=whole_number(1),
+        help="topk, topk-merge: timed calls per size (default: 10); rms-norm: calls (50)",
     )
     bench.add_argument(
         "--calls", type=whole_number(50), default=3000, help="convergence: default-dispatched calls per size"
