@@ -180,7 +180,7 @@ def test_topk_bench_compares_tables_with_the_baseline():
 
 
 def test_topk_merge_bench_compares_sets_with_the_gathered_merge():
-    """Rows past --rows' largest are not asked for; 0 rows is a merge of nothing."""
+    """Every size's sets equal the gathered merge's; 0 rows is a merge of nothing."""
     result = nodecomm_cli(
         "bench", "--op", "topk-merge", "--world-size", "3", "--rows", "0,5,40", "--topk", "8", "--iterations", "2"
     )
