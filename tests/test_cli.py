@@ -179,6 +179,12 @@ def test_topk_bench_compares_tables_with_the_baseline():
     assert [r[0] for r in rows] == ["0", "5", "64"] and all(r[-1] == "yes" for r in rows)
 
 
+def test_a_bench_without_its_baseline_says_why():
+    result = nodecomm_cli("bench", "--sizes", "1KiB", "--paths", "oneshot", "--no-baseline")
+    assert result.returncode == 0, result.stderr
+    assert "# no gloo baseline in this run (--no-baseline)" in result.stdout.splitlines(), result.stdout
+
+
 def test_topk_merge_bench_compares_sets_with_the_gathered_merge():
     """Every size's sets equal the gathered merge's; 0 rows is a merge of nothing."""
     result = nodecomm_cli(
@@ -240,6 +246,12 @@ def test_across_nodes_bench_times_every_form_beside_gloo():
         (("--op", "across-nodes", "--nodes", "2,0"), "argument --nodes: '2,0': expected every number to be 1 or more"),
         (("--op", "topk", "--rows", "64,many"), "argument --rows: '64,many': expected comma-separated whole numbers"),
         (("--op", "wire-error", "--worlds", "2,3"), "--worlds 2,3: expected divisors of 8"),
+        (("--sizes", "3"), "--sizes 3: expected multiples of 4 bytes (one float32 element)"),
+        (("--sizes", "5", "--dtype", "bfloat16"), "--sizes 5: expected multiples of 2 bytes (one bfloat16 element)"),
+        (("--sizes", "off"), "argument --sizes: 'off': expected a size of at least 1 byte, e.g. 4KiB"),
+        (("--sizes", "-4KiB"), "argument --sizes: '-4KiB': expected a size of at least 1 byte"),
+        (("--min-bytes", "-1"), "argument --min-bytes: '-1': expected a size of at least 1 byte"),
+        (("--sizes", "1KiB,99GiB"), "--sizes 99GiB: 2 ranks need about 990.0 GiB for it (5x the size a rank)"),
     ],
 )
 def test_bench_refuses_bad_counts_and_says_what_it_expected(flags, says):

@@ -453,7 +453,9 @@ def format_header(setup: BenchSetup) -> list[str]:
         f"{'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'#wrong':>6} {'lat/' + name:>9} {'bw/' + name:>8}",
     ]
     if setup.baseline is None:
-        lines.insert(2, f"# no {name} baseline in this run (NCCL refuses ranks that share a GPU)")
+        shared = setup.device == "cuda" and setup.world_size > setup.gpus
+        why = "NCCL refuses ranks that share a GPU" if shared else "--no-baseline"
+        lines.insert(2, f"# no {name} baseline in this run ({why})")
     return lines
 
 

@@ -343,6 +343,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if args.capacity < 64
         else ""
     )
+    sizes = args.sizes or sizes_between(args.min_bytes, max_bytes)
+    problem = problem or _sizes_problem(sizes, args.dtype, args.world_size, args.device, gpus)
     if problem:
         print(f"nodecomm bench: {problem}", file=sys.stderr)
         return 2
@@ -360,7 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
         world_size=args.world_size,
         dtype=args.dtype,
-        sizes=args.sizes or sizes_between(args.min_bytes, max_bytes),
+        sizes=sizes,
         paths=paths,
         capacity_bytes=args.capacity,
         graph=args.graph,
@@ -378,6 +380,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         write_json(args.json, rows, setup, notes)
     return 1 if any(r.wrong for r in rows) else 0
+
+
+# What a bench rank holds per size, in multiples of it: its input, output and expected sum, and
+# the arange (int64) it builds them from: 5x for float32, 7x for 16-bit types.
+_RANK_COPIES = {"float32": 5, "float16": 7, "bfloat16": 7}
+
+
+def _sizes_problem(sizes: list[int], dtype: str, world_size: int, device: str, gpus: int) -> str:
+    """Why the bench cannot measure these sizes ("" where it can): a size that is not whole elements,
+    or one whose tensors do not fit this machine's free memory (host, or each GPU's)."""
+    element = 4 if dtype == "float32" else 2
+    odd = [format_byte_size(size) for size in sizes if size % element]
+    if odd:
+        return f"--sizes {','.join(odd)}: expected multiples of {element} bytes (one {dtype} element)"
+    largest = max(sizes)
+    if device == "cuda":
+        import torch
+
+        ranks, free = -(-world_size // gpus), min(torch.cuda.mem_get_info(i)[0] for i in range(gpus))
+        where = f"free on each GPU ({ranks} rank(s) a GPU)"
+    else:
+        ranks, free, where = world_size, _host_available(), "available on this host"
+    needed = ranks * _RANK_COPIES[dtype] * largest
+    if free is not None and needed > free:
+        return (
+            f"--sizes {format_byte_size(largest)}: {world_size} ranks need about {needed / (1 << 30):.1f} GiB for it "
+            f"({_RANK_COPIES[dtype]}x the size a rank), and {free / (1 << 30):.1f} GiB is {where}"
+        )
+    return ""
+
+
+def _host_available() -> int | None:
+    """MemAvailable from /proc/meminfo, in bytes (None where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def cmd_topo(args: argparse.Namespace) -> int:
@@ -419,13 +462,14 @@ def positive_seconds(text: str) -> float:
 
 
 def byte_size(text: str) -> int:
-    """An argparse type: a byte size (parse_byte_size's forms), at least 1."""
+    """An argparse type: a byte size (parse_byte_size's forms, not "off"), at least 1."""
+    expected = f"{text!r}: expected a size of at least 1 byte, e.g. 4KiB or 1048576 (K, M, G: 1024-based)"
     try:
         size = parse_byte_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+    except ValueError:
+        raise argparse.ArgumentTypeError(expected) from None
     if size is None or size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a size of at least 1 byte, e.g. 4KiB")
+        raise argparse.ArgumentTypeError(expected)
     return size
 
 
@@ -639,8 +683,23 @@ def _off_main_thread(run: Callable[[argparse.Namespace], int], args: argparse.Na
     return outcome[0]
 
 
+# Options whose value may be written negative: argparse takes "-4KiB" after them for an option,
+# and says only "expected one argument"; joined as "--sizes=-4KiB", the value gets its own message.
+_SIZE_OPTIONS = ("--sizes", "--min-bytes", "--max-bytes", "--capacity")
+
+
+def _joined_sizes(argv: Sequence[str]) -> list[str]:
+    joined, rest = [], list(argv)
+    while rest:
+        item = rest.pop(0)
+        if item in _SIZE_OPTIONS and rest and rest[0][:1] == "-" and rest[0][1:2].isdigit():
+            item = f"{item}={rest.pop(0)}"
+        joined.append(item)
+    return joined
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_joined_sizes(sys.argv[1:] if argv is None else argv))
     try:
         # bench runs on the main thread: its own cleanup (ranks, private daemon) runs on Ctrl-C.
         status = args.run(args) if args.command == "bench" else _off_main_thread(args.run, args)
