@@ -392,6 +392,13 @@ def hold_group_for_metrics(rank: int, world_size: int, socket: str, report, comm
     return seen
 
 
+def hold_named_group(rank: int, world_size: int, socket: str, name: str, report, commands) -> None:
+    """Join group `name`, report ("joined", rank), and keep it until the test sends "stop"."""
+    with nodecomm.connect(name, rank, world_size, socket=socket, timeout=60):
+        report.put(("joined", rank))
+        assert commands[rank].get(timeout=120) == "stop"
+
+
 def report_captured_sizes(rank: int, world_size: int, socket: str, report, commands) -> None:
     """Record in the rank's native dispatch what a CUDA group's captured calls record (a CPU
     group captures nothing): 4 KiB captured on the table's oneshot, and 64 KiB, which the table

@@ -52,6 +52,37 @@ def test_status_and_thresholds_show_a_live_group(daemon, spawn_ranks):
     group.results()
 
 
+def test_status_columns_stay_aligned_past_a_long_group_name(daemon, spawn_ranks):
+    context = mp.get_context("spawn")
+    names = ["a", "torch.bdd70a8dccb3.0/cpu-a-name-past-the-old-columns"]
+    report, commands = context.Queue(), [context.Queue() for _ in names]
+    groups = [
+        spawn_ranks(ranks.hold_named_group, 1, 1, daemon.socket, name, report, [queue], timeout=120)
+        for name, queue in zip(names, commands, strict=True)
+    ]
+    for _ in names:
+        report.get(timeout=60)
+    shown = nodecomm_cli("--socket", daemon.socket, "status")
+    lines = shown.stdout.splitlines()
+    assert shown.returncode == 0, shown.stderr
+    header = next((line for line in lines if line.startswith("group")), None)
+    assert header, shown.stdout
+    rows = [next(line for line in lines if line.startswith(name + " ")) for name in names]
+    assert {row.index(" active") + 1 for row in rows} == {header.index("state")}, lines
+    for queue in commands:
+        queue.put("stop")
+    for group in groups:
+        group.values()
+
+
+def test_status_json_without_a_daemon_is_json(tmp_path):
+    result = nodecomm_cli("--socket", str(tmp_path / "nothing.sock"), "status", "--json")
+    assert result.returncode == 1
+    document = json.loads(result.stdout)
+    assert document["health"] == "UNREACHABLE" and document["groups"] == []
+    assert "nothing serves at" in document["error"], document
+
+
 def test_captured_sizes_show_beside_the_table_in_status_and_metrics(daemon, spawn_ranks):
     """What the ranks' sessions report of their captured sizes: each with the path its graphs
     replay on and the path the table gives it now, in `nodecomm status` (a line for those that

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 import grpc
+from tabulate import tabulate
 
 from nodecomm._native import MAX_RANKS
 from nodecomm.byte_size import format_byte_size, parse_byte_size
@@ -38,11 +39,19 @@ def _stub(socket: str | None, timeout: float) -> tuple[grpc.Channel, pb_grpc.Con
 def cmd_status(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    channel, stub = _stub(args.socket, args.timeout)
-    with channel:
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
-        # The daemon shows a caller its own groups, and an operator every group.
-        groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
+    try:
+        channel, stub = _stub(args.socket, args.timeout)
+        with channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout)
+            # The daemon shows a caller its own groups, and an operator every group.
+            groups = stub.ListGroups(pb.ListGroupsRequest(), timeout=args.timeout).groups
+    except (grpc.RpcError, NodecommError) as error:
+        if not args.json:
+            raise
+        # A script asked for JSON: it gets JSON, with why there is no daemon to report.
+        reason = from_rpc_error(error) if isinstance(error, grpc.RpcError) else error
+        print(json.dumps({"health": "UNREACHABLE", "error": str(reason), "groups": []}, indent=2))
+        return 1
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
     # Non-zero unless serving, so that probes and scripts can use the exit status alone.
     code = 0 if health.status == health_pb2.HealthCheckResponse.SERVING else 1
@@ -77,27 +86,35 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         return code
     print(f"daemon: {status} ({args.socket or default_socket_path()})")
+    if not groups:
+        print("(no groups)")
+        return code
+    rows = [
+        [
+            g.name + (f" [{g.owner}]" if g.owner else ""),  # the owner: shown to operators
+            g.state,
+            g.device_kind,
+            g.world_size,
+            ",".join(map(str, g.live_ranks)) or "-",
+            format_byte_size(g.reserved_bytes),
+            format_byte_size(g.service_bytes),
+            _ORDERING_NAMES.get(g.service_ordering, "-"),
+            g.topk_exchanges,
+            _paths_summary(g.thresholds) if g.thresholds.ranges else "-",
+        ]  # fmt: skip
+        for g in groups
+    ]
+    headers = ["group", "state", "device", "world", "live ranks", "reserved", "service", "ordering", "topk", "paths"]
     print(
-        f"{'group':<24} {'state':<9} {'device':<6} {'world':>5} {'live ranks':<16} {'reserved':>10} "
-        f"{'service':>9} {'ordering':<12} {'topk':>4}  paths"
+        tabulate(rows, headers, tablefmt="plain", colalign=("left",) * 5 + ("right",) * 2 + ("left", "right", "left"))
     )
     for g in groups:
-        live = ",".join(map(str, g.live_ranks)) or "-"
-        owner = f" [{g.owner}]" if g.owner else ""  # shown to operators
-        print(
-            f"{g.name + owner:<24} {g.state:<9} {g.device_kind:<6} {g.world_size:>5} {live:<16} "
-            f"{format_byte_size(g.reserved_bytes):>10} {format_byte_size(g.service_bytes):>9} "
-            f"{_ORDERING_NAMES.get(g.service_ordering, '-'):<12} {g.topk_exchanges:>4}  "
-            f"{_paths_summary(g.thresholds) if g.thresholds.ranges else '-'}"
-        )
         moved = [c for c in _captured(g) if c["path"] != c["table_path"]]
         if moved:
             sizes = ", ".join(
                 f"{format_byte_size(c['bytes'])} on {c['path']} (table: {c['table_path']})" for c in moved
             )
-            print(f"  captured on a path the table no longer gives (re-capture to move): {sizes}")
-    if not groups:
-        print("(no groups)")
+            print(f"{g.name}: captured on a path the table no longer gives (re-capture to move): {sizes}")
     return code
 
 
