@@ -206,6 +206,8 @@ class DaemonConfig:
             object.__setattr__(self, "state_dir", default_state_dir())
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", default_cache_dir())
+        # A job's private daemon only reads state_dir (the node's); every other daemon writes there.
+        _check_directory("state_dir", self.state_dir, writable=not self.private)
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key: expected both (PEM files) or neither; tls_client_ca needs them")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -299,6 +301,25 @@ def parse_ids(field: str, text: str) -> frozenset[int]:
             kind = "user" if field.endswith("_uids") else "group"
             raise ValueError(f"{field}: no {kind} named {item!r}; expected ids or names, comma-separated") from None
     return frozenset(ids)
+
+
+def _check_directory(name: str, path: str, writable: bool) -> None:
+    """`path` is a directory, or one can be made there (what exists of it is a directory); and,
+    where `writable`, this process may write in it (or in what exists of it)."""
+    existing = os.path.abspath(path)
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        what = (
+            "is not a directory"
+            if existing == os.path.abspath(path)
+            else f"is under {existing}, which is not a directory"
+        )
+        raise ValueError(f"{name} {path!r}: {what}; expected a directory (or one that can be made)")
+    if writable and not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{name} {path!r}: {existing} is not writable by uid {os.geteuid()}; expected a directory it may write"
+        )
 
 
 def _split_address(field: str, address: str) -> tuple[str, int]:

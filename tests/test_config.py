@@ -86,3 +86,23 @@ def test_a_config_file_that_is_not_toml_is_named(tmp_path):
     config_file.write_text("socket = \n")
     with pytest.raises(ValueError, match=f"config file {config_file}: not valid TOML"):
         load_config(["--config", str(config_file)], {})
+
+
+def test_an_unusable_state_dir_stops_the_daemon_at_start_naming_it(tmp_path):
+    """A path under a regular file (or a file itself) cannot hold calibrations: the daemon refuses
+    to start (exit 2) and says which setting, where it would have served without them."""
+    import subprocess
+    import sys
+
+    regular = tmp_path / "a-file"
+    regular.write_text("")
+    with pytest.raises(ValueError, match=r"state_dir '.*a-file': is not a directory"):
+        load_config(["--state-dir", str(regular)], {})
+    load_config(["--state-dir", str(tmp_path / "new" / "state")], {})  # one that can be made is fine
+    started = subprocess.run(
+        [sys.executable, "-m", "nodecomm.service.server", "--socket", str(tmp_path / "d.sock"),
+         "--state-dir", str(regular / "state"), "--metrics-address", "off"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert started.returncode == 2, started.stderr
+    assert f"state_dir '{regular / 'state'}': is under {regular}, which is not a directory" in started.stderr
