@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import socket as socketlib
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from enum import Enum
 from nodecomm import trust
 from nodecomm.errors import DaemonUnavailableError, DeadlineExceededError, InvalidArgumentError, NodecommError
 from nodecomm.socket_path import (
+    ADOPTION_KEY_NAME,
     PRIVATE_LOCK_NAME,
     PRIVATE_LOG_NAME,
     default_socket_path,
@@ -124,6 +126,7 @@ def choose(
 def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoice, JobLeaseHandle]:
     """Take a lease on the private daemon at `socket`, starting it first if none serves there."""
     deadline = time.monotonic() + timeout
+    sweep_abandoned_jobs(os.path.dirname(os.path.dirname(os.path.abspath(socket))), where)
     try:
         lock, directory = _lock_job_directory(socket, deadline, where)
     except NodecommError as error:
@@ -144,6 +147,68 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
     choice = DaemonChoice(DaemonMode.PRIVATE, socket, started)
     log.info(f"using {choice}", extra={**where, "socket": socket})
     return choice, lease
+
+
+# A job directory whose daemon is gone is left alone this long after its last write: the job's
+# ranks, where they live on, start the next daemon there within a second (and it needs the
+# adoption key left there); past this, nothing of the job is left to come back.
+ABANDONED_AFTER_SECONDS = 60.0
+
+
+def sweep_abandoned_jobs(jobs: str, where: dict, now: float | None = None) -> list[str]:
+    """Remove the job directories under `jobs` that a private daemon killed with SIGKILL left (its
+    sockets, lock file, log and key): no process holds the lock, nothing answers on its lease
+    socket, and nothing was written there for ABANDONED_AFTER_SECONDS. Returns what it removed."""
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = os.listdir(jobs)
+    except OSError:
+        return removed
+    for name in names:
+        directory = os.path.join(jobs, name)
+        try:
+            if not os.path.isdir(directory) or os.path.islink(directory):
+                continue
+            newest = max(os.lstat(os.path.join(directory, n)).st_mtime for n in [*os.listdir(directory), "."])
+            if now - newest < ABANDONED_AFTER_SECONDS or not _nobody_at(os.path.join(directory, "nodecomm.sock")):
+                continue
+            lock = os.open(os.path.join(directory, PRIVATE_LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except (OSError, ValueError):
+            continue  # gone meanwhile, or no lock file: not a directory this sweeps
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a rank or a daemon deciding: not abandoned
+            for entry in os.scandir(directory):
+                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode) or entry.name in (
+                    PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME, ADOPTION_KEY_NAME,
+                ):  # fmt: skip
+                    os.unlink(entry.path)
+            os.rmdir(directory)  # only where nothing else was put there
+            removed.append(directory)
+        except OSError:
+            pass
+        finally:
+            os.close(lock)
+    if removed:
+        log.info("removed the directories of jobs whose private daemon was killed", extra={**where, "removed": removed})
+    return removed
+
+
+def _nobody_at(socket: str) -> bool:
+    """Whether no daemon listens at `socket` or its lease socket (refused, or no socket file)."""
+    for path in (socket, lease_socket_path(socket)):
+        probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+            return False
+        except (ConnectionRefusedError, FileNotFoundError):
+            continue
+        except OSError:
+            return False  # anything else: leave it be
+        finally:
+            probe.close()
+    return True
 
 
 def _remove_job_directory(directory: str) -> None:

@@ -32,11 +32,12 @@ import secrets
 
 from nodecomm import trust
 from nodecomm.errors import NodecommError, PermissionDeniedError
+from nodecomm.socket_path import ADOPTION_KEY_NAME
 from nodecomm.v1 import control_pb2 as pb
 
 log = logging.getLogger("nodecomm.adoption")
 
-KEY_FILE = "adoption.key"
+KEY_FILE = ADOPTION_KEY_NAME
 KEY_BYTES = 32
 SALT_BYTES = 16
 

@@ -7,6 +7,7 @@ import faulthandler
 import itertools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -54,16 +55,22 @@ HUNG_AFTER_TIMEOUT_SECONDS = 300
 
 
 _STACKS_TO = pytest.StashKey()
+_CACHE = pytest.StashKey()
 
 
 def pytest_configure(config):
     # Capture is suspended here: this is the run's real standard error.
     config.stash[_STACKS_TO] = os.fdopen(os.dup(2), "w")
     # No private daemon a test starts reads or writes the user's own calibration cache.
-    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nodecomm-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = config.stash[_CACHE] = tempfile.mkdtemp(prefix="nodecomm-test-cache-")
     # Exploration moves tables by what this machine measures: the tests that assert a table run
     # without it, and those of exploration and convergence ask for it.
     os.environ["NODECOMM_EXPLORE_PERIOD"] = "0"
+
+
+def pytest_unconfigure(config):
+    if _CACHE in config.stash:  # the run's calibration cache goes with it
+        shutil.rmtree(config.stash[_CACHE], ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -93,3 +93,17 @@ def test_a_closed_communicator_accepts_nothing_and_a_bad_size_is_named(daemon):
     assert comm.accepts(torch.ones(4))
     comm.close()
     assert not comm.accepts(torch.ones(4))
+
+
+def test_a_test_run_leaves_no_calibration_cache_behind(tmp_path):
+    """The run's own cache directory (tests/conftest.py: no test touches the user's) goes with it."""
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests / "test_byte_size.py")],
+        cwd=tests.parent, env={**os.environ, "TMPDIR": str(tmp_path)}, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert list(tmp_path.glob("nodecomm-test-cache-*")) == []

@@ -232,3 +232,33 @@ def test_a_private_daemon_that_dies_is_replaced_by_its_jobs_ranks(runtime_direct
         assert outcome["adoptions"] == 1, outcome
     assert second != first
     wait_gone(socket, 15)
+
+
+def test_a_job_removes_what_a_killed_private_daemon_left_once_its_job_is_gone(runtime_directory, monkeypatch):
+    """A private daemon killed with SIGKILL, with no rank of its job left to start the next,
+    leaves its directory (sockets, lock file, log, adoption key). The next job to start a private
+    daemon removes it, once nothing was written there for a minute (before that, the job's ranks
+    may still come back to it); a directory whose daemon serves stays."""
+    from nodecomm.client import daemon_choice
+    from nodecomm.socket_path import private_socket_path
+
+    monkeypatch.setenv("XDG_RUNTIME_DIR", runtime_directory)
+    killed_socket = private_socket_path("killed-job")
+    _, lease = daemon_choice.attach_private(killed_socket, 30, {})
+    (pid,) = private_daemons(killed_socket)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: not private_daemons(killed_socket), 10, "the killed daemon gone")
+    lease.release()
+    killed = Path(killed_socket).parent
+    assert {"lock", "daemon.log", "adoption.key", "nodecomm.sock"} <= {p.name for p in killed.iterdir()}
+    live_socket = private_socket_path("live-job")
+    _, live_lease = daemon_choice.attach_private(live_socket, 30, {})
+    assert killed.exists()  # written to a moment ago: its job's ranks may yet start the next daemon there
+    an_hour_ago = time.time() - 3600
+    for path in [*killed.iterdir(), killed, *Path(live_socket).parent.iterdir(), Path(live_socket).parent]:
+        os.utime(path, (an_hour_ago, an_hour_ago), follow_symlinks=False)
+    _, third_lease = daemon_choice.attach_private(private_socket_path("third-job"), 30, {})
+    assert not killed.exists() and Path(live_socket).exists()
+    for held in (live_lease, third_lease):
+        held.release()
+    wait_gone(live_socket, 15)
