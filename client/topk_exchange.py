@@ -132,6 +132,7 @@ class _Merge:
     _layout: TopkLayout
     _gather: topk_merge.Gather | None
     _where: dict
+    _closed: bool
     _group_device: torch.device  # where the group's tensors live
     stage: topk_merge.Stage
 
@@ -152,6 +153,8 @@ class _Merge:
         vLLM's DCP merge's (vLLM's workspace.merge, with its arguments), by vLLM's key: the top
         `score_bits` of each score, then the smaller global id (its low `id_bits`). On CUDA it is
         enqueued on the current stream and capturable."""
+        if self._closed:
+            raise InvalidArgumentError("this top-k exchange is closed", **self._where)
         topk_merge.check_merge(
             logits,
             topk_indices,

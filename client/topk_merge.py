@@ -65,15 +65,17 @@ def select(ids: torch.Tensor, scores: torch.Tensor, topk: int, score_bits: int, 
     flipped = torch.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
     flat_ids = ids.reshape(shape)
     mask = (1 << id_bits) - 1
-    keyed_ids = torch.where(flat_ids < 0, flat_ids, flat_ids & mask)
+    keyed_ids = torch.where(flat_ids < 0, flat_ids, (flat_ids.long() & mask).to(torch.int32))
     score_key = flipped >> (32 - score_bits)
+    # vLLM's key of a candidate can be 0, its padding's key (the top score bits all set, the id's
+    # low bits too): selected, it comes out -1 there, and so it does here.
     if score_bits + id_bits <= 62:  # the whole key in one int64: one top-k, as vLLM's selector keys it
         key = ((score_key << id_bits) | (~keyed_ids.long() & mask)).masked_fill(flat_ids < 0, -1)
         best = torch.topk(key, topk, dim=1)
-        return torch.gather(keyed_ids, 1, best.indices).masked_fill(best.values < 0, -1)
+        return torch.gather(keyed_ids, 1, best.indices).masked_fill(best.values <= 0, -1)
     # Too wide for one int64: the score's bits, ties to the smaller id (row_topk's two stable sorts).
     chosen, chosen_keys = row_topk(keyed_ids, score_key.masked_fill(flat_ids < 0, -1), topk)
-    return chosen.masked_fill(chosen_keys < 0, -1)
+    return chosen.masked_fill((chosen_keys < 0) | ((chosen_keys == 0) & (chosen.long() & mask == mask)), -1)
 
 
 def merge(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import platform
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -49,43 +48,6 @@ def _device_of(device: int | str | torch.device) -> torch.device:
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-def node_identity() -> str:
-    """This machine's boot, which every process on it shares (containers too) and no other
-    machine does; the host name where the kernel does not say."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return boot.read().strip()
-    except OSError:
-        return platform.node()
-
-
-def _gpu_uuid(device: torch.device) -> str:
-    """The UUID of `device`'s GPU, the same in every process whatever it sees; "" for the CPU or
-    where it cannot be read. Never raises: every rank must reach the collective it is sent in."""
-    if device.type != "cuda":
-        return ""
-    from nodecomm import _native
-
-    try:
-        return _native.cuda_devices()[device.index]["uuid"]
-    except Exception:  # noqa: BLE001 (unknown: fully_connected stays False)
-        return ""
-
-
-def nvlink_between(uuids: list[str]) -> bool:
-    """Whether every pair of these GPUs has peer access with native atomics (NVLink), as far as
-    this process sees them; False where it does not see them all, or for the CPU."""
-    if not all(uuids) or len(set(uuids)) < len(uuids):
-        return False
-    from nodecomm import _native
-
-    visible = [device["uuid"] for device in _native.cuda_devices()]
-    if not set(uuids) <= set(visible):
-        return False
-    links, index = _native.cuda_peer_links(), [visible.index(uuid) for uuid in uuids]
-    return all(all(links[i][j][:2]) for i in index for j in index if i != j)
 
 
 class NodecommAllreduce:
@@ -159,7 +121,10 @@ class NodecommAllreduce:
             )
             return
         self.comm = joined.comm
-        self.fully_connected = engine_group.nvlink_between(joined.gpu_uuids)
+        try:
+            self.fully_connected = engine_group.nvlink_between(joined.gpu_uuids)
+        except Exception:  # noqa: BLE001 (links unknown: not NVLink; construction never raises into the engine)
+            self.fully_connected = False
         self.disabled = False
         # The engines' two calls per all-reduce, native on this object (the methods below are what
         # they do, and what a closed slot answers).

@@ -11,8 +11,10 @@ says why the sets are vLLM's).
 vLLM's general plugin (register() in vllm.py) replaces `_merge_dcp_topk_global` in its module
 before the models are imported (glm5next's indexer imports it by name, and so gets this one), and
 wraps `SparseAttnIndexer.__init__` so that the DCP group's exchange is opened while the model is
-built, as vLLM's own workspace is. A merge whose group nodecomm cannot serve (ranks across nodes,
-no daemon) runs vLLM's own.
+built, as vLLM's own workspace is. glm5next's kpool indexer merges a topk known only per call: its
+exchange opens at its first merge, in vLLM's profile run (eager, every DCP rank together), sized
+by max_num_batched_tokens. A merge whose group nodecomm cannot serve (ranks across nodes, no
+daemon) runs vLLM's own.
 """
 
 from __future__ import annotations
@@ -130,7 +132,13 @@ def merging(original):
         if dcp_world_size <= 1:
             return
         group = sys.modules[INDEXER_MODULE].get_dcp_group()
-        rows = max(topk_indices.shape[0], direct_max_rows, 1)
+        key = (id(group), topk_indices.device, topk_tokens)
+        if key not in _workspaces and topk_indices.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "nodecomm's DCP top-k merge of this topk runs eagerly first (vLLM's profile run does): its "
+                "exchange opens collectively, which a CUDA graph capture cannot hold"
+            )
+        rows = max(topk_indices.shape[0], direct_max_rows, _batched_tokens(), 1)
         chosen = workspace(group, topk_indices.device, rows, topk_tokens)
         if chosen.disabled:
             original(
@@ -145,6 +153,17 @@ def merging(original):
 
     _merge_dcp_topk_global.nodecomm_original = original
     return _merge_dcp_topk_global
+
+
+def _batched_tokens() -> int:
+    """vLLM's max_num_batched_tokens, the most rows a merge sees (0 outside a vLLM config)."""
+    try:
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        return int(config.scheduler_config.max_num_batched_tokens) if config is not None else 0
+    except Exception:  # noqa: BLE001 (no config to read: the call's own rows size the exchange)
+        return 0
 
 
 def opening(original_init):
@@ -168,14 +187,21 @@ def install() -> None:
     open the exchange in SparseAttnIndexer's constructor. Again: a no-op."""
     if not requested(DCP_TOPK_VARIABLE):
         return
-    module = importlib.import_module(INDEXER_MODULE)
-    original = getattr(module, MERGE)
-    if hasattr(original, "nodecomm_original"):
+    try:
+        module = importlib.import_module(INDEXER_MODULE)
+        original = getattr(module, MERGE)
+        if hasattr(original, "nodecomm_original"):
+            return
+        indexer = getattr(module, INDEXER_CLASS)
+    except Exception as error:  # noqa: BLE001 (vLLM loads plugins unguarded: it runs on with its own merge)
+        log.warning(
+            f"nodecomm cannot take vLLM's DCP top-k merge ({type(error).__name__}: {error}); vLLM's own runs",
+            extra={"switch": DCP_TOPK_VARIABLE},
+        )
         return
     ours = merging(original)
-    for loaded in list(sys.modules.values()):
-        if getattr(loaded, MERGE, None) is original:
+    for name, loaded in list(sys.modules.items()):
+        if name.startswith("vllm.") and loaded.__dict__.get(MERGE) is original:  # imported by name already
             setattr(loaded, MERGE, ours)
-    indexer = getattr(module, INDEXER_CLASS)
     indexer.__init__ = opening(indexer.__init__)
     log.info("nodecomm takes vLLM's DCP top-k merge", extra={"switch": DCP_TOPK_VARIABLE})

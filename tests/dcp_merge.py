@@ -24,7 +24,8 @@ class Case:
     interleave: int = 1
     score_bits: int = 32
     row_starts: bool = False
-    scores: str = "random"  # "random", "bf16" (upcast bf16 logits), "ties" (few values), "low_bits"
+    # "random", "bf16" (upcast bf16 logits), "ties" (few values), "low_bits", "negative", "zeros"
+    scores: str = "random"
     padding: float = 0.1  # the share of candidates that are -1 (and every 4th row is all -1)
     full_ids: bool = False  # id_bits 32 (vLLM's without num_positions): a key wider than an int64
 
@@ -38,12 +39,20 @@ def cases(max_rows: int) -> list[Case]:
         Case("ties past the 16 bits kept", 6, 16, 40, score_bits=16, scores="low_bits"),
         Case("interleave 4, row starts", 5, 8, 48, interleave=4, row_starts=True),
         Case("mostly padding", 6, 8, 32, padding=0.95),
+        # Every score's key 0 in 1 bit: ids decide, and the largest id's whole key is padding's.
+        Case("negative scores, 1 score bit", 6, 8, 32, score_bits=1, scores="negative", padding=0.8),
+        Case("signed zeros", 5, 8, 32, scores="zeros"),
         Case("all padding", 3, 8, 16, padding=1.0),
         Case(
             "rows past max_rows", 2 * max_rows + 3, 8, 32, interleave=2, row_starts=True, score_bits=16, scores="bf16"
         ),
         Case("no rows", 0, 8, 16),
     ]
+
+
+def plugin_cases(max_rows: int) -> list[Case]:
+    """The cases vLLM can pass: score bits from its logits' dtype (bf16: 16, else 32)."""
+    return [case for case in cases(max_rows) if case.score_bits in (16, 32)]
 
 
 def id_bits(case: Case, world_size: int) -> int:
@@ -56,7 +65,11 @@ def rank_inputs(case: Case, rank: int, seed: int) -> tuple[torch.Tensor, torch.T
     """(logits [rows, columns] float32, local top-k positions [rows, topk] int32, row starts or None)."""
     generator = torch.Generator().manual_seed(seed * 1000 + rank)
     shape = (case.rows, case.columns)
-    if case.scores == "ties":
+    if case.scores == "negative":
+        logits = -torch.rand(shape, generator=generator) - 0.5
+    elif case.scores == "zeros":  # +0.0 ranks above -0.0 in vLLM's key
+        logits = torch.where(torch.rand(shape, generator=generator) < 0.5, 0.0, -0.0)
+    elif case.scores == "ties":
         logits = torch.randint(-3, 4, shape, generator=generator).float()
     elif case.scores == "low_bits":  # equal in their top 16 bits, different below them
         logits = 1.5 + torch.randint(0, 200, shape, generator=generator).float() * 2.0**-20
@@ -70,6 +83,10 @@ def rank_inputs(case: Case, rank: int, seed: int) -> tuple[torch.Tensor, torch.T
         span = case.columns - (int(starts[row]) if case.row_starts else 0)
         local[row] = torch.randperm(span, generator=generator)[: case.topk].to(torch.int32)
     dropped = torch.rand(local.shape, generator=generator) < case.padding
+    if case.scores == "negative":  # the last position first, kept: the last rank's is the largest id
+        local[:, 1:] = torch.where(local[:, 1:] == case.columns - 1, local[:, :1], local[:, 1:])
+        local[:, 0] = case.columns - 1
+        dropped[:, 0] = False
     local[dropped] = -1
     local[::4] = -1
     return logits, local, (starts.to(torch.int32) if case.row_starts else None)
@@ -149,6 +166,8 @@ def merge_rank(
 def vllm_plugin_rank(
     rank: int, world_size: int, socket: str, port: int, max_rows: int, seed: int, glm_first: bool
 ) -> list[list[list[int]]]:
+    # glm_first: no SparseAttnIndexer is built either (glm5next's kpool indexer is another class):
+    # the exchange opens at the first merge.
     """The cases through vLLM's own names with nodecomm's plugin registered (NODECOMM_DCP_TOPK=1),
     over the stand-ins in tests/engine_standins: a SparseAttnIndexer built (which opens the
     exchange), then each case through the indexer module's merge (with row starts) or glm5next's
@@ -178,10 +197,10 @@ def vllm_plugin_rank(
     if not glm_first:
         from vllm.models.glm5next.nvidia import sparse_indexer as glm
     results = []
-    for topk in sorted({case.topk for case in cases(max_rows)}):
+    for topk in [] if glm_first else sorted({case.topk for case in cases(max_rows)}):
         buffer = torch.empty(max_rows, topk, dtype=torch.int32)
         indexer.SparseAttnIndexer(None, 128, "ue8m0", topk, 128, 1 << 16, 1 << 16, buffer)
-    for case in cases(max_rows):
+    for case in plugin_cases(max_rows):
         logits, local, starts = rank_inputs(case, rank, seed)
         dtype = torch.bfloat16 if case.score_bits == 16 else torch.float32
         positions = None if case.full_ids else case.columns * world_size

@@ -200,7 +200,7 @@ def test_the_dcp_merge_plugin_replaces_what_vllm_calls_with_vllms_signature():
     indexer = modules[vllm_dcp_topk.INDEXER_MODULE.replace(".", "/") + ".py"]
     ours = vllm_dcp_topk.merging(lambda *args, **kwargs: None)
     assert _same_parameters(_signature(indexer, vllm_dcp_topk.MERGE), _ours(ours))
-    signature, calls, importers = inspect.signature(ours), 0, set()
+    signature, calls, importers = inspect.signature(ours, follow_wrapped=False), 0, set()
     for name, tree in modules.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == vllm_dcp_topk.MERGE:

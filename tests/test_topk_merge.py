@@ -55,7 +55,7 @@ def test_vllms_names_run_the_merge_once_the_plugin_registers(daemon, spawn_ranks
         dcp_merge.vllm_plugin_rank, world_size, world_size, daemon.socket, free_port(), MAX_ROWS, seed, glm_first,
         timeout=300,
     ).values()  # fmt: skip
-    for index, case in enumerate(dcp_merge.cases(MAX_ROWS)):
+    for index, case in enumerate(dcp_merge.plugin_cases(MAX_ROWS)):
         want = dcp_merge.vllm_merge(case, world_size, seed)
         for rank in range(world_size):
             assert got[rank][index] == want, (case.name, rank)
