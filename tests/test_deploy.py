@@ -464,3 +464,16 @@ def test_daemon_flag_check_refuses_what_nodecommd_refuses():
     with pytest.raises(ValueError, match="loopback"):
         check_daemon_flags(["--tcp-address", "0.0.0.0:50051"], {})
     assert dataclasses.is_dataclass(check_daemon_flags([], {}))
+
+
+def test_the_prometheus_scrape_config_reaches_the_units_metrics():
+    """Outside Kubernetes: the scrape job targets the port the unit's daemon serves /metrics on."""
+    from nodecomm.service.config import load_config
+
+    yaml = require_module("yaml")
+    (job,) = yaml.safe_load((DEPLOY / "prometheus" / "scrape.yml").read_text())["scrape_configs"]
+    config = load_config(["--config", str(DEPLOY / "nodecomm.toml")], {})
+    seconds = {name: int(job[name].removesuffix("s")) for name in ("scrape_timeout", "scrape_interval")}
+    assert job["metrics_path"] == "/metrics" and seconds["scrape_timeout"] < seconds["scrape_interval"]
+    (targets,) = job["static_configs"]
+    assert targets["targets"] == [config.metrics_address] and targets["labels"]["node"]
