@@ -188,6 +188,7 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         daemon=daemon,
         daemon_lease=lease,
         node_names=names if len(set(names)) > 1 else None,
+        global_ranks=list(backend_options.global_ranks_in_group) or list(range(size)),
     )
     _open_groups.add(group)
     return _c10d.Backend(group, rank, size, timeout)

@@ -13,12 +13,13 @@ tag) for sends and receives. Where each operation runs:
 from __future__ import annotations
 
 import concurrent.futures
+import re
 import threading
 from collections.abc import Callable, Mapping
 
 import torch
 
-from nodecomm.errors import InvalidArgumentError
+from nodecomm.errors import InvalidArgumentError, NodecommError
 
 from .work import Work
 
@@ -35,8 +36,13 @@ class Lane:
         joiner: Callable[..., object] | None = None,
         *,
         background: bool = False,
+        ranks: tuple[int, ...] = (),
+        what: str = "",
     ):
         self.group = group
+        # The process group's global ranks by lane rank, and what the lane carries: what its join's
+        # errors say, whose own ranks (a pair's 0 and 1) mean nothing to the job.
+        self._ranks, self._what = ranks, what
         self.rank = rank
         self.world_size = world_size
         self._connect_options = dict(connect_options)
@@ -73,8 +79,26 @@ class Lane:
 
                 target = "cpu" if device.type == "cpu" else f"cuda:{device.index}"
                 join = self._joiner or nodecomm.connect
-                self._comm = join(self.group, self.rank, self.world_size, device=target, **self._connect_options)
+                try:
+                    self._comm = join(self.group, self.rank, self.world_size, device=target, **self._connect_options)
+                except NodecommError as error:
+                    raise self._said_of_the_job(error) from None
             return self._comm
+
+    def _said_of_the_job(self, error: NodecommError) -> NodecommError:
+        """A join's error in the job's words: its global ranks for the lane's, and what the lane
+        carries (the lane's own group name and ranks follow, for the daemon's logs)."""
+        if not self._ranks:
+            return error
+        detail = re.sub(
+            r"\b(ranks?) \[([\d, ]*)\]",
+            lambda m: f"global {m.group(1)} {[self._ranks[int(r)] for r in m.group(2).split(',') if r.strip()]}",
+            error.detail,
+        )
+        detail = re.sub(r"\brank (\d+) waited", lambda m: f"global rank {self._ranks[int(m.group(1))]} waited", detail)
+        said = type(error)(f"{self._what}: {detail} (nodecomm group {self.group!r}, rank {self.rank})")
+        said.group, said.rank = error.group, error.rank
+        return said
 
     def run(self, operation: Operation, result: list[torch.Tensor], device: torch.device, async_op: bool) -> Work:
         """Run `operation(comm)`; the Work completes with `result` (the operation's outputs)."""

@@ -74,8 +74,10 @@ class NodecommProcessGroup:
         daemon: DaemonChoice | None = None,
         daemon_lease: JobLeaseHandle | None = None,
         node_names: list[str] | None = None,
+        global_ranks: list[int] | None = None,
     ):
         self._store = store
+        self._global_ranks = global_ranks or list(range(size))  # by group rank: what errors name
         self._rank = rank
         self._size = size
         self.nodecomm_name = name  # the nodecomm groups' names start with it
@@ -121,9 +123,12 @@ class NodecommProcessGroup:
             if lane is None:
                 self._check_open()
                 name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
+                global_ranks = (self._global_ranks[source], self._global_ranks[destination])
                 lane = Lane(
-                    name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True
-                )
+                    name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True,
+                    ranks=global_ranks,
+                    what=f"the send from global rank {global_ranks[0]} to global rank {global_ranks[1]} (tag {tag})",
+                )  # fmt: skip
                 self._pair_lanes[key] = lane
         return lane
 

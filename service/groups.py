@@ -134,17 +134,20 @@ class GroupRegistry:
 
     # -- join ----------------------------------------------------------------------------------
 
-    async def join(self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes = b"") -> pb.JoinReply:
-        """Join `caller`'s group `args.group` with `group_key`."""
+    async def join(
+        self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes = b"", cap: str = ""
+    ) -> pb.JoinReply:
+        """Join `caller`'s group `args.group` with `group_key`; `cap` says why the wait is shorter
+        than the rank asked (for the message of a wait in vain)."""
         try:
-            reply = await self._join(args, timeout, caller, group_key)
+            reply = await self._join(args, timeout, caller, group_key, cap)
         except NodecommError as error:
             self.metrics.joins.labels(type(error).__name__).inc()
             raise
         self.metrics.joins.labels("ok").inc()
         return reply
 
-    async def _join(self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes) -> pb.JoinReply:
+    async def _join(self, args: JoinArgs, timeout: float, caller: Caller, group_key: bytes, cap: str) -> pb.JoinReply:
         if self._draining:
             raise DaemonUnavailableError(
                 "the daemon is shutting down and accepts no joins", group=args.group, rank=args.rank
@@ -195,7 +198,7 @@ class GroupRegistry:
                 timeout,
                 OnStop.WITHDRAW,
                 timed_out=lambda missing: DeadlineExceededError(
-                    join_timeout(forming.joins, args.rank, timeout), **where
+                    join_timeout(forming.joins, args.rank, timeout, cap), **where
                 ),
             )
         except (DeadlineExceededError, asyncio.CancelledError):

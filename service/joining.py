@@ -111,12 +111,12 @@ def check_admission(forming: FormingGroup, args: JoinArgs, key_digest: bytes) ->
         )
 
 
-def join_timeout(joins: Rendezvous, rank: int, timeout: float) -> str:
+def join_timeout(joins: Rendezvous, rank: int, timeout: float, cap: str = "") -> str:
     """Why `rank`'s Join waited `timeout` seconds in vain: who is there, who came and gave up (its
-    own deadline, or its process went away), and who never came."""
+    own deadline, or its process went away), and who never came; `cap`: why it waited no longer."""
     there, gave_up = sorted(joins.arrivals), sorted(joins.gave_up)
     never = sorted(set(range(joins.world_size)) - set(there) - set(gave_up))
-    parts = [f"rank {rank} waited {timeout:.1f} s: ranks {there} joined"]
+    parts = [f"rank {rank} waited {timeout:.1f} s{f' ({cap})' if cap else ''}: ranks {there} joined"]
     if gave_up:
         parts.append(f"ranks {gave_up} joined but gave up before the others came")
     if never:

@@ -218,13 +218,19 @@ class ControlServicer(pb_grpc.ControlServicer):
     async def Join(self, request: pb.JoinRequest, context) -> pb.JoinReply:
         # The configured join timeout is both the default and the most a rank may ask for.
         timeout = self.config.join_timeout_seconds
-        if math.isfinite(request.join_timeout_seconds) and request.join_timeout_seconds > 0:
-            timeout = min(timeout, request.join_timeout_seconds)
+        asked = request.join_timeout_seconds if math.isfinite(request.join_timeout_seconds) else 0.0
+        if asked > 0:
+            timeout = min(timeout, asked)
         remaining = context.time_remaining()
         if remaining is not None:
             timeout = min(timeout, max(remaining - 0.05, 0.0))
+        # Said where a rank that waits in vain asked for longer than the daemon allows.
+        capped = asked > timeout and timeout == self.config.join_timeout_seconds
+        cap = f"the daemon's join_timeout_seconds {timeout:g} s caps the {asked:g} s asked for" if capped else ""
         uid = self._joining_uid(request, self._peer(context))
-        return await self.registry.join(JoinArgs.from_request(request, uid), timeout, Caller(uid), request.group_key)
+        return await self.registry.join(
+            JoinArgs.from_request(request, uid), timeout, Caller(uid), request.group_key, cap=cap
+        )
 
     def _peer(self, context: grpc.aio.ServicerContext) -> Peer:
         """Who makes this call, as the gate read it when the connection arrived (connections.py)."""

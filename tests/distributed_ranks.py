@@ -3,6 +3,7 @@ torch.distributed.run), or by the tests' spawn_ranks with torchrun's environment
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -662,6 +663,24 @@ def _join_job(rank: int, world_size: int, socket: str, port: int, seconds: float
         NODECOMM_SOCKET=socket,
     )  # fmt: skip
     dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
+
+
+def unanswered_send_in_a_subgroup(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
+    """In a group of global ranks [1, 2], global rank 2 sends to global rank 1, which never
+    receives: what dist.send raises on global rank 2 (the others report "")."""
+    _join_job(rank, world_size, socket, port, seconds)
+    pair = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=seconds))
+    store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=datetime.timedelta(seconds=60))
+    if rank != 2:
+        store.wait(["sent"])  # no collective meanwhile: it would time out while rank 2 sends
+        return ""
+    try:
+        dist.send(torch.ones(4), dst=1, group=pair)
+        outcome = "no error"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    store.set("sent", "1")
+    return outcome
 
 
 def unanswered_send(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:

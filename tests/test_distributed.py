@@ -115,6 +115,21 @@ def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_rank
     print(seen[0])
 
 
+def test_a_send_nobody_receives_names_the_global_ranks_and_the_daemons_cap(make_daemon, spawn_ranks):
+    """In a group of global ranks [1, 2] under init_process_group(timeout=100 s), on a daemon whose
+    join_timeout_seconds is 4: the error names global ranks (not the pair's own 0 and 1) and says
+    that the daemon's 4 s capped the job's 100 s."""
+    daemon = make_daemon("--join-timeout-seconds", "4")
+    seen = spawn_ranks(
+        distributed_ranks.unanswered_send_in_a_subgroup, 3, 3, daemon.socket, free_port(), 100.0, timeout=120
+    ).values()
+    message = seen[2]
+    assert message.startswith("DeadlineExceededError"), message
+    assert "the send from global rank 2 to global rank 1 (tag 0)" in message, message
+    assert "global rank 2 waited 4.0 s (the daemon's join_timeout_seconds 4 s caps the 100 s asked for)" in message, message
+    assert "global ranks [1] never joined" in message, message
+
+
 def test_a_receive_from_any_source_nobody_sends_to_fails_with_the_groups_timeout(daemon, spawn_ranks):
     """init_process_group(timeout=3 s): dist.recv naming no source, with nothing sent, raises
     DeadlineExceededError after the group's timeout, saying what it waited for."""
