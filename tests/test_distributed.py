@@ -126,7 +126,9 @@ def test_a_send_nobody_receives_names_the_global_ranks_and_the_daemons_cap(make_
     message = seen[2]
     assert message.startswith("DeadlineExceededError"), message
     assert "the send from global rank 2 to global rank 1 (tag 0)" in message, message
-    assert "global rank 2 waited 4.0 s (the daemon's join_timeout_seconds 4 s caps the 100 s asked for)" in message, message
+    assert "global rank 2 waited 4.0 s (the daemon's join_timeout_seconds 4 s caps the 100 s asked for)" in message, (
+        message
+    )
     assert "global ranks [1] never joined" in message, message
 
 
