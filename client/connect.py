@@ -14,13 +14,13 @@ from nodecomm import _native
 from nodecomm.captured_abort import policy_in_force
 from nodecomm.credentials import rank_metadata
 from nodecomm.daemon_channel import open_channel
-from nodecomm.errors import DaemonUnavailableError, NodecommError, from_rpc_error
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, PeerLostError, from_rpc_error
 from nodecomm.socket_path import descriptor_socket_path
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from . import daemon_choice
+from . import daemon_choice, peer_liveness
 from .communicator import Communicator
 from .cuda_transport import CudaTransport
 from .descriptors import DescriptorSocket
@@ -94,6 +94,7 @@ def connect(
     group_key: str | bytes | None = None,
     wire: str = "lossless",
     operation_timeout: float | None = None,
+    peer_processes: Mapping[int, tuple[int, int]] | None = None,
 ) -> Communicator:
     """Join `group` as `rank` of `world_size` and return a ready Communicator.
 
@@ -121,6 +122,9 @@ def connect(
     every rank. A group that does not ask is never sent compressed (docs/compressed-wires.md).
     operation_timeout: the most seconds any wait of this rank's collectives lasts (default: the
     daemon's operation_timeout_seconds); the torch backend passes its process group's timeout.
+    peer_processes: other ranks' processes on this machine, rank -> (pid, start time) as
+    client.peer_liveness.this_process() gives them there: a join that waits on a rank whose process
+    has ended fails at once with PeerLostError, not at the timeout (the torch backend passes them).
     """
     spec = GroupSpec.parse(
         group, rank, world_size, device, timeout=timeout, nccl_group=nccl_group, capacity_bytes=capacity_bytes,
@@ -128,12 +132,13 @@ def connect(
         group_key=group_key, wire=wire, operation_timeout=operation_timeout,
     )  # fmt: skip
     where = spec.where
+    processes = _checked_processes(peer_processes, rank, world_size, where)
     # node by default: an engine that builds its own groups runs where nodecommd is deployed, and an
     # unreachable node daemon should fail its connect, not hide behind a job's own daemon.
     mode = daemon_choice.resolve_mode(daemon, daemon_choice.DaemonMode.NODE, where)
     chosen, lease = daemon_choice.choose(mode, socket, job or group, timeout, where)
     try:
-        communicator = _join(spec, chosen, lease, nccl_group)
+        communicator = _join(spec, chosen, lease, nccl_group, processes)
     except BaseException:
         if lease is not None:
             lease.release()
@@ -142,11 +147,53 @@ def connect(
     return communicator
 
 
+def _checked_processes(
+    peer_processes: Mapping[int, tuple[int, int]] | None, rank: int, world_size: int, where: dict
+) -> dict[int, tuple[int, int]]:
+    checked = {}
+    for peer, process in (peer_processes or {}).items():
+        pair = tuple(process) if isinstance(process, (tuple, list)) else ()
+        if (
+            isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < world_size or peer == rank
+            or len(pair) != 2 or not all(isinstance(v, int) and v > 0 for v in pair)
+        ):  # fmt: skip
+            raise InvalidArgumentError(
+                f"peer_processes {{{peer!r}: {process!r}}}: expected another rank of 0..{world_size - 1} mapped to "
+                "its (pid, start time), as peer_liveness.this_process() gives them",
+                **where,
+            )
+        checked[peer] = (pair[0], pair[1])
+    return checked
+
+
+# How often a Join that waits looks after the peers' processes.
+_PEER_WATCH_SECONDS = 0.2
+
+
+def _joined(join: grpc.Future, peer_processes: dict[int, tuple[int, int]], where: dict) -> pb.JoinReply:
+    """The Join's reply; PeerLostError (the Join cancelled) as soon as a peer's process has ended."""
+    while True:
+        try:
+            return join.result(timeout=_PEER_WATCH_SECONDS if peer_processes else None)
+        except grpc.FutureTimeoutError:
+            gone = sorted(
+                rank for rank, process in peer_processes.items() if not peer_liveness.process_running(process)
+            )
+            if gone:
+                join.cancel()
+                pids = ", ".join(str(peer_processes[rank][0]) for rank in gone)
+                raise PeerLostError(
+                    f"ranks {gone} ended (pid {pids}) before the group formed: this Join waits for them no longer",
+                    **where,
+                ) from None
+
+
 def _join(
     spec: GroupSpec,
     chosen: daemon_choice.DaemonChoice,
     lease: daemon_choice.JobLeaseHandle | None,
     nccl_group: object | None,
+    peer_processes: dict[int, tuple[int, int]],
 ) -> Communicator:
     """Join through the chosen daemon, claim and map the buffers: a Communicator not yet started."""
     group, rank, world_size, where = spec.group, spec.rank, spec.world_size, spec.where
@@ -170,10 +217,13 @@ def _join(
     stub = pb_grpc.ControlStub(channel)
     request = spec.join_request(identity)
     try:
-        reply: pb.JoinReply = stub.Join(request, timeout=timeout + 5.0, wait_for_ready=False)
+        reply = _joined(stub.Join.future(request, timeout=timeout + 5.0, wait_for_ready=False), peer_processes, where)
     except grpc.RpcError as error:
         channel.close()
         raise from_rpc_error(error, **where) from None
+    except BaseException:
+        channel.close()
+        raise
 
     expected_kinds = (pb.HOST_MEMFD,) if device_index is None else (pb.CUDA_VMM_FD, pb.CUDA_IPC_LEGACY)
     control: SegmentMapping | None = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import platform
 import struct
 
 # struct flock on Linux x86_64 and aarch64: l_type, l_whence, l_start, l_len, l_pid (0 for OFD locks).
@@ -48,3 +49,37 @@ class PeerLiveness:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             os.close(self._fd)
+
+
+# Before a group forms there is no control page to lock: a rank that knows its peers' processes
+# (the torch backend learns them through its store) watches them by pid and start time instead.
+ProcessId = tuple[int, int]  # pid, start time (clock ticks after boot, /proc/<pid>/stat's 22nd field)
+
+
+def this_machine() -> str:
+    """This machine's boot, which every process on it shares (containers too) and no other
+    machine does; the host name where the kernel does not say. Pids compare only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            return boot.read().strip()
+    except OSError:
+        return platform.node()
+
+
+def this_process() -> ProcessId | None:
+    """This process as process_running() knows it again (None without /proc)."""
+    return _process(os.getpid())
+
+
+def process_running(process: ProcessId) -> bool:
+    """Whether the process is still there (its pid not reused by another since: same start time)."""
+    return _process(process[0]) == tuple(process)
+
+
+def _process(pid: int) -> ProcessId | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # the command name may hold spaces
+    except OSError:
+        return None
+    return pid, int(fields[19])  # after ") ": field 3 is fields[0]; starttime is field 22

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
 import secrets
 import weakref
@@ -34,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nodecomm.client import daemon_choice
+from nodecomm.client import daemon_choice, peer_liveness
 from nodecomm.client.daemon_choice import DaemonMode
 from nodecomm.client.hierarchical import node_name
 from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidArgumentError, shown
@@ -90,15 +91,21 @@ def _leave_at_exit() -> None:
 _job_token: str | None = None
 
 
-def _node_names(store: dist.Store, rank: int, size: int, generation: int, timeout: timedelta, options: Options):
-    """Every rank's node name (its host and its node daemon's socket), through the store."""
+def _node_names(
+    store: dist.Store, rank: int, size: int, generation: int, timeout: timedelta, options: Options
+) -> tuple[list[str], list[tuple[str, int, int]]]:
+    """Every rank's node name (its host and its node daemon's socket) and process (its machine's
+    boot, pid and start time: a join waits no longer for a rank whose process has ended), through
+    the store."""
     keys = [f"nodecomm/node/{generation}/{r}" for r in range(size)]
-    store.set(keys[rank], node_name(options.socket))
+    process = peer_liveness.this_process() or (0, 0)
+    store.set(keys[rank], json.dumps([node_name(options.socket), peer_liveness.this_machine(), *process]))
     try:
         store.wait(keys, timeout)
     except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
         raise DeadlineExceededError(f"not every rank of {size} came within {timeout}: {error}") from None
-    return [store.get(key).decode() for key in keys]
+    entries = [json.loads(store.get(key)) for key in keys]
+    return [name for name, *_ in entries], [(machine, pid, start) for _, machine, pid, start in entries]
 
 
 def _shared_daemon(
@@ -167,7 +174,7 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
     group_name = str(backend_options.group_id)
     _creations[group_name] += 1
     rank, size, timeout = backend_options.group_rank, backend_options.group_size, backend_options.timeout
-    names = _node_names(backend_options.store, rank, size, _creations[group_name], timeout, options)
+    names, processes = _node_names(backend_options.store, rank, size, _creations[group_name], timeout, options)
     token, group_key, daemon, lease = _shared_daemon(
         backend_options.store, rank, _creations[group_name], timeout, options, names
     )
@@ -189,6 +196,7 @@ def _create(backend_options: dist.distributed_c10d._DistributedBackendOptions, p
         daemon_lease=lease,
         node_names=names if len(set(names)) > 1 else None,
         global_ranks=list(backend_options.global_ranks_in_group) or list(range(size)),
+        processes=processes,
     )
     _open_groups.add(group)
     return _c10d.Backend(group, rank, size, timeout)

@@ -75,9 +75,13 @@ class NodecommProcessGroup:
         daemon_lease: JobLeaseHandle | None = None,
         node_names: list[str] | None = None,
         global_ranks: list[int] | None = None,
+        processes: list[tuple[str, int, int]] | None = None,
     ):
         self._store = store
         self._global_ranks = global_ranks or list(range(size))  # by group rank: what errors name
+        # Each rank's (machine, pid, start time): a lane's join waits no longer for a rank on this
+        # machine whose process has ended.
+        self._processes = processes or []
         self._rank = rank
         self._size = size
         self.nodecomm_name = name  # the nodecomm groups' names start with it
@@ -105,8 +109,10 @@ class NodecommProcessGroup:
         if lane is None:
             self._check_open()
             lane = Lane(
-                f"{self.nodecomm_name}/{device_type}", self._rank, self._size, self._options, self._joiner(self._rank)
-            )
+                f"{self.nodecomm_name}/{device_type}", self._rank, self._size,
+                self._options | self._watched({r: r for r in range(self._size)}), self._joiner(self._rank),
+                ranks=tuple(self._global_ranks), what=f"the process group's {device_type} collectives",
+            )  # fmt: skip
             self._collective_lanes[device_type] = lane
         return lane
 
@@ -125,12 +131,26 @@ class NodecommProcessGroup:
                 name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
                 global_ranks = (self._global_ranks[source], self._global_ranks[destination])
                 lane = Lane(
-                    name, 0 if self._rank == source else 1, 2, self._options, self._joiner(self._rank), background=True,
+                    name, 0 if self._rank == source else 1, 2, self._options | self._watched({source: 0, destination: 1}),
+                    self._joiner(self._rank), background=True,
                     ranks=global_ranks,
                     what=f"the send from global rank {global_ranks[0]} to global rank {global_ranks[1]} (tag {tag})",
                 )  # fmt: skip
                 self._pair_lanes[key] = lane
         return lane
+
+    def _watched(self, lane_ranks: dict[int, int]) -> dict[str, object]:
+        """connect()'s peer_processes for a lane whose ranks are `lane_ranks` (group rank -> lane
+        rank): its other ranks on this machine. Nothing across nodes (their joiner takes none)."""
+        if self._node_names is not None or not self._processes:
+            return {}
+        machine = self._processes[self._rank][0]
+        watched = {
+            lane: (pid, start) for group_rank, lane in lane_ranks.items()
+            for seen, pid, start in [self._processes[group_rank]]
+            if group_rank != self._rank and seen == machine and pid > 0
+        }  # fmt: skip
+        return {"peer_processes": watched} if watched else {}
 
     def _joiner(self, rank: int) -> Callable | None:
         """How a lane joins its group: None (nodecomm.connect) on one node; across nodes,

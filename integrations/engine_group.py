@@ -12,7 +12,6 @@ forever. Joining never raises into the engine: the reason goes back instead.
 from __future__ import annotations
 
 import logging
-import platform
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from nodecomm.client import peer_liveness
 from nodecomm.errors import NodecommError
 
 log = logging.getLogger("nodecomm.integrations")
@@ -79,14 +79,7 @@ def join(
     return EngineGroup(None, reason or "another rank of the group cannot use nodecomm", uuids)
 
 
-def node_identity() -> str:
-    """This machine's boot, which every process on it shares (containers too) and no other
-    machine does; the host name where the kernel does not say."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            return boot.read().strip()
-    except OSError:
-        return platform.node()
+node_identity = peer_liveness.this_machine  # what the ranks compare before they join
 
 
 def _gpu_uuid(device: torch.device) -> str:

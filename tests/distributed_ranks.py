@@ -665,6 +665,22 @@ def _join_job(rank: int, world_size: int, socket: str, port: int, seconds: float
     dist.init_process_group("nodecomm", timeout=datetime.timedelta(seconds=seconds))
 
 
+def a_rank_that_leaves_before_its_first_collective(
+    rank: int, world_size: int, socket: str, port: int, seconds: float
+) -> str:
+    """Rank 1 ends right after init_process_group; rank 0's first all-reduce: what it raises, and
+    how long it took."""
+    _join_job(rank, world_size, socket, port, seconds)
+    if rank == 1:
+        os._exit(0)  # gone before any nodecomm group was joined
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+        return "no error"
+    except Exception as error:
+        return f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}"
+
+
 def unanswered_send_in_a_subgroup(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
     """In a group of global ranks [1, 2], global rank 2 sends to global rank 1, which never
     receives: what dist.send raises on global rank 2 (the others report "")."""

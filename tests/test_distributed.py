@@ -115,6 +115,21 @@ def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_rank
     print(seen[0])
 
 
+def test_a_rank_that_ends_before_its_first_collective_is_named_at_once(daemon, spawn_ranks):
+    """Rank 1 exits after init_process_group (timeout 100 s): rank 0's all-reduce fails within
+    seconds with PeerLostError naming it (gloo: "Connection closed by peer"), not after the join
+    timeout."""
+    seen = spawn_ranks(
+        distributed_ranks.a_rank_that_leaves_before_its_first_collective, 2, 2, daemon.socket, free_port(), 100.0,
+        timeout=120,
+    ).results()  # fmt: skip
+    assert seen[1] == ("died", 0), seen
+    status, message = seen[0]
+    assert status == "ok" and message.startswith("PeerLostError after "), message
+    assert float(message.split()[2]) < 10.0, message
+    assert "global ranks [1] ended (pid " in message and "before the group formed" in message, message
+
+
 def test_a_send_nobody_receives_names_the_global_ranks_and_the_daemons_cap(make_daemon, spawn_ranks):
     """In a group of global ranks [1, 2] under init_process_group(timeout=100 s), on a daemon whose
     join_timeout_seconds is 4: the error names global ranks (not the pair's own 0 and 1) and says

@@ -5,6 +5,7 @@ import socket
 import grpc
 import pytest
 
+import nodecomm
 import ranks
 from conftest import join_request, reserved_bytes, stub_for
 from nodecomm import _native
@@ -277,3 +278,13 @@ def test_connect_checks_its_arguments_before_it_dials_a_daemon(tmp_path, argumen
     with pytest.raises(InvalidArgumentError) as raised:
         nodecomm.connect(**{**call, **arguments})
     assert text in str(raised.value), str(raised.value)
+
+
+def test_peer_processes_are_checked_before_joining(daemon):
+    """connect(peer_processes=): other ranks of the group mapped to (pid, start time)."""
+    from nodecomm.client.peer_liveness import process_running, this_process
+
+    assert process_running(this_process()) and not process_running((this_process()[0], this_process()[1] + 1))
+    for bad in ({0: (1, 1)}, {5: (1, 1)}, {1: (1,)}, {1: "pid"}):
+        with pytest.raises(nodecomm.InvalidArgumentError, match="peer_processes .*expected another rank of 0..1"):
+            nodecomm.connect("watched", 0, 2, socket=daemon.socket, timeout=5, peer_processes=bad)
