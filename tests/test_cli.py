@@ -454,3 +454,19 @@ def _processes_naming(directory: Path) -> list[str]:
         if str(directory).encode() in command:
             found.append(command.replace(b"\0", b" ").decode(errors="replace"))
     return found
+
+
+def test_the_bench_says_when_its_figures_are_noise():
+    """calibrate's noise guard on the bench's own rows: a quiet run's rows pass; a point whose ranks
+    had a tenth of a core (oneshot 205 us where auto, on the same path, took 1.4 us) is named."""
+    from nodecomm.tools.bench import Row, format_trailer
+
+    def row(path: str, p50: float, share: float = 0.9) -> Row:
+        return Row(1024, 256, "float32", path, p50, p50 * 1.2, 1.0, 1.0, 0, 100, p50 * 0.9, p50 * 1.1, share)
+
+    quiet = [row("oneshot", 1.5), row("auto", 1.4), row("gloo", 400.0)]
+    assert not any("NOISE" in line for line in format_trailer(quiet, device="cpu"))
+    busy = [row("oneshot", 205.1, share=0.1), row("auto", 1.4), row("gloo", 400.0)]
+    trailer = format_trailer(busy, device="cpu")
+    assert "# NOISE: 1 point(s) measured while the machine was busy" in "\n".join(trailer), trailer
+    assert any("oneshot at 1KiB: the probe's ranks had 10% of a core each" in line for line in trailer), trailer

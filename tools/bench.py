@@ -475,8 +475,30 @@ def format_rows(rows: list[Row], setup: BenchSetup) -> list[str]:
     return lines
 
 
-def format_trailer(rows: list[Row], notes: list[str] = ()) -> list[str]:
-    return [*(f"# {note}" for note in notes), *dispatch_regret(rows), *backend_overhead(rows)]
+def format_trailer(rows: list[Row], notes: list[str] = (), device: str = "cpu") -> list[str]:
+    return [
+        *(f"# {note}" for note in notes),
+        *dispatch_regret(rows),
+        *backend_overhead(rows),
+        *noise_lines(rows, device),
+    ]
+
+
+def noise_lines(rows: list[Row], device: str) -> list[str]:
+    """What calibration's noise guard (service/probe.py) finds in these rows: the points whose
+    figures do not compare paths (ranks starved of CPU, iterations spread past their median, a
+    jump between sizes no machine makes), said where they would otherwise read as results."""
+    from nodecomm.service.probe import measured_from_rows
+
+    noise = measured_from_rows([asdict(r) for r in rows], device).noise()
+    if not noise:
+        return []
+    return [
+        f"# NOISE: {len(noise)} point(s) measured while the machine was busy; these figures do not compare "
+        "paths (calibrate refuses such points): run again on a quiet machine",
+        *(f"#   {text}" for text in noise[:8]),
+        *([f"#   and {len(noise) - 8} more"] if len(noise) > 8 else []),
+    ]
 
 
 def backend_overhead(rows: list[Row]) -> list[str]:
