@@ -66,6 +66,15 @@ def this_machine() -> str:
         return platform.node()
 
 
+def pid_namespace() -> str:
+    """This process's pid namespace ("" where /proc does not say): pids compare only within one
+    (ranks in two containers of one machine share its boot, not their pids)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
 def this_process() -> ProcessId | None:
     """This process as process_running() knows it again (None without /proc)."""
     return _process(os.getpid())

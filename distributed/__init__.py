@@ -95,17 +95,19 @@ def _node_names(
     store: dist.Store, rank: int, size: int, generation: int, timeout: timedelta, options: Options
 ) -> tuple[list[str], list[tuple[str, int, int]]]:
     """Every rank's node name (its host and its node daemon's socket) and process (its machine's
-    boot, pid and start time: a join waits no longer for a rank whose process has ended), through
-    the store."""
+    boot and pid namespace, its pid and start time: a join waits no longer for a rank whose
+    process has ended), through the store."""
     keys = [f"nodecomm/node/{generation}/{r}" for r in range(size)]
     process = peer_liveness.this_process() or (0, 0)
-    store.set(keys[rank], json.dumps([node_name(options.socket), peer_liveness.this_machine(), *process]))
+    # Pids mean the same process only on one machine and in one pid namespace.
+    place = f"{peer_liveness.this_machine()} {peer_liveness.pid_namespace()}"
+    store.set(keys[rank], json.dumps([node_name(options.socket), place, *process]))
     try:
         store.wait(keys, timeout)
     except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
         raise DeadlineExceededError(f"not every rank of {size} came within {timeout}: {error}") from None
     entries = [json.loads(store.get(key)) for key in keys]
-    return [name for name, *_ in entries], [(machine, pid, start) for _, machine, pid, start in entries]
+    return [name for name, *_ in entries], [(place, pid, start) for _, place, pid, start in entries]
 
 
 def _shared_daemon(

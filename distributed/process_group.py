@@ -79,8 +79,8 @@ class NodecommProcessGroup:
     ):
         self._store = store
         self._global_ranks = global_ranks or list(range(size))  # by group rank: what errors name
-        # Each rank's (machine, pid, start time): a lane's join waits no longer for a rank on this
-        # machine whose process has ended.
+        # Each rank's (machine and pid namespace, pid, start time): a lane's join waits no longer
+        # for a rank whose process, seen from here, has ended.
         self._processes = processes or []
         self._rank = rank
         self._size = size
