@@ -179,8 +179,7 @@ def _joined(join: grpc.Future, peer_processes: dict[int, tuple[int, int]], where
             gone = sorted(
                 rank for rank, process in peer_processes.items() if not peer_liveness.process_running(process)
             )
-            if gone:
-                join.cancel()
+            if gone and join.cancel():  # not cancelled: the reply came meanwhile, taken above
                 pids = ", ".join(str(peer_processes[rank][0]) for rank in gone)
                 raise PeerLostError(
                     f"ranks {gone} ended (pid {pids}) before the group formed: this Join waits for them no longer",

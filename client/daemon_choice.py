@@ -126,7 +126,8 @@ def choose(
 def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoice, JobLeaseHandle]:
     """Take a lease on the private daemon at `socket`, starting it first if none serves there."""
     deadline = time.monotonic() + timeout
-    sweep_abandoned_jobs(os.path.dirname(os.path.dirname(os.path.abspath(socket))), where)
+    job = os.path.dirname(os.path.abspath(socket))
+    sweep_abandoned_jobs(os.path.dirname(job), where, keep=job)
     try:
         lock, directory = _lock_job_directory(socket, deadline, where)
     except NodecommError as error:
@@ -155,10 +156,14 @@ def attach_private(socket: str, timeout: float, where: dict) -> tuple[DaemonChoi
 ABANDONED_AFTER_SECONDS = 60.0
 
 
-def sweep_abandoned_jobs(jobs: str, where: dict, now: float | None = None) -> list[str]:
-    """Remove the job directories under `jobs` that a private daemon killed with SIGKILL left (its
-    sockets, lock file, log and key): no process holds the lock, nothing answers on its lease
-    socket, and nothing was written there for ABANDONED_AFTER_SECONDS. Returns what it removed."""
+def sweep_abandoned_jobs(jobs: str, where: dict, now: float | None = None, keep: str = "") -> list[str]:
+    """Remove the job directories under `jobs` (a runtime directory's nodecomm-jobs) that a private
+    daemon killed with SIGKILL left (its sockets, lock file, log and key), but `keep` (the
+    caller's own job: its ranks may be about to start the next daemon there, which needs the key):
+    no process holds the lock, nothing answers on its sockets, and nothing was written there for
+    ABANDONED_AFTER_SECONDS, looked at again once the lock is held. Returns what it removed."""
+    if os.path.basename(os.path.normpath(jobs)) != "nodecomm-jobs":
+        return []  # a socket given by hand, anywhere: not a directory of jobs this sweeps
     now = time.time() if now is None else now
     removed = []
     try:
@@ -167,31 +172,47 @@ def sweep_abandoned_jobs(jobs: str, where: dict, now: float | None = None) -> li
         return removed
     for name in names:
         directory = os.path.join(jobs, name)
+        if os.path.abspath(directory) == os.path.abspath(keep) or not _abandoned(directory, now):
+            continue
         try:
-            if not os.path.isdir(directory) or os.path.islink(directory):
-                continue
-            newest = max(os.lstat(os.path.join(directory, n)).st_mtime for n in [*os.listdir(directory), "."])
-            if now - newest < ABANDONED_AFTER_SECONDS or not _nobody_at(os.path.join(directory, "nodecomm.sock")):
-                continue
-            lock = os.open(os.path.join(directory, PRIVATE_LOCK_NAME), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except (OSError, ValueError):
-            continue  # gone meanwhile, or no lock file: not a directory this sweeps
+            handle = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            lock = os.open(PRIVATE_LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=handle)
+        except OSError:
+            os.close(handle)
+            continue  # no lock file: not a job directory
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a rank or a daemon deciding: not abandoned
-            for entry in os.scandir(directory):
-                if stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode) or entry.name in (
-                    PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME, ADOPTION_KEY_NAME,
-                ):  # fmt: skip
-                    os.unlink(entry.path)
+            same = os.stat(PRIVATE_LOCK_NAME, dir_fd=handle, follow_symlinks=False).st_ino == os.fstat(lock).st_ino
+            if not same or not _abandoned(directory, now):  # a rank came between the look and the lock
+                continue
+            for entry in os.scandir(handle):
+                kind = os.stat(entry.name, dir_fd=handle, follow_symlinks=False).st_mode
+                if stat.S_ISSOCK(kind) or entry.name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME, ADOPTION_KEY_NAME):
+                    os.unlink(entry.name, dir_fd=handle)
             os.rmdir(directory)  # only where nothing else was put there
             removed.append(directory)
         except OSError:
             pass
         finally:
             os.close(lock)
+            os.close(handle)
     if removed:
         log.info("removed the directories of jobs whose private daemon was killed", extra={**where, "removed": removed})
     return removed
+
+
+def _abandoned(directory: str, now: float) -> bool:
+    """Nothing written in `directory` for ABANDONED_AFTER_SECONDS and nothing listening there."""
+    try:
+        if os.path.islink(directory) or not os.path.isdir(directory):
+            return False
+        newest = max(os.lstat(os.path.join(directory, n)).st_mtime for n in [*os.listdir(directory), "."])
+    except OSError:
+        return False
+    return now - newest >= ABANDONED_AFTER_SECONDS and _nobody_at(os.path.join(directory, "nodecomm.sock"))
 
 
 def _nobody_at(socket: str) -> bool:

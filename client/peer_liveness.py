@@ -81,14 +81,17 @@ def this_process() -> ProcessId | None:
 
 
 def process_running(process: ProcessId) -> bool:
-    """Whether the process is still there (its pid not reused by another since: same start time)."""
-    return _process(process[0]) == tuple(process)
+    """Whether the process is still there (its pid not reused by another since: same start time;
+    a zombie, ended but not yet reaped by its launcher, is not)."""
+    return _process(process[0], running=True) == tuple(process)
 
 
-def _process(pid: int) -> ProcessId | None:
+def _process(pid: int, running: bool = False) -> ProcessId | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read().rsplit(b")", 1)[1].split()  # the command name may hold spaces
     except OSError:
+        return None
+    if running and fields[0] in (b"Z", b"X"):  # field 3, the state: zombie or dead
         return None
     return pid, int(fields[19])  # after ") ": field 3 is fields[0]; starttime is field 22

@@ -106,8 +106,25 @@ def _node_names(
         store.wait(keys, timeout)
     except Exception as error:  # noqa: BLE001 (torch raises DistStoreError, a RuntimeError)
         raise DeadlineExceededError(f"not every rank of {size} came within {timeout}: {error}") from None
-    entries = [json.loads(store.get(key)) for key in keys]
+    entries = [_node_entry(key, store.get(key)) for key in keys]
     return [name for name, *_ in entries], [(place, pid, start) for _, place, pid, start in entries]
+
+
+def _node_entry(key: str, raw: bytes) -> tuple[str, str, int, int]:
+    """A rank's entry as _node_names writes it: whoever can write the job's store can write
+    anything there, and what is not that stops the rank, named."""
+    try:
+        name, place, pid, start = json.loads(raw)
+        if not (isinstance(name, str) and isinstance(place, str)):
+            raise ValueError("not two strings first")
+        if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in (pid, start)):
+            raise ValueError("not two whole numbers after them")
+    except (ValueError, TypeError) as error:
+        raise GroupMismatchError(
+            f"the job's c10d store holds {shown(raw.decode(errors='replace'))} at {key!r}, not what a rank of "
+            f"nodecomm writes there ([node name, machine, pid, start time]: {error}); another program wrote the store"
+        ) from None
+    return name, place, pid, start
 
 
 def _shared_daemon(

@@ -85,17 +85,22 @@ class Lane:
                     raise self._said_of_the_job(error) from None
             return self._comm
 
+    def _global(self, lane_rank: str) -> int | str:
+        """The global rank of a lane rank written in a message (left as written where it is none)."""
+        index = int(lane_rank)
+        return self._ranks[index] if index < len(self._ranks) else lane_rank
+
     def _said_of_the_job(self, error: NodecommError) -> NodecommError:
         """A join's error in the job's words: its global ranks for the lane's, and what the lane
         carries (the lane's own group name and ranks follow, for the daemon's logs)."""
-        if not self._ranks:
-            return error
+        if not self._ranks or self._joiner is not None:
+            return error  # across nodes the joins are per node, in the node's own ranks
         detail = re.sub(
             r"\b(ranks?) \[([\d, ]*)\]",
-            lambda m: f"global {m.group(1)} {[self._ranks[int(r)] for r in m.group(2).split(',') if r.strip()]}",
+            lambda m: f"global {m.group(1)} {[self._global(r) for r in m.group(2).split(',') if r.strip()]}",
             error.detail,
         )
-        detail = re.sub(r"\brank (\d+) waited", lambda m: f"global rank {self._ranks[int(m.group(1))]} waited", detail)
+        detail = re.sub(r"\brank (\d+) waited", lambda m: f"global rank {self._global(m.group(1))} waited", detail)
         said = type(error)(f"{self._what}: {detail} (nodecomm group {self.group!r}, rank {self.rank})")
         said.group, said.rank = error.group, error.rank
         return said

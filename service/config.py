@@ -206,8 +206,7 @@ class DaemonConfig:
             object.__setattr__(self, "state_dir", default_state_dir())
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", default_cache_dir())
-        # A job's private daemon only reads state_dir (the node's); every other daemon writes there.
-        _check_directory("state_dir", self.state_dir, writable=not self.private)
+        _check_directory("state_dir", self.state_dir)
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key: expected both (PEM files) or neither; tls_client_ca needs them")
         for name in ("tls_cert", "tls_key", "tls_client_ca"):
@@ -303,9 +302,10 @@ def parse_ids(field: str, text: str) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _check_directory(name: str, path: str, writable: bool) -> None:
-    """`path` is a directory, or one can be made there (what exists of it is a directory); and,
-    where `writable`, this process may write in it (or in what exists of it)."""
+def _check_directory(name: str, path: str) -> None:
+    """`path` is a directory, or one can be made there (what exists of it is a directory). Whether
+    this uid may write there is the daemon's to find when it saves (a read-only state_dir of
+    calibrations put there by hand is one way to deploy)."""
     existing = os.path.abspath(path)
     while not os.path.lexists(existing):
         existing = os.path.dirname(existing)
@@ -316,10 +316,6 @@ def _check_directory(name: str, path: str, writable: bool) -> None:
             else f"is under {existing}, which is not a directory"
         )
         raise ValueError(f"{name} {path!r}: {what}; expected a directory (or one that can be made)")
-    if writable and not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"{name} {path!r}: {existing} is not writable by uid {os.geteuid()}; expected a directory it may write"
-        )
 
 
 def _split_address(field: str, address: str) -> tuple[str, int]:

@@ -300,15 +300,16 @@ def test_calibrate_probes_through_the_daemon_and_a_restarted_daemon_keeps_the_ou
 @pytest.mark.parametrize(
     "where, writable, stored_at",
     [
+        # A daemon refuses such a state_dir at start (test_config.py); this one appears later.
         ("a file where the state directory was", True, "nowhere: [Errno 17] File exists: '{state}'"),
         ("a store that writes nothing", False, "nowhere: this daemon writes no state"),
     ],
 )
 def test_a_calibration_that_is_not_stored_still_takes_effect(tmp_path, caplog, where, writable, stored_at):
     state = tmp_path / "state"
+    keeper, store = _keeper(state, writable)
     if writable:
         state.write_text(where)
-    keeper, store = _keeper(state, writable)
     with caplog.at_level(logging.ERROR, logger="nodecomm.tables"):
         reply = asyncio.run(keeper.conclude("cpu", QUIET, store))
     assert reply.stored_at == stored_at.format(state=state)

@@ -1,5 +1,6 @@
 """The nodecomm command against a running daemon, and timings reaching its metrics."""
 
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -179,7 +180,8 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
     ]
     (note,) = document["notes"]
     assert note.startswith("service path control plane: an empty submit") and note in result.stdout
-    regret = result.stdout.split("(below 1: auto beat every single path's median)\n")[1].splitlines()
+    after = result.stdout.split("(below 1: auto beat every single path's median)\n")[1].splitlines()
+    regret = list(itertools.takewhile(lambda line: line.startswith("#   "), after))  # a NOISE note may follow
     assert [line.split()[1] for line in regret] == ["1KiB", "2KiB", "4KiB"]
 
 
@@ -282,7 +284,7 @@ def test_across_nodes_bench_times_every_form_beside_gloo():
         (("--sizes", "off"), "argument --sizes: 'off': expected a size of at least 1 byte, e.g. 4KiB"),
         (("--sizes", "-4KiB"), "argument --sizes: '-4KiB': expected a size of at least 1 byte"),
         (("--min-bytes", "-1"), "argument --min-bytes: '-1': expected a size of at least 1 byte"),
-        (("--sizes", "1KiB,99GiB"), "--sizes 99GiB: 2 ranks need about 990.0 GiB for it (5x the size a rank)"),
+        (("--sizes", "1KiB,99999GiB"), "--sizes 99999GiB: 2 ranks need about 999990.0 GiB for it (5x the size a rank)"),
     ],
 )
 def test_bench_refuses_bad_counts_and_says_what_it_expected(flags, says):
@@ -355,7 +357,7 @@ BAD_ARGUMENTS = {
     ("bench", "--paths", "bogus"): "--paths bogus: expected some of oneshot, twoshot, service, auto, torch",
     ("bench", "--paths", "dma"): "--paths dma: expected some of oneshot, twoshot, service, auto, torch, inplace, gloo",
     ("bench", "--capacity", "10"): "--capacity 10: expected at least 64 bytes",
-    ("bench", "--sizes", "abc"): "argument --sizes: invalid byte size 'abc'",
+    ("bench", "--sizes", "abc"): "argument --sizes: 'abc': expected a size of at least 1 byte, e.g. 4KiB",
     ("calibrate", "--world-size", "0"): "argument --world-size: '0': expected a whole number from 2 to 16",
     ("calibrate", "--min-bytes", "1MiB", "--max-bytes", "4KiB"): "--min-bytes 1048576 is larger than --max-bytes",
     ("thresholds", "--nccl"): "--nccl applies to --device cuda",
@@ -464,7 +466,8 @@ def test_the_bench_says_when_its_figures_are_noise():
     def row(path: str, p50: float, share: float = 0.9) -> Row:
         return Row(1024, 256, "float32", path, p50, p50 * 1.2, 1.0, 1.0, 0, 100, p50 * 0.9, p50 * 1.1, share)
 
-    quiet = [row("oneshot", 1.5), row("auto", 1.4), row("gloo", 400.0)]
+    # gloo's and the service path's ranks wait in the kernel: a small share of a core is theirs on a quiet machine.
+    quiet = [row("oneshot", 1.5), row("auto", 1.4), row("gloo", 400.0, share=0.05), row("service", 90.0, share=0.1)]
     assert not any("NOISE" in line for line in format_trailer(quiet, device="cpu"))
     busy = [row("oneshot", 205.1, share=0.1), row("auto", 1.4), row("gloo", 400.0)]
     trailer = format_trailer(busy, device="cpu")

@@ -7,8 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import distributed_ranks
 from conftest import free_port
+from nodecomm.distributed import _node_entry
+from nodecomm.errors import GroupMismatchError
 
 RANKS = Path(__file__).parent / "distributed_ranks.py"
 
@@ -171,3 +175,12 @@ def test_asynchronous_works_are_kept_only_while_they_run(daemon, spawn_ranks):
         assert seen["right"], seen
         assert seen["after_waited"] <= 1 and seen["after_all_reduce"] == 0, seen
         assert seen["most"] <= 1024, seen  # past it, a new call waits for the oldest
+
+
+def test_a_node_entry_in_the_store_that_no_rank_of_nodecomm_wrote_stops_the_rank():
+    """The job's store has no authentication: an entry not as _node_names writes it is named."""
+
+    assert _node_entry("k", b'["host|/s", "boot ns", 12, 34]') == ("host|/s", "boot ns", 12, 34)
+    for raw in (b"host|/s", b'["host|/s", "boot", 12]', b'["host|/s", "boot", true, 34]', b'[1, "boot", 1, 2]'):
+        with pytest.raises(GroupMismatchError, match="not what a rank of nodecomm writes there"):
+            _node_entry("nodecomm/node/1/0", raw)

@@ -257,6 +257,8 @@ def test_a_job_removes_what_a_killed_private_daemon_left_once_its_job_is_gone(ru
     an_hour_ago = time.time() - 3600
     for path in [*killed.iterdir(), killed, *Path(live_socket).parent.iterdir(), Path(live_socket).parent]:
         os.utime(path, (an_hour_ago, an_hour_ago), follow_symlinks=False)
+    # The job's own ranks sweep everything but their own directory (they restart their daemon there).
+    assert daemon_choice.sweep_abandoned_jobs(str(killed.parent), {}, keep=str(killed)) == []
     _, third_lease = daemon_choice.attach_private(private_socket_path("third-job"), 30, {})
     assert not killed.exists() and Path(live_socket).exists()
     for held in (live_lease, third_lease):

@@ -29,7 +29,9 @@ def nothing_deployed(tmp_path: Path):
     environment = {k: v for k, v in os.environ.items() if not k.startswith("NODECOMM_")}
     bin_directory = str(Path(sys.executable).parent)
     yield environment | {
+        # No node daemon's socket or stored calibration either (a machine that runs one: root's paths).
         "XDG_RUNTIME_DIR": runtime, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        "NODECOMM_SOCKET": os.path.join(runtime, "no-node-daemon.sock"), "NODECOMM_STATE_DIR": str(tmp_path / "state"),
         "PATH": f"{bin_directory}:{environment['PATH']}",
     }  # fmt: skip
     shutil.rmtree(runtime, ignore_errors=True)
@@ -62,7 +64,11 @@ def test_use_it_from_a_rank_runs_as_written(tmp_path, nothing_deployed):
         )  # fmt: skip
         for rank in range(2)
     ]
-    outputs = [process.communicate(timeout=240) for process in ranks]
+    try:
+        outputs = [process.communicate(timeout=240) for process in ranks]
+    finally:
+        for process in ranks:
+            process.kill()  # a rank that hung: not left behind
     for process, (stdout, stderr) in zip(ranks, outputs, strict=True):
         assert process.returncode == 0, stdout + stderr
     for rank, (stdout, _) in enumerate(outputs):

@@ -1081,11 +1081,12 @@ def heard(listener: subprocess.Popen) -> int:
 _STORE_ANNOUNCER = _LISTEN.replace(
     'print("listening", flush=True)',
     """from datetime import timedelta
+import json
 import torch.distributed as dist
 from nodecomm.client.hierarchical import node_name
 store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, True, timedelta(seconds=120), wait_for_workers=False)
 # What the victim job's rank 0 writes, first: its node's name, and a daemon of the attacker's.
-store.set("0//cpu//nodecomm/node/1/0", node_name(None))
+store.set("0//cpu//nodecomm/node/1/0", json.dumps([node_name(None), "elsewhere", 1, 1]))
 store.set("0//cpu//nodecomm/group/1", f"0123456789ab {'7' * 32} node ipv4:127.0.0.1:{sys.argv[1]}")
 print("listening", flush=True)
 while line := sys.stdin.readline().strip():  # each line: another announcement; an empty one ends it

@@ -14,6 +14,7 @@ counts elements that differ from it.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import platform
@@ -490,7 +491,14 @@ def noise_lines(rows: list[Row], device: str) -> list[str]:
     jump between sizes no machine makes), said where they would otherwise read as results."""
     from nodecomm.service.probe import measured_from_rows
 
-    noise = measured_from_rows([asdict(r) for r in rows], device).noise()
+    # Calibration measures the paths whose ranks spin on peer memory: only those use a whole core
+    # each on a quiet machine (the service path's ranks and the baselines' wait in the kernel).
+    spinning = [asdict(r) for r in rows if r.path in ("oneshot", "twoshot", "dma", "auto")]
+    sizes = sorted({r["size_bytes"] for r in spinning})
+    doubling = all(b == 2 * a for a, b in itertools.pairwise(sizes))
+    # The guard's jump between neighbours holds for sizes that double; others are looked at alone.
+    groups = [spinning] if doubling else [[r for r in spinning if r["size_bytes"] == size] for size in sizes]
+    noise = [text for group in groups for text in measured_from_rows(group, device).noise()]
     if not noise:
         return []
     return [

@@ -409,19 +409,15 @@ _RANK_COPIES = {"float32": 5, "float16": 7, "bfloat16": 7}
 
 def _sizes_problem(sizes: list[int], dtype: str, world_size: int, device: str, gpus: int) -> str:
     """Why the bench cannot measure these sizes ("" where it can): a size that is not whole elements,
-    or one whose tensors do not fit this machine's free memory (host, or each GPU's)."""
+    or, on the CPU, one whose tensors do not fit the host's available memory."""
     element = 4 if dtype == "float32" else 2
     odd = [format_byte_size(size) for size in sizes if size % element]
     if odd:
         return f"--sizes {','.join(odd)}: expected multiples of {element} bytes (one {dtype} element)"
     largest = max(sizes)
     if device == "cuda":
-        import torch
-
-        ranks, free = -(-world_size // gpus), min(torch.cuda.mem_get_info(i)[0] for i in range(gpus))
-        where = f"free on each GPU ({ranks} rank(s) a GPU)"
-    else:
-        ranks, free, where = world_size, _host_available(), "available on this host"
+        return ""  # asking the GPUs would open a context on each here; a rank that cannot allocate says so
+    ranks, free, where = world_size, _host_available(), "available on this host"
     needed = ranks * _RANK_COPIES[dtype] * largest
     if free is not None and needed > free:
         return (
