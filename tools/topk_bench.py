@@ -62,16 +62,25 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> obj
             }
             tables = {name: run() for name, run in runs.items()}
             same = all(torch.equal(a, b) for a, b in zip(tables["stage"], tables[baseline], strict=True))
-            for name, run in runs.items():
-                if on_gpu:
-                    times = cuda_times(run, args["iterations"], comm, graph=False)
-                else:
-                    times = host_times(run, args["iterations"], comm)
-                slowest, differ, _ = slowest_rank(times, int(not same), world_size)
+            for name, (slowest, differ) in slowest_times(runs, int(not same), comm, on_gpu, args, world_size).items():
                 if rank == 0:
                     out.append((rows, name, slowest, differ))
     dist.destroy_process_group()
     return out if rank == 0 else None
+
+
+def slowest_times(runs: dict, flaws: int, comm, on_gpu: bool, args: dict, world_size: int) -> dict:
+    """Each run's iterations timed (back to back between CUDA events on GPUs, after a barrier on
+    the CPU): name -> (the slowest rank's times, the flaws counted over every rank)."""
+    timed = {}
+    for name, run in runs.items():
+        if on_gpu:
+            times = cuda_times(run, args["iterations"], comm, graph=False)
+        else:
+            times = host_times(run, args["iterations"], comm)
+        slowest, differ, _ = slowest_rank(times, flaws, world_size)
+        timed[name] = (slowest, differ)
+    return timed
 
 
 def run_topk_bench(

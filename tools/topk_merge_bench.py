@@ -13,7 +13,8 @@ import os
 import platform
 import statistics
 
-from .bench import cuda_times, host_times, run_ranks, slowest_rank, start_rank
+from .bench import run_ranks, start_rank
+from .topk_bench import slowest_times
 
 SCORE_BITS, ID_BITS = 16, 20  # bf16 logits; positions below 2^20
 
@@ -69,12 +70,9 @@ def _rank_main(rank: int, world_size: int, args: dict, port: int, report) -> obj
                 run()
                 results[name] = local.sort(dim=1).values.clone()
             same = torch.equal(results["merge"], results["gather+topk"])
-            for name, run in runs.items():
-                if device != "cpu":
-                    times = cuda_times(run, args["iterations"], comm, graph=False)
-                else:
-                    times = host_times(run, args["iterations"], comm)
-                slowest, differ, _ = slowest_rank(times, int(not same), world_size)
+            for name, (slowest, differ) in slowest_times(
+                runs, int(not same), comm, device != "cpu", args, world_size
+            ).items():
                 if rank == 0:
                     out.append((rows, name, slowest, differ))
     dist.destroy_process_group()
