@@ -1,4 +1,5 @@
-"""Per-call host time of all-reduces at world 2, back to back (median of 5 runs), in one run.
+"""Per-call host time of all-reduces at world 2, back to back (median of 5 rounds, the rows taking turns
+in each), in one run.
 CPU: dist.all_reduce on the "nodecomm" group (synchronous, asynchronous and waited, and torch's
 functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
@@ -64,7 +65,13 @@ def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
     }
     if slot is not None:  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
         rows["vLLM slot call"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)
+    # The backends' own allreduce, with torch.distributed's front end (its dispatcher op) left out.
+    opts = dist.AllreduceOptions()
+    nodecomm_backend = dist.group.WORLD._get_backend(x.device)
+    rows["backend.allreduce nodecomm"] = lambda: nodecomm_backend.allreduce([x], opts).wait()
     if fake is not None:
+        fake_backend = fake._get_backend(x.device)
+        rows["backend.allreduce fake"] = lambda: fake_backend.allreduce([x], opts).wait()
         rows["dist.all_reduce fake"] = lambda: dist.all_reduce(x, group=fake)
         rows["async_op=True .wait() fake"] = lambda: dist.all_reduce(x, group=fake, async_op=True).wait()
         rows["funcol waited fake"] = lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", fake))
@@ -111,14 +118,21 @@ def main() -> None:
     scale = 4 if os.environ.get("NC_QUICK") else 1  # a quarter of the calls, for a short device call
     for nbytes in (1024, 16384, 262144):
         x = torch.ones(nbytes // 4, device=device)
-        for name, call in rows_for(x, comm, gloo, fake, slot).items():
-            calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale
+        rows = rows_for(x, comm, gloo, fake, slot)
+        runs: dict[str, list[float]] = {name: [] for name in rows}
+        for call in rows.values():
             call()
-            runs = [per_call_us(call, calls, cuda) for _ in range(5)]
-            if cuda:
-                torch.cuda.synchronize()
-            if rank == 0:
-                print(f"{name:28s} {nbytes:8d} {statistics.median(runs):9.2f}")
+        # The rows take turns within each of the 5 rounds: a host that slows down for a while
+        # slows every row alike, and the rows compare.
+        for _ in range(5):
+            for name, call in rows.items():
+                calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale
+                runs[name].append(per_call_us(call, calls, cuda))
+        if cuda:
+            torch.cuda.synchronize()
+        if rank == 0:
+            for name, times in runs.items():
+                print(f"{name:28s} {nbytes:8d} {statistics.median(times):9.2f}")
     dist.destroy_process_group()
 
 
