@@ -19,7 +19,7 @@ echo "== the job: 30 s of eager all-reduces at $sizes" | tee -a "$log"
 sleep 3  # the job's daemon leaves after its grace
 ls -l /tmp/fm/cache/nodecomm 2>&1 | tee -a "$log"
 socket=/tmp/fm/d2/nodecomm.sock
-python3 -m nodecomm.service.server --socket $socket --private true --private-grace-seconds 600 \
+python3 -m nodecomm.service --socket $socket --private true --private-grace-seconds 600 \
   --state-dir /tmp/fm/state2 --cache-dir /tmp/fm/cache/nodecomm --metrics-address off --log-level WARNING &
 daemon=$!
 for _ in $(seq 100); do [ -S $socket ] && break; sleep 0.1; done

@@ -17,7 +17,7 @@ start_mps() {
   nvidia-cuda-mps-control -d && echo "MPS started"
 }
 start_daemon() {
-  python3 -m nodecomm.service.server --socket $socket --metrics-address 127.0.0.1:9464 --allow-shared-devices true \
+  python3 -m nodecomm.service --socket $socket --metrics-address 127.0.0.1:9464 --allow-shared-devices true \
     --state-dir /tmp/nodecommd/state >> /tmp/daemon.log 2>&1 &
   daemon=$!
   sleep 3

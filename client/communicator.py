@@ -349,7 +349,7 @@ class Communicator:
         )
 
     def _reattach(self, calls_without_daemon: int) -> pb_grpc.ControlStub:
-        """Hand this rank's group to the daemon serving the socket now (service/adoption.py): it
+        """Hand this rank's group to the daemon serving the socket now (service/groups/adoption.py): it
         must prove who it is as at connect() (nodecomm.daemon_channel), then takes the control page
         and the ticket; returns its stub. Raises DaemonUnavailableError while nothing serves."""
         where = self.membership.where

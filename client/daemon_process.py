@@ -23,7 +23,7 @@ from nodecomm.socket_path import grpc_target
 
 def daemon_command(socket: str, *flags: str) -> list[str]:
     """The command line that runs nodecommd on `socket` with `flags` in this Python."""
-    return [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, *flags]
+    return [sys.executable, "-m", "nodecomm.service", "--socket", socket, *flags]
 
 
 def answers(socket: str, timeout: float = 1.0, daemon_uids: frozenset[int] | None = None) -> bool:

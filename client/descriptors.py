@@ -1,4 +1,4 @@
-"""The rank's half of the descriptor socket protocol (the daemon's half: nodecomm.service.handles)."""
+"""The rank's half of the descriptor socket protocol (the daemon's half: nodecomm.service.memory.handles)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ log = logging.getLogger("nodecomm.client")
 _BATCH = 32
 _FLUSH_SECONDS = 1.0
 # The most timings one message carries. The daemon ends a session whose message holds more than
-# 256 (service/timings.py); the native lanes hold up to 4,096 between flushes (a burst of native
+# 256 (service/calibration/timings.py); the native lanes hold up to 4,096 between flushes (a burst of native
 # calls that reach no Python), and what is past the newest of them is older than live tables need.
 _MAX_TIMINGS_PER_MESSAGE = 128
 # Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
@@ -120,7 +120,7 @@ class Session:
 
     def _run(self) -> None:
         """The session's stream; where it is lost and the group runs on, the group is handed to the
-        next daemon on the socket (service/adoption.py) and the stream opened there, as often as
+        next daemon on the socket (service/groups/adoption.py) and the stream opened there, as often as
         that happens, until the communicator closes."""
         self._stream()
         while self.lost_reason is not None and not self._closing and self._reattach is not None:

@@ -92,7 +92,7 @@ inline Table make_table(std::uint64_t epoch, std::vector<std::uint64_t> range_ma
   return table;
 }
 
-// Size buckets, as the daemon keeps its evidence (service/metrics.py SIZE_BUCKETS): powers of 4
+// Size buckets, as the daemon keeps its evidence (service/metrics/families.py SIZE_BUCKETS): powers of 4
 // from 1 KiB to 256 MiB, then one for everything larger.
 constexpr int kBuckets = 11;
 

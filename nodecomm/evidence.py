@@ -1,5 +1,5 @@
 """Timings as evidence for a size-range table, the one machine behind every boundary that moves
-with the machine: the daemon's live recalibration (service/live_thresholds.py, choices are
+with the machine: the daemon's live recalibration (service/calibration/live_thresholds.py, choices are
 paths) and the ranks' forms across nodes (client/across_nodes_forms.py, choices are forms).
 
 Sizes fall in buckets, powers of 4 from 1 KiB, as the metrics label them and native/dispatch.h

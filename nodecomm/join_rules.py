@@ -1,5 +1,5 @@
 """What makes a Join well formed, whoever checks it: a rank's connect() before it dials a daemon
-(client/group_spec.py), and the daemon for every Join it gets (service/join_args.py), which adds
+(client/group_spec.py), and the daemon for every Join it gets (service/groups/join_args.py), which adds
 only what it alone knows (its limits, its GPUs, the boundary names of its tables, the pid)."""
 
 from __future__ import annotations

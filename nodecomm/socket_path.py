@@ -46,7 +46,7 @@ def grpc_target(socket: str) -> str:
 # its ranks and it decide under (client/daemon_choice.py, service/job_lease.py), and its log.
 PRIVATE_LOCK_NAME = "lock"
 PRIVATE_LOG_NAME = "daemon.log"
-ADOPTION_KEY_NAME = "adoption.key"  # service/adoption.py: the key the next daemon adopts groups with
+ADOPTION_KEY_NAME = "adoption.key"  # service/groups/adoption.py: the key the next daemon adopts groups with
 
 
 def job_digest(job: str) -> str:

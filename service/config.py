@@ -82,7 +82,7 @@ class DaemonConfig:
     # Who may change what every group on the node gets (Calibrate) and see every uid's groups:
     # these uids (ids or names); empty: root and the daemon's own uid.
     operator_uids: str = ""
-    # Group names are per uid (service/callers.py): a group forms among joins of one uid unless
+    # Group names are per uid (service/access/callers.py): a group forms among joins of one uid unless
     # this lets several share one namespace. With require_group_key, every Join must carry a
     # group key (the first fixes it, later ones must match); off by default: other uids never
     # reach a group anyway, and a key is what keeps a process of the same uid out, which the
@@ -149,7 +149,7 @@ class DaemonConfig:
     max_groups_per_caller: int = 64
     max_reserved_bytes_per_caller: int = 8 << 30
     # Connections to the control socket (and the TCP listener) at once, in all and per caller;
-    # past either, a new one's calls are answered why, and it is closed (service/connections.py).
+    # past either, a new one's calls are answered why, and it is closed (service/access/connections.py).
     # Each holds three descriptors.
     # gRPC closes a connection with no call in flight for connection_idle_seconds.
     max_connections: int = 4096

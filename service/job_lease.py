@@ -19,9 +19,8 @@ import logging
 import os
 from collections.abc import Callable
 
+from nodecomm.service.groups.adoption import KEY_FILE
 from nodecomm.socket_path import PRIVATE_LOCK_NAME, PRIVATE_LOG_NAME, lease_socket_path
-
-from .adoption import KEY_FILE
 
 log = logging.getLogger("nodecomm.server")
 

@@ -1,76 +1,42 @@
-"""nodecommd: the gRPC control plane over the GroupRegistry, the descriptor socket, /metrics, and
-a graceful stop on SIGTERM/SIGINT (health NOT_SERVING, refuse joins, end the sessions, exit 0),
-leaving running groups to their ranks, or with drain_on_stop a drain (abort every group first)."""
+"""The daemon's gRPC servicer: every Control method, behind one wrapper (`rpc`) that refuses what
+did not parse, checks a member's rank secret and maps NodecommError to its status code; who the
+caller is, access/identity.py decides."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import inspect
-import logging
 import math
-import os
-import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
-import uvloop
 from google.protobuf.message import DecodeError, Message
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from nodecomm import _native, trust
 from nodecomm.capabilities import DeviceKind
-from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
     InvalidArgumentError,
     NodecommError,
-    PermissionDeniedError,
     status_code_for,
     status_details,
 )
+from nodecomm.service.access.callers import Caller
+from nodecomm.service.access.identity import Identity, rank_secret
+from nodecomm.service.access.rates import PACE_BYTES, CallerPaces, Pace
+from nodecomm.service.calibration.probe import calibration_point
+from nodecomm.service.calibration.stored import CalibrationStore
+from nodecomm.service.calibration.timings import MAX_SESSION_MESSAGE_BYTES
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.join_args import JoinArgs
+from nodecomm.service.groups.registry import GroupRegistry
+from nodecomm.service.metrics.families import DaemonMetrics
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .adoption import load_key
-from .allocator import raise_descriptor_limit
-from .calibration import CalibrationStore
-from .callers import Caller, Peer
-from .config import DaemonConfig, load_config, parse_ids
-from .connections import Gate, GateInterceptor
-from .groups import GroupRegistry
-from .handles import (
-    Admission,
-    ClaimTable,
-    DescriptorServer,
-    HandbackTable,
-    IdentityTable,
-    is_declared_process,
-    process_uid,
-)
-from .job_lease import JobLease
-from .join_args import JoinArgs
-from .listening import (
-    internal_socket,
-    listen_unix,
-    prepare_socket_path,
-    remove_internal_directories,
-    restrict_socket_file,
-    tls_credentials,
-)
-from .logs import RateLimitedLog, configure_logging
-from .metrics import DaemonMetrics
-from .metrics_endpoint import MetricsEndpoint
-from .probe import calibration_point
-from .timings import MAX_SESSION_MESSAGE_BYTES, PACE_BYTES, CallerPaces, Pace
-
 MAX_MESSAGE_BYTES = 1 << 20
 
-log = logging.getLogger("nodecomm.server")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Control"].full_name
 
 
@@ -96,8 +62,6 @@ def session_messages_per_second(timing_rate_per_rank: int) -> float:
 # The most bytes a request of these methods may be, below the server's MAX_MESSAGE_BYTES: a Session
 # stream repeats its messages, so one past what a client ever sends is refused unparsed.
 MAX_REQUEST_BYTES = {"Session": MAX_SESSION_MESSAGE_BYTES}
-# How often the daemon looks for groups whose ranks aborted them (GroupRegistry.notice_aborts).
-ABORT_NOTICE_SECONDS = 0.5
 
 
 def _lenient_parser(message_class: type[Message], max_bytes: int) -> Callable[[bytes], Message | RefusedRequest]:
@@ -155,7 +119,7 @@ def rpc(*, member: bool = False):
             if isinstance(request, RefusedRequest):
                 raise request.error()
             if member:
-                self.registry.authenticate(request.group_id, request.rank, _rank_secret(context))
+                self.registry.authenticate(request.group_id, request.rank, rank_secret(context))
 
         if inspect.isasyncgenfunction(method):
 
@@ -193,17 +157,13 @@ class ControlServicer(pb_grpc.ControlServicer):
         metrics: DaemonMetrics,
         config: DaemonConfig,
         store: CalibrationStore,
-        identities: IdentityTable,
-        admission: Admission,
-        gate: Gate,
+        identity: Identity,
     ):
         self.registry = registry
         self.metrics = metrics
         self.config = config
         self.store = store
-        self.identities = identities
-        self.admission = admission
-        self.gate = gate
+        self.identity = identity
         # What every caller's sessions share: one caller's many sessions are read at one pace.
         self.session_paces = CallerPaces(session_messages_per_second(config.timing_rate_per_caller))
 
@@ -227,85 +187,10 @@ class ControlServicer(pb_grpc.ControlServicer):
         # Said where a rank that waits in vain asked for longer than the daemon allows.
         capped = asked > timeout and timeout == self.config.join_timeout_seconds
         cap = f"the daemon's join_timeout_seconds {timeout:g} s caps the {asked:g} s asked for" if capped else ""
-        uid = self._joining_uid(request, self._peer(context))
+        uid = self.identity.joining_uid(request, self.identity.peer(context))
         return await self.registry.join(
             JoinArgs.from_request(request, uid), timeout, Caller(uid), request.group_key, cap=cap
         )
-
-    def _peer(self, context: grpc.aio.ServicerContext) -> Peer:
-        """Who makes this call, as the gate read it when the connection arrived (connections.py)."""
-        found = self.gate.peer_of(context.peer())
-        if found is None:
-            raise PermissionDeniedError("this call did not come through the daemon's sockets; connect to its socket")
-        return found
-
-    def _identified_uid(self, token: bytes, pid: int, **where) -> int:
-        """The uid an identity from the descriptor socket proves, for the process that declares `pid`."""
-        identity = self.identities.take(token)
-        if identity is None:
-            raise PermissionDeniedError("unknown, already used or expired identity token", **where)
-        if not is_declared_process(identity.pid, pid):
-            raise PermissionDeniedError(
-                f"the identity was issued to pid {identity.pid}, but this request declares pid {pid}", **where
-            )
-        return identity.uid
-
-    def _check_operator(self, caller: Caller) -> None:
-        """Calibrate changes the boundaries of every new group on the node: operator uids only."""
-        if caller.uid is None or not self.admission.operates(caller.uid):
-            who = sorted(self.admission.operators) or "root and the daemon's own uid"
-            raise PermissionDeniedError(
-                f"{caller} may not calibrate: calibrating changes every new group's boundaries, which "
-                f"only operator uids ({who}) may (the daemon's operator_uids)"
-            )
-
-    def _joining_uid(self, request: pb.JoinRequest, peer: Peer) -> int:
-        """Who joins, a uid the group's claims are then bound to: the connection's, which an
-        identity presented with it (issued on the descriptor socket to the very process that
-        declares its pid) must agree with. Without an identity, the declared pid must be a process
-        of that uid: the connection's own process on Unix. Over TCP, an identity names a caller the
-        connection could not (beyond loopback, where a Join without one is refused: no claim
-        could succeed), and is required where the daemon admits only some uids (the gate checked
-        Unix callers as they connected). A Join over TCP also needs a group key: whoever reaches
-        the port may be anyone."""
-        where = dict(group=request.group or None, rank=request.rank)
-        caller, transport = peer.caller, peer.transport
-        if transport == "tcp" and not request.group_key:
-            raise PermissionDeniedError(
-                "a Join over TCP must carry a group key: pass connect(group_key=...) or set NODECOMM_GROUP_KEY, "
-                "the same on every rank (or connect through the daemon's Unix socket)",
-                **where,
-            )
-        if request.identity:
-            uid = self._identified_uid(request.identity, request.pid, **where)
-            if caller.uid is not None and uid != caller.uid:
-                raise PermissionDeniedError(
-                    f"the identity was issued to uid {uid}, but this Join comes from {caller}", **where
-                )
-            return uid
-        if transport == "tcp" and (self.admission.required or caller.uid is None):
-            why = (
-                "this daemon admits only some uids and groups"
-                if caller.uid is not None
-                else "the daemon cannot tell which local user calls over TCP beyond loopback, and hands memory only "
-                "to the uid that joined"
-            )
-            raise PermissionDeniedError(
-                f"{why}: a Join over TCP must carry the identity the descriptor socket issues (send IDENTIFY "
-                "there first), or come through the daemon's Unix socket",
-                **where,
-            )
-        if request.pid <= 0 or (peer.pid is not None and is_declared_process(peer.pid, request.pid)):
-            return caller.uid  # the connection's own process (a pid that is none: validate_join says so)
-        declared = process_uid(request.pid)
-        if declared != caller.uid:
-            runs_as = "is no process the daemon can see" if declared is None else f"runs as {Caller(declared)}"
-            raise PermissionDeniedError(
-                f"this Join declares pid {request.pid}, which {runs_as}, but it comes from {caller}: a Join "
-                "declares its own process",
-                **where,
-            )
-        return caller.uid
 
     @rpc()
     async def Session(self, request_iterator: AsyncIterator[pb.SessionUp], context) -> AsyncIterator[pb.SessionDown]:
@@ -318,8 +203,8 @@ class ControlServicer(pb_grpc.ControlServicer):
         if first is None or first.WhichOneof("kind") != "hello":
             raise InvalidArgumentError("a Session stream must start with a hello naming group_id and rank")
         group_id, rank = first.hello.group_id, first.hello.rank
-        caller = self._peer(context).caller
-        self.registry.authenticate(group_id, rank, _rank_secret(context))
+        caller = self.identity.peer(context).caller
+        self.registry.authenticate(group_id, rank, rank_secret(context))
         queue = self.registry.open_session(group_id, rank)
 
         refused: list[RefusedRequest] = []
@@ -364,7 +249,7 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def Calibrate(self, request: pb.CalibrateRequest, context) -> AsyncIterator[pb.CalibrateUpdate]:
-        self._check_operator(self._peer(context).caller)
+        self.identity.check_operator(self.identity.peer(context).caller)
         updates: asyncio.Queue[pb.CalibrateUpdate | None] = asyncio.Queue()
 
         def on_point(label: str, size: int, seconds: float) -> None:
@@ -399,11 +284,11 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def Adopt(self, request: pb.AdoptRequest, context) -> pb.AdoptReply:
-        return self.registry.adopt(request, _rank_secret(context), self._peer(context).caller)
+        return self.registry.adopt(request, rank_secret(context), self.identity.peer(context).caller)
 
     @rpc()
     async def GetThresholds(self, request: pb.GetThresholdsRequest, context) -> pb.ThresholdTable:
-        caller = self._peer(context).caller
+        caller = self.identity.peer(context).caller
         table = self.registry.table_for(
             caller, request.group, request.device_kind or DeviceKind.CPU, request.nccl_fallback
         )
@@ -411,231 +296,6 @@ class ControlServicer(pb_grpc.ControlServicer):
 
     @rpc()
     async def ListGroups(self, request: pb.ListGroupsRequest, context) -> pb.ListGroupsReply:
-        caller = self._peer(context).caller
-        operator = caller.uid is not None and self.admission.operates(caller.uid)
+        caller = self.identity.peer(context).caller
+        operator = self.identity.operates(caller)
         return pb.ListGroupsReply(groups=self.registry.list_groups(caller, operator, request.group_key))
-
-
-async def _calibrate_on_start(
-    registry: GroupRegistry, config: DaemonConfig, store: CalibrationStore, kinds: list[str]
-) -> None:
-    """No calibration for this machine's fingerprint: probe now, while serving, kind by kind."""
-    for kind in kinds:
-        log.info("calibrating on start: no stored calibration for this machine", extra={"device_kind": kind})
-        try:
-            await registry.tables.calibrate(pb.CalibrateRequest(device_kind=kind), config.socket, store)
-        except NodecommError as error:
-            log.warning(
-                "calibration on start failed; built-in defaults stay", extra={"device_kind": kind, "error": str(error)}
-            )
-
-
-def _rank_secret(context: grpc.aio.ServicerContext) -> bytes:
-    """The caller's rank secret (JoinReply.rank_secret), from the call's metadata; b"" if none."""
-    for key, value in context.invocation_metadata() or ():
-        if key == RANK_SECRET_KEY and isinstance(value, bytes):
-            return value
-    return b""
-
-
-async def serve(config: DaemonConfig) -> int:
-    # Every group, allocation and connection costs descriptors: take all the system allows.
-    descriptor_limit = raise_descriptor_limit()
-    metrics = DaemonMetrics()
-    claims = ClaimTable()
-    gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
-    executor = ThreadPoolExecutor(config.service_threads, thread_name_prefix="nodecomm-service")
-    # A job's private daemon keeps its key in its job's directory: it lives as long as that does
-    # (a daemon killed leaves it for the next, one that leaves removes it: job_lease.py).
-    adoption_key = load_key(os.path.dirname(os.path.abspath(config.socket)) if config.private else config.state_dir)
-    handbacks = HandbackTable(_native.CONTROL_BYTES, config.claim_token_ttl_seconds)
-    registry = GroupRegistry(config, metrics, claims, gpus, executor, adoption_key, handbacks)
-    # Where calibrations are read (the newer of them is used) and written: the node's state, or for
-    # a job's private daemon the node's state, read-only, beside the user's own cache.
-    store = CalibrationStore(config.state_dir)
-    stores = [store]
-    if config.private:
-        store = CalibrationStore(config.cache_dir, private=True)
-        # The node's state is trusted as its daemon is: root's, this user's or NODECOMM_DAEMON_USER's.
-        stores = [CalibrationStore(config.state_dir, writable=False, owners=trust.node_daemon_uids()), store]
-        registry.tables.live_store = store
-    # A calibration measured on this machine before (same fingerprint) is used without probing.
-    uncalibrated = registry.tables.reuse_stored(stores)
-    for kind in registry.tables.fingerprints:
-        log.info("dispatch table in force", extra={"device_kind": kind, "origin": registry.tables.origin(kind)})
-    if uncalibrated:
-        log.info(
-            "no stored calibration for this machine",
-            extra={"state_dir": config.state_dir, "device_kinds": uncalibrated},
-        )
-
-    # gRPC listens where only this uid can connect: every client comes through the gate.
-    upstreams = {"unix": internal_socket(config.socket, "grpc")}
-    upstreams["tcp"] = upstreams["unix"]
-    if config.tcp_address and config.tls_cert:
-        upstreams["tcp"] = internal_socket(config.socket, "grpc-tls")  # TLS ends at gRPC: the gate passes bytes
-    for path in (config.socket, config.descriptor_socket, *set(upstreams.values())):
-        prepare_socket_path(path, config.socket_group)
-    identities = IdentityTable()
-    admission = Admission(
-        parse_ids("allowed_uids", config.allowed_uids),
-        parse_ids("allowed_gids", config.allowed_gids),
-        parse_ids("operator_uids", config.operator_uids),
-    )
-    claim_log = RateLimitedLog(log)  # each outcome at most once a second: floods stay a trickle
-    descriptors = DescriptorServer(
-        config.descriptor_socket,
-        claims,
-        on_claim=lambda result, detail: (
-            metrics.claims.labels(result).inc(),
-            claim_log.log(
-                logging.INFO if result in ("ok", "identified", "handed_back") else logging.WARNING,
-                result,
-                "descriptor claim",
-                result=result,
-                detail=detail,
-            ),
-        ),  # fmt: skip
-        identities=identities,
-        admission=admission,
-        identity_ttl=config.claim_token_ttl_seconds,
-        handbacks=handbacks,
-    )
-    restrict_socket_file(config.descriptor_socket, 0o660, config.socket_group)
-
-    # A connection holds three descriptors (the gate's two and gRPC's): a quarter of them at most.
-    max_connections = min(config.max_connections, max(64, descriptor_limit // 4))
-    if max_connections < config.max_connections:
-        log.warning(
-            "fewer connections than max_connections: the descriptor limit allows no more",
-            extra={"max_connections": max_connections, "descriptor_limit": descriptor_limit},
-        )
-    gate = Gate(
-        upstreams,
-        admission,
-        max_connections,
-        config.max_connections_per_caller,
-        on_refusal=lambda reason: metrics.connections_refused.labels(reason).inc(),
-        on_count=metrics.connections.set,
-    )
-    server = grpc.aio.server(
-        interceptors=[GateInterceptor(gate)],
-        options=[
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            # Every control message is small (the largest a client sends is a batch of 32 timings):
-            # a bigger one ends its call before the daemon spends time parsing it.
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            # A connection that has not finished its HTTP/2 handshake in 3 s is closed, and one with
-            # no call in flight for connection_idle_seconds: connections that only answer pings
-            # cannot pile up to the descriptor limit.
-            ("grpc.server_handshake_timeout_ms", 3000),
-            ("grpc.max_connection_idle_ms", int(config.connection_idle_seconds * 1000)),
-        ],
-    )
-    add_control_servicer(ControlServicer(registry, metrics, config, store, identities, admission, gate), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
-    server.add_insecure_port(f"unix:{upstreams['unix']}")
-    if upstreams["tcp"] != upstreams["unix"]:
-        server.add_secure_port(f"unix:{upstreams['tcp']}", tls_credentials(config))
-
-    endpoint = None
-    if config.metrics_host_port is not None:
-        endpoint = MetricsEndpoint(metrics.registry, *config.metrics_host_port)
-        await endpoint.start()
-
-    await server.start()
-    for path in set(upstreams.values()):
-        os.chmod(path, 0o600)  # the gate's alone (connecting needs write permission, never given)
-    await gate.listen_unix(listen_unix(config.socket, config.socket_group))
-    if config.tcp_address:
-        host, port = config.tcp_address.rsplit(":", 1)
-        await gate.listen_tcp(host.strip("[]"), int(port))
-    descriptors.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    lease = JobLease(config.socket, config.private_grace_seconds, stop.set) if config.private else None
-    if lease is not None:
-        await lease.start()
-
-    async def sweep_tokens() -> None:
-        while True:
-            await asyncio.sleep(max(1.0, config.claim_token_ttl_seconds / 4))
-            dropped = claims.drop_expired() + handbacks.drop_expired()
-            if dropped:
-                metrics.claims.labels("expired").inc(dropped)
-            registry.sweep()
-
-    async def notice_aborts() -> None:
-        while True:
-            await asyncio.sleep(ABORT_NOTICE_SECONDS)
-            registry.notice_aborts()
-
-    sweeper = asyncio.ensure_future(sweep_tokens())
-    noticer = asyncio.ensure_future(notice_aborts())
-    log.info(
-        "nodecommd serving",
-        extra={
-            "socket": config.socket,
-            "descriptor_socket": config.descriptor_socket,
-            "tcp_address": config.tcp_address or None,
-            "metrics_address": (
-                f"{endpoint.address[0]}:{endpoint.address[1]}" if endpoint and endpoint.address else None
-            ),
-            "pid": os.getpid(),
-            "private": config.private,
-            "gpus": gpus,
-            "thresholds": {
-                kind: [b.describe() for b in registry.tables.default_boundaries(kind).values()] for kind in DeviceKind
-            },
-        },
-    )
-    probe = None
-    if uncalibrated and config.calibrate_on_start:
-        probe = asyncio.ensure_future(_calibrate_on_start(registry, config, store, uncalibrated))
-    await stop.wait()
-    if probe is not None:
-        probe.cancel()
-
-    await health_servicer.enter_graceful_shutdown()
-    log.info("draining" if config.drain_on_stop else "stopping: running groups go on without this daemon")
-    registry.stop(drain=config.drain_on_stop)
-    await server.stop(config.drain_grace_seconds)
-    await gate.close()
-    sweeper.cancel()
-    noticer.cancel()
-    descriptors.stop()
-    executor.shutdown(wait=True)
-    if endpoint is not None:
-        await endpoint.close()
-    for path in (config.socket, *set(upstreams.values())):
-        if os.path.exists(path):
-            os.unlink(path)
-    remove_internal_directories(upstreams.values())
-    if lease is not None:
-        lease.close()
-    log.info("stopped")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        config = load_config(argv)
-        configure_logging(config.log_level, config.log_format)
-        return uvloop.run(serve(config))
-    except (ValueError, OSError, NodecommError) as error:
-        print(f"nodecommd: {error}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

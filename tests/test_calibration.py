@@ -22,19 +22,19 @@ import pytest
 
 from conftest import Daemon, stub_for
 from nodecomm.errors import InternalError
-from nodecomm.service.boundaries import (
+from nodecomm.service.calibration.boundaries import (
     calibration_from,
     compressed_min,
     cuda_boundaries,
     small_path_max,
     wire_boundaries,
 )
-from nodecomm.service.calibration import Calibration, CalibrationStore, InvalidCalibrationError
+from nodecomm.service.calibration.fingerprint import cpu_fingerprint
+from nodecomm.service.calibration.probe import Measured, measured_from_rows
+from nodecomm.service.calibration.stored import Calibration, CalibrationStore, InvalidCalibrationError
+from nodecomm.service.calibration.tables import TableKeeper
 from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
-from nodecomm.service.fingerprint import cpu_fingerprint
-from nodecomm.service.metrics import DaemonMetrics
-from nodecomm.service.probe import Measured, measured_from_rows
-from nodecomm.service.tables import TableKeeper
+from nodecomm.service.metrics.families import DaemonMetrics
 from nodecomm.socket_path import lease_socket_path
 from nodecomm.thresholds import Boundary, DispatchTable, Source, Wire
 from nodecomm.v1 import control_pb2 as pb
@@ -396,7 +396,7 @@ def test_probes_start_without_forking_a_busy_grpc_daemon():
     import uvloop
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from nodecomm.service.probe import start_probe
+    from nodecomm.service.calibration.probe import start_probe
 
     async def spawn_under_traffic(spawns: int) -> dict[int, int]:
         server = grpc.aio.server()

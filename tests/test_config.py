@@ -100,7 +100,7 @@ def test_an_unusable_state_dir_stops_the_daemon_at_start_naming_it(tmp_path):
         load_config(["--state-dir", str(regular)], {})
     load_config(["--state-dir", str(tmp_path / "new" / "state")], {})  # one that can be made is fine
     started = subprocess.run(
-        [sys.executable, "-m", "nodecomm.service.server", "--socket", str(tmp_path / "d.sock"),
+        [sys.executable, "-m", "nodecomm.service", "--socket", str(tmp_path / "d.sock"),
          "--state-dir", str(regular / "state"), "--metrics-address", "off"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

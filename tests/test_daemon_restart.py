@@ -2,7 +2,7 @@
 of nodecommd costs its ranks no call, through nodecomm.connect() and init_process_group("nodecomm");
 the next daemon serves new groups; a peer that dies while no daemon serves still fails its group
 within the group's timeout; the next daemon adopts the running groups as their ranks come back
-(service/adoption.py)."""
+(service/groups/adoption.py)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 
-from nodecomm.service.metrics import DaemonMetrics
+from nodecomm.service.metrics.families import DaemonMetrics
 from test_deploy import DASHBOARD
 
 PROMQL_KEYWORDS = {

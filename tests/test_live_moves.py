@@ -6,7 +6,7 @@ shows slower."""
 import dataclasses
 
 from nodecomm.evidence import bucket_index
-from nodecomm.service.live_thresholds import LiveEstimates
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
 from nodecomm.thresholds import Boundary, Path, Source, Wire, build_table
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -185,9 +185,9 @@ def test_a_move_forgets_what_it_changed_so_old_samples_cannot_move_it_back():
 
 
 def test_an_override_in_the_table_is_never_moved_by_the_keeper():
+    from nodecomm.service.calibration.tables import TableKeeper
     from nodecomm.service.config import DaemonConfig
-    from nodecomm.service.metrics import DaemonMetrics
-    from nodecomm.service.tables import TableKeeper
+    from nodecomm.service.metrics.families import DaemonMetrics
 
     keeper = TableKeeper(DaemonConfig(), DaemonMetrics(), 8)
     live = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
@@ -271,10 +271,10 @@ def test_a_private_daemon_keeps_no_live_move_while_it_calibrates(tmp_path):
     on a machine it is loading) move only their own tables."""
     import asyncio
 
-    from nodecomm.service.calibration import CalibrationStore
+    from nodecomm.service.calibration.stored import CalibrationStore
+    from nodecomm.service.calibration.tables import TableKeeper
     from nodecomm.service.config import DaemonConfig
-    from nodecomm.service.metrics import DaemonMetrics
-    from nodecomm.service.tables import TableKeeper
+    from nodecomm.service.metrics.families import DaemonMetrics
 
     keeper = TableKeeper(DaemonConfig(state_dir=str(tmp_path / "state")), DaemonMetrics(), 8)
     keeper.live_store = CalibrationStore(str(tmp_path / "cache"))

@@ -3,7 +3,7 @@
 of the synthetic streams neither explore nor sample, so that the ranks' own calls add no timings."""
 
 import ranks
-from nodecomm.service.calibration import CalibrationStore
+from nodecomm.service.calibration.stored import CalibrationStore
 from nodecomm.service.config import DaemonConfig
 from nodecomm.tools.convergence_bench import every_size_to
 

@@ -14,7 +14,7 @@ import pytest
 import distributed_ranks
 import nodecomm
 from conftest import free_port
-from nodecomm.service.calibration import CalibrationStore
+from nodecomm.service.calibration.stored import CalibrationStore
 from nodecomm.tools.convergence_bench import every_size_to
 from test_distributed import reports, torchrun
 from waiting import wait_until

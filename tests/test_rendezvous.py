@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 
 from nodecomm.errors import AlreadyExistsError, DeadlineExceededError, PeerLostError
-from nodecomm.service.rendezvous import OnStop, Rendezvous
+from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
 
 WHERE: dict = {}
 

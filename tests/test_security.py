@@ -23,8 +23,8 @@ import ranks
 from conftest import SOCKET_GID, TESTS, Daemon, User, as_user, free_port, results, self_signed
 from nodecomm.client.daemon_process import daemon_command
 from nodecomm.errors import PermissionDeniedError, ResourceExhaustedError
+from nodecomm.service.calibration.fingerprint import cpu_fingerprint, fingerprint_key
 from nodecomm.service.config import DaemonConfig
-from nodecomm.service.fingerprint import cpu_fingerprint, fingerprint_key
 from nodecomm.service.server import session_messages_per_second
 from nodecomm.socket_path import descriptor_socket_path, job_digest
 from nodecomm.trust import checked_target, node_daemon_uids
@@ -53,7 +53,7 @@ def start_as(user: User, socket: str, *flags: str) -> subprocess.Popen:
     """nodecommd on `socket`, run by `user`; returns once it serves (its socket made 0666, as a
     hostile user would leave it)."""
     daemon = user.popen(
-        [sys.executable, "-m", "nodecomm.service.server", "--socket", socket, "--metrics-address", "off", *flags],
+        [sys.executable, "-m", "nodecomm.service", "--socket", socket, "--metrics-address", "off", *flags],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
 

@@ -8,9 +8,9 @@ import multiprocessing as mp
 import pytest
 
 import wire_ranks
-from nodecomm.service.boundaries import calibration_from
-from nodecomm.service.calibration import CalibrationStore
-from nodecomm.service.fingerprint import cpu_fingerprint
+from nodecomm.service.calibration.boundaries import calibration_from
+from nodecomm.service.calibration.fingerprint import cpu_fingerprint
+from nodecomm.service.calibration.stored import CalibrationStore
 from waiting import wait_until
 
 CASES = [

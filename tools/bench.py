@@ -34,7 +34,7 @@ from ..client.daemon_process import start_daemon
 from .ranks import RankProcesses, free_port
 
 if TYPE_CHECKING:
-    from nodecomm.service.calibration import Calibration
+    from nodecomm.service.calibration.stored import Calibration
 
 BASELINES = {"cpu": "gloo", "cuda": "nccl"}
 # Rows of one nodecomm path, forced (the others: auto, the baselines, the backend's).
@@ -328,7 +328,7 @@ class PrivateDaemon:
         flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
         try:
             if stored is not None:
-                from nodecomm.service.calibration import CalibrationStore
+                from nodecomm.service.calibration.stored import CalibrationStore
 
                 CalibrationStore(state).save(stored)
             self.process = start_daemon(
@@ -486,10 +486,10 @@ def format_trailer(rows: list[Row], notes: list[str] = (), device: str = "cpu") 
 
 
 def noise_lines(rows: list[Row], device: str) -> list[str]:
-    """What calibration's noise guard (service/probe.py) finds in these rows: the points whose
+    """What calibration's noise guard (service/calibration/probe.py) finds in these rows: the points whose
     figures do not compare paths (ranks starved of CPU, iterations spread past their median, a
     jump between sizes no machine makes), said where they would otherwise read as results."""
-    from nodecomm.service.probe import measured_from_rows
+    from nodecomm.service.calibration.probe import measured_from_rows
 
     # Calibration measures the paths whose ranks spin on peer memory: only those use a whole core
     # each on a quiet machine (the service path's ranks and the baselines' wait in the kernel).

@@ -111,8 +111,8 @@ def every_size_to(path: str, device: str):
     """A stored calibration of this machine (as the daemon fingerprints it) whose boundaries send
     every all-reduce of `device`'s groups to `path`."""
     from nodecomm import _native
-    from nodecomm.service.calibration import Calibration
-    from nodecomm.service.fingerprint import cpu_fingerprint, cuda_fingerprint, fingerprint_key
+    from nodecomm.service.calibration.fingerprint import cpu_fingerprint, cuda_fingerprint, fingerprint_key
+    from nodecomm.service.calibration.stored import Calibration
 
     if device == "cuda":
         fingerprint = cuda_fingerprint(_native.cuda_devices(), _native.cuda_peer_links())

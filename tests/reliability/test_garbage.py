@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import nodecomm
 import ranks
 from conftest import join_request
-from nodecomm.service import handles
+from nodecomm.service.memory import handles
 from nodecomm.v1 import control_pb2 as pb
 from waiting import wait_until
 

@@ -50,7 +50,7 @@ LONG = "\u65e5" * 100_000  # 300 KB of UTF-8, 600 KB once percent-encoded in a t
         ("OpenTopkExchange", pb.TopkExchangeRequest(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
         ("CheckPeers", pb.PeerCheckReport(group=LONG), "NOT_FOUND", "with id 0 has this rank"),
         ("GetThresholds", pb.GetThresholdsRequest(group=LONG), "NOT_FOUND", "no active group named"),
-        # Found by test_the_other_calls: the device kind came back whole (service/tables.py).
+        # Found by test_the_other_calls: the device kind came back whole (service/calibration/tables.py).
         ("GetThresholds", pb.GetThresholdsRequest(device_kind=LONG), "INVALID_ARGUMENT", "expected 'cpu' or 'cuda'"),
         # Found by test_join: every unknown dtype and override name came back.
         (

@@ -15,20 +15,19 @@ from dataclasses import dataclass
 from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import ResourceExhaustedError, UnsupportedError
+from nodecomm.service.access.quotas import Quotas
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
+from nodecomm.service.calibration.tables import TableKeeper
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.adoption import SALT_BYTES, rank_secret, ticket_for
+from nodecomm.service.groups.group import Group, Member
+from nodecomm.service.groups.joining import FormingGroup
+from nodecomm.service.memory.allocator import GroupMemory, allocate_group, max_blocks_for
+from nodecomm.service.memory.handles import ClaimTable
+from nodecomm.service.service_path.cuda_execution import CudaExecution
+from nodecomm.service.service_path.submissions import SubmissionQueue
 from nodecomm.thresholds import Wire
 from nodecomm.v1 import control_pb2 as pb
-
-from .adoption import SALT_BYTES, rank_secret, ticket_for
-from .allocator import GroupMemory, allocate_group, max_blocks_for
-from .config import DaemonConfig
-from .cuda_execution import CudaExecution
-from .group import Group, Member
-from .handles import ClaimTable
-from .joining import FormingGroup
-from .live_thresholds import LiveEstimates
-from .quotas import Quotas
-from .submissions import SubmissionQueue
-from .tables import TableKeeper
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ class Formation:
     claims: ClaimTable
     executor: Executor  # runs the service path's collectives
     on_service_done: Callable[[str, str, int], None]
-    adoption_key: bytes  # the node's (service/adoption.py): rank secrets and tickets
+    adoption_key: bytes  # the node's (service/groups/adoption.py): rank secrets and tickets
 
     def build(self, forming: FormingGroup) -> tuple[Group, dict[int, bytes], int]:
         """The formed group of `forming`'s arrivals, each rank's claim token, and the CUDA kernels'

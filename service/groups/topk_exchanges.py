@@ -17,18 +17,17 @@ from nodecomm.errors import (
     InvalidArgumentError,
     ResourceExhaustedError,
 )
+from nodecomm.service.access.quotas import Quotas
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
+from nodecomm.service.memory.allocator import allocate_cuda_topk_slabs, allocate_topk_slabs, max_blocks_for
+from nodecomm.service.memory.handles import ClaimTable
+from nodecomm.service.metrics.families import DaemonMetrics
 from nodecomm.topk_layout import LAYOUT_VERSION, TopkLayout
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import allocate_cuda_topk_slabs, allocate_topk_slabs, max_blocks_for
-from .config import DaemonConfig
-from .handles import ClaimTable
-from .metrics import DaemonMetrics
-from .quotas import Quotas
-from .rendezvous import OnStop, Rendezvous
-
 if TYPE_CHECKING:
-    from .group import Group
+    from nodecomm.service.groups.group import Group
 
 log = logging.getLogger("nodecomm.groups")
 

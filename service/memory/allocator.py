@@ -85,7 +85,7 @@ class GroupMemory:
     # Set where a stream of the daemon's may still wait on words in the buffers (the CUDA service
     # path's stream words): it unmaps them once that stream is idle, not at close.
     unmap_later: Callable[[int, int], None] | None = None
-    # An adopted group's (service/adoption.py): the ranks hold its buffers, this many, not the daemon.
+    # An adopted group's (service/groups/adoption.py): the ranks hold its buffers, this many, not the daemon.
     adopted_buffers: int = 0
 
     @property

@@ -10,17 +10,16 @@ from dataclasses import dataclass, field
 from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import PeerLostError
+from nodecomm.service.access.callers import TCP_CALLER, Caller
+from nodecomm.service.access.rates import TokenBucket
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
+from nodecomm.service.groups.join_args import JoinArgs
+from nodecomm.service.groups.rendezvous import Rendezvous
+from nodecomm.service.groups.state import GroupState
+from nodecomm.service.memory.allocator import GroupMemory, TopkSlabs
+from nodecomm.service.service_path.submissions import SubmissionQueue
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
-
-from .allocator import GroupMemory, TopkSlabs
-from .callers import TCP_CALLER, Caller
-from .group_state import GroupState
-from .join_args import JoinArgs
-from .live_thresholds import LiveEstimates
-from .rendezvous import Rendezvous
-from .submissions import SubmissionQueue
-from .timings import TokenBucket
 
 
 @dataclass
@@ -63,7 +62,7 @@ class Group:
     captured_ranks: list[int] = field(default_factory=list)  # at its abort: ranks whose calls graphs held
     captured: dict[int, Path] = field(default_factory=dict)  # sizes its ranks captured -> the path taken
     ticket: pb.AdoptionTicket = field(default_factory=pb.AdoptionTicket)  # JoinReply.adoption
-    adopted: bool = False  # taken over from an earlier daemon (service/adoption.py)
+    adopted: bool = False  # taken over from an earlier daemon (service/groups/adoption.py)
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's

@@ -11,10 +11,9 @@ from collections.abc import Iterable
 
 import grpc
 
+from nodecomm.service.config import DaemonConfig, parse_ids
 from nodecomm.socket_path import UNIX_PATH_MAX
 from nodecomm.trust import resolve_directory, who
-
-from .config import DaemonConfig, parse_ids
 
 
 def restrict_socket_file(path: str, mode: int, group: str) -> None:
@@ -90,7 +89,7 @@ _INTERNAL_PREFIX = "nodecommd-"
 
 
 def internal_socket(socket_path: str, suffix: str) -> str:
-    """Where gRPC listens for the gate (service/connections.py): beside `socket_path` as
+    """Where gRPC listens for the gate (service/access/connections.py): beside `socket_path` as
     <socket_path>.<suffix>, or, where that would be too long for a Unix socket, in a 0700
     directory of this daemon's own under the temporary directory."""
     path = f"{socket_path}.{suffix}"

@@ -9,18 +9,17 @@ from typing import TYPE_CHECKING
 
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from nodecomm.service.access.quotas import Quotas
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.state import GroupState
+from nodecomm.service.memory.allocator import allocate_rank_device_memory, allocate_rank_memory
+from nodecomm.service.memory.handles import ClaimTable
+from nodecomm.service.metrics.families import DaemonMetrics
+from nodecomm.service.service_path.submissions import SubmissionQueue
 from nodecomm.v1 import control_pb2 as pb
 
-from .allocator import allocate_rank_device_memory, allocate_rank_memory
-from .config import DaemonConfig
-from .group_state import GroupState
-from .handles import ClaimTable
-from .metrics import DaemonMetrics
-from .quotas import Quotas
-from .submissions import SubmissionQueue
-
 if TYPE_CHECKING:
-    from .group import Group
+    from nodecomm.service.groups.group import Group
 
 
 class ServiceMemory:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
@@ -33,12 +33,12 @@ from nodecomm.errors import (
     NotFoundError,
     ResourceExhaustedError,
 )
+from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
+from nodecomm.service.memory.allocator import RankAllocation, accounted_bytes
+from nodecomm.service.service_path.cuda_execution import CudaExecution
+from nodecomm.service.service_path.parts import Part
 from nodecomm.topk_layout import owned_rows
 from nodecomm.v1 import control_pb2 as pb
-
-from .allocator import RankAllocation, accounted_bytes
-from .cuda_execution import CudaExecution
-from .rendezvous import OnStop, Rendezvous
 
 log = logging.getLogger("nodecomm.submissions")
 
@@ -50,19 +50,6 @@ _EVENT_HANDLE_BYTES = 64
 # CPU groups run collectives moving at most this much per rank on the event loop itself: two
 # thread hops cost more than the copy, and the loop is blocked for microseconds.
 _INLINE_BYTES = 64 << 10
-
-
-@dataclass
-class Part:
-    """One rank's request, its ranges checked: (allocation, address) of input and output."""
-
-    request: pb.SubmitRequest
-    input: tuple[RankAllocation, int] | None
-    output: tuple[RankAllocation, int] | None
-    in_bytes: int  # what this rank contributes
-
-    def allocations(self) -> Iterable[RankAllocation]:
-        return [ref[0] for ref in (self.input, self.output) if ref is not None]
 
 
 def _shown(request: pb.SubmitRequest, name: str) -> str:

@@ -12,14 +12,13 @@ from dataclasses import dataclass, field
 from nodecomm.capabilities import DeviceKind
 from nodecomm.captured_abort import POLICIES as CAPTURED_ABORT_POLICIES
 from nodecomm.errors import GroupMismatchError, NodecommError, PermissionDeniedError, ResourceExhaustedError
+from nodecomm.service.access.callers import Caller
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.group import Group
+from nodecomm.service.groups.join_args import JoinArgs
+from nodecomm.service.groups.rendezvous import Rendezvous
+from nodecomm.service.groups.state import GroupState
 from nodecomm.v1 import control_pb2 as pb
-
-from .callers import Caller
-from .config import DaemonConfig
-from .group import Group
-from .group_state import GroupState
-from .join_args import JoinArgs
-from .rendezvous import Rendezvous
 
 
 @dataclass

@@ -1,7 +1,7 @@
-"""A calibration, as the daemon stores it: the boundaries a probe placed (service/boundaries.py),
-the medians they came from and the machine's fingerprint (service/fingerprint.py). One JSON file
+"""A calibration, as the daemon stores it: the boundaries a probe placed (service/calibration/boundaries.py),
+the medians they came from and the machine's fingerprint (service/calibration/fingerprint.py). One JSON file
 per fingerprint in the state directory (and, for a job's private daemon, in the user's cache), so
-that a restarted daemon reuses it without probing (service/probe.py measures a new one)."""
+that a restarted daemon reuses it without probing (service/calibration/probe.py measures a new one)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,7 @@ import jsonschema
 
 from nodecomm import trust
 from nodecomm.errors import NodecommError
-
-from .fingerprint import fingerprint_key
+from nodecomm.service.calibration.fingerprint import fingerprint_key
 
 log = logging.getLogger("nodecomm.calibration")
 

@@ -19,16 +19,15 @@ from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import AlreadyExistsError, InvalidArgumentError, NodecommError, UnsupportedError, shown
+from nodecomm.service.calibration.boundaries import calibration_from
+from nodecomm.service.calibration.fingerprint import cpu_fingerprint, cuda_fingerprint, fingerprint_key
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
+from nodecomm.service.calibration.probe import NOISE_RETRIES, Measured, calibration_point, probe
+from nodecomm.service.calibration.stored import Calibration, CalibrationStore
+from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
+from nodecomm.service.metrics.families import DaemonMetrics
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 from nodecomm.v1 import control_pb2 as pb
-
-from .boundaries import calibration_from
-from .calibration import Calibration, CalibrationStore
-from .config import DEFAULT_BOUNDARIES, DaemonConfig
-from .fingerprint import cpu_fingerprint, cuda_fingerprint, fingerprint_key
-from .live_thresholds import LiveEstimates
-from .metrics import DaemonMetrics
-from .probe import NOISE_RETRIES, Measured, calibration_point, probe
 
 log = logging.getLogger("nodecomm.tables")
 

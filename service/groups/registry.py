@@ -33,29 +33,35 @@ from nodecomm.errors import (
     shown,
 )
 from nodecomm.join_rules import MAX_WORLD_SIZE
+from nodecomm.service.access.callers import Caller
+from nodecomm.service.access.quotas import Quotas
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
+from nodecomm.service.calibration.tables import TableKeeper
+from nodecomm.service.calibration.timings import TimingIntake
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.adoption import rank_secret, record_of
+from nodecomm.service.groups.formation import Formation
+from nodecomm.service.groups.group import Group, Member
+from nodecomm.service.groups.join_args import JoinArgs, validate_join
+from nodecomm.service.groups.joining import (
+    FormingGroup,
+    check_admission,
+    check_new_forming,
+    join_mismatch,
+    join_replies,
+    join_timeout,
+)
+from nodecomm.service.groups.peer_checks import PeerChecks
+from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
+from nodecomm.service.groups.state import GroupState
+from nodecomm.service.groups.topk_exchanges import TopkOpenings
+from nodecomm.service.memory.allocator import GroupMemory
+from nodecomm.service.memory.handles import ClaimTable, HandbackTable, is_declared_process
+from nodecomm.service.metrics.families import CapturedSizes, DaemonMetrics
+from nodecomm.service.service_path.memory import ServiceMemory
+from nodecomm.service.service_path.submissions import SubmissionQueue
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
-
-from .adoption import rank_secret, record_of
-from .allocator import GroupMemory
-from .callers import Caller
-from .config import DaemonConfig
-from .formation import Formation
-from .group import Group, Member
-from .group_state import GroupState
-from .handles import ClaimTable, HandbackTable, is_declared_process
-from .join_args import JoinArgs, validate_join
-from .joining import FormingGroup, check_admission, check_new_forming, join_mismatch, join_replies, join_timeout
-from .live_thresholds import LiveEstimates
-from .metrics import CapturedSizes, DaemonMetrics
-from .peer_checks import PeerChecks
-from .quotas import Quotas
-from .rendezvous import OnStop, Rendezvous
-from .service_memory import ServiceMemory
-from .submissions import SubmissionQueue
-from .tables import TableKeeper
-from .timings import TimingIntake
-from .topk_exchanges import TopkOpenings
 
 log = logging.getLogger("nodecomm.groups")
 
@@ -84,7 +90,7 @@ class GroupRegistry:
         handbacks: HandbackTable,
     ):
         self.config = config
-        self.adoption_key = adoption_key  # service/adoption.py
+        self.adoption_key = adoption_key  # service/groups/adoption.py
         self.handbacks = handbacks  # control pages ranks handed back, for adopt()
         self.executor = executor  # runs the service path's collectives
         self.gpus = gpus  # UUIDs of the GPUs this daemon sees, in its CUDA index order
@@ -256,7 +262,7 @@ class GroupRegistry:
             },
         )
 
-    # -- adoption (service/adoption.py) --------------------------------------------------------
+    # -- adoption (service/groups/adoption.py) --------------------------------------------------------
 
     def adopt(self, request: pb.AdoptRequest, secret: bytes, caller: Caller) -> pb.AdoptReply:
         """A rank of a group an earlier daemon formed hands it over: the first such call adopts the

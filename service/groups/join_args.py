@@ -9,9 +9,8 @@ from nodecomm.byte_size import format_byte_size
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InvalidArgumentError, ResourceExhaustedError, shown
 from nodecomm.join_rules import DTYPE_NAMES, check_join
+from nodecomm.service.config import DEFAULT_BOUNDARIES, DaemonConfig
 from nodecomm.v1 import control_pb2 as pb
-
-from .config import DEFAULT_BOUNDARIES, DaemonConfig
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class JoinArgs:
         )
 
     def to_request(self) -> pb.JoinRequest:
-        """The Join these arguments came from (what a group's record keeps: service/adoption.py)."""
+        """The Join these arguments came from (what a group's record keeps: service/groups/adoption.py)."""
         return pb.JoinRequest(
             group=self.group,
             rank=self.rank,

@@ -25,16 +25,12 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 from nodecomm import _native
 from nodecomm.errors import NodecommError
+from nodecomm.service.memory.allocator import RankAllocation
+from nodecomm.service.service_path.parts import Part
 from nodecomm.v1 import control_pb2 as pb
-
-from .allocator import RankAllocation
-
-if TYPE_CHECKING:
-    from .submissions import Part
 
 log = logging.getLogger("nodecomm.submissions")
 

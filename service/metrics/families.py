@@ -15,9 +15,8 @@ from prometheus_client.registry import Collector
 
 from nodecomm.byte_size import format_byte_size
 from nodecomm.evidence import SIZE_BUCKETS
+from nodecomm.service.groups.state import GroupState
 from nodecomm.thresholds import Path
-
-from .group_state import GroupState
 
 # Size buckets for operation latency labels: powers of 4 from 1 KiB to 256 MiB, then "inf".
 
@@ -121,7 +120,7 @@ class DaemonMetrics:
         )
         self.adoptions = Counter(
             "nodecomm_adopted_groups_total",
-            "Groups an earlier daemon formed that this one took over when their ranks came back (service/adoption.py).",
+            "Groups an earlier daemon formed that this one took over when their ranks came back (service/groups/adoption.py).",
             registry=r,
         )
         self.calls_without_daemon = Counter(

@@ -8,10 +8,9 @@ import time
 
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import InternalError
+from nodecomm.service.calibration.fingerprint import fingerprint_key
+from nodecomm.service.calibration.stored import Calibration
 from nodecomm.thresholds import Boundary, Path, Source, build_table
-
-from .calibration import Calibration
-from .fingerprint import fingerprint_key
 
 DEFAULT_MARGIN = 0.02
 DEFAULT_TAIL = 2

@@ -9,14 +9,13 @@ from typing import TYPE_CHECKING
 
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import DeadlineExceededError, InvalidArgumentError, UnsupportedError
+from nodecomm.service.calibration.tables import TableKeeper
+from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
+from nodecomm.service.metrics.families import DaemonMetrics
 from nodecomm.v1 import control_pb2 as pb
 
-from .metrics import DaemonMetrics
-from .rendezvous import OnStop, Rendezvous
-from .tables import TableKeeper
-
 if TYPE_CHECKING:
-    from .group import Group
+    from nodecomm.service.groups.group import Group
 
 log = logging.getLogger("nodecomm.groups")
 

@@ -36,12 +36,11 @@ from nodecomm.errors import (
     status_code_for,
     status_details,
 )
+from nodecomm.service.access.callers import TCP_CALLER, Caller, Peer
+from nodecomm.service.logs import RateLimitedLog
+from nodecomm.service.memory.handles import Admission, process_groups
 from nodecomm.tcp_owners import peer_uid
 from nodecomm.trust import peer_credentials
-
-from .callers import TCP_CALLER, Caller, Peer
-from .handles import Admission, process_groups
-from .logs import RateLimitedLog
 
 log = logging.getLogger("nodecomm.server")
 

@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import ResourceExhaustedError
-
-from .allocator import accounted_bytes, check_descriptors
-from .callers import Caller
-from .config import DaemonConfig
+from nodecomm.service.access.callers import Caller
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.memory.allocator import accounted_bytes, check_descriptors
 
 if TYPE_CHECKING:
-    from .group import Group
-    from .join_args import JoinArgs
+    from nodecomm.service.groups.group import Group
+    from nodecomm.service.groups.join_args import JoinArgs
 
 
 class Quotas:

@@ -1,0 +1,1 @@
+"""Prometheus: the daemon's metric families and the /metrics endpoint."""
