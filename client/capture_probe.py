@@ -14,13 +14,22 @@ order, so all capture the same paths.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from nodecomm import _native
 from nodecomm.thresholds import Path
+
+from .dispatch import PATH_CODES, Dispatcher
+
+log = logging.getLogger("nodecomm.client")
+# The paths a probe compares: those that give the same bits.
+LOSSLESS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 
 # Timed replays of each path's graph, after one that is not timed (it uploads the graph).
 REPLAYS = 5
@@ -83,3 +92,47 @@ def fastest_path(
     best = min(range(len(candidates)), key=summed.__getitem__)
     kept = summed[candidates.index(table_path)]
     return (candidates[best] if summed[best] < kept * (1 - MARGIN) else table_path), summed
+
+
+def probe_for_capture(
+    all_reduce: Callable[..., torch.Tensor], tensor: torch.Tensor, dispatcher: Dispatcher, where: dict
+) -> None:
+    """Time `tensor`'s size on every lossless path the group runs, in graphs; the size's captured
+    calls then take the fastest (native/dispatch.h set_probed), on every rank alike."""
+    table_path = dispatcher.table.path_for(tensor.nbytes)
+    candidates = [path for path in LOSSLESS if path in dispatcher.paths]
+    path, summed = fastest_path(all_reduce, tensor, candidates, table_path)
+    dispatcher.native.set_probed(tensor.nbytes, PATH_CODES[path])
+    log.info(
+        "captured size probed",
+        extra={
+            **where,
+            "bytes": tensor.nbytes,
+            "path": path.value,
+            "table_path": table_path.value,
+            "seconds": dict(zip((p.value for p in candidates), summed, strict=True)),
+        },
+    )
+
+
+class CapturePhases:
+    """Communicator.capture()'s phases, which may nest: a CUDA group's probes are armed while one
+    is open (native/dispatch.h arm_probes)."""
+
+    def __init__(self, dispatch: _native.Dispatch, cuda: bool):
+        self._dispatch = dispatch
+        self._cuda = cuda
+        self._depth = 0
+
+    @contextlib.contextmanager
+    def phase(self) -> Iterator[None]:
+        armed = self._cuda and self._depth == 0
+        self._depth += 1
+        if armed:
+            self._dispatch.arm_probes(True)
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if armed:
+                self._dispatch.arm_probes(False)

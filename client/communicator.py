@@ -7,7 +7,6 @@ import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Iterator
 
 import grpc
 import torch
@@ -15,36 +14,34 @@ import torch
 from nodecomm import _c10d, _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
-from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import (
     DaemonUnavailableError,
-    DeadlineExceededError,
-    GroupMismatchError,
     InternalError,
     InvalidArgumentError,
     NodecommError,
-    PeerLostError,
-    from_rpc_error,
     shown,
 )
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-from .capture_probe import fastest_path
-from .cuda_transport import mismatch_error
-from .daemon_choice import DaemonChoice, DaemonMode, JobLeaseHandle, attach_private
+from .capture_probe import CapturePhases, probe_for_capture
+from .daemon_choice import DaemonChoice, JobLeaseHandle
+from .daemon_link import DaemonLink
 from .descriptors import DescriptorSocket
 from .dispatch import PATH_CODES, PATHS, Dispatcher
 from .dtypes import DTYPE_CODES
+from .group_errors import GroupErrors
 from .mapping import SegmentMapping
 from .membership import Membership
 from .peer_liveness import PeerLiveness
 from .service_client import ServiceBuffer, ServiceClient, ServiceWork
 from .session import Session
 from .table_offers import TableOffers
-from .topk_exchange import CudaTopkExchange, TopkExchange, open_slabs
+from .tensor_checks import TensorChecks
+from .topk_exchange import CudaTopkExchange, TopkExchange, TopkExchanges
 from .transport import Transport
+from .transport_runs import TransportRuns
 
 log = logging.getLogger("nodecomm.client")
 
@@ -53,7 +50,6 @@ _NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
 # A lane call's outcomes (native/lane_api.h).
 _DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED, _PROBE = range(7)
-_LOSSLESS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 
 
 class Communicator:
@@ -89,26 +85,18 @@ class Communicator:
         ticket: pb.AdoptionTicket | None = None,
     ):
         self.membership = membership
-        # What hands the group to the next daemon on the socket (_reattach): a descriptor of the
-        # control page (owned here) and the ticket the daemon that formed the group gave.
-        self._control_fd = control_fd
-        self._ticket = ticket
-        # Tells a peer that is gone from one that is slow, with or without a daemon.
-        self._liveness = PeerLiveness.held(control_fd, membership.rank) if control_fd >= 0 else None
         self.group, self.rank = membership.group, membership.rank
         self.world_size, self.group_id = membership.world_size, membership.group_id
         self.daemon = daemon  # which daemon this rank uses: the node's or its job's own
-        self._daemon_lease = daemon_lease
-        self._channel = channel
-        self._retired_channels: list[grpc.Channel] = []  # those of daemons the group was handed on from
-        self._stub = pb_grpc.ControlStub(channel)
+        self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
+        self._link = DaemonLink(
+            channel, membership, self._metadata, descriptor_socket, daemon, daemon_lease, control_fd, ticket
+        )
         self._control = control
         self._descriptor_socket = descriptor_socket
         self._transport = transport
-        self._exchanges: list[TopkExchange] = []
-        self._exchange_calls = 0
         self.device = transport.device
-        self._dtypes = dtypes
+        self._tensors = TensorChecks(dtypes, transport, membership.where)
         self._dispatcher = Dispatcher(
             table, transport.paths | {Path.SERVICE}, transport.kind, variant_of=transport.variant,
             wire_paths=transport.wire_paths,
@@ -116,33 +104,41 @@ class Communicator:
             sample_period=max(1, timing_sample_period),
         )  # fmt: skip
         self._dispatch = self._dispatcher.native  # what every all_reduce asks, without Python
+        self._captures = CapturePhases(self._dispatch, transport.kind == DeviceKind.CUDA)
         self._operation_timeout = operation_timeout
-        self._samples: list[tuple[int, int, int, object, object]] = []  # started, not yet reported
         self._closed = False
-        self._metadata = rank_metadata(rank_secret)  # every per-rank call carries it
-        adoptable = control_fd >= 0 and ticket is not None and bool(ticket.tag) and daemon is not None
         self._session = Session(
-            self._stub, membership, control.address, self._dispatch, self._metadata, self._needs_daemon,
-            self._reattach if adoptable else None,
+            self._link.stub, membership, control.address, self._dispatch, self._metadata, lambda: self._link.needs_daemon(transport, self._dispatcher.table),
+            self._reattach if self._link.adoptable else None,
         )  # fmt: skip
+        liveness = PeerLiveness.held(control_fd, membership.rank) if control_fd >= 0 else None
+        self._errors = GroupErrors(control.address, membership, transport.kind, self._session, liveness)
         # Collectives the daemon runs (path="service"); a CUDA group's streams ordered by stream
         # words in this rank's buffer, or by IPC events.
         words = transport.service_words if service_ordering == pb.STREAM_WORDS else None
         self._service = ServiceClient(
-            self._stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device, words,
+            self._link.stub, membership, descriptor_socket, operation_timeout, self._metadata, transport.device, words,
         )  # fmt: skip
         # Held by every collective and by close(): a collective runs with the GIL released, and
         # the buffers must not be unmapped under it. Native, so that an all-reduce (the lane, from
         # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
-        self._capture_depth = 0  # capture() entered and not left
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
+        # What the lane leaves to Python (NCCL, barriers, gathers, top-k stages) runs through here.
+        self._transport_runs = TransportRuns(
+            transport, self._session, control.address, self.rank, self._lock, self._check_usable, self._located
+        )
+        self._run = self._transport_runs.run
         self._offers = TableOffers(control.address, membership, operation_timeout)
+        self._exchanges = TopkExchanges(
+            membership, self._metadata, descriptor_socket, transport, self._run, operation_timeout,
+            # A stage through the slabs: every source writes straight into its owners' memory, once.
+            count=lambda nbytes: self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes),
+            service_stage=self._service_topk_stage, gather=self.all_gather,
+        )  # fmt: skip
         # all_reduce's one native call on the table's path (tensor checks, stream, lane).
         device = transport.device.index if transport.kind == DeviceKind.CUDA else -1
-        self._tensor_call = _c10d.TensorCall(
-            *self._lane.api(), self._lane, device, [DTYPE_CODES[d] for d in self._dtypes]
-        )
+        self._tensor_call = _c10d.TensorCall(*self._lane.api(), self._lane, device, [DTYPE_CODES[d] for d in dtypes])
         # Replays of captured calls run without a call here: an abort of a group they hold is
         # made loud by this thread (nodecomm.captured_abort).
         where = f"[group {shown(self.group)}, rank {self.rank}]"
@@ -156,9 +152,7 @@ class Communicator:
             raise self._located(refusal) from None
         except (TimeoutError, ConnectionError) as error:
             self.close()
-            raise DaemonUnavailableError(
-                f"could not open the session: {error}", group=self.group, rank=self.rank
-            ) from None
+            raise DaemonUnavailableError(f"could not open the session: {error}", **self.membership.where) from None
 
     # -- collectives -----------------------------------------------------------------------------
 
@@ -193,9 +187,9 @@ class Communicator:
         if type(done) is torch.Tensor:
             return ServiceWork.completed(done) if async_op else done
         if done is None:  # declined: the checks say what is wrong with the tensors, or a subclass runs here
-            self._check_tensor(tensor, "tensor")
+            self._tensors.check(tensor, "tensor")
             if out is not tensor:  # in place needs no second check
-                out = self._output(out, tuple(tensor.shape), tensor.dtype)
+                out = self._tensors.output(out, tuple(tensor.shape), tensor.dtype)
             try:
                 outcome, _, _, sampled = self._lane.all_reduce(
                     tensor.data_ptr(),
@@ -207,11 +201,11 @@ class Communicator:
                     self._transport.stream(),
                 )
             except NodecommError as error:
-                raise self._lane_error(error) from None
+                raise self._errors.of_lane(error) from None
         else:
             outcome, out, sampled, kind, message = done
             if outcome == _FAILED:
-                raise self._lane_error(_native.error(kind, message))
+                raise self._errors.of_lane(_native.error(kind, message))
         if outcome != _DONE:
             return self._after_lane(outcome, tensor, out, sampled, async_op)
         return ServiceWork.completed(out) if async_op else out
@@ -244,24 +238,10 @@ class Communicator:
         calls are not explored or timed: their time is not an all-reduce's), and inside capture()
         the path an all-reduce of that size was probed to (its first eager call there probes it).
         """
-        self._check_tensor(x, "x")
+        hidden = self._tensors.rms_norm_operands(x, residual, weight, eps)
         shape, dtype = tuple(x.shape), x.dtype
-        if not shape or shape[-1] < 1:
-            raise InvalidArgumentError(
-                f"x has shape {shape}: expected [..., hidden] with hidden at least 1", **self.membership.where
-            )
-        hidden = shape[-1]
-        for name, tensor, expected in (("residual", residual, shape), ("weight", weight, (hidden,))):
-            self._check_tensor(tensor, name)
-            if tuple(tensor.shape) != expected or tensor.dtype != dtype:
-                raise InvalidArgumentError(
-                    f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}: expected {expected} and {dtype}",
-                    **self.membership.where,
-                )
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0 or eps == float("inf"):
-            raise InvalidArgumentError(f"eps {eps!r}: expected a finite number, at least 0", **self.membership.where)
-        out = x if out is x else self._output(out, shape, dtype)
-        residual_out = residual if residual_out is residual else self._output(residual_out, shape, dtype)
+        out = x if out is x else self._tensors.output(out, shape, dtype)
+        residual_out = residual if residual_out is residual else self._tensors.output(residual_out, shape, dtype)
         forced = 0 if path is None else PATH_CODES[self._forced_path(path)]
         args = (x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(), residual_out.data_ptr())
         try:
@@ -269,9 +249,9 @@ class Communicator:
                 *args, x.numel() // hidden, hidden, float(eps), DTYPE_CODES[dtype], forced, self._transport.stream()
             )
         except NodecommError as error:
-            raise self._lane_error(error) from None
+            raise self._errors.of_lane(error) from None
         if outcome == _PROBE:  # the size's captured calls, fused or not, take the path its all-reduces favour
-            self._probe_for_capture(x)
+            probe_for_capture(self.all_reduce, x, self._dispatcher, self.membership.where)
             return self.all_reduce_rms_norm(x, residual, weight, eps, out=out, residual_out=residual_out, path=path)
         if outcome == _UNUSABLE:
             self._check_usable()
@@ -290,7 +270,7 @@ class Communicator:
             self._agree_on_table()
             return ServiceWork.completed(out) if async_op else out
         if outcome == _PROBE:
-            self._probe_for_capture(tensor)
+            probe_for_capture(self.all_reduce, tensor, self._dispatcher, self.membership.where)
             return self.all_reduce(tensor, out=out, async_op=async_op)
         if outcome == _UNUSABLE:
             self._check_usable()
@@ -300,11 +280,7 @@ class Communicator:
         if outcome == _SERVICE_DECIDED:
             work = self._submitted(self._service.all_reduce, tensor, out)
         elif outcome == _NCCL_DECIDED:
-            sample = (_NCCL, nbytes, 0) if sampled else None
-            self._run(
-                self._transport.all_reduce, tensor, out, _NCCL, self._operation_timeout, sample=sample,
-                capturing=capturing,
-            )  # fmt: skip
+            self._transport_runs.nccl_all_reduce(tensor, out, sampled, capturing, self._operation_timeout)
             work = ServiceWork.completed(out)
         else:
             raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
@@ -312,115 +288,25 @@ class Communicator:
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()
 
-    @contextlib.contextmanager
-    def capture(self) -> Iterator[None]:
+    def capture(self) -> contextlib.AbstractContextManager[None]:
         """Around a phase of CUDA-graph captures (an engine's graph_capture(), which enters it
         through the custom all-reduce slot): the first eager call of each size in here (the
         warm-up an engine runs of each shape before capturing it) first times every lossless path
         of that size in CUDA graphs, and the calls of that size captured in here take the fastest
         (client/capture_probe.py), on every rank alike. Entering it again times the sizes afresh.
         Collective in effect: every rank enters it at the same call. Nothing on a CPU group."""
-        armed = self._transport.kind == DeviceKind.CUDA and self._capture_depth == 0
-        self._capture_depth += 1
-        if armed:
-            self._dispatch.arm_probes(True)
-        try:
-            yield
-        finally:
-            self._capture_depth -= 1
-            if armed:
-                self._dispatch.arm_probes(False)
-
-    def _probe_for_capture(self, tensor: torch.Tensor) -> None:
-        """Time `tensor`'s size on every lossless path in graphs; its captured calls take the fastest."""
-        table_path = self._dispatcher.table.path_for(tensor.nbytes)
-        candidates = [path for path in _LOSSLESS if path in self._dispatcher.paths]
-        path, summed = fastest_path(self.all_reduce, tensor, candidates, table_path)
-        self._dispatch.set_probed(tensor.nbytes, PATH_CODES[path])
-        log.info(
-            "captured size probed",
-            extra={
-                **self.membership.where,
-                "bytes": tensor.nbytes,
-                "path": path.value,
-                "table_path": table_path.value,
-                "seconds": dict(zip((p.value for p in candidates), summed, strict=True)),
-            },
-        )
+        return self._captures.phase()
 
     def _reattach(self, calls_without_daemon: int) -> pb_grpc.ControlStub:
-        """Hand this rank's group to the daemon serving the socket now (service/groups/adoption.py): it
-        must prove who it is as at connect() (nodecomm.daemon_channel), then takes the control page
-        and the ticket; returns its stub. Raises DaemonUnavailableError while nothing serves."""
-        where = self.membership.where
-        lease = None
-        if self.daemon.kind is DaemonMode.PRIVATE:
-            # The job's own daemon: one of its ranks starts the next (under the job directory's
-            # lock, so one does), and each takes a lease on it as at connect().
-            _, lease = attach_private(self.daemon.socket, 2.0, where)
-        try:
-            # Short waits: close() waits for the session thread that runs this.
-            channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 1.0, [("grpc.enable_retries", 0)])
-        except BaseException:
-            if lease is not None:
-                lease.release()
-            raise
-        try:
-            token = self._descriptor_socket.hand_back(self._control_fd, 1.0, where)
-            stub = pb_grpc.ControlStub(channel)
-            request = pb.AdoptRequest(
-                ticket=self._ticket, rank=self.rank, control_token=token,
-                thresholds=self._dispatcher.table.to_proto(), calls_without_daemon=calls_without_daemon,
-            )  # fmt: skip
-            reply = stub.Adopt(request, timeout=3.0, metadata=self._metadata)
-        except BaseException as error:
-            channel.close()
-            if lease is not None:
-                lease.release()
-            if isinstance(error, grpc.RpcError):
-                raise from_rpc_error(error, **where) from None
-            raise
-        log.info(
-            "group handed to the daemon serving now",
-            extra={**where, "adopted_here": reply.adopted, "calls_without_daemon": calls_without_daemon},
-        )
-        with self._lock:
-            if self._closed:  # close() ran meanwhile: this channel is nobody's
-                channel.close()
-                if lease is not None:
-                    lease.release()
-                raise DaemonUnavailableError("the communicator was closed", **where)
-            # The old channel is closed with the communicator: a call may still hold its stub.
-            self._retired_channels.append(self._channel)
-            self._channel, self._stub = channel, stub
-            self._service.use(stub)
-            if lease is not None:
-                if self._daemon_lease is not None:
-                    self._daemon_lease.release()
-                self._daemon_lease = lease
-        return stub
-
-    def _needs_daemon(self) -> str | None:
-        """Why this group cannot run on once its daemon is gone (None: it can). Every rank answers
-        alike where the ranks hold one table; one that aborts aborts them all."""
-        if not self._transport.memory_outlives_daemon:
-            return "its buffers are legacy CUDA IPC memory, which the daemon's exit frees"
-        if Path.SERVICE in self._dispatcher.table.range_paths:
-            # A rank that learned of the loss later would send a call the daemon ran to its peers.
-            return "its table sends sizes to the service path, which the daemon runs"
-        return None
-
-    def _lane_error(self, error: NodecommError) -> NodecommError:
-        """A lane's error, located; a CUDA group that a mismatch stopped says what every rank called."""
-        if isinstance(error, GroupMismatchError) and self._transport.kind == DeviceKind.CUDA:
-            error = mismatch_error(self._control.address, self.world_size)
-        return self._located(error)
+        """Hand this rank's group to the daemon serving the socket now (client/daemon_link.py)."""
+        table = self._dispatcher.table
+        return self._link.reattach(table, calls_without_daemon, self._lock, lambda: self._closed, self._service.use)
 
     def native_outcome(self, outcome: int, tensor: torch.Tensor, sampled: bool, kind: int, message: str) -> None:
         """What the c10d backend's native call (in place on `tensor`, through lane_api.h) left to
         Python: as _after_lane, or its error."""
         if outcome == _FAILED:
-            raise self._lane_error(_native.error(kind, message))
+            raise self._errors.of_lane(_native.error(kind, message))
         self._after_lane(outcome, tensor, tensor, sampled, False)
 
     def native_lane(self) -> tuple[object, int, object]:
@@ -443,7 +329,7 @@ class Communicator:
         answer = self._tensor_call.accepts(tensor, -1 if max_bytes is None else max_bytes)
         if answer is not None:
             return answer
-        if self._closed or not (isinstance(tensor, torch.Tensor) and self._reducible(tensor)):
+        if self._closed or not (isinstance(tensor, torch.Tensor) and self._tensors.reducible(tensor)):
             return False
         nbytes = tensor.numel() * tensor.element_size()
         return (max_bytes is None or nbytes <= max_bytes) and self._dispatcher.accepts(nbytes)
@@ -472,22 +358,25 @@ class Communicator:
             return self.all_reduce(tensor)  # a tensor subclass: the Python path
         outcome, out, sampled, kind, message = done
         if outcome == _FAILED:
-            raise self._lane_error(_native.error(kind, message))
+            raise self._errors.of_lane(_native.error(kind, message))
         return self._after_lane(outcome, tensor, out, sampled, False)  # a switch, or NCCL or the service path
 
     def _submitted(self, submit, *args) -> ServiceWork:
         with self._lock:
             self._check_usable()
-            if self._session.lost_reason is not None:
-                raise DaemonUnavailableError(
-                    f"{self._session.lost_reason}: the service path needs the daemon (this group's peer paths "
-                    "run on without it)",
-                    **self.membership.where,
-                )
+            self._check_daemon("the service path")
             try:
                 return submit(*args)
             except NodecommError as error:
                 raise self._located(error) from None
+
+    def _check_daemon(self, what: str) -> None:
+        """Raise where the daemon that formed the group is gone: `what` needs it."""
+        if self._session.lost_reason is not None:  # whatever serves the socket now was never checked
+            raise DaemonUnavailableError(
+                f"{self._session.lost_reason}: {what} needs the daemon (this group's peer paths run on without it)",
+                **self.membership.where,
+            )
 
     def service_buffer(self, size_bytes: int) -> ServiceBuffer:
         """Memory the daemon maps too (host memory on CPU groups, this rank's GPU on CUDA groups):
@@ -510,14 +399,12 @@ class Communicator:
         """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape].
         path="service" has the daemon run it; async_op as for all_reduce."""
         if not isinstance(tensor, torch.Tensor) or not self._transport.on_device(tensor) or not tensor.is_contiguous():
-            raise InvalidArgumentError(
-                f"tensor must be a contiguous tensor on {self.device}", group=self.group, rank=self.rank
-            )
-        out = self._output(out, (self.world_size, *tensor.shape), tensor.dtype)
+            raise InvalidArgumentError(f"tensor must be a contiguous tensor on {self.device}", **self.membership.where)
+        out = self._tensors.output(out, (self.world_size, *tensor.shape), tensor.dtype)
         if path is not None:
             if self._forced_path(path) is not Path.SERVICE:
                 raise InvalidArgumentError(
-                    f"path {path!r}: all_gather takes path='service' or none", group=self.group, rank=self.rank
+                    f"path {path!r}: all_gather takes path='service' or none", **self.membership.where
                 )
             work = self._submitted(self._service.all_gather, tensor, out)
             self._session.count(pb.ALL_GATHER, Path.SERVICE, tensor.numel() * tensor.element_size())
@@ -534,46 +421,14 @@ class Communicator:
         if self._transport.capturing():
             raise InvalidArgumentError(
                 "barrier() waits on the host, which a CUDA graph capture cannot hold; call it outside the capture",
-                group=self.group,
-                rank=self.rank,
+                **self.membership.where,
             )
         self._run(self._barrier, self._operation_timeout)
 
     def _barrier(self, timeout: float) -> None:
         if not self._transport.barrier(timeout):
             self._check_usable()  # the wait that gave up aborted the group: its abort is the error
-            raise InternalError("a barrier gave up without aborting the group", group=self.group, rank=self.rank)
-
-    def _run(self, operation, *args, sample: tuple[int, int, int] | None = None, capturing: bool | None = None) -> None:
-        """Run a transport operation under the lock that close() takes, errors located here; with
-        `sample` (path code, bytes, wire code), timed and reported to the daemon. `capturing`:
-        whether the stream captures, where the caller knows."""
-        with self._lock:
-            self._check_usable(call_follows=True)
-            # Nothing is timed or queried while a CUDA graph is being captured.
-            if capturing is None:
-                capturing = self._transport.capturing()
-            timed = sample is not None and not capturing
-            start = self._transport.mark() if timed else None
-            try:
-                operation(*args)
-            except NodecommError as error:
-                raise self._located(error) from None
-            if capturing:  # a graph holds it: an abort is watched for (native/capture_watch.h)
-                _native.record_captured(self._control.address, self.rank)
-            if timed:
-                self._samples.append((*sample, start, self._transport.mark()))
-            if self._samples and not capturing:
-                self._report_samples()
-
-    def _report_samples(self) -> None:
-        while self._samples:
-            path, nbytes, wire, start, end = self._samples[0]
-            seconds = self._transport.elapsed(start, end)
-            if seconds is None:
-                return  # still running; reported on a later call
-            self._samples.pop(0)
-            self._session.report(path, nbytes, seconds, wire)
+            raise InternalError("a barrier gave up without aborting the group", **self.membership.where)
 
     def topk_exchange(self, max_rows: int, topk: int, *, timeout: float = 60.0) -> TopkExchange | CudaTopkExchange:
         """Open a top-k owner exchange for up to `max_rows` rows of `topk` candidates per rank.
@@ -583,64 +438,19 @@ class Communicator:
         """
         with self._lock:
             self._check_usable()
-            if self._session.lost_reason is not None:
-                # Whatever serves the socket now was never checked as this group's daemon.
-                raise DaemonUnavailableError(
-                    f"{self._session.lost_reason}: a new top-k exchange needs the group's daemon (its peer paths "
-                    "run on without it)",
-                    **self.membership.where,
-                )
-            # Every call takes the next number, failed or not, so the ranks' n-th calls meet.
-            sequence = self._exchange_calls
-            self._exchange_calls += 1
-        device = self.device.index if self._transport.kind == DeviceKind.CUDA else None
-        layout, slabs, reply = open_slabs(
-            self._stub, self.membership, self._metadata, self._descriptor_socket, sequence, max_rows, topk, timeout,
-            device,
-        )  # fmt: skip
-        where, callbacks = (
-            self.membership.where,
-            dict(count=self._count_topk_stage, service_stage=self._service_topk_stage, gather=self.all_gather),
-        )
-        if device is not None:
-            exchange = CudaTopkExchange(
-                layout, self.rank, slabs, self._transport, self._run, reply.blocks, self._operation_timeout, where,
-                **callbacks,
-            )  # fmt: skip
-        else:
-            exchange = TopkExchange(layout, self.rank, slabs, self._topk_barrier, where, **callbacks)
-        with self._lock:
-            self._exchanges.append(exchange)
-        return exchange
-
-    def _topk_barrier(self, rows: int) -> None:
-        self._run(self._transport.topk_barrier, rows, self._operation_timeout)
+            self._check_daemon("a new top-k exchange")
+            sequence = self._exchanges.next_sequence()
+        return self._exchanges.open(self._link.stub, sequence, max_rows, topk, timeout, self._lock)
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
         work = self._submitted(self._service.topk_stage, local_idx, local_scores)
         self._session.count(pb.TOPK_STAGE, Path.SERVICE, 2 * local_idx.numel() * 4)
         return work.wait()
 
-    def _count_topk_stage(self, nbytes: int) -> None:
-        """A stage through the slabs: every source writes straight into its owners' memory, once."""
-        self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes)
-
     def _agree_on_table(self) -> None:
         """Every rank switches to the same new table at the same call (client/table_offers.py)."""
-
-        def lowest_of_ranks(newest: int) -> int:
-            with self._lock:
-                self._check_usable()
-                try:
-                    return self._offers.lowest_of_ranks(newest, self._dispatcher.table.epoch)
-                except InternalError:
-                    self._check_usable()  # the abort's own error
-                    raise
-
         self._session.flush_if_full()
-        agreed = self._dispatcher.agree(self._session.offered, lowest_of_ranks)
-        if agreed is not None:
-            log.info("dispatch table switched", extra={"group": self.group, "rank": self.rank, "epoch": agreed})
+        self._offers.agree(self._dispatcher, self._session.offered, self._lock, self._check_usable)
 
     @property
     def operation_timeout(self) -> float:
@@ -677,90 +487,10 @@ class Communicator:
     # -- checks ----------------------------------------------------------------------------------
 
     def _check_usable(self, call_follows: bool = False) -> None:
-        """Raise why this communicator cannot be used. With `call_follows`, a group that a mismatch
-        stopped (only CUDA kernels abort with one) is left to the transport, which records the call
-        this rank was about to make before it raises (the call its peers disagreed on, where its
-        kernels never ran it)."""
-        if self._closed:
-            raise InvalidArgumentError("this communicator is closed", group=self.group, rank=self.rank)
-        reason, detail = _native.abort_state(self._control.address)
-        if reason == _native.AbortReason.MISMATCH and call_follows:
-            return
-        if reason:
-            raise self._aborted(reason, detail)
-
-    def _aborted(self, reason: int, detail: int) -> NodecommError:
-        """The error of an abort (native/control.h's abort_error), with what only this side knows:
-        the daemon's words for a lost peer, every rank's record of a mismatch."""
-        if reason == _native.AbortReason.MISMATCH:
-            return mismatch_error(self._control.address, self.world_size, group=self.group, rank=self.rank)
-        if reason == _native.AbortReason.PEER_LOST and self._session.event_message:
-            return PeerLostError(f"group aborted: {self._session.event_message}", group=self.group, rank=self.rank)
-        if reason == _native.AbortReason.STALLED:
-            lost = self._lost_peer()
-            if lost is not None:
-                return self._located(lost)
-        return self._located(_native.error(*_native.abort_error(self._control.address, reason, detail)))
+        self._errors.check(self._closed, call_follows)
 
     def _located(self, error: NodecommError) -> NodecommError:
-        if isinstance(error, DeadlineExceededError):
-            error = self._lost_peer() or error
-        return error.located(group=self.group, rank=self.rank)
-
-    def _lost_peer(self) -> PeerLostError | None:
-        """For a wait that ran out: PeerLostError where a peer's process has ended (peer_liveness.py)."""
-        if self._liveness is None:
-            return None
-        gone = [r for r in range(self.world_size) if r != self.rank and self._liveness.gone(r)]
-        if not gone:
-            return None
-        return PeerLostError(f"group aborted: peer rank {gone[0]} was lost (its process has ended)")
-
-    def _reducible(self, tensor: torch.Tensor) -> bool:
-        """A tensor all_reduce takes: one of the group's dtypes, contiguous, on its device."""
-        return tensor.dtype in self._dtypes and tensor.is_contiguous() and self._transport.on_device(tensor)
-
-    def _check_tensor(self, tensor: torch.Tensor, name: str) -> None:
-        if type(tensor) is torch.Tensor and self._reducible(tensor):
-            return  # the common case, checked cheaply
-        if not isinstance(tensor, torch.Tensor):
-            raise InvalidArgumentError(
-                f"{name} must be a torch.Tensor, got {type(tensor).__name__}", group=self.group, rank=self.rank
-            )
-        if not self._transport.on_device(tensor):
-            raise InvalidArgumentError(
-                f"{name} is on {tensor.device}; this rank's group runs on {self.device}",
-                group=self.group,
-                rank=self.rank,
-            )
-        if tensor.dtype not in self._dtypes:
-            allowed = sorted(str(d).removeprefix("torch.") for d in self._dtypes)
-            raise InvalidArgumentError(
-                f"{name} has dtype {tensor.dtype}; this group was formed for {allowed}",
-                group=self.group,
-                rank=self.rank,
-            )
-        if not tensor.is_contiguous():
-            raise InvalidArgumentError(f"{name} must be contiguous", group=self.group, rank=self.rank)
-
-    def _output(self, out: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """`out` checked to be a contiguous tensor of `shape` and `dtype` on this group's device,
-        or a new one where it is None."""
-        if out is None:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        if (
-            tuple(out.shape) != shape
-            or out.dtype != dtype
-            or not out.is_contiguous()
-            or not self._transport.on_device(out)
-        ):
-            raise InvalidArgumentError(
-                f"out must be a contiguous tensor on {self.device} of shape {shape} and dtype {dtype}, "
-                f"got shape {tuple(out.shape)} dtype {out.dtype} on {out.device}",
-                group=self.group,
-                rank=self.rank,
-            )
-        return out
+        return self._errors.located(error)
 
     def _forced_path(self, name: str) -> Path:
         try:
@@ -789,30 +519,15 @@ class Communicator:
         # undefined in CUDA. (VMM mappings would keep their memory alive either way.)
         try:
             self._service.close()
-            for exchange in self._exchanges:
-                exchange.close()
+            self._exchanges.close()
             self._transport.close()
         finally:
             if self._session.lost_reason is None and self._session.refusal is None:
-                try:
-                    self._stub.Leave(
-                        pb.LeaveRequest(group=self.group, group_id=self.group_id, rank=self.rank),
-                        timeout=5.0,
-                        metadata=self._metadata,
-                    )
-                except grpc.RpcError as error:
-                    where = {"group": self.group, "rank": self.rank, "error": str(from_rpc_error(error))}
-                    log.info("leave failed", extra=where)
+                self._link.leave()
             self._session.close()
             self._control.unmap()
-            if self._control_fd >= 0:
-                os.close(self._control_fd)
-            if self._liveness is not None:
-                self._liveness.close()
-            for channel in (*self._retired_channels, self._channel):
-                channel.close()
-            if self._daemon_lease is not None:
-                self._daemon_lease.release()  # the job's private daemon may leave once every rank has
+            self._errors.close()
+            self._link.close()
 
     def __enter__(self) -> Communicator:
         return self

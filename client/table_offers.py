@@ -5,10 +5,19 @@ call waits for a GPU, nor for a peer unless its host is a whole table_switch_per
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 from nodecomm import _native
 from nodecomm.errors import DeadlineExceededError, InternalError
 
 from .membership import Membership
+
+if TYPE_CHECKING:
+    from .dispatch import Dispatcher
+
+log = logging.getLogger("nodecomm.client")
 
 # How the wait for the ranks' offers ended (native/control.h, OfferWait).
 _COMPLETE, _ABORTED, _TIMED_OUT = range(3)
@@ -44,3 +53,23 @@ class TableOffers:
                 raise InternalError("the group aborted during a table switch", **where)
         _native.publish_offer(self._control, self._membership.rank, point, newest)
         return lowest
+
+    def agree(
+        self, dispatcher: Dispatcher, offered: int, lock: _native.CallLock, check_usable: Callable[[], None]
+    ) -> None:
+        """At a switch point: switch `dispatcher` to the table the ranks agreed on, if a newer one
+        (`offered`: the newest epoch this rank holds). Under `lock`, on a group `check_usable()`
+        finds usable; an abort raises its own error."""
+
+        def lowest_of_ranks(newest: int) -> int:
+            with lock:
+                check_usable()
+                try:
+                    return self.lowest_of_ranks(newest, dispatcher.table.epoch)
+                except InternalError:
+                    check_usable()  # the abort's own error
+                    raise
+
+        agreed = dispatcher.agree(offered, lowest_of_ranks)
+        if agreed is not None:
+            log.info("dispatch table switched", extra={**self._membership.where, "epoch": agreed})

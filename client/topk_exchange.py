@@ -17,6 +17,7 @@ import grpc
 import torch
 
 from nodecomm import _native
+from nodecomm.capabilities import DeviceKind
 from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, from_rpc_error
 from nodecomm.topk_layout import LAYOUT_VERSION, SLOTS, TopkLayout, owned_rows
 from nodecomm.v1 import control_pb2 as pb
@@ -313,3 +314,64 @@ class CudaTopkExchange(_Merge):
             return
         self._closed = True
         self._transport.unmap(self._slabs)
+
+
+class TopkExchanges:
+    """A communicator's top-k exchanges: each opened with the daemon as the group's next (every
+    rank's n-th call meets the others', failed or not), built for the group's device, and closed
+    with the communicator. `run(operation, *args)` runs a transport operation as the communicator
+    does; the callbacks are as TopkExchange's."""
+
+    def __init__(
+        self,
+        membership: Membership,
+        metadata: tuple[tuple[str, bytes], ...],
+        descriptor_socket: DescriptorSocket,
+        transport,
+        run: Callable[..., None],
+        operation_timeout: float,
+        *,
+        count: Callable[[int], None],
+        service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        gather: topk_merge.Gather,
+    ):
+        self._membership = membership
+        self._metadata = metadata
+        self._descriptor_socket = descriptor_socket
+        self._transport = transport
+        self._run = run
+        self._operation_timeout = operation_timeout
+        self._callbacks = dict(count=count, service_stage=service_stage, gather=gather)
+        self._calls = 0
+        self._opened: list[TopkExchange | CudaTopkExchange] = []
+
+    def next_sequence(self) -> int:
+        """The number of the next exchange opened (called under the communicator's lock)."""
+        self._calls += 1
+        return self._calls - 1
+
+    def open(
+        self, stub: pb_grpc.ControlStub, sequence: int, max_rows: int, topk: int, timeout: float, lock
+    ) -> TopkExchange | CudaTopkExchange:
+        membership, transport = self._membership, self._transport
+        device = transport.device.index if transport.kind == DeviceKind.CUDA else None
+        layout, slabs, reply = open_slabs(
+            stub, membership, self._metadata, self._descriptor_socket, sequence, max_rows, topk, timeout, device
+        )
+        if device is not None:
+            exchange = CudaTopkExchange(
+                layout, membership.rank, slabs, transport, self._run, reply.blocks, self._operation_timeout,
+                membership.where, **self._callbacks,
+            )  # fmt: skip
+        else:
+            exchange = TopkExchange(layout, membership.rank, slabs, self._barrier, membership.where, **self._callbacks)
+        with lock:
+            self._opened.append(exchange)
+        return exchange
+
+    def _barrier(self, rows: int) -> None:
+        self._run(self._transport.topk_barrier, rows, self._operation_timeout)
+
+    def close(self) -> None:
+        for exchange in self._opened:
+            exchange.close()
