@@ -30,9 +30,20 @@ import logging
 import os
 import secrets
 
-from nodecomm import trust
-from nodecomm.errors import NodecommError, PermissionDeniedError
+from nodecomm import _native, host_memory, trust
+from nodecomm.capabilities import DeviceKind
+from nodecomm.errors import InvalidArgumentError, NodecommError, NotFoundError, PermissionDeniedError, UnsupportedError
+from nodecomm.service.access.callers import Caller
+from nodecomm.service.access.quotas import Quotas
+from nodecomm.service.calibration.live_thresholds import LiveEstimates
+from nodecomm.service.calibration.tables import TableKeeper
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.groups.group import Group, Member
+from nodecomm.service.groups.join_args import JoinArgs, validate_join
+from nodecomm.service.memory.allocator import GroupMemory
+from nodecomm.service.memory.handles import Handback, is_declared_process
 from nodecomm.socket_path import ADOPTION_KEY_NAME
+from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 
 log = logging.getLogger("nodecomm.adoption")
@@ -40,6 +51,8 @@ log = logging.getLogger("nodecomm.adoption")
 KEY_FILE = ADOPTION_KEY_NAME
 KEY_BYTES = 32
 SALT_BYTES = 16
+# The highest table epoch an adopted group may bring: the daemon's own epochs count on from it.
+MAX_ADOPTED_EPOCH = 1 << 62
 
 
 def load_key(directory: str) -> bytes:
@@ -99,3 +112,84 @@ def record_of(key: bytes, ticket: pb.AdoptionTicket) -> pb.GroupRecord:
 
 def _tag(key: bytes, data: bytes) -> bytes:
     return hmac.digest(key, b"nodecomm group record\0" + data, "sha256")
+
+
+def check_rank_proof(
+    key: bytes, record: pb.GroupRecord, rank: int, secret: bytes, caller: Caller, handback: Handback | None, where: dict
+) -> None:
+    """That the caller holds `rank`'s membership of the group `record` describes (its rank secret,
+    its uid) and handed the group's control page back from that rank's process."""
+    recorded = record.ranks[rank]
+    expected = rank_secret(key, record.group_id, record.salt, rank)
+    if not hmac.compare_digest(expected, secret) or caller.uid not in (None, recorded.uid):
+        raise PermissionDeniedError(
+            f"this caller does not hold rank {rank}'s membership (its rank secret, uid {recorded.uid})",
+            **where,
+        )
+    if handback is None:
+        raise InvalidArgumentError(
+            "control_token: unknown, used or expired; hand the control page back on the descriptor socket first",
+            **where,
+        )
+    if handback.uid != recorded.uid or not is_declared_process(handback.pid, recorded.pid):
+        raise PermissionDeniedError(
+            f"the control page was handed back by pid {handback.pid} (uid {handback.uid}), not by rank "
+            f"{rank}'s process (pid {recorded.pid}, uid {recorded.uid})",
+            **where,
+        )
+
+
+def adopted_group(
+    record: pb.GroupRecord, thresholds: pb.ThresholdTable, control_fd: int, ticket: pb.AdoptionTicket, where: dict,
+    key: bytes, config: DaemonConfig, gpus: list[str], quotas: Quotas, tables: TableKeeper,
+) -> Group:  # fmt: skip
+    """The group `record` describes, rebuilt on the control page `control_fd` with the ranks' table
+    (`thresholds`): what a daemon adopts, checked against what it can serve."""
+    args = JoinArgs.from_request(record.join, record.ranks[0].uid)
+    validate_join(args, config, gpus)
+    for recorded in record.ranks:
+        if recorded.device != DeviceKind.CPU and recorded.device not in gpus:
+            raise UnsupportedError(f"this daemon does not see the group's GPU {recorded.device}", **where)
+    if record.memory_kind not in (pb.HOST_MEMFD, pb.CUDA_VMM_FD):
+        raise UnsupportedError("a group on legacy CUDA IPC buffers dies with its daemon", **where)
+    creator = Caller(None if record.creator_is_tcp else record.creator_uid)
+    try:
+        table = DispatchTable.from_proto(thresholds)
+    except (ValueError, KeyError) as error:
+        raise InvalidArgumentError(f"thresholds: {error}", **where) from None
+    if Path.SERVICE in table.range_paths:
+        raise UnsupportedError("a group whose table has a service range dies with its daemon", **where)
+    if table.epoch > MAX_ADOPTED_EPOCH:
+        raise InvalidArgumentError(f"thresholds.epoch {table.epoch}: expected at most {MAX_ADOPTED_EPOCH}", **where)
+    page = os.fstat(control_fd)  # its size and seals were checked as it was handed back
+    if (page.st_dev, page.st_ino) != (record.control_device, record.control_inode):
+        raise PermissionDeniedError("the descriptor handed back is not this group's control page", **where)
+    quotas.check_group(args, [m.device for m in record.ranks], creator)
+    address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
+    if _native.abort_state(address)[0] != 0:
+        host_memory.unmap_segment(address, _native.CONTROL_BYTES)
+        raise NotFoundError("the group was aborted (or its ranks left): it cannot be adopted", **where)
+    tables.adopt_epoch(table.epoch)
+    memory = GroupMemory(
+        record.memory_kind, control_fd, address, [], record.buffer_bytes, adopted_buffers=len(record.ranks)
+    )
+    return Group(
+        name=args.group,
+        group_id=record.group_id,
+        args=args,
+        memory=memory,
+        table=table,
+        members={
+            r: Member(r, pid=m.pid, uid=m.uid, secret=rank_secret(key, record.group_id, record.salt, r))
+            for r, m in enumerate(record.ranks)
+        },
+        devices=[m.device for m in record.ranks],
+        creator=creator,
+        live=(
+            LiveEstimates(args.world_size, config.live_margin, config.live_min_samples)
+            if config.live_recalibration
+            else None
+        ),
+        ticket=ticket,
+        adopted=True,
+    )

@@ -145,6 +145,28 @@ class Group:
         self.broadcast(pb.SessionDown(event=pb.GroupEvent(kind=kind, rank=rank, message=message)))
         return True
 
+    def abort_set_by_rank(self) -> tuple[int, int, str] | None:
+        """An abort a rank set on the page itself (a kernel or host that timed out waiting for a
+        peer, ranks that disagreed): its reason, the rank it names as lost and its words; None
+        where none did, or where a rank that lost its session did (the daemon, alive, tells that
+        better as the session it saw end)."""
+        reason, detail = self.memory.abort_state()
+        if not reason or reason == _native.AbortReason.DAEMON_LOST:
+            return None
+        _, words = _native.abort_error(self.memory.control_address, reason, detail)
+        return reason, self._lost_rank(reason, detail), words.split(": ", 1)[-1]  # after "group aborted: "
+
+    def _lost_rank(self, reason: int, detail: int) -> int:
+        """The rank an abort a rank set names as lost: for a timeout, whom the waiting rank (the
+        detail) waited for, where its kernel recorded it. The page is the ranks' to write: a rank
+        out of the group's range is told as rank 0's."""
+        world = self.args.world_size
+        if reason == _native.AbortReason.STALLED and detail < world:
+            code, peer, _ = _native.error_record(self.memory.control_address, detail)
+            if code == _native.KernelError.TIMEOUT and peer < world:
+                return peer
+        return detail if detail < world else 0
+
     def broadcast(self, message: pb.SessionDown) -> None:
         for member in self.members.values():
             if member.session is not None:

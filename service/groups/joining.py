@@ -6,6 +6,7 @@ caller's namespace (callers.py), so another uid's Join never meets, or learns of
 from __future__ import annotations
 
 import hmac
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -41,6 +42,10 @@ class FormingGroup:
     @property
     def failure(self) -> NodecommError | None:
         return self.joins.failure
+
+    def failed_before(self, seconds: float) -> bool:
+        """Whether its forming failed more than `seconds` ago."""
+        return self.failure is not None and time.monotonic() - self.failed_at > seconds
 
     def info(self, detailed: bool) -> pb.GroupInfo:
         """The operator view; the world size and joined ranks only when `detailed`: to anyone
@@ -173,3 +178,13 @@ def join_replies(
                 owner_rank=owner, size_bytes=memory.buffer_bytes, ipc_handle=handles[owner] if handles else b""
             )
     return replies
+
+
+def retried(forming: FormingGroup, rank: int, join_timeout_seconds: float) -> FormingGroup | None:
+    """A rank's Join to a group whose forming failed: None where it starts a new attempt (it was
+    told of the failure already, or the failure is older than a join timeout); else the failure,
+    raised for it too."""
+    if rank in forming.failed_ranks or forming.failed_before(join_timeout_seconds):
+        return None
+    forming.failed_ranks.add(rank)
+    raise forming.failure

@@ -18,7 +18,7 @@ import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
 
-from nodecomm import _native, host_memory
+from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import RANK_SECRET_KEY
 from nodecomm.errors import (
@@ -29,19 +29,17 @@ from nodecomm.errors import (
     NodecommError,
     NotFoundError,
     PermissionDeniedError,
-    UnsupportedError,
     shown,
 )
 from nodecomm.join_rules import MAX_WORLD_SIZE
 from nodecomm.service.access.callers import Caller
 from nodecomm.service.access.quotas import Quotas
-from nodecomm.service.calibration.live_thresholds import LiveEstimates
 from nodecomm.service.calibration.tables import TableKeeper
 from nodecomm.service.calibration.timings import TimingIntake
 from nodecomm.service.config import DaemonConfig
-from nodecomm.service.groups.adoption import rank_secret, record_of
+from nodecomm.service.groups.adoption import adopted_group, check_rank_proof, record_of
 from nodecomm.service.groups.formation import Formation
-from nodecomm.service.groups.group import Group, Member
+from nodecomm.service.groups.group import Group
 from nodecomm.service.groups.join_args import JoinArgs, validate_join
 from nodecomm.service.groups.joining import (
     FormingGroup,
@@ -50,32 +48,21 @@ from nodecomm.service.groups.joining import (
     join_mismatch,
     join_replies,
     join_timeout,
+    retried,
 )
+from nodecomm.service.groups.listing import group_infos
 from nodecomm.service.groups.peer_checks import PeerChecks
 from nodecomm.service.groups.rendezvous import OnStop, Rendezvous
 from nodecomm.service.groups.state import GroupState
 from nodecomm.service.groups.topk_exchanges import TopkOpenings
-from nodecomm.service.memory.allocator import GroupMemory
-from nodecomm.service.memory.handles import ClaimTable, HandbackTable, is_declared_process
-from nodecomm.service.metrics.families import CapturedSizes, DaemonMetrics
+from nodecomm.service.memory.handles import ClaimTable, HandbackTable
+from nodecomm.service.metrics.families import CapturedSizes, DaemonMetrics, abort_label
 from nodecomm.service.service_path.memory import ServiceMemory
 from nodecomm.service.service_path.submissions import SubmissionQueue
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 
 log = logging.getLogger("nodecomm.groups")
-
-# The highest table epoch an adopted group may bring: the daemon's own epochs count on from it.
-MAX_ADOPTED_EPOCH = 1 << 62
-
-# The nodecomm_group_aborts_total label of each abort reason; any other is "other".
-ABORT_REASONS = {
-    _native.AbortReason.PEER_LOST: "peer_lost",
-    _native.AbortReason.PEER_LEFT: "peer_left",
-    _native.AbortReason.SHUTDOWN: "shutdown",
-    _native.AbortReason.STALLED: "stalled",
-    _native.AbortReason.MISMATCH: "mismatch",
-}
 
 
 class GroupRegistry:
@@ -170,12 +157,7 @@ class GroupRegistry:
             )
         forming = self._forming.get(key)
         if forming is not None and forming.failure is not None:
-            expired = time.monotonic() - forming.failed_at > self.config.join_timeout_seconds
-            if args.rank in forming.failed_ranks or expired:
-                forming = None  # a new attempt after the failed one
-            else:
-                forming.failed_ranks.add(args.rank)
-                raise forming.failure
+            forming = retried(forming, args.rank, self.config.join_timeout_seconds)
         key_digest = hashlib.sha256(group_key).digest() if group_key else b""
         if forming is None:
             creators = (group.creator for group in self._groups.values())
@@ -278,32 +260,20 @@ class GroupRegistry:
                 )
             if self._draining or self._stopping:  # the rank tries the next daemon
                 raise DaemonUnavailableError("the daemon is shutting down and adopts no groups", **where)
-            recorded = record.ranks[request.rank]
-            expected = rank_secret(self.adoption_key, record.group_id, record.salt, request.rank)
-            if not hmac.compare_digest(expected, secret) or caller.uid not in (None, recorded.uid):
-                raise PermissionDeniedError(
-                    f"this caller does not hold rank {request.rank}'s membership (its rank secret, uid {recorded.uid})",
-                    **where,
-                )
-            if handback is None:
-                raise InvalidArgumentError(
-                    "control_token: unknown, used or expired; hand the control page back on the descriptor socket "
-                    "first",
-                    **where,
-                )
-            if handback.uid != recorded.uid or not is_declared_process(handback.pid, recorded.pid):
-                raise PermissionDeniedError(
-                    f"the control page was handed back by pid {handback.pid} (uid {handback.uid}), not by rank "
-                    f"{request.rank}'s process (pid {recorded.pid}, uid {recorded.uid})",
-                    **where,
-                )
+            check_rank_proof(self.adoption_key, record, request.rank, secret, caller, handback, where)
             self.metrics.calls_without_daemon.inc(request.calls_without_daemon)
             known = self._groups.get(record.group_id)
             if known is not None:
                 if known.state != GroupState.ACTIVE:
                     raise NotFoundError(f"the group is {known.state}", **where)
                 return pb.AdoptReply(group_id=record.group_id, adopted=False)
-            group = self._adopted(record, request.thresholds, handback.fd, request.ticket, where)
+            key = self._key(Caller(None if record.creator_is_tcp else record.creator_uid), record.join.group)
+            if key in self._active or key in self._forming:
+                raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
+            group = adopted_group(
+                record, request.thresholds, handback.fd, request.ticket, where, self.adoption_key, self.config,
+                self.gpus, self.quotas, self.tables,
+            )  # fmt: skip
             handback.fd = -1  # the group's memory holds it now
         finally:
             if handback is not None and handback.fd >= 0:
@@ -323,65 +293,6 @@ class GroupRegistry:
                    "by_rank": request.rank, "table_epoch": group.table.epoch},
         )  # fmt: skip
         return pb.AdoptReply(group_id=group.group_id, adopted=True)
-
-    def _adopted(
-        self, record: pb.GroupRecord, thresholds: pb.ThresholdTable, control_fd: int, ticket: pb.AdoptionTicket,
-        where: dict,
-    ) -> Group:  # fmt: skip
-        """The group `record` describes, on the control page `control_fd` and the ranks' table."""
-        args = JoinArgs.from_request(record.join, record.ranks[0].uid)
-        validate_join(args, self.config, self.gpus)
-        for recorded in record.ranks:
-            if recorded.device != DeviceKind.CPU and recorded.device not in self.gpus:
-                raise UnsupportedError(f"this daemon does not see the group's GPU {recorded.device}", **where)
-        if record.memory_kind not in (pb.HOST_MEMFD, pb.CUDA_VMM_FD):
-            raise UnsupportedError("a group on legacy CUDA IPC buffers dies with its daemon", **where)
-        creator = Caller(None if record.creator_is_tcp else record.creator_uid)
-        key = self._key(creator, args.group)
-        if key in self._active or key in self._forming:
-            raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
-        try:
-            table = DispatchTable.from_proto(thresholds)
-        except (ValueError, KeyError) as error:
-            raise InvalidArgumentError(f"thresholds: {error}", **where) from None
-        if Path.SERVICE in table.range_paths:
-            raise UnsupportedError("a group whose table has a service range dies with its daemon", **where)
-        if table.epoch > MAX_ADOPTED_EPOCH:
-            raise InvalidArgumentError(f"thresholds.epoch {table.epoch}: expected at most {MAX_ADOPTED_EPOCH}", **where)
-        page = os.fstat(control_fd)  # its size and seals were checked as it was handed back
-        if (page.st_dev, page.st_ino) != (record.control_device, record.control_inode):
-            raise PermissionDeniedError("the descriptor handed back is not this group's control page", **where)
-        self.quotas.check_group(args, [m.device for m in record.ranks], creator)
-        address = host_memory.map_segment(control_fd, _native.CONTROL_BYTES)
-        if _native.abort_state(address)[0] != 0:
-            host_memory.unmap_segment(address, _native.CONTROL_BYTES)
-            raise NotFoundError("the group was aborted (or its ranks left): it cannot be adopted", **where)
-        self.tables.adopt_epoch(table.epoch)
-        memory = GroupMemory(
-            record.memory_kind, control_fd, address, [], record.buffer_bytes, adopted_buffers=len(record.ranks)
-        )
-        return Group(
-            name=args.group,
-            group_id=record.group_id,
-            args=args,
-            memory=memory,
-            table=table,
-            members={
-                r: Member(
-                    r, pid=m.pid, uid=m.uid, secret=rank_secret(self.adoption_key, record.group_id, record.salt, r)
-                )
-                for r, m in enumerate(record.ranks)
-            },
-            devices=[m.device for m in record.ranks],
-            creator=creator,
-            live=(
-                LiveEstimates(args.world_size, self.config.live_margin, self.config.live_min_samples)
-                if self.config.live_recalibration
-                else None
-            ),
-            ticket=ticket,
-            adopted=True,
-        )
 
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
@@ -546,15 +457,13 @@ class GroupRegistry:
         # A rank's kernel or host may have set the word first (notice_aborts): the first cause is
         # the one told. (A rank that lost its session says "the daemon connection was lost", which
         # the daemon, alive, tells better as the session it saw end.)
-        set_by_rank, detail = group.memory.abort_state()
-        if set_by_rank and set_by_rank != _native.AbortReason.DAEMON_LOST:
-            _, words = _native.abort_error(group.memory.control_address, set_by_rank, detail)
-            reason, rank, quiet = set_by_rank, self._lost_rank(group, set_by_rank, detail), False
-            message = words.split(": ", 1)[-1]  # "group aborted: ..." as the daemon's own words have it
+        set_by_rank = group.abort_set_by_rank()
+        if set_by_rank is not None:
+            (reason, rank, message), quiet = set_by_rank, False
         if not group.abort(reason, rank, message):
             return
         self._release_name(group)
-        label = ABORT_REASONS.get(reason, "other")
+        label = abort_label(reason)
         self.metrics.aborts.labels(label).inc()
         where = {"group": group.name, "group_id": group.group_id, "reason": message}
         # A peer that left is an orderly end, not a failure the graphs' replays must hear of.
@@ -569,18 +478,6 @@ class GroupRegistry:
             )
         self._update_gauges()
         (log.info if quiet else log.warning)("group aborted", extra=where)
-
-    @staticmethod
-    def _lost_rank(group: Group, reason: int, detail: int) -> int:
-        """The rank an abort a rank set names as lost: for a timeout, whom the waiting rank (the
-        detail) waited for, where its kernel recorded it. The page is the ranks' to write: a rank
-        out of the group's range is told as rank 0's."""
-        world = group.args.world_size
-        if reason == _native.AbortReason.STALLED and detail < world:
-            code, peer, _ = _native.error_record(group.memory.control_address, detail)
-            if code == _native.KernelError.TIMEOUT and peer < world:
-                return peer
-        return detail if detail < world else 0
 
     def notice_aborts(self) -> None:
         """Abort, for the daemon too, the groups whose ranks set their abort word themselves: a
@@ -616,29 +513,13 @@ class GroupRegistry:
     # -- operator views and shutdown -------------------------------------------------------------
 
     def list_groups(self, caller: Caller, operator: bool = False, group_key: bytes = b"") -> list[pb.GroupInfo]:
-        """`caller`'s groups, or every group (with its owner) for an `operator`; forming ones with
-        their world size and joined ranks only for an operator or where `group_key` is theirs (a
-        member asks): to anyone else those say which rank to pose as."""
-        key_digest = hashlib.sha256(group_key).digest() if group_key else b""
-        owned = [
-            (
-                forming.creator,
-                forming.info(operator or (bool(key_digest) and hmac.compare_digest(forming.key_digest, key_digest))),
-            )
-            for forming in self._forming.values()
-            if forming.arrivals
-        ]
-        owned += [(group.creator, group.info()) for group in self._groups.values()]
-        if operator:
-            for owner, info in owned:
-                info.owner = str(owner)
-        return [info for owner, info in owned if operator or owner == caller]
+        """`caller`'s groups, or every group for an `operator` (groups/listing.py)."""
+        return group_infos(self._forming.values(), self._groups.values(), caller, operator, group_key)
 
     def sweep(self) -> None:
         """Forget failed join attempts whose ranks did not come back within a join timeout."""
-        now = time.monotonic()
         for key, forming in list(self._forming.items()):
-            if forming.failure is not None and now - forming.failed_at > self.config.join_timeout_seconds:
+            if forming.failed_before(self.config.join_timeout_seconds):
                 del self._forming[key]
 
     def stop(self, drain: bool) -> None:
@@ -666,17 +547,4 @@ class GroupRegistry:
         self._update_gauges()
 
     def _update_gauges(self) -> None:
-        self.metrics.groups.labels(GroupState.JOINING).set(sum(1 for f in self._forming.values() if f.arrivals))
-        self.metrics.groups.labels(GroupState.ACTIVE).set(
-            sum(1 for g in self._groups.values() if g.state == GroupState.ACTIVE)
-        )
-        self.metrics.groups.labels(GroupState.ABORTED).set(
-            sum(1 for g in self._groups.values() if g.state == GroupState.ABORTED)
-        )
-        self.metrics.captured_aborted.clear()
-        for group in self._groups.values():
-            if group.state == GroupState.ABORTED and group.captured_ranks:
-                self.metrics.captured_aborted.labels(group.name).inc()
-        self.metrics.ranks.set(
-            sum(1 for g in self._groups.values() for m in g.members.values() if m.session is not None and not m.gone)
-        )
+        self.metrics.count_groups(self._forming.values(), self._groups.values())

@@ -13,8 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from nodecomm import _native
 from nodecomm.byte_size import format_byte_size
 from nodecomm.evidence import SIZE_BUCKETS
+from nodecomm.service.groups.group import Group
+from nodecomm.service.groups.joining import FormingGroup
 from nodecomm.service.groups.state import GroupState
 from nodecomm.thresholds import Path
 
@@ -26,6 +29,20 @@ def size_bucket(nbytes: int) -> str:
         if nbytes <= top:
             return format_byte_size(top)
     return "inf"
+
+
+# The nodecomm_group_aborts_total label of each abort reason; any other is "other".
+_ABORT_LABELS = {
+    _native.AbortReason.PEER_LOST: "peer_lost",
+    _native.AbortReason.PEER_LEFT: "peer_left",
+    _native.AbortReason.SHUTDOWN: "shutdown",
+    _native.AbortReason.STALLED: "stalled",
+    _native.AbortReason.MISMATCH: "mismatch",
+}
+
+
+def abort_label(reason: int) -> str:
+    return _ABORT_LABELS.get(reason, "other")
 
 
 class CapturedSizes(Collector):
@@ -242,3 +259,15 @@ class DaemonMetrics:
         for wire in wires:
             self.wire_operations.remove(name, wire)
             self.wire_bytes.remove(name, wire)
+
+    def count_groups(self, forming: Iterable[FormingGroup], groups: Iterable[Group]) -> None:
+        """The gauges of the daemon's groups: by state, the captured ones aborted, the ranks in session."""
+        groups = list(groups)
+        self.groups.labels(GroupState.JOINING).set(sum(1 for f in forming if f.arrivals))
+        self.groups.labels(GroupState.ACTIVE).set(sum(1 for g in groups if g.state == GroupState.ACTIVE))
+        self.groups.labels(GroupState.ABORTED).set(sum(1 for g in groups if g.state == GroupState.ABORTED))
+        self.captured_aborted.clear()
+        for group in groups:
+            if group.state == GroupState.ABORTED and group.captured_ranks:
+                self.captured_aborted.labels(group.name).inc()
+        self.ranks.set(sum(1 for g in groups for m in g.members.values() if m.session is not None and not m.gone))
