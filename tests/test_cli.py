@@ -186,7 +186,8 @@ def test_bench_smoke_prints_the_table_and_json(tmp_path):
 
 
 def test_dispatch_regret_divides_auto_by_the_best_other_path():
-    from nodecomm.tools.bench import Row, dispatch_regret
+    from nodecomm.tools.bench import Row
+    from nodecomm.tools.bench_report import dispatch_regret
 
     def row(size: int, path: str, p50: float) -> Row:
         return Row(size, size // 4, "float32", path, p50, p50, 0.0, 0.0, 0, 10, p50, p50)
@@ -328,7 +329,7 @@ def test_cuda_tables_for_new_groups(make_daemon):
 
 def test_status_spells_each_range_by_the_boundary_that_ends_it():
     from nodecomm.thresholds import Boundary, Path, Source, build_table
-    from nodecomm.tools.cli import _paths_summary
+    from nodecomm.tools.daemon_commands import _paths_summary
 
     values = {"oneshot_max_bytes": 256 << 10, "twoshot_max_bytes": None, "dma_min_bytes": 6 << 20}
     boundaries = {name: Boundary(name, value, Source.DEFAULT) for name, value in values.items()}
@@ -461,7 +462,8 @@ def _processes_naming(directory: Path) -> list[str]:
 def test_the_bench_says_when_its_figures_are_noise():
     """calibrate's noise guard on the bench's own rows: a quiet run's rows pass; a point whose ranks
     had a tenth of a core (oneshot 205 us where auto, on the same path, took 1.4 us) is named."""
-    from nodecomm.tools.bench import Row, format_trailer
+    from nodecomm.tools.bench import Row
+    from nodecomm.tools.bench_report import format_trailer
 
     def row(path: str, p50: float, share: float = 0.9) -> Row:
         return Row(1024, 256, "float32", path, p50, p50 * 1.2, 1.0, 1.0, 0, 100, p50 * 0.9, p50 * 1.1, share)
