@@ -64,3 +64,20 @@ def test_every_file_the_call_flow_walks_through_exists():
         n for n in named if not (ROOT / n).exists() and not (ROOT / "native/cuda" / n).exists() and n not in with_folder
     )
     assert missing == [], f"docs/call-flow.md names files the tree lacks: {missing}"
+
+
+def test_no_module_or_header_outgrows_its_house():
+    """A Python module of the packages holds at most 550 lines and a native header at most 350: past
+    that a file holds more than one idea (split it by its parts, as service/ and client/ are)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    limits = {".py": 550, ".h": 350, ".cuh": 350}
+    packages = {"nodecomm", "service", "client", "tools", "distributed", "integrations", "native"}
+    over = []
+    for path in tracked.split():
+        limit = limits.get(Path(path).suffix)
+        if limit is None or path.split("/")[0] not in packages or path.endswith(("_pb2.py", "_pb2_grpc.py")):
+            continue
+        lines = len((ROOT / path).read_text().splitlines())
+        if lines > limit:
+            over.append(f"{path}: {lines} lines (at most {limit})")
+    assert over == [], f"files past their house size: {over}"
