@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import grp
 import ipaddress
 import os
-import pwd
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +21,21 @@ from nodecomm.byte_size import format_byte_size, parse_byte_size
 from nodecomm.capabilities import DeviceKind
 from nodecomm.captured_abort import POLICIES as CAPTURED_ABORT_POLICIES
 from nodecomm.evidence import LivePolicy
+from nodecomm.service.config_checks import (
+    Check,
+    address_or_off,
+    at_least_one,
+    byte_limit,
+    check_directory,
+    fraction,
+    ids,
+    level_name,
+    one_of,
+    pem_file,
+    period_or_off,
+    seconds,
+    split_address,
+)
 from nodecomm.socket_path import default_socket_path, descriptor_socket_path
 from nodecomm.thresholds import BOUNDARY_NAMES
 
@@ -61,136 +74,289 @@ def default_cache_dir() -> str:
     return os.path.join(base, "nodecomm")
 
 
+# The areas settings are grouped in, in `nodecommd --help` and in docs/operator-guide.md.
+AREAS = ("listening", "access", "state", "timeouts", "limits", "live thresholds", "service path", "CUDA", "logging")
+
+
+def setting(default: Any = dataclasses.MISSING, *, area: str, help: str, check: Check | None = None, factory=None):
+    """A DaemonConfig field: its default, its area, its line of --help and its constraint."""
+    metadata = {"area": area, "help": help, "check": check}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class DaemonConfig:
-    socket: str = dataclasses.field(default_factory=default_socket_path)
+    # -- listening ---------------------------------------------------------------------------------
+    socket: str = setting(area="listening", help="Unix socket of the gRPC control plane", factory=default_socket_path)
     # "host:port" on a loopback address, or empty for no TCP listener. Another address needs TLS:
     # tls_cert and tls_key (PEM files), and tls_client_ca to require client certificates. A Join
     # over TCP needs a group key; a loopback caller counts as the uid that owns its socket.
-    tcp_address: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
+    tcp_address: str = setting(
+        "", area="listening", help="extra gRPC listener, ip:port on loopback (or with TLS); empty: none"
+    )
+    tls_cert: str = setting(
+        "", area="listening", help="PEM certificate for tcp_address beyond loopback", check=pem_file
+    )
+    tls_key: str = setting("", area="listening", help="PEM key for tls_cert", check=pem_file)
+    tls_client_ca: str = setting(
+        "", area="listening", help="PEM CA that TCP clients' certificates must chain to", check=pem_file
+    )
+    # "host:port" for Prometheus /metrics, or "off".
+    metrics_address: str = setting(
+        "127.0.0.1:9464", area="listening", help="ip:port of Prometheus /metrics, or off", check=address_or_off
+    )
+    # Connections to the control socket (and the TCP listener) at once, in all and per caller;
+    # past either, a new one's calls are answered why, and it is closed (service/access/connections.py).
+    # Each holds three descriptors. gRPC closes a connection with no call in flight for
+    # connection_idle_seconds.
+    max_connections: int = setting(
+        4096, area="listening", help="connections to the control socket and TCP listener at once", check=at_least_one
+    )
+    max_connections_per_caller: int = setting(
+        256, area="listening", help="of those, connections one uid may hold", check=at_least_one
+    )
+    connection_idle_seconds: float = setting(
+        60.0, area="listening", help="a connection with no call in flight this long is closed", check=seconds
+    )
+
+    # -- access ------------------------------------------------------------------------------------
     # Who may use the daemon. The sockets are 0660 and their directory 0750, owned by
     # socket_group (a group name or gid; empty: the daemon's own group). With allowed_uids or
     # allowed_gids (comma-separated ids or names), every call on a connection from another uid is
     # refused (the daemon reads each connection's SO_PEERCRED; its own uid is always allowed),
     # and a Join over TCP must carry an identity the descriptor socket issued.
-    socket_group: str = ""
-    allowed_uids: str = ""
-    allowed_gids: str = ""
+    socket_group: str = setting(
+        "",
+        area="access",
+        help="group (name or gid) of the sockets and their directory; empty: the daemon's",
+        check=ids,
+    )
+    allowed_uids: str = setting(
+        "",
+        area="access",
+        help="comma-separated uids or user names that may join; empty: anyone who reaches the socket",
+        check=ids,
+    )
+    allowed_gids: str = setting("", area="access", help="comma-separated gids or group names that may join", check=ids)
     # Who may change what every group on the node gets (Calibrate) and see every uid's groups:
     # these uids (ids or names); empty: root and the daemon's own uid.
-    operator_uids: str = ""
+    operator_uids: str = setting(
+        "",
+        area="access",
+        help="comma-separated uids or user names that may calibrate; empty: root and the daemon's uid",
+        check=ids,
+    )
     # Group names are per uid (service/access/callers.py): a group forms among joins of one uid unless
     # this lets several share one namespace. With require_group_key, every Join must carry a
     # group key (the first fixes it, later ones must match); off by default: other uids never
     # reach a group anyway, and a key is what keeps a process of the same uid out, which the
     # engines' integrations add on their own.
-    allow_mixed_uids: bool = False
-    require_group_key: bool = False
-    # "host:port" for Prometheus /metrics, or "off".
-    metrics_address: str = "127.0.0.1:9464"
+    allow_mixed_uids: bool = setting(False, area="access", help="let ranks of several uids form one group")
+    require_group_key: bool = setting(False, area="access", help="refuse joins that carry no group key")
+
+    # -- state -------------------------------------------------------------------------------------
     # Where calibrations persist; empty: /var/lib/nodecomm as root, else $XDG_STATE_HOME/nodecomm.
-    state_dir: str = ""
+    state_dir: str = setting("", area="state", help="where calibrations are stored")
     # A private daemon's own calibrations (what it probed, and the boundaries its groups' live
     # timings moved), kept for the user's next private daemon on this machine; made 0700 and
     # checked to be the user's own. Empty: $XDG_CACHE_HOME/nodecomm, else ~/.cache/nodecomm.
-    cache_dir: str = ""
+    cache_dir: str = setting(
+        "", area="state", help="where a private daemon keeps what it measured, for the user's next one"
+    )
     # Probe at start when state_dir holds no calibration for this machine's fingerprint (a new
     # machine, or a changed processor or build); otherwise only `nodecomm calibrate` probes.
-    calibrate_on_start: bool = False
-    join_timeout_seconds: float = 60.0
-    operation_timeout_seconds: float = 60.0
+    calibrate_on_start: bool = setting(
+        False, area="state", help="probe at start where state_dir holds no calibration for this machine"
+    )
+    # A job's own daemon, started by its ranks where no node daemon answers: it exits once none of
+    # the job's processes has held its lease socket (<socket>.lease) for private_grace_seconds,
+    # removing its sockets and directory. It reads the calibrations in state_dir and cache_dir (the
+    # newer one for this machine is in force) and writes to cache_dir only.
+    private: bool = setting(
+        False,
+        area="state",
+        help="a job's own daemon, started by its ranks: exits when the job's leases end, writes no state",
+    )
+    private_grace_seconds: float = setting(
+        2.0, area="state", help="how long a private daemon outlives its job's last lease", check=seconds
+    )
+
+    # -- timeouts ----------------------------------------------------------------------------------
+    join_timeout_seconds: float = setting(
+        60.0, area="timeouts", help="longest a Join waits for the group's other ranks", check=seconds
+    )
+    operation_timeout_seconds: float = setting(
+        60.0, area="timeouts", help="longest one collective waits for a peer", check=seconds
+    )
     # A rank that does not open its Session stream this long after Join is treated as lost.
-    session_grace_seconds: float = 10.0
+    session_grace_seconds: float = setting(
+        10.0,
+        area="timeouts",
+        help="a rank without a Session stream this long after its group formed is lost",
+        check=seconds,
+    )
     # A claim token not used within this long is dropped.
-    claim_token_ttl_seconds: float = 60.0
-    timing_sample_period: int = 64
+    claim_token_ttl_seconds: float = setting(
+        60.0, area="timeouts", help="a descriptor claim token unused this long is dropped", check=seconds
+    )
+    drain_grace_seconds: float = setting(
+        5.0, area="timeouts", help="on SIGTERM, how long running calls get before the server stops", check=seconds
+    )
+    # On SIGTERM/SIGINT: leave the running groups to their ranks (False: a restart or an upgrade
+    # costs them nothing), or abort every group first (True: an operator who wants them gone).
+    drain_on_stop: bool = setting(
+        False,
+        area="timeouts",
+        help="on SIGTERM, abort every group first (false: running groups go on without the daemon)",
+    )
+
+    # -- limits ------------------------------------------------------------------------------------
+    # Past any of these a Join gets RESOURCE_EXHAUSTED before anything is allocated. A caller is a
+    # uid (TCP callers the daemon cannot attribute to one share one): every global limit has a
+    # share no single caller may pass.
+    max_capacity_bytes: int = setting(
+        1 << 30, area="limits", help="largest slot capacity a group may ask for", check=byte_limit
+    )
+    # All groups' buffers together.
+    max_reserved_bytes: int = setting(
+        16 << 30, area="limits", help="cap on everything reserved, all groups together", check=byte_limit
+    )
+    max_reserved_bytes_per_caller: int = setting(
+        8 << 30, area="limits", help="bytes of buffers one uid's groups may reserve", check=byte_limit
+    )
+    max_bytes_per_gpu: int = setting(16 << 30, area="limits", help="buffers one GPU may hold", check=byte_limit)
+    # Groups formed or forming; ranks in one group.
+    max_groups: int = setting(256, area="limits", help="groups formed or forming at once", check=at_least_one)
+    max_groups_per_caller: int = setting(
+        64, area="limits", help="groups one uid may have formed and forming at once", check=at_least_one
+    )
+    max_forming_groups_per_caller: int = setting(
+        32, area="limits", help="groups one uid may have forming at once", check=at_least_one
+    )
+    max_ranks_per_group: int = setting(
+        16, area="limits", help="largest world size a Join may ask for", check=at_least_one
+    )
+    # What one rank may hold open at once: service-path allocations, and top-k exchanges per group
+    # (each holds a descriptor and a mapping in the daemon, whatever its size); the same over every
+    # group one caller (the first joiner's uid) formed, so that many small groups cannot add up past it.
+    max_allocations_per_rank: int = setting(
+        64, area="limits", help="service-path allocations one rank may hold open", check=at_least_one
+    )
+    max_allocations_per_caller: int = setting(
+        1024,
+        area="limits",
+        help="service-path allocations and top-k exchanges one uid's groups may hold open",
+        check=at_least_one,
+    )
+    max_topk_exchanges_per_group: int = setting(
+        32, area="limits", help="top-k exchanges one group may hold open", check=at_least_one
+    )
+    # Timings one rank's session may report per second (a burst of as many), past which they are
+    # dropped; and all of one caller's ranks together: its sessions' messages are read at a shared
+    # pace, so that many one-rank groups cost the daemon one caller's share.
+    timing_rate_per_rank: int = setting(
+        1000, area="limits", help="timings per second one rank may report; more are dropped", check=at_least_one
+    )
+    timing_rate_per_caller: int = setting(
+        16000, area="limits", help="timings per second all of one uid's ranks may report together", check=at_least_one
+    )
+
+    # -- live thresholds ---------------------------------------------------------------------------
+    timing_sample_period: int = setting(
+        64, area="live thresholds", help="each rank times one all-reduce in this many", check=at_least_one
+    )
     # Live recalibration: where the ranks' sampled timings show another lossless path faster than
     # the table's by more than live_margin in a size bucket (the part of it on one side of every
     # boundary), once every rank has live_min_samples samples of both there, the boundaries move
     # so that the faster path takes it. Ranks switch tables together on every
     # table_switch_period-th all-reduce that is not being captured.
-    live_recalibration: bool = True
-    live_margin: float = LivePolicy.margin
-    live_min_samples: int = LivePolicy.min_samples
-    table_switch_period: int = LivePolicy.switch_period
+    live_recalibration: bool = setting(
+        True, area="live thresholds", help="move boundaries from the ranks' sampled timings"
+    )
+    live_margin: float = setting(
+        LivePolicy.margin,
+        area="live thresholds",
+        help="how much faster another path must be to move a boundary (fraction)",
+        check=fraction,
+    )
+    live_min_samples: int = setting(
+        LivePolicy.min_samples,
+        area="live thresholds",
+        help="samples of both paths every rank needs in a size bucket",
+        check=at_least_one,
+    )
+    table_switch_period: int = setting(
+        LivePolicy.switch_period,
+        area="live thresholds",
+        help="ranks switch to a new table together every this many all-reduces",
+        check=at_least_one,
+    )
     # Exploration, so that a wrong table is found out: every explore_period-th all-reduce of a size
     # bucket runs on another lossless path (the same bits) and is timed, the least timed of those
     # live recalibration has not yet found slower there by live_margin, and the next call is timed
     # on the table's own path; once none is left, one in 256 times as many does (native/dispatch.h).
     # Never into or out of NCCL, never while capturing; 0 switches it off, as does
     # live_recalibration = false.
-    explore_period: int = LivePolicy.explore_period
-    # When a group aborts while CUDA graphs hold a rank's calls (their replays would return without
-    # their result): "exit" ends the rank's process with one line naming the group, the rank and the
-    # reason, as torch's NCCL watchdog does; "log" only writes the line, and the rank's
-    # Communicator.check() and next call raise. A job's NODECOMM_CAPTURED_ABORT wins over it.
-    captured_abort: str = "exit"
-    max_capacity_bytes: int = 1 << 30
-    # All groups' buffers together; a Join past it gets RESOURCE_EXHAUSTED before allocating.
-    max_reserved_bytes: int = 16 << 30
-    # Per-daemon quotas, past which a Join gets RESOURCE_EXHAUSTED before anything is allocated:
-    # groups formed or forming, ranks in one group, bytes of buffers on any one GPU.
-    max_groups: int = 256
-    max_ranks_per_group: int = 16
-    max_bytes_per_gpu: int = 16 << 30
-    # What one rank may hold open at once: service-path allocations, and top-k exchanges per group
-    # (each holds a descriptor and a mapping in the daemon, whatever its size).
-    max_allocations_per_rank: int = 64
-    # The same, over every group one caller (the first joiner's uid) formed: its service-path
-    # allocations and top-k exchanges together, so that many small groups cannot add up past it.
-    max_allocations_per_caller: int = 1024
-    # A caller is a uid (TCP callers the daemon cannot attribute to one share one): every global
-    # limit has a share no single caller may pass. Groups one caller may have forming at once,
-    # and formed and forming together; bytes of buffers its groups may reserve.
-    max_forming_groups_per_caller: int = 32
-    max_groups_per_caller: int = 64
-    max_reserved_bytes_per_caller: int = 8 << 30
-    # Connections to the control socket (and the TCP listener) at once, in all and per caller;
-    # past either, a new one's calls are answered why, and it is closed (service/access/connections.py).
-    # Each holds three descriptors.
-    # gRPC closes a connection with no call in flight for connection_idle_seconds.
-    max_connections: int = 4096
-    max_connections_per_caller: int = 256
-    connection_idle_seconds: float = 60.0
-    # Timings one rank's session may report per second (a burst of as many); past it they are
-    # dropped, so that one rank's stream costs the daemon a bounded share of its time.
-    timing_rate_per_rank: int = 1000
-    # Timings all of one caller's ranks may report per second together: its sessions' messages
-    # are read at a shared pace, so that many one-rank groups cost the daemon one caller's share.
-    timing_rate_per_caller: int = 16000
-    max_topk_exchanges_per_group: int = 32
-    drain_grace_seconds: float = 5.0
-    # On SIGTERM/SIGINT: leave the running groups to their ranks (False: a restart or an upgrade
-    # costs them nothing), or abort every group first (True: an operator who wants them gone).
-    drain_on_stop: bool = False
-    # The service path: collectives a group may have queued past the next one to run (a submit
-    # beyond gets RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
-    service_queue_depth: int = 64
-    service_threads: int = 4
+    explore_period: int = setting(
+        LivePolicy.explore_period,
+        area="live thresholds",
+        help="every n-th all-reduce of a size bucket runs on another lossless path not yet found slower, and is timed; once none is left, one in 256n; 0: off",
+        check=period_or_off,
+    )
+
+    # -- service path ------------------------------------------------------------------------------
+    # Collectives a group may have queued past the next one to run (a submit beyond gets
+    # RESOURCE_EXHAUSTED), and the worker threads that run every group's collectives.
+    service_queue_depth: int = setting(
+        64, area="service path", help="service-path collectives a group may queue", check=at_least_one
+    )
+    service_threads: int = setting(
+        4, area="service path", help="threads that run every group's service-path collectives", check=at_least_one
+    )
+
+    # -- CUDA --------------------------------------------------------------------------------------
     # Let the ranks of one CUDA group share a GPU: for development and tests on a one-GPU machine,
     # where several rank processes then stand in for several GPUs.
-    allow_shared_devices: bool = False
-    # A job's own daemon, started by its ranks where no node daemon answers: it exits once none of
-    # the job's processes has held its lease socket (<socket>.lease) for private_grace_seconds,
-    # removing its sockets and directory. It reads the calibrations in state_dir and cache_dir (the
-    # newer one for this machine is in force) and writes to cache_dir only.
-    private: bool = False
-    private_grace_seconds: float = 2.0
+    allow_shared_devices: bool = setting(
+        False, area="CUDA", help="let the ranks of one CUDA group share a GPU (development)"
+    )
     # How CUDA groups' buffers cross to the ranks: "vmm" (POSIX descriptors), "legacy"
     # (cudaIpcMemHandle bytes in the reply), or "auto": vmm, and legacy where the driver cannot
     # export VMM allocations.
-    cuda_memory: str = "auto"
+    cuda_memory: str = setting(
+        "auto",
+        area="CUDA",
+        help="how CUDA buffers cross to the ranks: auto, vmm or legacy",
+        check=one_of("auto", "vmm", "legacy"),
+    )
     # How a CUDA group's service path orders the daemon's stream after the ranks' inputs and the
     # ranks' streams after its sums: "stream-words" (counters in the group's buffers, written and
     # waited on by stream memory operations: nothing beyond the buffers' descriptors), "ipc-events"
     # (cudaIpcEventHandle: needs a /dev/shm shared with the ranks), or "auto": stream words where
     # every GPU of the group runs 64-bit stream memory operations, else IPC events.
-    cuda_service_ordering: str = "auto"
-    log_level: str = "INFO"
-    log_format: str = "json"
+    cuda_service_ordering: str = setting(
+        "auto",
+        area="CUDA",
+        help="how the CUDA service path orders streams: auto, stream-words or ipc-events",
+        check=one_of("auto", "stream-words", "ipc-events"),
+    )
+    # When a group aborts while CUDA graphs hold a rank's calls (their replays would return without
+    # their result): "exit" ends the rank's process with one line naming the group, the rank and the
+    # reason, as torch's NCCL watchdog does; "log" only writes the line, and the rank's
+    # Communicator.check() and next call raise. A job's NODECOMM_CAPTURED_ABORT wins over it.
+    captured_abort: str = setting(
+        "exit",
+        area="CUDA",
+        help="when a group aborts while CUDA graphs hold a rank's calls: exit (end the rank's process) or log",
+        check=one_of(*CAPTURED_ABORT_POLICIES),
+    )
+
+    # -- logging -----------------------------------------------------------------------------------
+    log_level: str = setting("INFO", area="logging", help="DEBUG, INFO, WARNING or ERROR", check=level_name)
+    log_format: str = setting("json", area="logging", help="json or text", check=one_of("json", "text"))
+
     # Boundary overrides: absent means "not overridden"; None means "switched off".
     overrides: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
 
@@ -206,190 +372,32 @@ class DaemonConfig:
             object.__setattr__(self, "state_dir", default_state_dir())
         if not self.cache_dir:
             object.__setattr__(self, "cache_dir", default_cache_dir())
-        _check_directory("state_dir", self.state_dir)
+        check_directory("state_dir", self.state_dir)
+        # What settings must agree on, before each is checked alone.
         if bool(self.tls_cert) != bool(self.tls_key) or (self.tls_client_ca and not self.tls_cert):
             raise ValueError("tls_cert and tls_key: expected both (PEM files) or neither; tls_client_ca needs them")
-        for name in ("tls_cert", "tls_key", "tls_client_ca"):
-            if getattr(self, name) and not os.path.isfile(getattr(self, name)):
-                raise ValueError(f"{name} {getattr(self, name)!r}: no such file")
+        for field in dataclasses.fields(self):
+            check = field.metadata.get("check")
+            if check is not None:
+                check(field.name, getattr(self, field.name))
         if self.tcp_address:
-            host = _split_address("tcp_address", self.tcp_address)[0]
+            host = split_address("tcp_address", self.tcp_address)[0]
             if not ipaddress.ip_address(host).is_loopback and not self.tls_cert:
                 raise ValueError(
                     f"tcp_address {self.tcp_address!r}: expected a loopback address (127.0.0.0/8 or ::1), or "
                     "tls_cert and tls_key for any other; the control plane is not exposed in the clear"
                 )
-        for name in ("allowed_uids", "allowed_gids", "operator_uids"):
-            parse_ids(name, getattr(self, name))
-        if self.socket_group:
-            parse_ids("socket_group", self.socket_group)
-        for name in (
-            "max_groups",
-            "max_ranks_per_group",
-            "max_allocations_per_rank",
-            "max_allocations_per_caller",
-            "max_topk_exchanges_per_group",
-            "max_forming_groups_per_caller",
-            "max_groups_per_caller",
-            "max_connections",
-            "max_connections_per_caller",
-            "timing_rate_per_rank",
-            "timing_rate_per_caller",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
-        if self.metrics_address != "off":
-            _split_address("metrics_address", self.metrics_address)
-        for name in (
-            "join_timeout_seconds",
-            "operation_timeout_seconds",
-            "session_grace_seconds",
-            "claim_token_ttl_seconds",
-            "drain_grace_seconds",
-            "private_grace_seconds",
-            "connection_idle_seconds",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name}: expected a positive number of seconds, got {getattr(self, name)!r}")
-        if not 0 <= self.live_margin < 1:
-            raise ValueError(f"live_margin: expected a fraction in [0, 1), got {self.live_margin!r}")
-        if self.explore_period < 0:
-            raise ValueError(f"explore_period: expected 0 (off) or a positive integer, got {self.explore_period!r}")
-        for name in ("live_min_samples", "table_switch_period", "service_queue_depth", "service_threads"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)!r}")
-        if self.timing_sample_period < 1:
-            raise ValueError(f"timing_sample_period: expected an integer >= 1, got {self.timing_sample_period}")
-        for name in ("max_capacity_bytes", "max_reserved_bytes", "max_reserved_bytes_per_caller", "max_bytes_per_gpu"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 64:
-                raise ValueError(f"{name}: expected a byte size of at least 64, got {getattr(self, name)!r}")
         unknown = set(self.overrides) - set(BOUNDARY_NAMES)
         if unknown:
             raise ValueError(f"unknown threshold overrides {sorted(unknown)}: expected {list(BOUNDARY_NAMES)}")
-        if self.cuda_memory not in ("auto", "vmm", "legacy"):
-            raise ValueError(f"cuda_memory: expected 'auto', 'vmm' or 'legacy', got {self.cuda_memory!r}")
-        if self.cuda_service_ordering not in ("auto", "stream-words", "ipc-events"):
-            raise ValueError(
-                f"cuda_service_ordering: expected 'auto', 'stream-words' or 'ipc-events', got {self.cuda_service_ordering!r}"
-            )
-        if self.captured_abort not in CAPTURED_ABORT_POLICIES:
-            raise ValueError(f"captured_abort: expected 'exit' or 'log', got {self.captured_abort!r}")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
-            raise ValueError(f"log_level {self.log_level!r}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
-        if self.log_format not in ("json", "text"):
-            raise ValueError(f"log_format: expected 'json' or 'text', got {self.log_format!r}")
         object.__setattr__(self, "overrides", dict(self.overrides))
 
     @property
     def metrics_host_port(self) -> tuple[str, int] | None:
-        return None if self.metrics_address == "off" else _split_address("metrics_address", self.metrics_address)
-
-
-def parse_ids(field: str, text: str) -> frozenset[int]:
-    """Comma-separated numeric ids or names: uids for allowed_uids and operator_uids, gids otherwise."""
-    ids = set()
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        if item.isdigit():
-            ids.add(int(item))
-            continue
-        try:
-            ids.add(pwd.getpwnam(item).pw_uid if field.endswith("_uids") else grp.getgrnam(item).gr_gid)
-        except KeyError:
-            kind = "user" if field.endswith("_uids") else "group"
-            raise ValueError(f"{field}: no {kind} named {item!r}; expected ids or names, comma-separated") from None
-    return frozenset(ids)
-
-
-def _check_directory(name: str, path: str) -> None:
-    """`path` is a directory, or one can be made there (what exists of it is a directory). Whether
-    this uid may write there is the daemon's to find when it saves (a read-only state_dir of
-    calibrations put there by hand is one way to deploy)."""
-    existing = os.path.abspath(path)
-    while not os.path.lexists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        what = (
-            "is not a directory"
-            if existing == os.path.abspath(path)
-            else f"is under {existing}, which is not a directory"
-        )
-        raise ValueError(f"{name} {path!r}: {what}; expected a directory (or one that can be made)")
-
-
-def _split_address(field: str, address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    host = host.strip("[]")
-    try:
-        ipaddress.ip_address(host)
-        number = int(port)
-    except ValueError:
-        raise ValueError(f"{field} {address!r}: expected 'ip:port', e.g. '127.0.0.1:9464'") from None
-    if not sep or not 0 <= number <= 65535:
-        raise ValueError(f"{field} {address!r}: expected 'ip:port' with a port in 0..65535")
-    return host, number
+        return None if self.metrics_address == "off" else split_address("metrics_address", self.metrics_address)
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(DaemonConfig) if f.name != "overrides"}
-
-# One line per setting for `nodecommd --help` (docs/operator-guide.md says more).
-HELP = {
-    "socket": "Unix socket of the gRPC control plane",
-    "tcp_address": "extra gRPC listener, ip:port on loopback (or with TLS); empty: none",
-    "tls_cert": "PEM certificate for tcp_address beyond loopback",
-    "tls_key": "PEM key for tls_cert",
-    "tls_client_ca": "PEM CA that TCP clients' certificates must chain to",
-    "socket_group": "group (name or gid) of the sockets and their directory; empty: the daemon's",
-    "allowed_uids": "comma-separated uids or user names that may join; empty: anyone who reaches the socket",
-    "allowed_gids": "comma-separated gids or group names that may join",
-    "operator_uids": "comma-separated uids or user names that may calibrate; empty: root and the daemon's uid",
-    "metrics_address": "ip:port of Prometheus /metrics, or off",
-    "state_dir": "where calibrations are stored",
-    "cache_dir": "where a private daemon keeps what it measured, for the user's next one",
-    "calibrate_on_start": "probe at start where state_dir holds no calibration for this machine",
-    "join_timeout_seconds": "longest a Join waits for the group's other ranks",
-    "operation_timeout_seconds": "longest one collective waits for a peer",
-    "session_grace_seconds": "a rank without a Session stream this long after its group formed is lost",
-    "claim_token_ttl_seconds": "a descriptor claim token unused this long is dropped",
-    "timing_sample_period": "each rank times one all-reduce in this many",
-    "live_recalibration": "move boundaries from the ranks' sampled timings",
-    "live_margin": "how much faster another path must be to move a boundary (fraction)",
-    "live_min_samples": "samples of both paths every rank needs in a size bucket",
-    "table_switch_period": "ranks switch to a new table together every this many all-reduces",
-    "explore_period": "every n-th all-reduce of a size bucket runs on another lossless path not yet found slower, "
-    "and is timed; once none is left, one in 256n; 0: off",
-    "captured_abort": "when a group aborts while CUDA graphs hold a rank's calls: exit (end the rank's process) or log",
-    "max_capacity_bytes": "largest slot capacity a group may ask for",
-    "max_reserved_bytes": "cap on everything reserved, all groups together",
-    "max_groups": "groups formed or forming at once",
-    "max_allocations_per_rank": "service-path allocations one rank may hold open",
-    "max_allocations_per_caller": "service-path allocations and top-k exchanges one uid's groups may hold open",
-    "max_forming_groups_per_caller": "groups one uid may have forming at once",
-    "max_groups_per_caller": "groups one uid may have formed and forming at once",
-    "max_reserved_bytes_per_caller": "bytes of buffers one uid's groups may reserve",
-    "max_connections": "connections to the control socket and TCP listener at once",
-    "max_connections_per_caller": "of those, connections one uid may hold",
-    "connection_idle_seconds": "a connection with no call in flight this long is closed",
-    "timing_rate_per_rank": "timings per second one rank may report; more are dropped",
-    "timing_rate_per_caller": "timings per second all of one uid's ranks may report together",
-    "allow_mixed_uids": "let ranks of several uids form one group",
-    "require_group_key": "refuse joins that carry no group key",
-    "max_topk_exchanges_per_group": "top-k exchanges one group may hold open",
-    "max_ranks_per_group": "largest world size a Join may ask for",
-    "max_bytes_per_gpu": "buffers one GPU may hold",
-    "drain_grace_seconds": "on SIGTERM, how long running calls get before the server stops",
-    "drain_on_stop": "on SIGTERM, abort every group first (false: running groups go on without the daemon)",
-    "service_queue_depth": "service-path collectives a group may queue",
-    "service_threads": "threads that run every group's service-path collectives",
-    "allow_shared_devices": "let the ranks of one CUDA group share a GPU (development)",
-    "private": "a job's own daemon, started by its ranks: exits when the job's leases end, writes no state",
-    "private_grace_seconds": "how long a private daemon outlives its job's last lease",
-    "cuda_memory": "how CUDA buffers cross to the ranks: auto, vmm or legacy",
-    "cuda_service_ordering": "how the CUDA service path orders streams: auto, stream-words or ipc-events",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "log_format": "json or text",
-}
 
 
 def _coerce(name: str, value: Any, where: str) -> Any:
@@ -470,17 +478,19 @@ def build_parser() -> argparse.ArgumentParser:
         argument_default=argparse.SUPPRESS,
     )
     parser.add_argument("--config", metavar="FILE", help="TOML file (also NODECOMM_CONFIG)")
+    areas = {area: parser.add_argument_group(area) for area in AREAS}
     for name, field in _FIELDS.items():
         metavar = "SIZE" if _is_size(name, field) else field.type.upper()
-        parser.add_argument(
+        areas[field.metadata["area"]].add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             metavar=metavar,
-            help=f"{HELP[name]} (default: {_shown_default(name, field)})",
+            help=f"{field.metadata['help']} (default: {_shown_default(name, field)})",
         )
+    thresholds = parser.add_argument_group("thresholds")
     for name in BOUNDARY_NAMES:
         path = name.split("_")[0]
-        parser.add_argument(
+        thresholds.add_argument(
             "--" + name.replace("_", "-"),
             dest=name,
             metavar="SIZE|off",

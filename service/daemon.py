@@ -32,7 +32,8 @@ from nodecomm.service.access.listening import (
     tls_credentials,
 )
 from nodecomm.service.calibration.stored import CalibrationStore
-from nodecomm.service.config import DaemonConfig, load_config, parse_ids
+from nodecomm.service.config import DaemonConfig, load_config
+from nodecomm.service.config_checks import parse_ids
 from nodecomm.service.groups.adoption import load_key
 from nodecomm.service.groups.registry import GroupRegistry
 from nodecomm.service.job_lease import JobLease

@@ -11,7 +11,8 @@ from collections.abc import Iterable
 
 import grpc
 
-from nodecomm.service.config import DaemonConfig, parse_ids
+from nodecomm.service.config import DaemonConfig
+from nodecomm.service.config_checks import parse_ids
 from nodecomm.socket_path import UNIX_PATH_MAX
 from nodecomm.trust import resolve_directory, who
 
