@@ -35,13 +35,14 @@ from .group_errors import GroupErrors
 from .mapping import SegmentMapping
 from .membership import Membership
 from .peer_liveness import PeerLiveness
-from .service_client import ServiceBuffer, ServiceClient, ServiceWork
+from .service_client import ServiceBuffer, ServiceClient
 from .session import Session
 from .table_offers import TableOffers
 from .tensor_checks import TensorChecks
 from .topk_exchange import CudaTopkExchange, TopkExchange, TopkExchanges
 from .transport import Transport
 from .transport_runs import TransportRuns
+from .work import Work
 
 log = logging.getLogger("nodecomm.client")
 
@@ -164,7 +165,7 @@ class Communicator:
         path: str | None = None,
         wire: str | None = None,
         async_op: bool = False,
-    ) -> torch.Tensor | ServiceWork:
+    ) -> torch.Tensor | Work:
         """Sum `tensor` across ranks; returns `out` (a new tensor unless given; `out=tensor` is in place).
 
         tensor: contiguous float32, float16 or bfloat16 tensor on this group's device, the same
@@ -185,7 +186,7 @@ class Communicator:
             raise self._located(error) from None
         done = self._tensor_call(tensor, out, forced, wanted)
         if type(done) is torch.Tensor:
-            return ServiceWork.completed(done) if async_op else done
+            return Work.completed(done) if async_op else done
         if done is None:  # declined: the checks say what is wrong with the tensors, or a subclass runs here
             self._tensors.check(tensor, "tensor")
             if out is not tensor:  # in place needs no second check
@@ -208,7 +209,7 @@ class Communicator:
                 raise self._errors.of_lane(_native.error(kind, message))
         if outcome != _DONE:
             return self._after_lane(outcome, tensor, out, sampled, async_op)
-        return ServiceWork.completed(out) if async_op else out
+        return Work.completed(out) if async_op else out
 
     def all_reduce_rms_norm(
         self,
@@ -263,12 +264,12 @@ class Communicator:
 
     def _after_lane(
         self, outcome: int, tensor: torch.Tensor, out: torch.Tensor, sampled: bool, async_op: bool
-    ) -> torch.Tensor | ServiceWork:
+    ) -> torch.Tensor | Work:
         """What the native lane left to Python: a table switch after the call, the reason it did not
         run, or the call itself when decided for the service path (the daemon runs it) or NCCL."""
         if outcome == _DONE_SWITCH:
             self._agree_on_table()
-            return ServiceWork.completed(out) if async_op else out
+            return Work.completed(out) if async_op else out
         if outcome == _PROBE:
             probe_for_capture(self.all_reduce, tensor, self._dispatcher, self.membership.where)
             return self.all_reduce(tensor, out=out, async_op=async_op)
@@ -281,7 +282,7 @@ class Communicator:
             work = self._submitted(self._service.all_reduce, tensor, out)
         elif outcome == _NCCL_DECIDED:
             self._transport_runs.nccl_all_reduce(tensor, out, sampled, capturing, self._operation_timeout)
-            work = ServiceWork.completed(out)
+            work = Work.completed(out)
         else:
             raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
         self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
@@ -361,7 +362,7 @@ class Communicator:
             raise self._errors.of_lane(_native.error(kind, message))
         return self._after_lane(outcome, tensor, out, sampled, False)  # a switch, or NCCL or the service path
 
-    def _submitted(self, submit, *args) -> ServiceWork:
+    def _submitted(self, submit, *args) -> Work:
         with self._lock:
             self._check_usable()
             self._check_daemon("the service path")
@@ -395,7 +396,7 @@ class Communicator:
         out: torch.Tensor | None = None,
         path: str | None = None,
         async_op: bool = False,
-    ) -> torch.Tensor | ServiceWork:
+    ) -> torch.Tensor | Work:
         """Gather every rank's `tensor` (any dtype); returns `out` of shape [world_size, *tensor.shape].
         path="service" has the daemon run it; async_op as for all_reduce."""
         if not isinstance(tensor, torch.Tensor) or not self._transport.on_device(tensor) or not tensor.is_contiguous():
@@ -413,7 +414,7 @@ class Communicator:
         # CPU groups gather through the staging slots, CUDA groups with copy engines.
         gathered_by = Path.DMA if self._transport.kind == DeviceKind.CUDA else Path.ONESHOT
         self._session.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
-        return ServiceWork.completed(out) if async_op else out
+        return Work.completed(out) if async_op else out
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (on a CUDA group: once every rank's

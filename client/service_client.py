@@ -29,10 +29,7 @@ import torch
 
 from nodecomm import _native
 from nodecomm.errors import (
-    DaemonUnavailableError,
-    InternalError,
     InvalidArgumentError,
-    NodecommError,
     from_rpc_error,
 )
 from nodecomm.topk_layout import owned_rows
@@ -42,6 +39,7 @@ from nodecomm.v1 import control_pb2_grpc as pb_grpc
 from .descriptors import DescriptorSocket
 from .dtypes import DTYPE_CODES
 from .membership import Membership
+from .work import Work
 
 # The smallest staging buffer the service path allocates (larger ones double from it): one per rank
 # for the small copies of a whole job.
@@ -116,55 +114,6 @@ class ServiceBuffer:
 class _Staged:
     buffer: ServiceBuffer
     copy_to: list[tuple[torch.Tensor, int]]  # (destination, byte offset in buffer) after the work
-
-
-class ServiceWork:
-    """A submitted collective. wait() returns its result (the output tensor, or the owner table's
-    (idx, scores)) once the daemon has run it (CUDA groups: once the current stream waits for it),
-    or raises its error."""
-
-    def __init__(self, future: grpc.Future | None, on_done, where: dict, timeout: float, result=None):
-        self._future = future
-        self._on_done = on_done
-        self._where = where
-        self._timeout = timeout
-        self._result = result
-        self._error: NodecommError | None = None
-        self._finished = future is None
-
-    @classmethod
-    def completed(cls, result) -> ServiceWork:
-        """The work of a call that finished before it returned."""
-        return cls(None, lambda reply: None, {}, 0.0, result)
-
-    def done(self) -> bool:
-        return self._finished or self._future.done()
-
-    def wait(self):
-        if not self._finished:
-            reply = None
-            try:
-                reply = self._future.result(timeout=self._timeout)
-            except grpc.RpcError as error:
-                self._error = from_rpc_error(error, **self._where)
-            except grpc.FutureTimeoutError:
-                self._future.cancel()
-                self._error = DaemonUnavailableError(
-                    f"the daemon did not answer a submit within {self._timeout:.1f} s", **self._where
-                )
-            finally:
-                self._finished = True
-                try:
-                    self._on_done(reply)
-                except NodecommError as error:
-                    self._error = self._error or error
-                except Exception as error:  # e.g. torch failing to open the done event
-                    self._error = self._error or InternalError(
-                        f"finishing a service collective failed: {error}", **self._where
-                    )
-        if self._error is not None:
-            raise self._error
-        return self._result
 
 
 class ServiceClient:
@@ -294,19 +243,19 @@ class ServiceClient:
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> ServiceWork:
+    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor) -> Work:
         nbytes = tensor.numel() * tensor.element_size()
         return self._submit(
             pb.ALL_REDUCE, DTYPE_CODES[tensor.dtype], tensor.numel(), 0, [tensor], [out], nbytes, nbytes, out
         )
 
-    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> ServiceWork:
+    def all_gather(self, tensor: torch.Tensor, out: torch.Tensor) -> Work:
         nbytes = tensor.numel() * tensor.element_size()
         return self._submit(
             pb.ALL_GATHER, pb.DTYPE_UNSPECIFIED, nbytes, 0, [tensor], [out], nbytes, nbytes * self.world_size, out
         )
 
-    def topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> ServiceWork:
+    def topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor) -> Work:
         """Submit the exchange of [rows, topk] candidates; the work's result is the owner table."""
         rows, topk = local_idx.shape
         owned = len(owned_rows(rows, self.world_size, self._ids["rank"]))
@@ -330,7 +279,7 @@ class ServiceClient:
         in_bytes: int,
         out_bytes: int,
         result=None,
-    ) -> ServiceWork:
+    ) -> Work:
         """Reference the tensors where they lie in service memory (one input and one output
         tensor), else stage them: inputs packed in order, then outputs."""
         if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
@@ -375,7 +324,7 @@ class ServiceClient:
         future = self._stub.Submit.future(request, timeout=self._timeout + 5.0, metadata=self._metadata)
         if ready is not None:
             future.add_done_callback(lambda _: self._release_ready(ready))
-        return ServiceWork(future, lambda reply: self._finish(staged, reply), self._where, self._timeout + 10.0, result)
+        return Work(future, lambda reply: self._finish(staged, reply), self._where, self._timeout + 10.0, result)
 
     def _raise_ready_word(self, value: int) -> None:
         """Enqueue on the current stream: this rank's "input ready" word := value. A stream other
@@ -409,7 +358,7 @@ class ServiceClient:
                 event = self._done[handle] = torch.cuda.Event.from_ipc_handle(self.device, handle)
         return event
 
-    def empty_submit(self) -> ServiceWork:
+    def empty_submit(self) -> Work:
         """A collective with nothing to move: what one submit costs on the control plane."""
         return self._submit(pb.ALL_REDUCE, pb.FLOAT32, 0, 0, [], [], 0, 0)
 

@@ -243,7 +243,7 @@ def communicator(group: dist.ProcessGroup | None = None, device: str | torch.dev
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())
-    return _composed(group, resolved).lane(resolved.type).communicator(resolved)
+    return _composed(group, resolved).node_group(resolved.type).communicator(resolved)
 
 
 def daemon(group: dist.ProcessGroup | None = None, device: str | torch.device = "cpu") -> daemon_choice.DaemonChoice:

@@ -1,12 +1,12 @@
-"""Lane: one nodecomm group behind a process group, joined on first use, its operations in call order.
+"""NodeGroup: one nodecomm group behind a process group, joined on first use, its operations in call order.
 
-A process group has a lane per device type for its collectives, and one per (source, destination,
+A process group has a node group per device type for its collectives, and one per (source, destination,
 tag) for sends and receives. Where each operation runs:
 - CUDA collectives are enqueued on the caller's current stream, on the calling thread, like
   `comm.all_reduce` (so they can be captured in a CUDA graph);
 - CPU collectives run on the calling thread, unless asked to run asynchronously: those go to the
-  lane's worker thread, and any operation issued behind them queues there too, so order holds;
-- sends and receives always run on their lane's worker (on CUDA, on the lane's own stream, after
+  node group's worker thread, and any operation issued behind them queues there too, so order holds;
+- sends and receives always run on their node group's worker (on CUDA, on the node group's own stream, after
   the caller's stream): a rank that sends before it receives must not wait for its peer there.
 """
 
@@ -26,7 +26,7 @@ from .work import Work
 Operation = Callable[["Communicator"], None]  # noqa: F821 (nodecomm.client.Communicator)
 
 
-class Lane:
+class NodeGroup:
     def __init__(
         self,
         group: str,
@@ -40,7 +40,7 @@ class Lane:
         what: str = "",
     ):
         self.group = group
-        # The process group's global ranks by lane rank, and what the lane carries: what its join's
+        # The process group's global ranks by node-group rank, and what the node group carries: what its join's
         # errors say, whose own ranks (a pair's 0 and 1) mean nothing to the job.
         self._ranks, self._what = ranks, what
         self.rank = rank
@@ -66,7 +66,7 @@ class Lane:
         return self._comm
 
     def communicator(self, device: torch.device):
-        """The lane's Communicator, joining its group on the first call (every rank of the lane
+        """The node group's Communicator, joining its group on the first call (every rank of the node group
         must make that call: it is the group's Join)."""
         comm = self._comm
         if comm is not None:
@@ -85,14 +85,14 @@ class Lane:
                     raise self._said_of_the_job(error) from None
             return self._comm
 
-    def _global(self, lane_rank: str) -> int | str:
-        """The global rank of a lane rank written in a message (left as written where it is none)."""
-        index = int(lane_rank)
-        return self._ranks[index] if index < len(self._ranks) else lane_rank
+    def _global(self, group_rank: str) -> int | str:
+        """The global rank of a node-group rank written in a message (left as written where it is none)."""
+        index = int(group_rank)
+        return self._ranks[index] if index < len(self._ranks) else group_rank
 
     def _said_of_the_job(self, error: NodecommError) -> NodecommError:
-        """A join's error in the job's words: its global ranks for the lane's, and what the lane
-        carries (the lane's own group name and ranks follow, for the daemon's logs)."""
+        """A join's error in the job's words: its global ranks for the node group's, and what
+        it carries (its own group name and ranks follow, for the daemon's logs)."""
         if not self._ranks or self._joiner is not None:
             return error  # across nodes the joins are per node, in the node's own ranks
         detail = re.sub(
@@ -147,7 +147,7 @@ class Lane:
             self._pending -= 1
 
     def _submit_on_stream(self, operation: Operation, result: list[torch.Tensor], device: torch.device) -> Work:
-        """CUDA work on the worker: on the lane's stream, after what the caller's stream holds."""
+        """CUDA work on the worker: on the node group's stream, after what the caller's stream holds."""
         with self._lock:
             stream = self._streams.get(device)
             if stream is None:
@@ -159,8 +159,8 @@ class Lane:
         done = torch.cuda.Event()
 
         def job() -> None:
-            # Joining runs kernels too (the peer self-test): on this lane's stream as well, so that
-            # no two lanes' kernels queue behind each other on one stream in different orders on
+            # Joining runs kernels too (the peer self-test): on this node group's stream as well, so that
+            # no two node groups' kernels queue behind each other on one stream in different orders on
             # different ranks (each would wait for the other's peer).
             with torch.cuda.stream(stream):
                 comm = self.communicator(device)

@@ -2,7 +2,7 @@
 
 torch holds the C++ backend (nodecomm._c10d.Backend); it runs an all-reduce SUM natively and hands
 every other operation to the methods below by their Python names (torch's own). Each maps torch's
-arguments onto a lane's Communicator through nodecomm.distributed.collectives and returns a Work.
+arguments onto a node group's Communicator through nodecomm.distributed.collectives and returns a Work.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from nodecomm.errors import InvalidArgumentError, UnsupportedError
 
 from . import collectives
 from .collectives import RedOp, check_reducible, reduce_op_type
-from .lanes import Lane
+from .node_groups import NodeGroup
 from .sends import SendLedger
 from .work import Work
 
@@ -79,7 +79,7 @@ class NodecommProcessGroup:
     ):
         self._store = store
         self._global_ranks = global_ranks or list(range(size))  # by group rank: what errors name
-        # Each rank's (machine and pid namespace, pid, start time): a lane's join waits no longer
+        # Each rank's (machine and pid namespace, pid, start time): a node group's join waits no longer
         # for a rank whose process, seen from here, has ended.
         self._processes = processes or []
         self._rank = rank
@@ -90,11 +90,11 @@ class NodecommProcessGroup:
         # The group's timeout (init_process_group(timeout=...)) bounds joining and every wait.
         seconds = timeout.total_seconds()
         self._options = {**connect_options, "timeout": seconds, "operation_timeout": seconds}
-        # Across nodes: every rank's node name; each lane's group then spans the nodes.
+        # Across nodes: every rank's node name; each node group then spans the nodes.
         self._node_names = node_names
-        self._collective_lanes: dict[str, Lane] = {}
-        self._pair_lanes: dict[tuple[str, int, int, int], Lane] = {}
-        self._pair_lock = threading.Lock()  # receives from any source make pair lanes on their own thread
+        self._collective_groups: dict[str, NodeGroup] = {}
+        self._pair_groups: dict[tuple[str, int, int, int], NodeGroup] = {}
+        self._pair_lock = threading.Lock()  # receives from any source make pair groups on their own thread
         self._sends = SendLedger(store, f"nodecomm/{name}", rank, size, seconds)
         self._any_source: concurrent.futures.ThreadPoolExecutor | None = None  # receives from any source, in order
         self._shut_down = False
@@ -102,58 +102,58 @@ class NodecommProcessGroup:
     def __repr__(self) -> str:
         return f"NodecommProcessGroup(name={self.nodecomm_name!r}, rank={self._rank}, size={self._size})"
 
-    # -- lanes ---------------------------------------------------------------------------------
+    # -- node groups ---------------------------------------------------------------------------------
 
-    def lane(self, device_type: str) -> Lane:
-        lane = self._collective_lanes.get(device_type)
-        if lane is None:
+    def node_group(self, device_type: str) -> NodeGroup:
+        node_group = self._collective_groups.get(device_type)
+        if node_group is None:
             self._check_open()
-            lane = Lane(
+            node_group = NodeGroup(
                 f"{self.nodecomm_name}/{device_type}", self._rank, self._size,
                 self._options | self._watched({r: r for r in range(self._size)}), self._joiner(self._rank),
                 ranks=tuple(self._global_ranks), what=f"the process group's {device_type} collectives",
             )  # fmt: skip
-            self._collective_lanes[device_type] = lane
-        return lane
+            self._collective_groups[device_type] = node_group
+        return node_group
 
     def connected_communicator(self, device_type: str):
-        """The Communicator of this device type's lane once it has joined, else None (what the C++
+        """The Communicator of this device type's node group once it has joined, else None (what the C++
         backend binds its native all-reduce to)."""
-        lane = self._collective_lanes.get(device_type)
-        return lane.joined if lane is not None else None
+        node_group = self._collective_groups.get(device_type)
+        return node_group.joined if node_group is not None else None
 
-    def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> Lane:
+    def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> NodeGroup:
         key = (device_type, source, destination, tag)
         with self._pair_lock:
-            lane = self._pair_lanes.get(key)
-            if lane is None:
+            node_group = self._pair_groups.get(key)
+            if node_group is None:
                 self._check_open()
                 name = f"{self.nodecomm_name}/p2p-{device_type}/{source}-{destination}/{_UNSAFE.sub('_', str(tag))}"
                 global_ranks = (self._global_ranks[source], self._global_ranks[destination])
-                lane = Lane(
+                node_group = NodeGroup(
                     name, 0 if self._rank == source else 1, 2, self._options | self._watched({source: 0, destination: 1}),
                     self._joiner(self._rank), background=True,
                     ranks=global_ranks,
                     what=f"the send from global rank {global_ranks[0]} to global rank {global_ranks[1]} (tag {tag})",
                 )  # fmt: skip
-                self._pair_lanes[key] = lane
-        return lane
+                self._pair_groups[key] = node_group
+        return node_group
 
-    def _watched(self, lane_ranks: dict[int, int]) -> dict[str, object]:
-        """connect()'s peer_processes for a lane whose ranks are `lane_ranks` (group rank -> lane
+    def _watched(self, member_ranks: dict[int, int]) -> dict[str, object]:
+        """connect()'s peer_processes for a node group whose ranks are `member_ranks` (group rank -> member
         rank): its other ranks on this machine. Nothing across nodes (their joiner takes none)."""
         if self._node_names is not None or not self._processes:
             return {}
         machine = self._processes[self._rank][0]
         watched = {
-            lane: (pid, start) for group_rank, lane in lane_ranks.items()
+            member: (pid, start) for group_rank, member in member_ranks.items()
             for seen, pid, start in [self._processes[group_rank]]
             if group_rank != self._rank and seen == machine and pid > 0
         }  # fmt: skip
         return {"peer_processes": watched} if watched else {}
 
     def _joiner(self, rank: int) -> Callable | None:
-        """How a lane joins its group: None (nodecomm.connect) on one node; across nodes,
+        """How a node group joins its group: None (nodecomm.connect) on one node; across nodes,
         connect_across_nodes on the group's store, naming this rank's node."""
         if self._node_names is None:
             return None
@@ -163,7 +163,7 @@ class NodecommProcessGroup:
 
     def _run(self, tensors: list[torch.Tensor], operation: Callable, result: list, async_op: bool) -> Work:
         device = _device_of(tensors)
-        return self.lane(device.type).run(operation, result, device, async_op)
+        return self.node_group(device.type).run(operation, result, device, async_op)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -368,27 +368,27 @@ class NodecommProcessGroup:
 
     def barrier(self, opts=None) -> Work:
         """On the CPU group, or on the CUDA one when that is the only one joined (every rank has
-        joined the same lanes by now: they join at the same collectives)."""
-        cuda = self._collective_lanes.get("cuda")
-        cpu = self._collective_lanes.get("cpu")
+        joined the same node groups by now: they join at the same collectives)."""
+        cuda = self._collective_groups.get("cuda")
+        cpu = self._collective_groups.get("cpu")
         if cuda is not None and cuda.connected and (cpu is None or not cpu.connected):
             device = cuda.communicator(torch.device("cuda")).device
             return cuda.run(lambda comm: comm.barrier(), [], device, _async(opts))
-        return self.lane("cpu").run(lambda comm: comm.barrier(), [], torch.device("cpu"), _async(opts))
+        return self.node_group("cpu").run(lambda comm: comm.barrier(), [], torch.device("cpu"), _async(opts))
 
     # -- point to point ------------------------------------------------------------------------
 
     def send(self, tensors: list[torch.Tensor], destination: int, tag: int) -> Work:
         tensor = _one(tensors, "send")
         self._peer(destination, "send to")
-        lane = self._pair_lane(tensor.device.type, self._rank, destination, tag)
+        node_group = self._pair_lane(tensor.device.type, self._rank, destination, tag)
         payload = collectives.flat(tensor)
 
         def operation(comm) -> None:
             comm.all_gather(payload)
 
         self._sends.sent(destination, tag)
-        return lane.run(operation, tensors, _device_of(tensors), True)
+        return node_group.run(operation, tensors, _device_of(tensors), True)
 
     def recv(self, tensors: list[torch.Tensor], source: int, tag: int) -> Work:
         tensor = _one(tensors, "recv")
@@ -398,7 +398,7 @@ class NodecommProcessGroup:
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int) -> Work:
         """A receive from whichever rank has sent this rank a message with `tag` that no receive
-        has taken yet (distributed/sends.py), on that pair's lane; the Work's source then names it."""
+        has taken yet (distributed/sends.py), on that pair's group; the Work's source then names it."""
         tensor = _one(tensors, "recv")
         _device_of(tensors)
         self._check_open()
@@ -432,13 +432,13 @@ class NodecommProcessGroup:
         return work
 
     def _receive(self, tensor: torch.Tensor, source: int, tag: int) -> Work:
-        lane = self._pair_lane(tensor.device.type, source, self._rank, tag)
+        node_group = self._pair_lane(tensor.device.type, source, self._rank, tag)
 
         def operation(comm) -> None:
             rows = comm.all_gather(torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device))
             tensor.copy_(rows[0].view(tensor.shape))
 
-        work = lane.run(operation, [tensor], tensor.device, True)
+        work = node_group.run(operation, [tensor], tensor.device, True)
         work.source = source
         return work
 
@@ -474,11 +474,11 @@ class NodecommProcessGroup:
         if self._any_source is not None:
             self._any_source.shutdown(wait=True)  # each receive is bounded by the group's timeout
         with self._pair_lock:
-            lanes = [*self._pair_lanes.values(), *self._collective_lanes.values()]
-            self._pair_lanes, self._collective_lanes = {}, {}
+            node_groups = [*self._pair_groups.values(), *self._collective_groups.values()]
+            self._pair_groups, self._collective_groups = {}, {}
         try:
-            for lane in lanes:
-                lane.close()
+            for node_group in node_groups:
+                node_group.close()
         finally:
             if self._daemon_lease is not None:
                 self._daemon_lease.release()

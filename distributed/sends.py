@@ -1,11 +1,11 @@
 """SendLedger: who has sent what to whom, so that a receive from any source finds its sender.
 
-Sends and receives run on pair lanes, one nodecomm group per (source, destination, tag), so a
+Sends and receives run on pair groups, one nodecomm group per (source, destination, tag), so a
 receive must name its source. Every send also counts itself in the process group's store under
 (source, destination, tag); every receiver counts the receives it has issued per (source, tag).
 A receive from any source waits until some source has sent more than this rank has taken from it,
-takes the lowest such rank, and receives from it on that pair's lane. Messages of one pair keep
-their order, so counts are all that must agree: whichever receive takes a count, the pair's lane
+takes the lowest such rank, and receives from it on that pair's group. Messages of one pair keep
+their order, so counts are all that must agree: whichever receive takes a count, the pair's group
 hands out that pair's messages first in, first out.
 """
 

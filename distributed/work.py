@@ -3,7 +3,7 @@
 An operation finishes in one of three ways, and the Work records which:
 - on the calling thread, before the Work is returned (CPU operations that were not asked to run
   asynchronously): nothing to wait for;
-- on a lane's worker thread (asynchronous CPU operations, every send and recv): `done` is the
+- on a node group's worker thread (asynchronous CPU operations, every send and recv): `done` is the
   concurrent future the worker completes, with the operation's error if it failed;
 - enqueued on a CUDA stream: `event` is recorded on that stream after the operation, and wait()
   makes the caller's current stream wait on it, without blocking the host, as NCCL's Work does.

@@ -217,7 +217,7 @@ class Backend : public ::c10d::Backend {
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
       at::Tensor& tensor = tensors[0];
-      Lane* bound = lane_for(tensor);
+      Binding* bound = binding_for(tensor);
       if (bound != nullptr) {
         const std::optional<c10::Stream> stream =
             tensor.is_cuda() ? std::optional(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()))
@@ -345,8 +345,9 @@ class Backend : public ::c10d::Backend {
     return c10::make_intrusive<PythonWork>(composed_.attr(name)(std::forward<Args>(args)...));
   }
 
-  // A rank's lane for one device type, once the Python group's lane of that type has joined.
-  struct Lane {
+  // How this backend reaches a rank's lane (the native all-reduce) for one device type, once the
+  // Python group's node group of that type has joined.
+  struct Binding {
     const NodecommLaneApi* api = nullptr;
     void* address = nullptr;
     int device = -1;           // the CUDA device index it enqueues on
@@ -355,10 +356,10 @@ class Backend : public ::c10d::Backend {
     py::object communicator;   // its Communicator, for what the lane leaves to Python
   };
 
-  // The lane that runs this all-reduce natively, or null: the Python group takes it. A CPU call
+  // The binding whose lane runs this all-reduce natively, or null: the Python group takes it. A CPU call
   // waits for nothing the Python group runs in the background (the ranks' calls keep one order);
   // a CUDA one is ordered by its stream.
-  Lane* lane_for(const at::Tensor& tensor) {
+  Binding* binding_for(const at::Tensor& tensor) {
     if (dtype_code(tensor) == 0 || tensor.layout() != at::kStrided || !tensor.is_contiguous() || tensor.numel() == 0)
       return nullptr;
     if (tensor.is_cpu()) {
@@ -373,10 +374,10 @@ class Backend : public ::c10d::Backend {
     return nullptr;
   }
 
-  // After a call the Python group ran: its lane for the tensor's device type, if joined now.
+  // After a call the Python group ran: bind the lane of the tensor's device type, if joined now.
   void bind(const at::Tensor& tensor) {
     if (!(tensor.is_cpu() || tensor.is_cuda())) return;
-    Lane& slot = tensor.is_cpu() ? cpu_ : cuda_;
+    Binding& slot = tensor.is_cpu() ? cpu_ : cuda_;
     if (slot.api != nullptr || slot.none) return;
     py::gil_scoped_acquire gil;
     py::object communicator = composed_.attr("connected_communicator")(tensor.is_cpu() ? "cpu" : "cuda");
@@ -389,15 +390,15 @@ class Backend : public ::c10d::Backend {
     auto parts = lane.cast<py::tuple>();
     const NodecommLaneApi* api = lane_api_of(parts[0].cast<py::capsule>());
     py::object device = communicator.attr("device").attr("index");
-    slot = Lane{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
+    slot = Binding{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
                 device.is_none() ? -1 : device.cast<int>(), false, parts[2], std::move(communicator)};
   }
 
   void unbind_and_call(const char* name) {
     py::gil_scoped_acquire gil;
     // The lanes close below; a later call takes the Python path, which says so.
-    cpu_ = Lane{};
-    cuda_ = Lane{};
+    cpu_ = Binding{};
+    cuda_ = Binding{};
     composed_.attr(name)();
   }
 
@@ -406,7 +407,7 @@ class Backend : public ::c10d::Backend {
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
   std::atomic<std::uint64_t> lane_calls_{0};
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>(c10::kCUDA);
-  Lane cpu_, cuda_;
+  Binding cpu_, cuda_;
 };
 
 }  // namespace nodecomm::c10d_backend
