@@ -4,9 +4,12 @@ whether the stream captures; when the ranks agree on a table, and which one."""
 import dataclasses
 
 import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 
 from nodecomm.client.dispatch import PATH_CODES, Dispatcher
 from nodecomm.errors import InvalidArgumentError
+from nodecomm.evidence import bucket_index
 from nodecomm.thresholds import Boundary, DispatchTable, Path, Source, Wire, build_table
 
 KIB = 1 << 10
@@ -62,40 +65,149 @@ def test_the_service_path_is_refused_under_capture_unless_forced():
     assert dispatcher.decide(128 << 20, forced=None, capturing=False).path is Path.SERVICE
 
 
-def test_every_explore_period_th_call_of_a_bucket_times_the_least_timed_rival_the_daemon_has_not_settled():
-    """30 KiB goes to oneshot; every 3rd call of its bucket (16..64 KiB) runs twoshot or dma, the
-    one timed less (the lower code on a tie), and the call after it is timed on oneshot (the first
-    call is, by the sample period). Calls in other buckets, and captured calls (a capture is
-    replayed as recorded), count for nothing there. A rival the table lists as settled there is
-    left out; with both settled only every 3 x 256th call explores."""
-    dispatcher = cuda_dispatcher(explore_period=3, sample_period=1 << 20)
-    near_edge = 30 * KIB
+LOSSLESS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
+# One size in each bucket (nodecomm.evidence, as native/dispatch_table.h's): oneshot's up to 30 KiB
+# near its edge, twoshot's, dma's up to 64 MiB at the service path's edge, and the service path's.
+SIZES = (512, 3 * KIB, 10 * KIB, 30 * KIB, 200 * KIB, 700 * KIB, 2 << 20, 10 << 20, 64 << 20, 100 << 20, 1 << 30)
+assert sorted(bucket_index(n) for n in SIZES) == list(range(len(SIZES)))
+REFRESH = 256  # native/dispatch.h's kRefresh: where every rival is settled, one explore in explore_period x 256
 
-    def calls(count: int) -> list[tuple[Path, bool, bool]]:
-        decided = [dispatcher.decide(near_edge, forced=None, capturing=False) for _ in range(count)]
-        return [(d.path, d.explored, d.sampled) for d in decided]
 
-    one, two, dma = Path.ONESHOT, Path.TWOSHOT, Path.DMA
-    assert calls(3) == [(one, False, True), (one, False, False), (two, True, True)]
-    dispatcher.decide(4 * KIB, forced=None, capturing=False)  # another bucket
-    assert [dispatcher.decide(near_edge, forced=None, capturing=True).path for _ in range(3)] == [one] * 3
-    assert calls(7) == [
-        (one, False, True), (one, False, False), (dma, True, True),
-        (one, False, True), (one, False, False), (two, True, True),
-        (one, False, True),
-    ]  # fmt: skip
-    bucket = 3  # 16..64 KiB: 1 KiB, 4 KiB, 16 KiB, 64 KiB
-    dispatcher.table = dataclasses.replace(TABLE, epoch=2, settled=(0,) * bucket + (1 << 2,))  # twoshot
-    assert calls(3) == [(one, False, False), (dma, True, True), (one, False, True)]  # calls 11 .. 13
-    dispatcher.table = dataclasses.replace(TABLE, epoch=3, settled=(0,) * bucket + (1 << 2 | 1 << 3,))
-    assert not any(explored or sampled for _, explored, sampled in calls(3 * 256 - 14))  # calls 14 .. 767
-    assert calls(2) == [(two, True, True), (one, False, False)]  # the 768th refreshes the least timed
-    # dma's range ends at the service path, which is not lossless: its rivals are the SM paths.
-    at_service_edge = cuda_dispatcher(explore_period=1)
-    assert [at_service_edge.decide(64 << 20, forced=None, capturing=False).path for _ in range(3)] == [one, two, one]
-    # The service path's range explores nothing.
-    beyond = cuda_dispatcher(explore_period=1)
-    assert not any(beyond.decide(1 << 30, forced=None, capturing=False).explored for _ in range(4))
+def rivals(table: DispatchTable, nbytes: int) -> tuple[frozenset[Path], frozenset[Path]]:
+    """The paths a table-dispatched call of `nbytes` may explore (every other lossless path a CUDA
+    rank runs, where the table's is lossless), and those of them the table has not settled there."""
+    path = table.path_for(nbytes)
+    every = frozenset(p for p in LOSSLESS if p is not path and p in CUDA_PATHS) if path in LOSSLESS else frozenset()
+    mask = table.settled[bucket_index(nbytes)] if table.settled else 0
+    return every, frozenset(p for p in every if not mask >> PATH_CODES[p] & 1)
+
+
+CALLS = st.lists(
+    st.one_of(
+        st.tuples(st.just("table"), st.sampled_from(SIZES)),
+        st.tuples(st.just("table"), st.sampled_from(SIZES)),
+        # A capture is replayed as recorded: never explored (the service path cannot be captured).
+        st.tuples(st.just("captured"), st.sampled_from([n for n in SIZES if TABLE.path_for(n) is not Path.SERVICE])),
+        st.tuples(st.just("forced"), st.sampled_from(SIZES)),
+    ),
+    max_size=400,
+)
+SETTLED = st.lists(st.sets(st.sampled_from(LOSSLESS)), min_size=len(SIZES), max_size=len(SIZES)).map(
+    lambda buckets: tuple(sum(1 << PATH_CODES[p] for p in settled) for settled in buckets)
+)
+EVERY_SIZE_AGAIN = [("table", n) for n in SIZES] * 12 + [("captured", 30 * KIB), ("forced", 30 * KIB)] * 3
+
+
+@settings(max_examples=150, deadline=None, database=None, derandomize=True)
+@example(explore_period=1, sample_period=1 << 20, settled=(), calls=EVERY_SIZE_AGAIN)
+@example(explore_period=3, sample_period=1 << 20, settled=(0,) * 3 + (1 << 2,) + (0,) * 7, calls=EVERY_SIZE_AGAIN)
+@given(explore_period=st.integers(1, 4), sample_period=st.integers(1, 5), settled=SETTLED, calls=CALLS)
+def test_each_rival_of_a_bucket_is_timed_within_explore_period_calls_per_rival(
+    explore_period, sample_period, settled, calls
+):
+    """native/dispatch.h's exploration, as a property of any calls: every explore_period-th
+    table-dispatched call of a size bucket runs a rival instead, so that each rival the daemon has
+    not settled there is timed within N = explore_period x (those rivals) of the bucket's calls;
+    where it settled them all, N = explore_period x 256 x (rivals). A settled rival is left out
+    while another is open; the service path's range (no lossless rival) explores nothing; calls of
+    other buckets, captured calls and forced ones count for nothing there. Every sample_period-th
+    call is timed, every explored one, and the bucket's call after an explore of an open rival (on
+    the table's own path, beside it)."""
+    table = dataclasses.replace(TABLE, settled=settled)
+    dispatcher = Dispatcher(table, CUDA_PATHS, "cuda", explore_period=explore_period, sample_period=sample_period)
+    explored: dict[int, list[Path | None]] = {}  # per bucket, each table-dispatched call's rival or None
+    paired: dict[int, bool] = {}
+    for number, (kind, nbytes) in enumerate(calls, 1):
+        decision = dispatcher.decide(nbytes, forced="dma" if kind == "forced" else None, capturing=kind == "captured")
+        by_period = (number - 1) % sample_period == 0
+        if kind != "table":
+            assert (decision.explored, decision.sampled) == (False, by_period), (number, kind, decision)
+            continue
+        bucket = bucket_index(nbytes)
+        every, open_ = rivals(table, nbytes)
+        history = explored.setdefault(bucket, [])
+        history.append(decision.path if decision.explored else None)
+        period = explore_period if open_ else explore_period * REFRESH
+        assert decision.explored == (bool(every) and len(history) % period == 0), (number, nbytes, decision)
+        if decision.explored:
+            assert decision.path in (open_ or every) and decision.sampled, (number, nbytes, decision)
+        else:
+            assert decision.path is table.path_for(nbytes), (number, nbytes, decision)
+            assert decision.sampled == (by_period or paired.get(bucket, False)), (number, nbytes, decision)
+        paired[bucket] = decision.explored and bool(open_)
+    for bucket, history in explored.items():
+        every, open_ = rivals(table, SIZES[bucket])
+        timed = open_ or every
+        within = (explore_period if open_ else explore_period * REFRESH) * len(timed)
+        for start in range(len(history) - within + 1):
+            window = set(history[start : start + within])
+            assert timed <= window, f"bucket {bucket}: {sorted(timed - window)} not timed in calls {start + 1}.."
+
+
+@pytest.mark.parametrize("explore_period", [1, 3])
+def test_a_bucket_whose_rivals_are_all_settled_explores_once_in_explore_period_x_256_calls(explore_period):
+    """Both of oneshot's rivals settled at 16..64 KiB: only every (explore_period x 256)-th call
+    there explores, the least timed of all, each within two such; nothing beside it is timed."""
+    masks = (0,) * 3 + (1 << PATH_CODES[Path.TWOSHOT] | 1 << PATH_CODES[Path.DMA],)
+    table = dataclasses.replace(TABLE, settled=masks)
+    dispatcher = Dispatcher(table, CUDA_PATHS, "cuda", explore_period=explore_period, sample_period=1 << 20)
+    refresh = explore_period * REFRESH
+    decided = [dispatcher.decide(30 * KIB, forced=None, capturing=False) for _ in range(4 * refresh)]
+    explored = [(number, d.path) for number, d in enumerate(decided, 1) if d.explored]
+    assert [number for number, _ in explored] == [refresh, 2 * refresh, 3 * refresh, 4 * refresh]
+    assert all({a, b} == {Path.TWOSHOT, Path.DMA} for (_, a), (_, b) in zip(explored, explored[1:], strict=False))
+    assert [number for number, d in enumerate(decided, 1) if d.sampled and not d.explored] == [1]
+
+
+TABLES = (
+    TABLE,
+    dataclasses.replace(TABLE, epoch=2, settled=(0,) * 3 + (1 << PATH_CODES[Path.TWOSHOT],)),
+    DispatchTable(epoch=3, range_max=(32 * KIB, (2 << 20) - 1, 64 << 20), range_paths=TABLE.range_paths),
+    DispatchTable(epoch=4, range_max=(1 << 20,), range_paths=(Path.TWOSHOT, Path.SERVICE), settled=(6,) * 11),
+)
+STEPS = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("call"),
+            st.sampled_from(SIZES + (0, 32 * KIB + 1, (1 << 20) + 1)),
+            st.booleans(),
+            st.sampled_from([None, None, None, "oneshot", "dma", "ring"]),
+        ),
+        st.tuples(st.just("table"), st.sampled_from(range(len(TABLES)))),
+        st.tuples(st.just("undo")),
+    ),  # fmt: skip
+    max_size=300,
+)
+
+
+@settings(max_examples=100, deadline=None, database=None, derandomize=True)
+@given(explore_period=st.integers(0, 4), sample_period=st.integers(1, 5), switch_period=st.integers(0, 3), steps=STEPS)
+def test_ranks_fed_the_same_calls_decide_the_same(explore_period, sample_period, switch_period, steps):
+    """What makes exploring safe: two ranks' Dispatchers given the same calls, tables and undos
+    in the same order decide every call alike (path, wire, explored, timed), refuse the same ones,
+    and are due to switch tables after the same calls."""
+
+    def run() -> list:
+        dispatcher = Dispatcher(
+            TABLE, CUDA_PATHS, "cuda", explore_period=explore_period, sample_period=sample_period,
+            switch_period=switch_period,
+        )  # fmt: skip
+        decided = []
+        for step in steps:
+            if step[0] == "table":
+                dispatcher.table = TABLES[step[1]]
+            elif step[0] == "undo":
+                dispatcher.native.undo()
+            else:
+                _, nbytes, capturing, forced = step
+                try:
+                    d = dispatcher.decide(nbytes, forced=forced, capturing=capturing)
+                    decided.append((d.path, d.wire, d.explored, d.sampled, dispatcher.switch_due(capturing)))
+                except InvalidArgumentError as error:
+                    decided.append(("refused", str(error)))
+        return decided + [dispatcher.calls]
+
+    assert run() == run()
 
 
 def test_a_new_table_restarts_the_count_where_it_routes_differently():
