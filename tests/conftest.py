@@ -140,6 +140,16 @@ class Daemon:
     def metrics_text(self) -> str:
         return urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).read().decode()
 
+    def metric(self, series: str) -> float:
+        """One series' value as the daemon exposes it now, e.g.
+        'nodecomm_rpc_seconds_count{method="Submit"}'; 0.0 while it has none (a labelled counter
+        appears at its first count)."""
+        for line in self.metrics_text().splitlines():
+            name, _, value = line.rpartition(" ")
+            if name == series:
+                return float(value)
+        return 0.0
+
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 

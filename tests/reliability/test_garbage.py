@@ -30,6 +30,7 @@ from .harness import FIGURES, Checked, SessionStream, fd_count, fuzz
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 TOKEN_BYTES = 16
+EXPIRED_CLAIMS = 'nodecomm_descriptor_claims_total{result="expired"}'
 # 16-byte requests the descriptor socket answers other than as claim tokens (hypothesis tries the
 # constants it finds in the code it runs, so it sends these too).
 SPECIAL_REQUESTS = {value for name in ("IDENTIFY",) if isinstance(value := getattr(handles, name, None), bytes)}
@@ -164,12 +165,22 @@ class Owner:
 def owner(fuzz_daemon, checked, baseline) -> Owner:
     """Formed world-1 groups, their sessions open: they hand out real tokens."""
     groups, sessions = {}, []
+    expired = fuzz_daemon.metric(EXPIRED_CLAIMS)
     for name, pid in (("garbage-owner", None), ("garbage-stranger", 1)):
         reply = checked.stub.Join(join_request(name, 0, 1, capacity=4096, pid=pid), timeout=5)
         sessions.append(SessionStream(checked.stub, reply.group_id, 0))
         sessions[-1].wait_ready()
         groups[name] = dict(group=name, group_id=reply.group_id, rank=0)
-    time.sleep(2.5)  # the joins' unclaimed tokens expire (ttl 2 s): their duplicates are closed
+    # The joins' unclaimed tokens expire (ttl 2 s): the daemon's sweep closes their duplicates,
+    # then counts them.
+    wait_until(
+        lambda: fuzz_daemon.metric(EXPIRED_CLAIMS) >= expired + len(groups),
+        30,
+        lambda: (
+            f"the joins' {len(groups)} claim tokens expired (expired claims {expired} before, "
+            f"{fuzz_daemon.metric(EXPIRED_CLAIMS)} now)"
+        ),
+    )
     yield Owner(groups["garbage-owner"], groups["garbage-stranger"], fd_count(fuzz_daemon.process.pid))
     for ids in groups.values():
         checked.stub.Leave(pb.LeaveRequest(**ids), timeout=5)
@@ -285,16 +296,24 @@ def test_many_connections_opened_and_dropped_at_once(fuzz_daemon, checked, owner
         FIGURES.garbage(len(held))
         still_serving(fuzz_daemon, checked)
         # A claim that never completes is dropped after the daemon's 2 s I/O timeout (one of 21
-        # bytes was answered at once: its first 16 are an unknown token).
-        time.sleep(2.5)
+        # bytes was answered at once: its first 16 are an unknown token): each connection is read
+        # to its end, which a daemon that kept the connection never gives.
+        deadline = time.monotonic() + 30
         for index, sock in enumerate(held[1::2]):
-            sock.settimeout(1.0)
             reply = b""
             try:
-                while chunk := sock.recv(4096):  # a timeout here: the daemon kept the connection
+                while True:
+                    sock.settimeout(max(deadline - time.monotonic(), 0.01))
+                    if not (chunk := sock.recv(4096)):
+                        break
                     reply += chunk
             except ConnectionResetError:
                 assert index % 3 == 2  # closed with the token's 5 extra bytes unread
+            except TimeoutError:
+                raise AssertionError(
+                    f"the daemon closed descriptor connection {index} ({(0, 7, 21)[index % 3]} bytes of a "
+                    "token sent): not within 30 s"
+                ) from None
             assert reply[:1] in ((b"\x01", b"") if index % 3 == 2 else (b"",)), (index, reply)
     finally:
         for sock in held:

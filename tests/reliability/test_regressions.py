@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
 
 import grpc
 import pytest
@@ -24,6 +23,21 @@ def refused(checked: Checked, method: str, request: object, timeout: float = 5.0
         getattr(checked.stub, method)(request, timeout=timeout)
     checked.assert_alive()
     return raised.value
+
+
+def handled_calls(daemon, method: str) -> float:
+    """How many `method` calls the daemon's handler has ended (each is timed as it ends)."""
+    return daemon.metric(f'nodecomm_rpc_seconds_count{{method="{method}"}}')
+
+
+def wait_for_the_call_given_up(daemon, method: str, handled: float) -> None:
+    """Until the daemon has ended its handling of the `method` call its caller gave up on (`handled`
+    calls ended before it): it has then withdrawn the caller's part (service/groups/rendezvous.py)."""
+    wait_until(
+        lambda: handled_calls(daemon, method) > handled,
+        30,
+        lambda: f"the daemon ended the {method} call its caller gave up on ({handled_calls(daemon, method)} ended)",
+    )
 
 
 def test_an_override_named_twice_once_without_a_value_is_invalid_not_unknown(checked):
@@ -196,8 +210,9 @@ def test_a_topk_exchange_whose_caller_goes_away_fails_for_every_rank(checked):
             rank: pb.TopkExchangeRequest(**ids[rank], max_rows=4, topk=2, layout_version=1, timeout_seconds=5)
             for rank in (0, 1)
         }
+        handled = handled_calls(checked.daemon, "OpenTopkExchange")
         assert refused(checked, "OpenTopkExchange", request[0], timeout=0.2).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        time.sleep(0.1)
+        wait_for_the_call_given_up(checked.daemon, "OpenTopkExchange", handled)
         for rank in (1, 0):
             error = refused(checked, "OpenTopkExchange", request[rank])
             assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED, error
@@ -243,8 +258,9 @@ def test_a_submit_whose_caller_goes_away_releases_its_part(fuzz_daemon, checked)
     request = pb.SubmitRequest(
         **ids, sequence=1, op=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=4, input=ref, output=ref, timeout_seconds=5
     )
+    handled = handled_calls(fuzz_daemon, "Submit")
     assert refused(checked, "Submit", request, timeout=0.2).code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(0.1)
+    wait_for_the_call_given_up(fuzz_daemon, "Submit", handled)
     again = refused(checked, "Submit", request)
     assert again.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "rank 0 stopped waiting for it" in again.details()
     stub.FreeMemory(pb.FreeMemoryRequest(**ids, allocation_id=allocation.allocation_id), timeout=5)
