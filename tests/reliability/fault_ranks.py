@@ -25,9 +25,10 @@ def _failure(error: Exception, signalled, at: float | None = None) -> tuple[str,
 def work_until_error(
     rank: int, world_size: int, socket: str, group: str, stage: str, report, signalled, device: str = "cpu"
 ):
-    """Report ("ready", rank) once at `stage`, then keep working there until an error; the test
-    puts the signal's time on `signalled` (once per surviving rank). device "cuda": on the rank's
-    GPU, synchronising after each step so that a kernel that gave up is seen."""
+    """Keep working at `stage` until an error, reporting ("ready", rank) once the work is under way
+    (a step of it done; at "joining" and "idle", once there); the test puts the signal's time on
+    `signalled` (once per surviving rank). device "cuda": on the rank's GPU, synchronising after
+    each step so that a kernel that gave up is seen."""
     device = rank_device(rank, device)
     if stage == "joining":
         report.put(("ready", rank))
@@ -43,12 +44,14 @@ def work_until_error(
     x = torch.ones(4096, device=device)
     comm.all_reduce(x)
     at = None
+    ready = False
     try:
-        report.put(("ready", rank))
-        if stage == "idle" and rank == 1:
-            time.sleep(600)  # mapped and idle: the test stops or kills the victim here
         if stage == "idle":
+            report.put(("ready", rank))
+            if rank == 1:
+                time.sleep(600)  # mapped and idle: the test stops or kills the victim here
             at = signalled.get(timeout=60)  # the survivor idles until the victim has been signalled
+            ready = True
         while True:
             if stage in ("idle", "collective"):
                 comm.all_reduce(x)
@@ -60,6 +63,9 @@ def work_until_error(
                     work.wait()
             if device != "cpu":
                 torch.cuda.synchronize()
+            if not ready:  # a step of the stage's work done: the test may signal
+                report.put(("ready", rank))
+                ready = True
     except nodecomm.NodecommError as error:
         return _failure(error, signalled, at)
     finally:

@@ -18,6 +18,7 @@ import restart_ranks
 from conftest import Daemon, free_port, join_request, stub_for
 from nodecomm.errors import ResourceExhaustedError
 from nodecomm.v1 import control_pb2 as pb
+from ranks import wait_joined
 from waiting import wait_until
 
 from . import fault_ranks
@@ -64,8 +65,11 @@ def stop_or_kill_at(daemon: Daemon, spawn_ranks, stage: str, sig: signal.Signals
     ranks = spawn_ranks(
         fault_ranks.work_until_error, 2, 2, daemon.socket, group, stage, report, signalled, device, timeout=180
     )
+    # Each rank reports once a step of the stage's work is done; at "joining", rank 1 before it
+    # never joins and rank 0 before its Join, which must be waiting in the daemon.
     assert {report.get(timeout=120)[1] for _ in range(2)} == {0, 1}
-    time.sleep(0.3)  # inside the stage's work
+    if stage == "joining":
+        wait_joined(daemon.socket, group, [0])
     ranks.kill(1, sig)
     signalled.put(time.time())
     status, value = ranks.results()[0] if sig == signal.SIGKILL else survivor_only(ranks)
@@ -199,8 +203,8 @@ def test_the_daemon_killed_under_active_groups(tmp_path, spawn_ranks):
         collective = spawn_ranks(
             restart_ranks.ride_through, 2, 2, daemon.socket, free_port(), "connect", report, commands, timeout=180
         )  # fmt: skip
-        assert len({report.get(timeout=90) for _ in range(4)}) == 4  # ready and running, of ranks 0 and 1
-        time.sleep(0.3)
+        # Ready and running, of ranks 0 and 1: each once a step of its work is done.
+        assert len({report.get(timeout=90) for _ in range(4)}) == 4
         daemon.stop(signal.SIGKILL)
         for _ in range(2):
             signalled.put(time.time())
