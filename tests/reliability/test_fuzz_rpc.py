@@ -11,7 +11,6 @@ request names as output, or keep memory or descriptors once every rank has left.
 from __future__ import annotations
 
 import os
-import time
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -24,7 +23,7 @@ from nodecomm.v1 import control_pb2 as pb
 from waiting import wait_until
 
 from .fuzz_world import Allocation, RealGroup, World, assert_groups_intact, fresh_group, group_of, targets
-from .harness import fd_count, fuzz
+from .harness import Checked, fd_count, fuzz
 from .rpc_strategies import (
     ANY_FLOAT,
     DTYPE,
@@ -251,6 +250,36 @@ def submits(
     return request, group
 
 
+def _after_every_collective_before(checked: Checked, group: RealGroup) -> None:
+    """Returns once no collective `group` was sent so far runs or waits any more: a group runs its
+    collectives in sequence order, so empty ones of every rank at its next sequence are answered
+    only after every earlier one ran or failed. DEADLINE_EXCEEDED: an earlier one never reached the
+    daemon (its caller gave up before it was sent), which leaves nothing of it to run either."""
+    sequence = group.next_sequence
+    requests = [
+        pb.SubmitRequest(
+            **group.ids(rank), sequence=sequence, op=pb.ALL_REDUCE, dtype=pb.FLOAT32, count=0, timeout_seconds=10
+        )
+        for rank in range(group.world_size)
+    ]
+    futures = [checked.stub.Submit.future(request, timeout=60) for request in requests]
+    checked.count("Submit", len(futures))
+    for request, future in zip(requests, futures, strict=True):
+        try:
+            future.result()
+        except grpc.RpcError as error:
+            code = checked.check_status("Submit", error, request)
+            # Past the group's queue, or already run: the group's next collective is past it too.
+            assert code in (
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ALREADY_EXISTS,
+            ), (code, error.details())
+        else:
+            checked.succeeded("Submit")
+    group.consume(sequence)
+
+
 @fuzz(600)
 @given(data=st.data())
 def test_submit(checked, world, data):
@@ -269,7 +298,8 @@ def test_submit(checked, world, data):
     written = range(0)
     gave_up = deadline < 1 and reply == grpc.StatusCode.DEADLINE_EXCEEDED
     if gave_up:
-        time.sleep(0.1)  # a collective already running when the caller left finishes
+        if group is not None:  # a collective already running when the caller left finishes
+            _after_every_collective_before(checked, group)
         if request.output.allocation_id == world.target.allocation_id and group is world.solo:
             start = request.output.offset_bytes
             written = range(start, start + _output_bytes(request, 1))
