@@ -8,7 +8,38 @@ process start without torch or the native module; only the rank processes load t
 __all__ = ["Communicator", "HierarchicalCommunicator", "connect", "connect_across_nodes"]
 
 
+def needs_torch(error: ImportError) -> ImportError:
+    """The error of importing the client where torch, or nodecomm's module built against it, is
+    missing (a daemon-only install): what to install; any other import error as it is."""
+    if error.name == "torch":
+        what = "torch is not installed in this environment"
+    elif error.name == "nodecomm._c10d" or "_c10d" in str(error):
+        what = "this nodecomm was installed without torch (the daemon only), so nodecomm._c10d was not built"
+    else:
+        return error
+    return ImportError(
+        f"nodecomm's client needs torch: {what}; install torch first, then nodecomm "
+        "(python3 -m pip install torch, then python3 -m pip install --force-reinstall --no-deps nodecomm)"
+    )
+
+
+def c10d_module():
+    """nodecomm._c10d, or the ImportError that says what to install."""
+    try:
+        from nodecomm import _c10d
+    except ImportError as error:
+        raise needs_torch(error) from error
+    return _c10d
+
+
 def __getattr__(name: str):
+    try:
+        return _client_name(name)
+    except ImportError as error:
+        raise needs_torch(error) from error
+
+
+def _client_name(name: str):
     if name in ("HierarchicalCommunicator", "connect_across_nodes"):
         from . import hierarchical
 

@@ -11,7 +11,7 @@ import warnings
 import grpc
 import torch
 
-from nodecomm import _c10d, _native
+from nodecomm import _native
 from nodecomm.capabilities import DeviceKind
 from nodecomm.credentials import rank_metadata
 from nodecomm.errors import (
@@ -25,6 +25,7 @@ from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
+from . import c10d_module
 from .capture_probe import CapturePhases, probe_for_capture
 from .daemon_choice import DaemonChoice, JobLeaseHandle
 from .daemon_link import DaemonLink
@@ -44,6 +45,7 @@ from .transport import Transport
 from .transport_runs import TransportRuns
 from .work import Work
 
+_c10d = c10d_module()  # built only where torch was installed before nodecomm
 log = logging.getLogger("nodecomm.client")
 
 _SERVICE = PATH_CODES[Path.SERVICE]
@@ -94,7 +96,6 @@ class Communicator:
             channel, membership, self._metadata, descriptor_socket, daemon, daemon_lease, control_fd, ticket
         )
         self._control = control
-        self._descriptor_socket = descriptor_socket
         self._transport = transport
         self.device = transport.device
         self._tensors = TensorChecks(dtypes, transport, membership.where)
@@ -109,7 +110,8 @@ class Communicator:
         self._operation_timeout = operation_timeout
         self._closed = False
         self._session = Session(
-            self._link.stub, membership, control.address, self._dispatch, self._metadata, lambda: self._link.needs_daemon(transport, self._dispatcher.table),
+            self._link.stub, membership, control.address, self._dispatch, self._metadata,
+            lambda: self._link.needs_daemon(transport, self._dispatcher.table),
             self._reattach if self._link.adoptable else None,
         )  # fmt: skip
         liveness = PeerLiveness.held(control_fd, membership.rank) if control_fd >= 0 else None
@@ -126,13 +128,12 @@ class Communicator:
         self._lock = _native.CallLock()
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
         # What the lane leaves to Python (NCCL, barriers, gathers, top-k stages) runs through here.
-        self._transport_runs = TransportRuns(
-            transport, self._session, control.address, self.rank, self._lock, self._check_usable, self._located
+        self._runs = TransportRuns(
+            transport, self._session, control.address, self.rank, self._lock, self._check_usable, self._errors.located
         )
-        self._run = self._transport_runs.run
         self._offers = TableOffers(control.address, membership, operation_timeout)
         self._exchanges = TopkExchanges(
-            membership, self._metadata, descriptor_socket, transport, self._run, operation_timeout,
+            membership, self._metadata, descriptor_socket, transport, self._runs.run, operation_timeout,
             # A stage through the slabs: every source writes straight into its owners' memory, once.
             count=lambda nbytes: self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes),
             service_stage=self._service_topk_stage, gather=self.all_gather,
@@ -150,7 +151,7 @@ class Communicator:
             self._session.start(timeout)
         except NodecommError as refusal:
             self.close()
-            raise self._located(refusal) from None
+            raise self._errors.located(refusal) from None
         except (TimeoutError, ConnectionError) as error:
             self.close()
             raise DaemonUnavailableError(f"could not open the session: {error}", **self.membership.where) from None
@@ -183,7 +184,7 @@ class Communicator:
         try:
             forced, wanted = (0, -1) if path is None and wire is None else self._dispatcher.codes(path, wire)
         except NodecommError as error:
-            raise self._located(error) from None
+            raise self._errors.located(error) from None
         done = self._tensor_call(tensor, out, forced, wanted)
         if type(done) is torch.Tensor:
             return Work.completed(done) if async_op else done
@@ -281,7 +282,7 @@ class Communicator:
         if outcome == _SERVICE_DECIDED:
             work = self._submitted(self._service.all_reduce, tensor, out)
         elif outcome == _NCCL_DECIDED:
-            self._transport_runs.nccl_all_reduce(tensor, out, sampled, capturing, self._operation_timeout)
+            self._runs.nccl_all_reduce(tensor, out, sampled, capturing, self._operation_timeout)
             work = Work.completed(out)
         else:
             raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
@@ -369,7 +370,7 @@ class Communicator:
             try:
                 return submit(*args)
             except NodecommError as error:
-                raise self._located(error) from None
+                raise self._errors.located(error) from None
 
     def _check_daemon(self, what: str) -> None:
         """Raise where the daemon that formed the group is gone: `what` needs it."""
@@ -410,7 +411,7 @@ class Communicator:
             work = self._submitted(self._service.all_gather, tensor, out)
             self._session.count(pb.ALL_GATHER, Path.SERVICE, tensor.numel() * tensor.element_size())
             return work if async_op else work.wait()
-        self._run(self._transport.all_gather, tensor, out, self._operation_timeout)
+        self._runs.run(self._transport.all_gather, tensor, out, self._operation_timeout)
         # CPU groups gather through the staging slots, CUDA groups with copy engines.
         gathered_by = Path.DMA if self._transport.kind == DeviceKind.CUDA else Path.ONESHOT
         self._session.count(pb.ALL_GATHER, gathered_by, tensor.numel() * tensor.element_size())
@@ -424,7 +425,7 @@ class Communicator:
                 "barrier() waits on the host, which a CUDA graph capture cannot hold; call it outside the capture",
                 **self.membership.where,
             )
-        self._run(self._barrier, self._operation_timeout)
+        self._runs.run(self._barrier, self._operation_timeout)
 
     def _barrier(self, timeout: float) -> None:
         if not self._transport.barrier(timeout):
@@ -469,7 +470,7 @@ class Communicator:
         try:
             return self._dispatcher.variant(path, nbytes, wire)
         except NodecommError as error:
-            raise self._located(error) from None
+            raise self._errors.located(error) from None
 
     def thresholds(self) -> DispatchTable:
         """The dispatch table in force: size ranges -> path, and where each boundary came from."""
@@ -490,14 +491,11 @@ class Communicator:
     def _check_usable(self, call_follows: bool = False) -> None:
         self._errors.check(self._closed, call_follows)
 
-    def _located(self, error: NodecommError) -> NodecommError:
-        return self._errors.located(error)
-
     def _forced_path(self, name: str) -> Path:
         try:
             return self._dispatcher.forced_path(name)
         except NodecommError as error:
-            raise self._located(error) from None
+            raise self._errors.located(error) from None
 
     # -- teardown --------------------------------------------------------------------------------
 

@@ -436,9 +436,14 @@ def test_dockerfile_lints_and_builds_what_the_package_needs(tmp_path):
 
     steps = dockerfile_instructions()
     froms = [rest for keyword, rest in steps if keyword == "FROM"]
-    assert froms and all(f.startswith("nvidia/cuda:") for f in froms), froms
-    assert any(k == "ARG" and r.startswith("NODECOMM_CUDA_ARCHS") for k, r in steps)
-    assert any(k == "RUN" and "NODECOMM_CUDA_ARCHS" in r and "pip install" in r for k, r in steps)
+    # Every stage starts from NVIDIA's CUDA images or from a stage before it.
+    stages = [f.split(" AS ")[-1] for f in froms if " AS " in f]
+    assert froms and all(f.startswith("nvidia/cuda:") or f.split()[0] in stages for f in froms), froms
+    # The default image (the last stage) is the daemon's, built where no torch was installed.
+    last = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    assert ("COPY", "--from=build /opt/nodecomm /opt/nodecomm") in steps[last:], steps[last:]
+    daemon_build = steps[: next(i for i, (k, r) in enumerate(steps) if k == "FROM" and r.startswith("build "))]
+    assert not any("torch" in r for k, r in daemon_build if k == "RUN"), daemon_build
     # Every source the build reads is copied in (and nothing else, such as a host build/).
     copied = {src.rstrip("/") for k, r in steps if k == "COPY" and not r.startswith("--from") for src in r.split()[:-1]}
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())

@@ -4,6 +4,7 @@ starts."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
@@ -24,6 +25,13 @@ BENCH_PATHS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if importlib.util.find_spec("torch") is None:
+        print(
+            "nodecomm bench: its rank processes need torch, which this environment lacks (a daemon-only install); "
+            "run it where torch is installed (the container image's with-torch target)",
+            file=sys.stderr,
+        )
+        return 2
     if args.op == "wire-error":
         from nodecomm.tools.wire_error import run_wire_error
 
