@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from nodecomm.socket_path import descriptor_socket_path, grpc_target
 from nodecomm.tools.ranks import RankProcesses, free_port  # free_port: the tests take it from here
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
+from waiting import wait_until
 
 
 def cuda_available() -> bool:
@@ -197,6 +197,30 @@ def spawn_ranks():
     finally:
         for group in started:
             group.close()
+
+
+def kill_at_work(group: RankProcesses, report, victim: int = 1, timeout: float = 60.0) -> tuple[list, dict]:
+    """How the peer-loss tests kill a rank: once every rank of `group` has put its word on `report`
+    (it is at work), SIGKILL to `victim`, then every rank's result. Returns the words as they came
+    and the results; the victim's is "died"."""
+    words = [report.get(timeout=timeout) for _ in group.processes]
+    group.kill(victim, signal.SIGKILL)
+    results = group.results()
+    assert results[victim][0] == "died", results[victim]
+    return words, results
+
+
+def restart_under_ranks(daemon: Daemon, commands: list, while_down: Callable[[], object] = lambda: None) -> None:
+    """How the adoption tests restart a daemon under running ranks (tests/restart_ranks.py's
+    `adopted`): SIGKILL, "daemon gone" to every rank's queue, `while_down()` while no daemon serves,
+    the next daemon on the same socket and state, "next daemon serving" to every rank's queue."""
+    daemon.stop(signal.SIGKILL)
+    for queue in commands:
+        queue.put("daemon gone")
+    while_down()
+    daemon.start()
+    for queue in commands:
+        queue.put("next daemon serving")
 
 
 def as_user(uid: int, gid: int, question: str, path: str) -> bytes:
@@ -420,6 +444,20 @@ def _open_for_traversal(paths: list[str]) -> list[tuple[str, int]]:
     return changed
 
 
+def _running_as(uids: tuple[int, ...]) -> list[int]:
+    """Pids of live processes (zombies aside) whose real uid is one of `uids`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = dict(line.split(":\t", 1) for line in (entry / "status").read_text().splitlines())
+            except (OSError, ValueError):
+                continue  # gone meanwhile
+            if int(status["Uid"].split()[0]) in uids and not status["State"].startswith("Z"):
+                found.append(int(entry.name))
+    return found
+
+
 @pytest.fixture(scope="session")
 def python_for_everyone():
     """Other uids must run this Python and import this checkout: where a directory above them
@@ -455,7 +493,9 @@ def users(python_for_everyone):
     finally:
         for uid in USER_UIDS:
             subprocess.run(["pkill", "-KILL", "-U", str(uid)], check=False)
-        time.sleep(0.2)
+        wait_until(
+            lambda: not _running_as(USER_UIDS), 30, lambda: f"the test users' processes gone ({_running_as(USER_UIDS)})"
+        )
         for uid in USER_UIDS:
             shutil.rmtree(f"/tmp/nodecomm-{uid}", ignore_errors=True)
         shutil.rmtree(root, ignore_errors=True)

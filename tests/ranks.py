@@ -10,6 +10,7 @@ import time
 import torch
 
 import nodecomm
+from waiting import wait_until
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
@@ -190,7 +191,7 @@ def stall_peer(rank: int, world_size: int, socket: str) -> tuple[str, str, float
     """Rank 0 all-reduces; rank 1 never does (a broken barrier): rank 0 must time out."""
     with nodecomm.connect("stall", rank, world_size, socket=socket, timeout=30) as comm:
         if rank == 1:
-            time.sleep(6)
+            time.sleep(6)  # not a wait: the stalled peer itself, past rank 0's operation timeout
             return "slept", "", 0.0
         started = time.monotonic()
         try:
@@ -334,7 +335,7 @@ def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls:
             comm.all_reduce(x)
             if switched_at is None and comm.thresholds().epoch != first_epoch:
                 switched_at = call
-            time.sleep(0.002)
+            time.sleep(0.002)  # not a wait: the calls are paced to span the daemon's answer to the timings
         rows = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
         boundaries = [b.describe() for b in comm.thresholds().boundaries]
         return {"switched_at": switched_at, "rows": rows, "boundary": boundaries[0], "boundaries": boundaries}
@@ -352,13 +353,17 @@ def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int)
 
 def sample_backlog(rank: int, world_size: int, socket: str, calls: int) -> dict:
     """`calls` native all-reduces with nothing between them that reaches Python (every call timed:
-    the daemon's timing_sample_period is 1, table switches off), then a wait past the session's
-    once-a-second flush of the backlog, then one more call: what it gave and the session's state."""
+    the daemon's timing_sample_period is 1, table switches off), then the session's next flush of
+    the backlog (once a second) and a second for what it brings, then one more call: what it gave
+    and the session's state."""
     with nodecomm.connect("backlog", rank, world_size, socket=socket, timeout=30) as comm:
         x = torch.ones(256)
         for _ in range(calls):
             comm.all_reduce(x, out=x)
-        time.sleep(2.5)
+        wait_until(
+            lambda: comm._dispatch.held() == 0, 30, lambda: f"the session's flush ({comm._dispatch.held()} held)"
+        )
+        time.sleep(1.0)  # not a wait: the session must outlive the flush (a flush of all once ended it soon after)
         lost = comm._session.lost_reason
         try:
             last = comm.all_reduce(torch.ones(256)).tolist()[:2]
@@ -421,7 +426,7 @@ def lose_the_daemon(rank: int, world_size: int, socket: str, report, commands) -
     with nodecomm.connect("lost", rank, world_size, socket=socket, timeout=30) as comm:
         report.put("connected")
         commands.get(timeout=60)
-        time.sleep(0.5)  # the session thread notices the closed stream
+        wait_until(lambda: comm._session.lost_reason is not None, 30, "the session noticing its daemon gone")
         try:
             return comm.all_reduce(torch.ones(4)).tolist()
         except nodecomm.NodecommError as error:
@@ -484,7 +489,7 @@ def legitimate_traffic(
     seconds late, leaving the group forming), then `calls` 1 KiB all-reduces, each checked.
     Returns (seconds to connect, p50 seconds per all-reduce)."""
     if rank == world_size - 1:
-        time.sleep(late_rank_waits)
+        time.sleep(late_rank_waits)  # not a wait: the late rank, late on purpose, leaving the group forming
     started = time.perf_counter()
     with nodecomm.connect(group, rank, world_size, socket=socket, timeout=60, group_key=group_key) as comm:
         connected = time.perf_counter() - started
@@ -506,9 +511,10 @@ def wait_for_the_abort(rank: int, world_size: int, socket: str, report) -> tuple
 
     with nodecomm.connect("watched", rank, world_size, socket=socket, timeout=30) as comm:
         comm.all_reduce(torch.ones(8))
-        report.put(rank)
+        # Where rank 0 will sleep: the abort word's upper half, its reason (native/control.h).
+        report.put((rank, comm._control.address + 4))
         if rank != 0:
-            time.sleep(120)  # killed
+            time.sleep(120)  # killed here by the test
             return None
         reason = _native.wait_for_abort(comm._control.address, 30.0)  # 0 if nothing woke it by then
         return int(reason), int(_native.abort_state(comm._control.address)[1])
@@ -538,8 +544,8 @@ def hold_captured_group(
     to 60 s, `after`: "check"s (comm.check(), every 10 ms, as an engine under the "log" policy
     does between steps) or "reduce"s (all-reduces, as replays' kernels wait on a stopped peer);
     the others wait to be killed or stopped (all-reducing in step with rank 0 under "reduce") or
-    ("leave") close. Each rank puts its number on `report` once running. Returns rank 0's (error,
-    message)."""
+    ("leave") close. Each rank puts its number on `report` once running (under "reduce", once an
+    all-reduce in step is done). Returns rank 0's (error, message)."""
     from nodecomm import _native
 
     with open(stderr_path, "wb") as stderr:
@@ -550,6 +556,8 @@ def hold_captured_group(
         x = torch.ones(1024)
         comm.all_reduce(x)
         _native.record_captured(comm._control.address, rank)
+        if after == "reduce":
+            comm.all_reduce(x)  # in step with the others: the test stops or kills one from here on
         report.put(rank)
         if rank != 0:
             if after == "reduce":
@@ -557,7 +565,7 @@ def hold_captured_group(
                     while True:  # until stopped or killed, or rank 0's end aborts the group
                         comm.all_reduce(x)
             if after != "leave":
-                time.sleep(120)  # killed or stopped
+                time.sleep(120)  # killed or stopped here by the test
             return "left", ""
         deadline = time.monotonic() + 60
         try:
@@ -571,6 +579,8 @@ def hold_captured_group(
             # Learned before the watch acted: under "exit" it ends this process meanwhile (a rank
             # returning first would race it); a call that raised is followed by check()'s word.
             error = raised
+            # Not a wait on an event: the watch's time to end this process, which under "log" (or
+            # after an orderly Leave) it never does, so nothing here could say it is over.
             time.sleep(3)
             try:
                 comm.check()

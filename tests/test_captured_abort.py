@@ -22,8 +22,8 @@ LINE_START = "nodecomm: [group 'captured', rank 0] group aborted: "
 
 
 class CapturedGroup:
-    """The ranks of hold_captured_group, each a process of its own, all running; `stderr[r]` is
-    rank r's stderr."""
+    """The ranks of hold_captured_group, each a process of its own, all running (after="reduce":
+    all-reducing in step); `stderr[r]` is rank r's stderr."""
 
     def __init__(self, spawn_ranks, socket: str, directory: Path, world_size: int = 2, job_policy: str = "",
                  after: str = "check"):  # fmt: skip
@@ -65,8 +65,7 @@ def test_a_lost_peer_ends_the_process_whose_graphs_hold_the_group(daemon, spawn_
 
 def test_a_stopped_peer_ends_it_once_the_wait_times_out(make_daemon, spawn_ranks, tmp_path):
     daemon = make_daemon("--operation-timeout-seconds", "2")
-    group = CapturedGroup(spawn_ranks, daemon.socket, tmp_path, after="reduce")
-    time.sleep(0.5)  # both all-reducing, in step
+    group = CapturedGroup(spawn_ranks, daemon.socket, tmp_path, after="reduce")  # both all-reducing, in step
     signalled = time.monotonic()
     group.signal(1, signal.SIGSTOP)
     try:
@@ -92,7 +91,7 @@ def test_a_lost_daemon_ends_nothing_and_a_peer_lost_without_it_still_ends_the_pr
     daemon = make_daemon("--operation-timeout-seconds", "2")
     group = CapturedGroup(spawn_ranks, daemon.socket, tmp_path, after="reduce")
     daemon.stop(signal.SIGKILL)
-    time.sleep(1.5)  # the watches look every 20 ms
+    time.sleep(1.5)  # not a wait: nothing may end for this long (the watches look every 20 ms)
     for rank in (0, 1):
         assert group.ranks[rank].processes[rank].exitcode is None, group.stderr[rank].read_text()
         assert group.lines(rank) == []

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import distributed_ranks
-from conftest import free_port
+from conftest import free_port, kill_at_work
 from nodecomm.distributed import _node_entry
 from nodecomm.errors import GroupMismatchError
 
@@ -68,11 +68,8 @@ def test_every_collective_is_exact_under_torchrun_two_jobs_at_once(daemon):
 def test_killed_rank_makes_the_others_raise(daemon, spawn_ranks):
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(distributed_ranks.reduce_until_error, 3, 3, daemon.socket, free_port(), report, timeout=120)
-    for _ in range(3):
-        assert report.get(timeout=60)[0] == "running"
-    group.kill(1)
-    results = group.results()
-    assert results[1][0] == "died"
+    words, results = kill_at_work(group, report)
+    assert all(word[0] == "running" for word in words), words
     for rank in (0, 2):
         status, (name, message, _) = results[rank]
         assert status == "ok"

@@ -2,28 +2,28 @@
 
 import ctypes
 import multiprocessing as mp
+import platform
 import re
 import signal
-import time
+from pathlib import Path
 
 import grpc
 import pytest
 
 import ranks
+from conftest import kill_at_work
 from nodecomm import _native
 from nodecomm.socket_path import grpc_target
 from nodecomm.v1 import control_pb2 as pb
 from nodecomm.v1 import control_pb2_grpc as pb_grpc
+from waiting import wait_until
 
 
 def test_killed_rank_makes_peers_raise_and_the_name_forms_again(daemon, spawn_ranks):
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(ranks.reduce_until_error, 3, 3, daemon.socket, "victim", report, timeout=120)
-    for _ in range(3):
-        assert report.get(timeout=60)[0] == "running"
-    group.kill(1)
-    results = group.results()
-    assert results[1][0] == "died"
+    words, results = kill_at_work(group, report)
+    assert all(word[0] == "running" for word in words), words
     for rank in (0, 2):  # told the peer is lost (not a deadline passing), naming it
         status, (name, message, _) = results[rank]
         assert status == "ok"
@@ -40,11 +40,26 @@ def test_the_daemons_abort_of_a_group_wakes_the_ranks_sleeping_on_it(make_daemon
     daemon = make_daemon()
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(ranks.wait_for_the_abort, 2, 2, daemon.socket, report, timeout=120)
-    assert sorted(report.get(timeout=60) for _ in range(2)) == [0, 1]
-    time.sleep(0.2)  # rank 0 asleep on the word
+    words = dict(report.get(timeout=60) for _ in range(2))  # rank -> the abort word's reason half
+    assert sorted(words) == [0, 1]
+    rank_0 = group.processes[0].pid
+    wait_until(lambda: _asleep_on(rank_0, words[0]), 30, f"rank 0 (pid {rank_0}) asleep on its group's abort word")
     group.kill(1)
     status, woken = group.results()[0]
     assert status == "ok" and tuple(woken) == (_native.AbortReason.PEER_LOST, 1), woken
+
+
+FUTEX = {"x86_64": 202, "aarch64": 98}[platform.machine()]  # the futex() system call's number
+
+
+def _asleep_on(pid: int, address: int) -> bool:
+    """Whether process `pid`'s main thread sleeps in futex() on `address` (/proc/PID/syscall: the
+    call it is blocked in, then its arguments)."""
+    try:
+        blocked = Path(f"/proc/{pid}/syscall").read_text().split()
+    except OSError:
+        return False
+    return len(blocked) > 1 and blocked[0] == str(FUTEX) and int(blocked[1], 16) == address
 
 
 def test_stalled_peer_times_out_with_who_and_where(make_daemon, spawn_ranks):
@@ -67,7 +82,12 @@ def test_a_running_group_outlives_its_daemon_and_the_next_one_serves_new_groups(
         assert report.get(timeout=60)[0] == "connected"
     daemon.stop(signal.SIGKILL)
     daemon.start()
-    time.sleep(0.5)
+    # The ranks come back to the next daemon, which takes their group over.
+    wait_until(
+        lambda: {"nodecomm_adopted_groups_total 1.0", "nodecomm_ranks 2.0"} <= set(daemon.metrics_text().splitlines()),
+        30,
+        daemon.log,
+    )
     for queue in commands:
         queue.put("daemon restarted")
     for outcome in group.values().values():

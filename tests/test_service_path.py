@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import service_ranks
-from conftest import join_request, reserved_bytes, stub_for
+from conftest import join_request, kill_at_work, reserved_bytes, stub_for
 from nodecomm import _native
 from nodecomm.v1 import control_pb2 as pb
 
@@ -67,10 +67,8 @@ def kill_a_rank_with_submits_pending(daemon, spawn_ranks, device: str) -> None:
     naming rank 1 and the group."""
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(service_ranks.service_until_peer_dies, 2, 2, daemon.socket, report, device, timeout=120)
-    assert {report.get(timeout=60)[1] for _ in range(2)} == {0, 1}
-    group.kill(1)
-    results = group.results()
-    assert results[1][0] == "died"
+    words, results = kill_at_work(group, report)
+    assert {word[1] for word in words} == {0, 1}, words
     status, (name, message, _) = results[0]
     assert status == "ok" and name == "PeerLostError", message
     assert "rank 1" in message and "'svc-kill'" in message

@@ -8,7 +8,7 @@ import signal
 import pytest
 
 import cuda_ranks
-from conftest import free_port
+from conftest import free_port, kill_at_work
 from nodecomm import _native
 
 pytestmark = pytest.mark.gpu
@@ -52,11 +52,7 @@ def test_legacy_ipc_buffers_are_bit_exact_too(make_daemon, spawn_ranks, world_si
 def test_killed_rank_makes_the_others_raise(cuda_daemon, spawn_ranks):
     report = mp.get_context("spawn").Queue()
     group = spawn_ranks(cuda_ranks.reduce_until_error, 3, 3, cuda_daemon.socket, report, timeout=180)
-    for _ in range(3):
-        report.get(timeout=120)
-    group.kill(1, signal.SIGKILL)
-    results = group.results()
-    assert results[1][0] == "died"
+    _, results = kill_at_work(group, report, timeout=120)
     for rank in (0, 2):
         status, (name, message, _) = results[rank]
         assert status == "ok" and name == "PeerLostError", message
