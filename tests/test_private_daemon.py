@@ -35,6 +35,22 @@ def private_daemons(socket: str) -> list[int]:
     return found
 
 
+def both_ranks_back(socket: str) -> bool:
+    """Whether the daemon serving `socket` holds an active group whose ranks 0 and 1 are live."""
+    import grpc
+
+    from nodecomm.socket_path import grpc_target
+    from nodecomm.v1 import control_pb2 as pb
+    from nodecomm.v1 import control_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(grpc_target(socket)) as channel:
+        try:
+            groups = pb_grpc.ControlStub(channel).ListGroups(pb.ListGroupsRequest(), timeout=5).groups
+        except grpc.RpcError:
+            return False  # not serving yet
+    return any(g.state == "active" and sorted(g.live_ranks) == [0, 1] for g in groups)
+
+
 def wait_gone(socket: str, seconds: float) -> None:
     """Until no private daemon serves `socket` and its directory is gone."""
     directory = Path(socket).parent
@@ -224,7 +240,7 @@ def test_a_private_daemon_that_dies_is_replaced_by_its_jobs_ranks(runtime_direct
     os.kill(first, signal.SIGKILL)
     wait_until(lambda: private_daemons(socket) not in ([], [first]), 30, "a rank started the next private daemon")
     (second,) = private_daemons(socket)
-    time.sleep(2.0)  # the ranks hand the group over and call on
+    wait_until(lambda: both_ranks_back(socket), 60, "the ranks handed their group to the next private daemon")
     for queue in commands:
         queue.put("stop")
     for outcome in group.values().values():

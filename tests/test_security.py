@@ -629,20 +629,39 @@ def test_metrics_stay_served_to_everyone_whatever_one_user_does(users, node_daem
             flood.kill()
             flood.wait()
         assert most <= threads + 2 and "nodecomm_groups" in scraped, (threads, most)
-        poisoner = b.python(
-            "import sys, time, nodecomm\nfrom nodecomm.v1 import control_pb2 as pb\n"
+        poisoner = b.start(
+            "import sys, nodecomm\nfrom nodecomm.v1 import control_pb2 as pb\n"
             "with nodecomm.connect('poison', 0, 1, socket=sys.argv[1], timeout=30) as comm:\n"
             "    fake = pb.Timing(path=pb.ONESHOT, bytes=1024, seconds=1.0)\n"
             "    comm._session._outbox.put(pb.SessionUp(timings=pb.TimingBatch(timings=[fake] * 32)))\n"
-            "    time.sleep(2)\n",
+            "    print('sent', flush=True)\n"
+            "    sys.stdin.readline()\n",
             daemon.socket,
         )
-        assert poisoner.returncode == 0, poisoner.stderr[-3000:]
-        sums = {
-            line.split('uid="')[1].split('"')[0]: float(line.split()[-1])
-            for line in daemon.metrics_text().splitlines()
-            if line.startswith('nodecomm_operation_seconds_sum{op="all_reduce",path="oneshot",size_bucket="1KiB"')
-        }
+
+        def oneshot_seconds() -> dict[str, float]:  # per uid, of 1 KiB all-reduces
+            return {
+                line.split('uid="')[1].split('"')[0]: float(line.split()[-1])
+                for line in daemon.metrics_text().splitlines()
+                if line.startswith('nodecomm_operation_seconds_sum{op="all_reduce",path="oneshot",size_bucket="1KiB"')
+            }
+
+        try:
+            assert poisoner.stdout.readline().strip() == "sent", poisoner.stderr.read()[-3000:]
+            # Its session keeps the group until the daemon has taken the batch.
+            wait_until(
+                lambda: oneshot_seconds().get(str(b.uid), 0.0) >= 32.0,
+                30,
+                lambda: f"B's made-up timings taken ({oneshot_seconds()})",
+            )
+            poisoner.stdin.write("\n")
+            poisoner.stdin.flush()
+            poisoner.wait(timeout=60)
+        finally:
+            poisoner.kill()
+            poisoner.wait()
+        assert poisoner.returncode == 0, poisoner.stderr.read()[-3000:]
+        sums = oneshot_seconds()
         assert sums[str(b.uid)] >= 32.0 and sums[str(a.uid)] < 1.0, sums
         attacked = ordinary_group(a, daemon.socket, "after")
     finally:
@@ -687,16 +706,17 @@ def test_a_forming_group_cannot_be_taken_over(users, node_daemon):
 
 
 _HALF_JOINS = """
-import json, os, sys, time, grpc
+import json, os, sys, grpc
 from nodecomm.v1 import control_pb2 as pb, control_pb2_grpc as pb_grpc
+from waiting import wait_until
 def join(name):
     return pb.JoinRequest(group=name, rank=0, world_size=2, device="cpu", pid=os.getpid(),
         geometry=pb.Geometry(capacity_bytes=4096, dtypes=[pb.FLOAT32]), join_timeout_seconds=30)
 with grpc.insecure_channel("unix:" + sys.argv[1]) as channel:
     stub = pb_grpc.ControlStub(channel)
     pending = [stub.Join.future(join(f"half-{i}"), timeout=40) for i in range(32)]
-    while sum(g.state == "joining" for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups) < 32:
-        time.sleep(0.05)
+    joining = lambda: sum(g.state == "joining" for g in stub.ListGroups(pb.ListGroupsRequest(), timeout=5).groups)
+    wait_until(lambda: joining() == 32, 30, lambda: f"B's 32 half-joined groups forming ({joining()})")
     try:
         stub.Join(join("half-32"), timeout=10)
         print("admitted", flush=True)
@@ -719,7 +739,7 @@ def test_one_user_cannot_fill_the_daemon_with_forming_groups(users, node_daemon)
     finally:
         half.kill()
         half.wait()
-    assert answer.startswith("RESOURCE_EXHAUSTED"), answer
+    assert answer.startswith("RESOURCE_EXHAUSTED"), answer or half.stderr.read()[-3000:]
     assert f"uid {b.uid} already started 32 groups that are still forming" in answer, answer
     report("32 half-joined groups from one user", baseline, attacked)
 
