@@ -379,7 +379,7 @@ def hold_the_job(rank: int, world_size: int, port: int, environment: dict, repor
     dist.all_reduce(x)
     daemon = nodecomm.distributed.daemon()
     report.put((rank, daemon.kind, daemon.socket, x.tolist()))
-    time.sleep(600)
+    time.sleep(600)  # killed here by the test
 
 
 def reduce_until_error(rank: int, world_size: int, socket: str, port: int, report) -> tuple[str, str, float]:
@@ -719,7 +719,7 @@ def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: i
     0, and after how long, under a process group whose timeout is `seconds`."""
     _join_job(rank, world_size, socket, port, seconds)
     if rank == 1:
-        time.sleep(3 * seconds)
+        time.sleep(3 * seconds)  # not a wait: the silent peer itself; the job ends when rank 0 reports
         return ""
     started = time.monotonic()
     try:

@@ -118,7 +118,7 @@ def service_until_peer_dies(
         comm.all_reduce(torch.ones(4, device=device), path="service")
         if rank == 1:
             report.put(("ready", rank))
-            time.sleep(120)
+            time.sleep(120)  # killed here by the test
             return "not killed", "", 0.0
         works = [comm.all_reduce(torch.ones(1024, device=device), path="service", async_op=True) for _ in range(3)]
         report.put(("ready", rank))

@@ -106,7 +106,7 @@ def test_a_killed_daemon_costs_the_job_no_call(make_daemon, spawn_ranks, store_p
     group = spawn_ranks(node_ranks.reduce_through, 4, 4, sockets, store_port, 1 << 18, report, commands, timeout=120)
     assert report.get(timeout=90) == 0
     daemons[1].stop(signal.SIGKILL)
-    time.sleep(1.0)  # the ranks call on meanwhile
+    time.sleep(1.0)  # not a wait: the ranks call on this long without node 1's daemon
     for queue in commands:
         queue.put("stop")
     for rank, outcome in group.values().items():

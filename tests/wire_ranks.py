@@ -229,7 +229,7 @@ def live_wire_switch(rank: int, world_size: int, socket: str, synthetic: list, c
             comm.all_reduce(x)
             if switched_at is None and comm.thresholds().epoch != first_epoch:
                 switched_at = call
-            time.sleep(0.002)
+            time.sleep(0.002)  # not a wait: the calls are paced to span the daemon's answer to the timings
         table = comm.thresholds()
         rows = [(lo, hi, p.value, w.value) for (lo, hi, p), w in zip(table.rows(), table.wires(), strict=True)]
         boundary = table.boundary("compressed_min_bytes").describe()

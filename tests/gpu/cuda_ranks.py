@@ -179,7 +179,7 @@ def wait_alone(rank: int, world_size: int, socket: str, call: str) -> tuple[str,
     torch.cuda.set_device(device)
     with nodecomm.connect("alone", rank, world_size, device=device, socket=socket, timeout=120) as comm:
         if rank == 1:
-            time.sleep(8.0)
+            time.sleep(8.0)  # not a wait: the peer that never calls, past rank 0's kernel timeout
             return "idle", ""
         try:
             if call == "barrier":

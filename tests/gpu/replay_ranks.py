@@ -51,7 +51,8 @@ def replay_until_abort(rank: int, world_size: int, socket: str, port: int, how: 
             check()
         except nodecomm.NodecommError as error:
             # A kernel that gave up sets the abort word from the GPU, which the watch reads at its
-            # next look (20 ms): under "exit" it ends this process meanwhile.
+            # next look (20 ms): under "exit" it ends this process meanwhile. Not a wait on an
+            # event: under "log" the watch never ends it, so nothing here could say it is over.
             time.sleep(3)
             return {"replays": replays, "stale": stale, "silent": silent, "error": (type(error).__name__, str(error))}
         if wrong:

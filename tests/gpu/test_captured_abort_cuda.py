@@ -42,7 +42,7 @@ def run(make_daemon, spawn_ranks, tmp_path, how: str, sig: int, policy: str):
         assert not dead and time.monotonic() < deadline, dead  # a traceback where a rank raised
         with contextlib.suppress(queue.Empty):
             running.append(report.get(timeout=1))
-    time.sleep(0.5)  # both replaying, in step
+    # Both replaying, in step: each reported after its third replay, synchronised.
     signalled = time.monotonic()
     ranks[1].kill(1, sig)
     try:

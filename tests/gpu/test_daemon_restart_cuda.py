@@ -9,6 +9,7 @@ import time
 import pytest
 
 import restart_ranks
+from waiting import wait_until
 
 pytestmark = pytest.mark.gpu
 
@@ -20,11 +21,17 @@ def test_eager_calls_and_graph_replays_ride_through_a_sigterm_and_a_sigkill(make
     group = spawn_ranks(restart_ranks.ride_through_on_cuda, 2, 2, daemon.socket, report, commands, timeout=300)
     assert sorted(report.get(timeout=120) for _ in range(2)) == [("running", 0), ("running", 1)]
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        time.sleep(1.0)
         daemon.stop(sig)
-        time.sleep(0.5)  # no daemon serves: the ranks call on
+        time.sleep(0.5)  # not a wait: no daemon serves for this long, the ranks calling on
         daemon.start()
-    time.sleep(2.0)  # the ranks come back to the last daemon
+        # The ranks come back to the next daemon, which takes their group over.
+        wait_until(
+            lambda: (
+                {"nodecomm_adopted_groups_total 1.0", "nodecomm_ranks 2.0"} <= set(daemon.metrics_text().splitlines())
+            ),
+            60,
+            daemon.log,
+        )
     for queue in commands:
         queue.put("stop")
     outcomes = group.values()
