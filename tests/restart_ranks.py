@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import nodecomm
 import nodecomm.distributed  # registers the "nodecomm" backend
+from waiting import wait_until
 
 ROWS, TOPK = 8, 4
 GAP_CALLS = 50  # adopted(): all-reduces while no daemon serves
@@ -139,7 +140,7 @@ def lose_the_daemon_with(rank: int, world_size: int, socket: str, thresholds: di
         comm.all_reduce(torch.ones(4))
         report.put(("running", rank))
         assert commands[rank].get(timeout=60) == "daemon gone"
-        time.sleep(0.5)  # the session thread notices the closed stream
+        wait_until(lambda: comm._session.lost_reason is not None, 30, "the session noticing its daemon gone")
         try:
             return comm.all_reduce(torch.ones(4)).tolist()
         except nodecomm.NodecommError as error:
@@ -168,13 +169,14 @@ def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
         owned_idx, _ = exchange.stage(torch.full((ROWS, TOPK), rank, dtype=torch.int32), torch.zeros((ROWS, TOPK)))
         staged = bool((owned_idx == torch.arange(world_size, dtype=torch.int32).view(1, -1, 1)).all())
         summed = comm.all_reduce(torch.ones(4)).tolist()
-        report.put(("adopted", rank, comm._ticket.SerializeToString()))
+        report.put(("adopted", rank, comm._link.ticket.SerializeToString()))
         outcome = {"adoptions": comm._session.adoptions, "calls": calls, "staged": staged, "sum": summed}
         command = commands[rank].get(timeout=120)
         if command == "leave":
             return outcome
         if rank != 0:
-            time.sleep(120)  # killed
+            report.put(("dying", rank))
+            time.sleep(120)  # killed here by the test
         _, killed = command  # ("die", when the test killed rank 1: CLOCK_MONOTONIC is the machine's)
         try:
             while True:

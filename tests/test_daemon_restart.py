@@ -15,7 +15,7 @@ import time
 import pytest
 
 import restart_ranks
-from conftest import free_port
+from conftest import free_port, restart_under_ranks
 from waiting import wait_until
 
 
@@ -43,7 +43,7 @@ def _ride(make_daemon, spawn_ranks, world_size: int, api: str, restarts: list[in
         pids.append(daemon.process.pid)
         assert daemon.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
         daemon.start()
-        time.sleep(seconds)  # the ranks call on meanwhile
+        time.sleep(seconds)  # not a wait: the restarts come `seconds` apart, the ranks calling on meanwhile
     # The last daemon took the running group over (through either API), and every rank is back.
     wait_until(
         lambda: (
@@ -137,19 +137,18 @@ def test_a_group_whose_table_uses_the_service_path_is_aborted_with_its_daemon(ma
 
 def _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path):
     """Ranks of group "adopted" whose daemon was killed and started again, once every rank has
-    handed the group to the new one: (the daemon, the ranks, the command queues, the tickets)."""
+    handed the group to the new one: (the daemon, the ranks, the command queues, the report queue,
+    the tickets)."""
     daemon = make_daemon()
     group, report, commands = _running(spawn_ranks, restart_ranks.adopted, 2, daemon.socket)
-    daemon.stop(signal.SIGKILL)
-    for queue in commands:
-        queue.put("daemon gone")
-    assert sorted(report.get(timeout=60) for _ in range(2)) == [("called", 0), ("called", 1)]
-    daemon.start()
-    for queue in commands:
-        queue.put("next daemon serving")
+
+    def called() -> None:
+        assert sorted(report.get(timeout=60) for _ in range(2)) == [("called", 0), ("called", 1)]
+
+    restart_under_ranks(daemon, commands, while_down=called)
     reports = sorted(report.get(timeout=60) for _ in range(2))
     assert [r[:2] for r in reports] == [("adopted", 0), ("adopted", 1)], reports
-    return daemon, group, commands, [r[2] for r in reports]
+    return daemon, group, commands, report, [r[2] for r in reports]
 
 
 def _status(daemon) -> dict:
@@ -164,7 +163,7 @@ def test_the_next_daemon_adopts_the_running_group(make_daemon, spawn_ranks, tmp_
     ranks come back: its status and metrics show it, a new top-k exchange opens there, and the
     ranks leave through it; nothing is left behind."""
     shm = set(os.listdir("/dev/shm"))
-    daemon, group, commands, _ = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
+    daemon, group, commands, _, _ = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
     shown = _status(daemon)["adopted"]
     assert shown["state"] == "active" and shown["live_ranks"] == [0, 1], shown
     metrics = daemon.metrics_text()
@@ -188,9 +187,9 @@ def test_the_next_daemon_adopts_the_running_group(make_daemon, spawn_ranks, tmp_
 def test_a_peer_lost_after_adoption_fails_its_group_at_once(make_daemon, spawn_ranks, tmp_path):
     """The adopting daemon holds the ranks' sessions and the group's abort word: a rank killed
     afterwards fails its peer's next call with PeerLostError long before the operation timeout."""
-    daemon, group, commands, _ = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
+    daemon, group, commands, report, _ = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
     commands[1].put("die")
-    time.sleep(0.2)
+    assert report.get(timeout=60) == ("dying", 1)  # rank 1 has its word, and calls no more
     group.kill(1)
     commands[0].put(("die", time.monotonic()))
     outcome = group.results()[0][1]
@@ -210,7 +209,7 @@ def test_a_ticket_adopts_nothing_without_the_key_the_secret_and_the_control_page
     from nodecomm.v1 import control_pb2 as pb
     from nodecomm.v1 import control_pb2_grpc as pb_grpc
 
-    daemon, group, commands, tickets = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
+    daemon, group, commands, _, tickets = _adopted_by_the_next_daemon(make_daemon, spawn_ranks, tmp_path)
     other = make_daemon()  # another state directory: another key
     ticket = pb.AdoptionTicket.FromString(tickets[0])
     record = pb.GroupRecord.FromString(ticket.record)
@@ -248,14 +247,12 @@ def test_another_user_cannot_serve_the_socket_while_no_daemon_does(make_daemon, 
 
     daemon = make_daemon()
     group, _, commands = _running(spawn_ranks, restart_ranks.adopted, 2, daemon.socket)
-    daemon.stop(signal.SIGKILL)
-    raced = as_user(NOBODY, NOBODY, "serve", daemon.socket).decode()
-    assert raced.startswith("PermissionError"), raced
-    for queue in commands:
-        queue.put("daemon gone")
-    daemon.start()
-    for queue in commands:
-        queue.put("next daemon serving")
+
+    def race() -> None:
+        raced = as_user(NOBODY, NOBODY, "serve", daemon.socket).decode()
+        assert raced.startswith("PermissionError"), raced
+
+    restart_under_ranks(daemon, commands, while_down=race)
     for queue in commands:
         queue.put("leave")
     for outcome in group.values().values():
