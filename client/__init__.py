@@ -13,13 +13,13 @@ def needs_torch(error: ImportError) -> ImportError:
     missing (a daemon-only install): what to install; any other import error as it is."""
     if error.name == "torch":
         what = "torch is not installed in this environment"
-    elif error.name == "nodecomm._c10d" or "_c10d" in str(error):
+    elif error.name == "nodecomm._c10d" or "cannot import name '_c10d'" in str(error):
         what = "this nodecomm was installed without torch (the daemon only), so nodecomm._c10d was not built"
     else:
         return error
     return ImportError(
         f"nodecomm's client needs torch: {what}; install torch first, then nodecomm "
-        "(python3 -m pip install torch, then python3 -m pip install --force-reinstall --no-deps nodecomm)"
+        "(python3 -m pip install torch, then python3 -m pip install --force-reinstall --no-deps --no-cache-dir nodecomm)"
     )
 
 
@@ -28,7 +28,10 @@ def c10d_module():
     try:
         from nodecomm import _c10d
     except ImportError as error:
-        raise needs_torch(error) from error
+        told = needs_torch(error)
+        if told is error:
+            raise
+        raise told from error
     return _c10d
 
 
@@ -36,7 +39,10 @@ def __getattr__(name: str):
     try:
         return _client_name(name)
     except ImportError as error:
-        raise needs_torch(error) from error
+        told = needs_torch(error)
+        if told is error:
+            raise
+        raise told from error
 
 
 def _client_name(name: str):

@@ -301,8 +301,9 @@ class Communicator:
 
     def _reattach(self, calls_without_daemon: int) -> pb_grpc.ControlStub:
         """Hand this rank's group to the daemon serving the socket now (client/daemon_link.py)."""
-        table = self._dispatcher.table
-        return self._link.reattach(table, calls_without_daemon, self._lock, lambda: self._closed, self._service.use)
+        return self._link.reattach(
+            lambda: self._dispatcher.table, calls_without_daemon, self._lock, lambda: self._closed, self._service.use
+        )
 
     def native_outcome(self, outcome: int, tensor: torch.Tensor, sampled: bool, kind: int, message: str) -> None:
         """What the c10d backend's native call (in place on `tensor`, through lane_api.h) left to

@@ -68,14 +68,15 @@ class DaemonLink:
 
     def reattach(
         self,
-        table: DispatchTable,
+        table: Callable[[], DispatchTable],
         calls_without_daemon: int,
         lock: _native.CallLock,
         closed: Callable[[], bool],
         use: Callable[[pb_grpc.ControlStub], None],
     ) -> pb_grpc.ControlStub:
         """Hand the group to the daemon serving the socket now: it must prove who it is as at
-        connect() (nodecomm.daemon_channel), then takes the control page and the ticket. Under
+        connect() (nodecomm.daemon_channel), then takes the control page, the ticket and the table in force
+        (`table()`, read as the request is made). Under
         `lock`, unless `closed()`, its stub replaces the old one and `use(stub)` is called;
         returns the stub. Raises DaemonUnavailableError while nothing serves."""
         where = self._membership.where
@@ -96,7 +97,7 @@ class DaemonLink:
             stub = pb_grpc.ControlStub(channel)
             request = pb.AdoptRequest(
                 ticket=self.ticket, rank=self._membership.rank, control_token=token,
-                thresholds=table.to_proto(), calls_without_daemon=calls_without_daemon,
+                thresholds=table().to_proto(), calls_without_daemon=calls_without_daemon,
             )  # fmt: skip
             reply = stub.Adopt(request, timeout=3.0, metadata=self._metadata)
         except BaseException as error:

@@ -35,7 +35,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from nodecomm.client import daemon_choice, peer_liveness
+from nodecomm.client import c10d_module, daemon_choice, peer_liveness
 from nodecomm.client.daemon_choice import DaemonMode
 from nodecomm.client.hierarchical import node_name
 from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidArgumentError, shown
@@ -43,7 +43,7 @@ from nodecomm.errors import DeadlineExceededError, GroupMismatchError, InvalidAr
 from .process_group import NodecommProcessGroup
 
 # After torch (imported above): the module names torch's libraries, which `import torch` loads.
-from nodecomm import _c10d  # isort: skip
+_c10d = c10d_module()
 
 log = logging.getLogger("nodecomm.distributed")
 

@@ -122,7 +122,7 @@ class NodecommProcessGroup:
         node_group = self._collective_groups.get(device_type)
         return node_group.joined if node_group is not None else None
 
-    def _pair_lane(self, device_type: str, source: int, destination: int, tag: int) -> NodeGroup:
+    def _pair_group(self, device_type: str, source: int, destination: int, tag: int) -> NodeGroup:
         key = (device_type, source, destination, tag)
         with self._pair_lock:
             node_group = self._pair_groups.get(key)
@@ -381,7 +381,7 @@ class NodecommProcessGroup:
     def send(self, tensors: list[torch.Tensor], destination: int, tag: int) -> Work:
         tensor = _one(tensors, "send")
         self._peer(destination, "send to")
-        node_group = self._pair_lane(tensor.device.type, self._rank, destination, tag)
+        node_group = self._pair_group(tensor.device.type, self._rank, destination, tag)
         payload = collectives.flat(tensor)
 
         def operation(comm) -> None:
@@ -432,7 +432,7 @@ class NodecommProcessGroup:
         return work
 
     def _receive(self, tensor: torch.Tensor, source: int, tag: int) -> Work:
-        node_group = self._pair_lane(tensor.device.type, source, self._rank, tag)
+        node_group = self._pair_group(tensor.device.type, source, self._rank, tag)
 
         def operation(comm) -> None:
             rows = comm.all_gather(torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device))

@@ -70,19 +70,19 @@ def level_name(name: str, value: Any) -> None:
 
 def parse_ids(field: str, text: str) -> frozenset[int]:
     """Comma-separated numeric ids or names: uids for allowed_uids and operator_uids, gids otherwise."""
-    ids = set()
+    found = set()
     for item in (part.strip() for part in text.split(",")):
         if not item:
             continue
         if item.isdigit():
-            ids.add(int(item))
+            found.add(int(item))
             continue
         try:
-            ids.add(pwd.getpwnam(item).pw_uid if field.endswith("_uids") else grp.getgrnam(item).gr_gid)
+            found.add(pwd.getpwnam(item).pw_uid if field.endswith("_uids") else grp.getgrnam(item).gr_gid)
         except KeyError:
             kind = "user" if field.endswith("_uids") else "group"
             raise ValueError(f"{field}: no {kind} named {item!r}; expected ids or names, comma-separated") from None
-    return frozenset(ids)
+    return frozenset(found)
 
 
 def check_directory(name: str, path: str) -> None:

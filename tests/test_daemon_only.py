@@ -83,5 +83,6 @@ def test_a_daemon_without_torch_serves_a_cpu_group_to_ranks_with_torch(daemon_en
         )  # fmt: skip
         assert calibrate.returncode != 0, calibrate.stdout
         assert "which need torch, and this daemon's environment has none" in calibrate.stderr, calibrate.stderr
+        assert "the container image's with-torch target" in calibrate.stderr, calibrate.stderr
     finally:
         served.stop()

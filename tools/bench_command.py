@@ -25,10 +25,10 @@ BENCH_PATHS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("nodecomm._c10d") is None:
         print(
-            "nodecomm bench: its rank processes need torch, which this environment lacks (a daemon-only install); "
-            "run it where torch is installed (the container image's with-torch target)",
+            "nodecomm bench: its rank processes need torch, and nodecomm installed after it, which this environment "
+            "lacks (a daemon-only install); run it where both are (the container image's with-torch target)",
             file=sys.stderr,
         )
         return 2

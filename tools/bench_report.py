@@ -9,12 +9,8 @@ import json
 import os
 import platform
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from nodecomm.byte_size import format_byte_size
-
-if TYPE_CHECKING:
-    pass
 
 from .bench import BACKEND_ROW, BASELINES, DIRECT_ROW, NODECOMM_PATHS, BenchSetup, Row
 

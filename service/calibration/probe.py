@@ -136,11 +136,12 @@ async def probe(
     seconds and spread per path and size (min_bytes .. max_bytes in powers of two, or `sizes`),
     and per compressed wire in `wires` ("oneshot+int8" rows), each median also passed to on_point
     as it is measured. Raises InternalError with the probe's output when it fails."""
-    if importlib.util.find_spec("torch") is None:
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("nodecomm._c10d") is None:
         raise UnsupportedError(
             "calibrating runs the bench's rank processes, which need torch, and this daemon's environment has "
-            "none (a daemon-only install): run the daemon from an environment with torch (the container "
-            "image's `calibrating` target) to calibrate; live recalibration from the ranks' timings runs without it"
+            "none, or a nodecomm installed before it (a daemon-only install): run the daemon from an environment "
+            "with torch, then nodecomm (the container image's with-torch target) to calibrate; live recalibration "
+            "from the ranks' timings runs without it"
         )
     # The table comes back as the last line of the probe's output: no file or folder of its own
     # is left behind by a probe (or a daemon) that is killed.

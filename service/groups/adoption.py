@@ -29,10 +29,18 @@ import hmac
 import logging
 import os
 import secrets
+from collections.abc import Callable
 
 from nodecomm import _native, host_memory, trust
 from nodecomm.capabilities import DeviceKind
-from nodecomm.errors import InvalidArgumentError, NodecommError, NotFoundError, PermissionDeniedError, UnsupportedError
+from nodecomm.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NodecommError,
+    NotFoundError,
+    PermissionDeniedError,
+    UnsupportedError,
+)
 from nodecomm.service.access.callers import Caller
 from nodecomm.service.access.quotas import Quotas
 from nodecomm.service.calibration.live_thresholds import LiveEstimates
@@ -142,6 +150,7 @@ def check_rank_proof(
 def adopted_group(
     record: pb.GroupRecord, thresholds: pb.ThresholdTable, control_fd: int, ticket: pb.AdoptionTicket, where: dict,
     key: bytes, config: DaemonConfig, gpus: list[str], quotas: Quotas, tables: TableKeeper,
+    name_taken: Callable[[Caller, str], bool],
 ) -> Group:  # fmt: skip
     """The group `record` describes, rebuilt on the control page `control_fd` with the ranks' table
     (`thresholds`): what a daemon adopts, checked against what it can serve."""
@@ -153,6 +162,8 @@ def adopted_group(
     if record.memory_kind not in (pb.HOST_MEMFD, pb.CUDA_VMM_FD):
         raise UnsupportedError("a group on legacy CUDA IPC buffers dies with its daemon", **where)
     creator = Caller(None if record.creator_is_tcp else record.creator_uid)
+    if name_taken(creator, args.group):
+        raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
     try:
         table = DispatchTable.from_proto(thresholds)
     except (ValueError, KeyError) as error:

@@ -2,7 +2,7 @@
 checked, its memory allocated (host memfd, or CUDA VMM on each rank's GPU), its dispatch table,
 its live evidence, its service path (on rank 0's GPU for a CUDA group) and a claim token per rank
 for its descriptors. Anything that fails frees what was built and raises; the registry
-(groups.py) then fails every waiting rank with that error."""
+(registry.py) then fails every waiting rank with that error."""
 
 from __future__ import annotations
 

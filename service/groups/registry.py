@@ -107,6 +107,9 @@ class GroupRegistry:
         caller shares where groups may mix uids."""
         return (None if self.config.allow_mixed_uids else caller, name)
 
+    def _name_taken(self, caller: Caller, name: str) -> bool:  # forming or formed in the caller's namespace
+        return self._key(caller, name) in self._active.keys() | self._forming.keys()
+
     def _release_name(self, group: Group) -> None:
         """The group's name is free to form again in its namespace."""
         key = self._key(group.creator, group.name)
@@ -267,12 +270,9 @@ class GroupRegistry:
                 if known.state != GroupState.ACTIVE:
                     raise NotFoundError(f"the group is {known.state}", **where)
                 return pb.AdoptReply(group_id=record.group_id, adopted=False)
-            key = self._key(Caller(None if record.creator_is_tcp else record.creator_uid), record.join.group)
-            if key in self._active or key in self._forming:
-                raise AlreadyExistsError("a group of this name formed on this daemon meanwhile", **where)
             group = adopted_group(
                 record, request.thresholds, handback.fd, request.ticket, where, self.adoption_key, self.config,
-                self.gpus, self.quotas, self.tables,
+                self.gpus, self.quotas, self.tables, self._name_taken,
             )  # fmt: skip
             handback.fd = -1  # the group's memory holds it now
         finally:
