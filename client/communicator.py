@@ -133,7 +133,7 @@ class Communicator:
         )
         self._offers = TableOffers(control.address, membership, operation_timeout)
         self._exchanges = TopkExchanges(
-            membership, self._metadata, descriptor_socket, transport, self._runs.run, operation_timeout,
+            membership, self._metadata, descriptor_socket, transport, self._runs.run, operation_timeout, self._lock,
             # A stage through the slabs: every source writes straight into its owners' memory, once.
             count=lambda nbytes: self._session.count(pb.TOPK_STAGE, Path.ONESHOT, nbytes),
             service_stage=self._service_topk_stage, gather=self.all_gather,
@@ -443,7 +443,7 @@ class Communicator:
             self._check_usable()
             self._check_daemon("a new top-k exchange")
             sequence = self._exchanges.next_sequence()
-        return self._exchanges.open(self._link.stub, sequence, max_rows, topk, timeout, self._lock)
+        return self._exchanges.open(self._link.stub, sequence, max_rows, topk, timeout)
 
     def _service_topk_stage(self, local_idx: torch.Tensor, local_scores: torch.Tensor):
         work = self._submitted(self._service.topk_stage, local_idx, local_scores)

@@ -330,6 +330,7 @@ class TopkExchanges:
         transport,
         run: Callable[..., None],
         operation_timeout: float,
+        lock: _native.CallLock,
         *,
         count: Callable[[int], None],
         service_stage: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
@@ -341,6 +342,7 @@ class TopkExchanges:
         self._transport = transport
         self._run = run
         self._operation_timeout = operation_timeout
+        self._lock = lock  # the communicator's, which close() takes
         self._callbacks = dict(count=count, service_stage=service_stage, gather=gather)
         self._calls = 0
         self._opened: list[TopkExchange | CudaTopkExchange] = []
@@ -351,7 +353,7 @@ class TopkExchanges:
         return self._calls - 1
 
     def open(
-        self, stub: pb_grpc.ControlStub, sequence: int, max_rows: int, topk: int, timeout: float, lock
+        self, stub: pb_grpc.ControlStub, sequence: int, max_rows: int, topk: int, timeout: float
     ) -> TopkExchange | CudaTopkExchange:
         membership, transport = self._membership, self._transport
         device = transport.device.index if transport.kind == DeviceKind.CUDA else None
@@ -365,7 +367,7 @@ class TopkExchanges:
             )  # fmt: skip
         else:
             exchange = TopkExchange(layout, membership.rank, slabs, self._barrier, membership.where, **self._callbacks)
-        with lock:
+        with self._lock:
             self._opened.append(exchange)
         return exchange
 
