@@ -12,10 +12,10 @@ for name in "${names[@]}"; do
     echo "== $name $row"
     rm -f /tmp/profile.store
     timeout 90 python3 "$here/.ci/profile-eager.py" 1 2 /tmp/profile.store $row 20000 &
-    NC_MAPS=/tmp/maps-$name-$row.txt timeout 90 /tmp/site/bin/py-spy record --native --rate 500 --format raw -o "/tmp/prof-$name-$row.txt" -- \
+    timeout 90 /tmp/site/bin/py-spy record --native --rate 500 --format raw -o "/tmp/prof-$name-$row.txt" -- \
       python3 "$here/.ci/profile-eager.py" 0 2 /tmp/profile.store $row 20000 2>&1 | grep -v "^py-spy> You"
     wait
-    python3 "$here/.ci/profile-summary.py" --maps "/tmp/maps-$name-$row.txt" "/tmp/prof-$name-$row.txt" | tee -a "$OUT/profiles.txt"
+    python3 "$here/.ci/profile-summary.py" "/tmp/prof-$name-$row.txt" | tee -a "$OUT/profiles.txt"
   done
 done
 echo quit | nvidia-cuda-mps-control

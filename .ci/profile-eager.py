@@ -4,8 +4,7 @@ STORE_FILE ROW CALLS [cpu|cuda]` with ROW `comm` (comm.all_reduce(x, out=x)), `d
 or `slot` (vLLM's call of NodecommAllreduce: should_custom_ar, then custom_all_reduce; CUDA), 16
 KiB of float32; CUDA ranks share GPU 0 (under
 MPS on the device). Every rank makes the same calls; .ci/device-profile.sh runs rank 0 under
-py-spy. Prints the calls' host time per call. NC_BEFORE as in ab-percall.py. NC_MAPS=FILE: the
-process's /proc/self/maps into FILE at the end, for profile-summary.py's --maps."""
+py-spy. Prints the calls' host time per call. NC_BEFORE as in ab-percall.py."""
 
 import os
 import sys
@@ -54,9 +53,6 @@ def main() -> None:
     synchronize()
     dist.barrier()
     print(f"rank {rank} {row}: {took / calls * 1e6:.2f} us per call (host, {calls} calls)", flush=True)
-    if os.environ.get("NC_MAPS"):
-        with open("/proc/self/maps") as maps, open(os.environ["NC_MAPS"], "w") as copy:
-            copy.write(maps.read())
     dist.destroy_process_group()
 
 

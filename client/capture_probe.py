@@ -10,6 +10,11 @@ each lossless path this rank runs in a graph of a few calls, replayed a few time
 their times with an all-reduce (every rank gets the same bits) and all take the path with the
 least, which the size's captured calls then take. Every rank probes the same calls in the same
 order, so all capture the same paths.
+
+Another thread of the process may be capturing a graph meanwhile, in torch's default global mode,
+which forbids every other thread the calls a probe makes (allocations, waits on events, a copy to
+the host): one such call fails and breaks that capture. So the probe's thread runs relaxed, and
+its own graphs are captured thread-local: neither capture constrains the other.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ REPLAYS = 5
 # A rival replaces the table's path only where it is faster by more than this share (noise
 # between two equal paths moves nothing).
 MARGIN = 0.02
+# cudaStreamCaptureMode's relaxed: the thread may make any call while graphs are being captured.
+RELAXED = 2
 
 
 def calls_per_graph(nbytes: int) -> int:
@@ -52,7 +59,7 @@ def graph_seconds(run: Callable[[], object], calls: int, device: torch.device) -
     side.wait_stream(current)
     # capture_begin, not torch.cuda.graph(): that one also collects garbage and empties the cache.
     with torch.cuda.device(device), torch.cuda.stream(side):
-        graph.capture_begin()
+        graph.capture_begin(capture_error_mode="thread_local")
         try:
             for _ in range(calls):
                 run()
@@ -68,6 +75,16 @@ def graph_seconds(run: Callable[[], object], calls: int, device: torch.device) -
             event.record()
     events[-1].synchronize()
     return statistics.median(a.elapsed_time(b) for a, b in itertools.pairwise(events)) / 1e3 / calls
+
+
+@contextlib.contextmanager
+def relaxed_thread() -> Iterator[None]:
+    """This thread's calls are not refused while another thread captures a graph (see above)."""
+    previous = _native.cuda_exchange_capture_mode(RELAXED)
+    try:
+        yield
+    finally:
+        _native.cuda_exchange_capture_mode(previous)
 
 
 def fastest_path(
@@ -101,7 +118,8 @@ def probe_for_capture(
     calls then take the fastest (native/dispatch.h set_probed), on every rank alike."""
     table_path = dispatcher.table.path_for(tensor.nbytes)
     candidates = [path for path in LOSSLESS if path in dispatcher.paths]
-    path, summed = fastest_path(all_reduce, tensor, candidates, table_path)
+    with relaxed_thread():
+        path, summed = fastest_path(all_reduce, tensor, candidates, table_path)
     dispatcher.native.set_probed(tensor.nbytes, PATH_CODES[path])
     log.info(
         "captured size probed",

@@ -49,6 +49,16 @@ void bind_cuda_group(py::module_& m) {
       py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
       "Enqueued on `stream` (device memory): residual_out = summed + residual, output = rms_norm(residual_out) * "
       "weight, in the order of nodecomm.rms_norm (output may be summed, residual_out may be residual).");
+  m.def(
+      "cuda_exchange_capture_mode",
+      [](int mode) {
+        auto exchanged = static_cast<cudaStreamCaptureMode>(mode);
+        NODECOMM_CUDA(cudaThreadExchangeStreamCaptureMode(&exchanged));
+        return int(exchanged);
+      },
+      py::arg("mode"),
+      "Sets the calling thread's stream capture mode (cudaStreamCaptureMode: 0 global, 1 thread-local, 2 "
+      "relaxed) and returns the one it had (cudaThreadExchangeStreamCaptureMode).");
   m.def("cuda_buffer_bytes", &cuda::buffer_bytes, py::arg("capacity_bytes"),
         "Bytes of one rank's CUDA buffer (counters, flags, two staging slots, two push slots).");
   py::class_<cuda::CudaGroup>(m, "CudaGroup",

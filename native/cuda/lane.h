@@ -130,8 +130,24 @@ class CudaLane {
     std::uint64_t nbytes = 0;
   };
 
+  // The calling thread's stream capture mode relaxed for a scope: while another thread captures a
+  // graph in global mode (torch's default), an eager call's event queries are refused otherwise,
+  // and the refused query breaks that capture.
+  class RelaxedCapture {
+   public:
+    RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    RelaxedCapture(const RelaxedCapture&) = delete;
+    RelaxedCapture& operator=(const RelaxedCapture&) = delete;
+
+   private:
+    cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+  };
+
   // The sampled calls that have finished, oldest first, to the dispatch's samples.
   void read_timings() {
+    if (pending_.empty()) return;
+    const RelaxedCapture relaxed;
     while (!pending_.empty()) {
       Timing& timing = timings_[pending_.front()];
       const cudaError_t done = cudaEventQuery(timing.end);

@@ -615,3 +615,72 @@ def probed_captures(
         report.put("sent")
         assert commands[rank].get(timeout=120) == "stop"
     return {"problems": problems, "chosen": chosen}
+
+
+def probed_beside_another_capture(rank: int, world_size: int, socket: str, count: int) -> dict:
+    """A size's warm-up inside comm.capture() while another thread of the rank holds a graph capture
+    open in torch's default global mode, which refuses every other thread's allocations and waits:
+    the probe runs anyway (its thread relaxed), the call's result is the reference's, and the other
+    capture is not broken: its replay adds what it captured. Returns the problems and the path the
+    probe chose (from the client's log)."""
+    import logging
+    import threading
+
+    device = device_for(rank)
+    torch.cuda.set_device(device)
+    chosen: dict[int, str] = {}
+
+    class Probes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage() == "captured size probed":
+                chosen[record.bytes] = record.path
+
+    logging.getLogger("nodecomm.client").addHandler(Probes())
+    logging.getLogger("nodecomm.client").setLevel(logging.INFO)
+    problems: list[str] = []
+    began, probed = threading.Event(), threading.Event()
+    other: dict[str, object] = {}
+
+    def capture_meanwhile() -> None:  # the engine's other thread
+        torch.cuda.set_device(device)
+        y, graph, stream = torch.zeros(1024, device=device), torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        try:
+            with torch.cuda.graph(graph, stream=stream):  # capture_error_mode="global"
+                y.add_(1)
+                began.set()
+                if not probed.wait(timeout=120):
+                    other["error"] = "the probe did not finish in 120 s"
+                y.add_(1)
+            graph.replay()
+            torch.cuda.synchronize()
+            other["y"] = y.cpu()
+        except Exception as error:  # reported below, with the probe's
+            other["error"] = repr(error)
+        finally:
+            began.set()
+
+    with nodecomm.connect("beside", rank, world_size, device=device, socket=socket, timeout=120) as comm:
+        x = rank_input(rank, count, torch.bfloat16, 0).to(device)
+        out = torch.empty_like(x)
+        expected = reference_sum(world_size, count, torch.bfloat16, 0)
+        torch.cuda.synchronize()
+        thread = threading.Thread(target=capture_meanwhile)
+        thread.start()
+        if not began.wait(timeout=120):
+            problems.append("the other thread's capture did not begin in 120 s")
+        try:
+            with comm.capture():
+                comm.all_reduce(x, out=out)  # the size's warm-up: probes its paths
+        except Exception as error:
+            problems.append(f"the warm-up beside the other capture raised {error!r}")
+        probed.set()
+        thread.join(timeout=120)
+        if thread.is_alive():
+            problems.append("the other thread's capture did not end in 120 s")
+        if "error" in other:
+            problems.append(f"the other thread's capture failed: {other['error']}")
+        elif not torch.equal(other["y"], torch.full((1024,), 2.0)):
+            problems.append(f"the other thread's replay left {other['y'][:4].tolist()}..., not 2.0")
+        if not _same_bits(out, expected):
+            problems.append("the warm-up's result differs from the reference")
+    return {"problems": problems, "chosen": chosen}

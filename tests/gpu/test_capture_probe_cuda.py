@@ -45,3 +45,12 @@ def test_every_rank_captures_the_path_its_probe_chose_and_replays_exactly(make_d
     assert sorted(chosen) == sorted(2 * c for c in [*COUNTS, NORM[0] * NORM[1]]), results
     assert results[1]["chosen"] == chosen, results  # the ranks agree on every size
     assert shown == chosen, (shown, chosen)
+
+
+def test_a_probe_beside_another_threads_capture_breaks_neither(make_daemon, spawn_ranks):
+    daemon = make_daemon("--allow-shared-devices", "true", "--operation-timeout-seconds", "60")
+    count = 8192  # 16 KiB of bf16
+    results = spawn_ranks(cuda_ranks.probed_beside_another_capture, 2, 2, daemon.socket, count, timeout=300).values()
+    assert results[0]["problems"] == [] and results[1]["problems"] == [], results
+    assert list(results[0]["chosen"]) == [2 * count], results  # the probe ran, on every rank alike
+    assert results[1]["chosen"] == results[0]["chosen"], results
