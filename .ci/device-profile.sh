@@ -4,9 +4,9 @@
 # dist.all_reduce, summed up on the machine by .ci/profile-summary.py into $OUT/profiles.txt (the
 # raw stacks run to tens of MB, more than a run brings back). py-spy pauses the rank at every
 # sample: the shares are what counts, not the profiled rank's time per call.
-. "$(dirname "$0")/device-trees.sh" "$@"
+NC_SYMBOLS=1 . "$(dirname "$0")/device-trees.sh" "$@"
 for name in "${names[@]}"; do
-  export PYTHONPATH=/tmp/nc-$name:/tmp/site
+  export PYTHONPATH=/tmp/nc-$name$suffix:/tmp/site
   [ "$name" = after ] && unset NC_BEFORE || export NC_BEFORE=1
   for row in ${NC_ROWS:-comm dist}; do
     echo "== $name $row"

@@ -41,8 +41,6 @@ REPLAYS = 5
 # A rival replaces the table's path only where it is faster by more than this share (noise
 # between two equal paths moves nothing).
 MARGIN = 0.02
-# cudaStreamCaptureMode's relaxed: the thread may make any call while graphs are being captured.
-RELAXED = 2
 
 
 def calls_per_graph(nbytes: int) -> int:
@@ -80,7 +78,7 @@ def graph_seconds(run: Callable[[], object], calls: int, device: torch.device) -
 @contextlib.contextmanager
 def relaxed_thread() -> Iterator[None]:
     """This thread's calls are not refused while another thread captures a graph (see above)."""
-    previous = _native.cuda_exchange_capture_mode(RELAXED)
+    previous = _native.cuda_exchange_capture_mode(_native.CUDA_CAPTURE_RELAXED)
     try:
         yield
     finally:

@@ -49,6 +49,7 @@ void bind_cuda_group(py::module_& m) {
       py::arg("rows"), py::arg("hidden"), py::arg("eps"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
       "Enqueued on `stream` (device memory): residual_out = summed + residual, output = rms_norm(residual_out) * "
       "weight, in the order of nodecomm.rms_norm (output may be summed, residual_out may be residual).");
+  m.attr("CUDA_CAPTURE_RELAXED") = int(cudaStreamCaptureModeRelaxed);
   m.def(
       "cuda_exchange_capture_mode",
       [](int mode) {

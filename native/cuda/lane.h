@@ -135,8 +135,8 @@ class CudaLane {
   // and the refused query breaks that capture.
   class RelaxedCapture {
    public:
-    RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
-    ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode_); }
+    RelaxedCapture() { NODECOMM_CUDA(cudaThreadExchangeStreamCaptureMode(&mode_)); }
+    ~RelaxedCapture() { (void)cudaThreadExchangeStreamCaptureMode(&mode_); }  // back to the thread's own
     RelaxedCapture(const RelaxedCapture&) = delete;
     RelaxedCapture& operator=(const RelaxedCapture&) = delete;
 
@@ -151,7 +151,10 @@ class CudaLane {
     while (!pending_.empty()) {
       Timing& timing = timings_[pending_.front()];
       const cudaError_t done = cudaEventQuery(timing.end);
-      if (done == cudaErrorNotReady) return;
+      if (done == cudaErrorNotReady) {
+        (void)cudaGetLastError();  // not an error: not left for torch's next launch check to raise
+        return;
+      }
       NODECOMM_CUDA(done);
       float ms = 0;
       NODECOMM_CUDA(cudaEventElapsedTime(&ms, timing.start, timing.end));

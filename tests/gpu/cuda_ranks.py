@@ -618,11 +618,12 @@ def probed_captures(
 
 
 def probed_beside_another_capture(rank: int, world_size: int, socket: str, count: int) -> dict:
-    """A size's warm-up inside comm.capture() while another thread of the rank holds a graph capture
-    open in torch's default global mode, which refuses every other thread's allocations and waits:
-    the probe runs anyway (its thread relaxed), the call's result is the reference's, and the other
-    capture is not broken: its replay adds what it captured. Returns the problems and the path the
-    probe chose (from the client's log)."""
+    """A size's warm-up inside comm.capture(), then eager calls past the timing sample period (the
+    lane queries its sampled calls' events), while another thread of the rank holds a graph capture
+    open in torch's default global mode, which refuses every other thread's allocations, waits and
+    event queries: the probe runs anyway (its thread relaxed), the lane reads its timings relaxed,
+    every result is the reference's, and the other capture is not broken: its replay adds what it
+    captured. Returns the problems and the path the probe chose (from the client's log)."""
     import logging
     import threading
 
@@ -664,23 +665,27 @@ def probed_beside_another_capture(rank: int, world_size: int, socket: str, count
         out = torch.empty_like(x)
         expected = reference_sum(world_size, count, torch.bfloat16, 0)
         torch.cuda.synchronize()
-        thread = threading.Thread(target=capture_meanwhile)
+        eager = [torch.empty_like(x) for _ in range(2 * 64 + 8)]  # the daemon's timing_sample_period: 64
+        torch.cuda.synchronize()
+        thread = threading.Thread(target=capture_meanwhile, daemon=True)
         thread.start()
         if not began.wait(timeout=120):
             problems.append("the other thread's capture did not begin in 120 s")
         try:
             with comm.capture():
                 comm.all_reduce(x, out=out)  # the size's warm-up: probes its paths
+            for output in eager:  # sampled ones among them, whose events later calls query
+                comm.all_reduce(x, out=output)
         except Exception as error:
-            problems.append(f"the warm-up beside the other capture raised {error!r}")
+            problems.append(f"an all-reduce beside the other capture raised {error!r}")
         probed.set()
         thread.join(timeout=120)
         if thread.is_alive():
             problems.append("the other thread's capture did not end in 120 s")
-        if "error" in other:
+        elif "error" in other:
             problems.append(f"the other thread's capture failed: {other['error']}")
         elif not torch.equal(other["y"], torch.full((1024,), 2.0)):
             problems.append(f"the other thread's replay left {other['y'][:4].tolist()}..., not 2.0")
-        if not _same_bits(out, expected):
-            problems.append("the warm-up's result differs from the reference")
+        if not all(_same_bits(result, expected) for result in [out, *eager]):
+            problems.append("an all-reduce's result differs from the reference")
     return {"problems": problems, "chosen": chosen}
