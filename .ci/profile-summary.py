@@ -4,8 +4,8 @@ Only stacks inside the timed loop count; each sample goes to the code that ran i
 from the leaf up that belongs to a known library or Python package (libc and the interpreter's
 own frames go to whoever called them). Prints each owner's share of the loop's samples, the
 functions most of them ran in, and nodecomm's C++ functions with what they call. py-spy names
-nodecomm's frames by source file and line where the build keeps its symbols (.ci/device-trees.sh
-builds RelWithDebInfo, unstripped), and by the module otherwise."""
+nodecomm's frames by source file and line where the build keeps its symbols (.ci/device-profile.sh
+builds its trees so: RelWithDebInfo, unstripped), and by the module otherwise."""
 
 import collections
 import pathlib

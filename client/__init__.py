@@ -5,6 +5,9 @@ Imported lazily, so that the `nodecomm` command (nodecomm.tools.cli) and the ben
 process start without torch or the native module; only the rank processes load them.
 """
 
+import contextlib
+from collections.abc import Iterator
+
 __all__ = ["Communicator", "HierarchicalCommunicator", "connect", "connect_across_nodes"]
 
 
@@ -23,26 +26,28 @@ def needs_torch(error: ImportError) -> ImportError:
     )
 
 
-def c10d_module():
-    """nodecomm._c10d, or the ImportError that says what to install."""
+@contextlib.contextmanager
+def _saying_what_to_install() -> Iterator[None]:
+    """An ImportError of a missing torch or nodecomm._c10d raised as needs_torch's; others as they are."""
     try:
-        from nodecomm import _c10d
+        yield
     except ImportError as error:
         told = needs_torch(error)
         if told is error:
             raise
         raise told from error
+
+
+def c10d_module():
+    """nodecomm._c10d, or the ImportError that says what to install."""
+    with _saying_what_to_install():
+        from nodecomm import _c10d
     return _c10d
 
 
 def __getattr__(name: str):
-    try:
+    with _saying_what_to_install():
         return _client_name(name)
-    except ImportError as error:
-        told = needs_torch(error)
-        if told is error:
-            raise
-        raise told from error
 
 
 def _client_name(name: str):

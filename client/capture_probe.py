@@ -28,13 +28,11 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from nodecomm import _native
-from nodecomm.thresholds import Path
+from nodecomm.thresholds import PEER_PATHS, Path
 
 from .dispatch import PATH_CODES, Dispatcher
 
 log = logging.getLogger("nodecomm.client")
-# The paths a probe compares: those that give the same bits.
-LOSSLESS = (Path.ONESHOT, Path.TWOSHOT, Path.DMA)
 
 # Timed replays of each path's graph, after one that is not timed (it uploads the graph).
 REPLAYS = 5
@@ -115,7 +113,7 @@ def probe_for_capture(
     """Time `tensor`'s size on every lossless path the group runs, in graphs; the size's captured
     calls then take the fastest (native/dispatch.h set_probed), on every rank alike."""
     table_path = dispatcher.table.path_for(tensor.nbytes)
-    candidates = [path for path in LOSSLESS if path in dispatcher.paths]
+    candidates = [path for path in PEER_PATHS if path in dispatcher.paths]  # the lossless ones
     with relaxed_thread():
         path, summed = fastest_path(all_reduce, tensor, candidates, table_path)
     dispatcher.native.set_probed(tensor.nbytes, PATH_CODES[path])

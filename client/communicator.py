@@ -42,14 +42,13 @@ from .table_offers import TableOffers
 from .tensor_checks import TensorChecks
 from .topk_exchange import CudaTopkExchange, TopkExchange, TopkExchanges
 from .transport import Transport
-from .transport_runs import TransportRuns
+from .transport_runs import NCCL, TransportRuns
 from .work import Work
 
 _c10d = c10d_module()  # built only where torch was installed before nodecomm
 log = logging.getLogger("nodecomm.client")
 
 _SERVICE = PATH_CODES[Path.SERVICE]
-_NCCL = PATH_CODES[Path.NCCL]
 _ALL_REDUCE = pb.ALL_REDUCE
 # A lane call's outcomes (native/lane_api.h).
 _DONE, _DONE_SWITCH, _UNUSABLE, _SERVICE_DECIDED, _FAILED, _NCCL_DECIDED, _PROBE = range(7)
@@ -286,7 +285,7 @@ class Communicator:
             work = Work.completed(out)
         else:
             raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
-        self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else _NCCL, 0, nbytes, nbytes)
+        self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else NCCL, 0, nbytes, nbytes)
         self._maybe_switch_table(capturing)
         return work if async_op else work.wait()
 

@@ -4,6 +4,7 @@ exchanges. The daemon checks Joins against it; a rank's dispatch picks among its
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from enum import Enum
 
@@ -60,3 +61,9 @@ def path_names(kind: str) -> list[str]:
     """The names of `kind`'s all-reduce paths in Path order (none for a kind this build lacks)."""
     capabilities = CAPABILITIES.get(kind)
     return [path.value for path in Path if capabilities is not None and path in capabilities.paths]
+
+
+def has_rank_environment() -> bool:
+    """Whether torch, and nodecomm's module built against it, are installed here (not a daemon-only
+    install): what rank processes need (the client, the bench's ranks, a calibration's probe)."""
+    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("nodecomm._c10d") is not None

@@ -61,10 +61,9 @@ def test_a_daemon_without_torch_serves_a_cpu_group_to_ranks_with_torch(daemon_en
     served = Daemon(tmp_path)
     flags = ["--metrics-address", "off", "--state-dir", str(tmp_path / "state"), "--cache-dir", str(tmp_path / "c")]
     # Its own nodecommd: the environment's interpreter, none of this one's packages.
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     command = [str(daemon_env / "bin" / "nodecommd"), "--socket", served.socket, *flags]
     with open(served.log_path, "ab") as log:
-        served.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        served.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=isolated())
     try:
         wait_until(
             lambda: answers(served.socket) or served.process.poll() is not None,

@@ -185,15 +185,13 @@ STEPS = st.lists(
 def test_ranks_fed_the_same_calls_decide_the_same(explore_period, sample_period, switch_period, steps):
     """What makes exploring safe: two ranks' Dispatchers given the same calls, tables and undos
     in the same order decide every call alike (path, wire, explored, timed), refuse the same ones,
-    and are due to switch tables after the same calls."""
-
-    def run() -> list:
-        dispatcher = Dispatcher(
-            TABLE, CUDA_PATHS, "cuda", explore_period=explore_period, sample_period=sample_period,
-            switch_period=switch_period,
-        )  # fmt: skip
-        decided = []
-        for step in steps:
+    and are due to switch tables after the same calls. The two take each step in turn, in one
+    process, so that neither can lean on state the other left."""
+    periods = {"explore_period": explore_period, "sample_period": sample_period, "switch_period": switch_period}
+    ranks = [Dispatcher(TABLE, CUDA_PATHS, "cuda", **periods) for _ in range(2)]
+    decided: list[list] = [[], []]
+    for step in steps:
+        for dispatcher, seen in zip(ranks, decided, strict=True):
             if step[0] == "table":
                 dispatcher.table = TABLES[step[1]]
             elif step[0] == "undo":
@@ -202,12 +200,11 @@ def test_ranks_fed_the_same_calls_decide_the_same(explore_period, sample_period,
                 _, nbytes, capturing, forced = step
                 try:
                     d = dispatcher.decide(nbytes, forced=forced, capturing=capturing)
-                    decided.append((d.path, d.wire, d.explored, d.sampled, dispatcher.switch_due(capturing)))
+                    seen.append((d.path, d.wire, d.explored, d.sampled, dispatcher.switch_due(capturing)))
                 except InvalidArgumentError as error:
-                    decided.append(("refused", str(error)))
-        return decided + [dispatcher.calls]
-
-    assert run() == run()
+                    seen.append(("refused", str(error)))
+    assert decided[0] == decided[1]
+    assert ranks[0].calls == ranks[1].calls
 
 
 def test_a_new_table_restarts_the_count_where_it_routes_differently():

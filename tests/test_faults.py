@@ -84,7 +84,7 @@ def test_a_running_group_outlives_its_daemon_and_the_next_one_serves_new_groups(
     daemon.start()
     # The ranks come back to the next daemon, which takes their group over.
     wait_until(
-        lambda: {"nodecomm_adopted_groups_total 1.0", "nodecomm_ranks 2.0"} <= set(daemon.metrics_text().splitlines()),
+        lambda: daemon.metric("nodecomm_adopted_groups_total") == 1 and daemon.metric("nodecomm_ranks") == 2,
         30,
         daemon.log,
     )

@@ -4,11 +4,10 @@ starts."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 
 from nodecomm.byte_size import format_byte_size, parse_byte_size
-from nodecomm.capabilities import path_names
+from nodecomm.capabilities import has_rank_environment, path_names
 
 from .arguments import DEFAULT_MAX, byte_sizes
 
@@ -25,7 +24,7 @@ BENCH_PATHS = {
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("nodecomm._c10d") is None:
+    if not has_rank_environment():
         print(
             "nodecomm bench: its rank processes need torch, and nodecomm installed after it, which this environment "
             "lacks (a daemon-only install); run it where both are (the container image's with-torch target)",

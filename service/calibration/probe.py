@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import json
 import logging
 import os
@@ -17,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nodecomm.byte_size import format_byte_size
-from nodecomm.capabilities import DeviceKind, path_names
+from nodecomm.capabilities import DeviceKind, has_rank_environment, path_names
 from nodecomm.errors import InternalError, UnsupportedError
 from nodecomm.thresholds import Path
 from nodecomm.v1 import control_pb2 as pb
@@ -136,7 +135,7 @@ async def probe(
     seconds and spread per path and size (min_bytes .. max_bytes in powers of two, or `sizes`),
     and per compressed wire in `wires` ("oneshot+int8" rows), each median also passed to on_point
     as it is measured. Raises InternalError with the probe's output when it fails."""
-    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("nodecomm._c10d") is None:
+    if not has_rank_environment():
         raise UnsupportedError(
             "calibrating runs the bench's rank processes, which need torch, and this daemon's environment has "
             "none, or a nodecomm installed before it (a daemon-only install): run the daemon from an environment "

@@ -108,7 +108,7 @@ class GroupRegistry:
         return (None if self.config.allow_mixed_uids else caller, name)
 
     def _name_taken(self, caller: Caller, name: str) -> bool:  # forming or formed in the caller's namespace
-        return self._key(caller, name) in self._active.keys() | self._forming.keys()
+        return (key := self._key(caller, name)) in self._active or key in self._forming
 
     def _release_name(self, group: Group) -> None:
         """The group's name is free to form again in its namespace."""

@@ -545,6 +545,22 @@ def done_word_after_a_peer_leaves(rank: int, world_size: int, socket: str) -> di
         return {**seen, "marker": marker.item()}
 
 
+def probed_paths() -> dict[int, str]:
+    """The path each captured size's probe chose, filled in as the client logs "captured size probed"."""
+    import logging
+
+    chosen: dict[int, str] = {}
+
+    class Probes(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage() == "captured size probed":
+                chosen[record.bytes] = record.path
+
+    logging.getLogger("nodecomm.client").addHandler(Probes())
+    logging.getLogger("nodecomm.client").setLevel(logging.INFO)
+    return chosen
+
+
 def probed_captures(
     rank: int, world_size: int, socket: str, counts: list[int], norm: tuple[int, int], report, commands
 ) -> dict:
@@ -555,19 +571,9 @@ def probed_captures(
     are compared with that warm-up's outputs; the captured sizes flushed to the daemon, then
     "sent" reported and the group held until the test sends "stop". Returns the problems and the
     path each size's probe chose (from the client's log)."""
-    import logging
-
     device = device_for(rank)
     torch.cuda.set_device(device)
-    chosen: dict[int, str] = {}
-
-    class Probes(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage() == "captured size probed":
-                chosen[record.bytes] = record.path
-
-    logging.getLogger("nodecomm.client").addHandler(Probes())
-    logging.getLogger("nodecomm.client").setLevel(logging.INFO)
+    chosen = probed_paths()
     problems, graphs = [], []
     with nodecomm.connect("probed", rank, world_size, device=device, socket=socket, timeout=120) as comm:
         with comm.capture():
@@ -624,20 +630,11 @@ def probed_beside_another_capture(rank: int, world_size: int, socket: str, count
     event queries: the probe runs anyway (its thread relaxed), the lane reads its timings relaxed,
     every result is the reference's, and the other capture is not broken: its replay adds what it
     captured. Returns the problems and the path the probe chose (from the client's log)."""
-    import logging
     import threading
 
     device = device_for(rank)
     torch.cuda.set_device(device)
-    chosen: dict[int, str] = {}
-
-    class Probes(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.getMessage() == "captured size probed":
-                chosen[record.bytes] = record.path
-
-    logging.getLogger("nodecomm.client").addHandler(Probes())
-    logging.getLogger("nodecomm.client").setLevel(logging.INFO)
+    chosen = probed_paths()
     problems: list[str] = []
     began, probed = threading.Event(), threading.Event()
     other: dict[str, object] = {}
@@ -664,7 +661,6 @@ def probed_beside_another_capture(rank: int, world_size: int, socket: str, count
         x = rank_input(rank, count, torch.bfloat16, 0).to(device)
         out = torch.empty_like(x)
         expected = reference_sum(world_size, count, torch.bfloat16, 0)
-        torch.cuda.synchronize()
         eager = [torch.empty_like(x) for _ in range(2 * 64 + 8)]  # the daemon's timing_sample_period: 64
         torch.cuda.synchronize()
         thread = threading.Thread(target=capture_meanwhile, daemon=True)
