@@ -65,6 +65,10 @@ def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
     }
     if slot is not None:  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
         rows["vLLM slot call"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)
+        # Its parts, and its group's Communicator called as above: where the slot's time goes.
+        rows["slot should_custom_ar"] = lambda: slot.should_custom_ar(x)
+        rows["slot custom_all_reduce"] = lambda: slot.custom_all_reduce(x)
+        rows["slot's comm new out"] = lambda: slot.comm.all_reduce(x)
     # The backends' own allreduce, with torch.distributed's front end (its dispatcher op) left out.
     opts = dist.AllreduceOptions()
     nodecomm_backend = dist.group.WORLD._get_backend(x.device)
