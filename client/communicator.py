@@ -42,7 +42,7 @@ from .table_offers import TableOffers
 from .tensor_checks import TensorChecks
 from .topk_exchange import CudaTopkExchange, TopkExchange, TopkExchanges
 from .transport import Transport
-from .transport_runs import NCCL, TransportRuns
+from .transport_runs import TransportRuns
 from .work import Work
 
 _c10d = c10d_module()  # built only where torch was installed before nodecomm
@@ -126,9 +126,9 @@ class Communicator:
         # Python or from the c10d backend) takes it without the GIL.
         self._lock = _native.CallLock()
         self._lane = transport.lane(self._dispatch, control.address, operation_timeout, self._lock)
-        # What the lane leaves to Python (NCCL, barriers, gathers, top-k stages) runs through here.
+        # What the lane leaves to Python (barriers, gathers, top-k stages) runs through here.
         self._runs = TransportRuns(
-            transport, self._session, control.address, self.rank, self._lock, self._check_usable, self._errors.located
+            transport, control.address, self.rank, self._lock, self._check_usable, self._errors.located
         )
         self._offers = TableOffers(control.address, membership, operation_timeout)
         self._exchanges = TopkExchanges(
@@ -192,7 +192,7 @@ class Communicator:
             if out is not tensor:  # in place needs no second check
                 out = self._tensors.output(out, tuple(tensor.shape), tensor.dtype)
             try:
-                outcome, _, _, sampled = self._lane.all_reduce(
+                outcome, _, _ = self._lane.all_reduce(
                     tensor.data_ptr(),
                     out.data_ptr(),
                     tensor.numel(),
@@ -204,11 +204,11 @@ class Communicator:
             except NodecommError as error:
                 raise self._errors.of_lane(error) from None
         else:
-            outcome, out, sampled, kind, message = done
+            outcome, out, kind, message = done
             if outcome == _FAILED:
                 raise self._errors.of_lane(_native.error(kind, message))
         if outcome != _DONE:
-            return self._after_lane(outcome, tensor, out, sampled, async_op)
+            return self._after_lane(outcome, tensor, out, async_op)
         return Work.completed(out) if async_op else out
 
     def all_reduce_rms_norm(
@@ -262,11 +262,9 @@ class Communicator:
             self._transport.add_rms_norm(out, residual, weight, float(eps), out, residual_out)
         return out, residual_out
 
-    def _after_lane(
-        self, outcome: int, tensor: torch.Tensor, out: torch.Tensor, sampled: bool, async_op: bool
-    ) -> torch.Tensor | Work:
+    def _after_lane(self, outcome: int, tensor: torch.Tensor, out: torch.Tensor, async_op: bool) -> torch.Tensor | Work:
         """What the native lane left to Python: a table switch after the call, the reason it did not
-        run, or the call itself when decided for the service path (the daemon runs it) or NCCL."""
+        run, or the call itself when decided for the service path (the daemon runs it)."""
         if outcome == _DONE_SWITCH:
             self._agree_on_table()
             return Work.completed(out) if async_op else out
@@ -276,17 +274,11 @@ class Communicator:
         if outcome == _UNUSABLE:
             self._check_usable()
             raise InternalError("the native lane refused a call this communicator takes", **self.membership.where)
-        capturing = self._transport.capturing()
-        nbytes = tensor.nbytes
-        if outcome == _SERVICE_DECIDED:
-            work = self._submitted(self._service.all_reduce, tensor, out)
-        elif outcome == _NCCL_DECIDED:
-            self._runs.nccl_all_reduce(tensor, out, sampled, capturing, self._operation_timeout)
-            work = Work.completed(out)
-        else:
+        if outcome != _SERVICE_DECIDED:
             raise InternalError(f"unknown outcome {outcome} of a native all-reduce", **self.membership.where)
-        self._dispatch.count(_ALL_REDUCE, _SERVICE if outcome == _SERVICE_DECIDED else NCCL, 0, nbytes, nbytes)
-        self._maybe_switch_table(capturing)
+        work = self._submitted(self._service.all_reduce, tensor, out)
+        self._dispatch.count(_ALL_REDUCE, _SERVICE, 0, tensor.nbytes, tensor.nbytes)
+        self._maybe_switch_table(self._transport.capturing())
         return work if async_op else work.wait()
 
     def capture(self) -> contextlib.AbstractContextManager[None]:
@@ -304,12 +296,12 @@ class Communicator:
             lambda: self._dispatcher.table, calls_without_daemon, self._lock, lambda: self._closed, self._service.use
         )
 
-    def native_outcome(self, outcome: int, tensor: torch.Tensor, sampled: bool, kind: int, message: str) -> None:
+    def native_outcome(self, outcome: int, tensor: torch.Tensor, kind: int, message: str) -> None:
         """What the c10d backend's native call (in place on `tensor`, through lane_api.h) left to
         Python: as _after_lane, or its error."""
         if outcome == _FAILED:
             raise self._errors.of_lane(_native.error(kind, message))
-        self._after_lane(outcome, tensor, tensor, sampled, False)
+        self._after_lane(outcome, tensor, tensor, False)
 
     def native_lane(self) -> tuple[object, int, object]:
         """(C ABI capsule, lane address, the lane) of this rank's all-reduce, for the c10d backend,
@@ -353,15 +345,15 @@ class Communicator:
 
     def _slot_finish(self, tensor: torch.Tensor, done: object, max_bytes: int | None) -> torch.Tensor | None:
         """What the slot's native call left: None (a decline, or a tensor subclass it does not
-        take), or (outcome, output, sampled, error kind, message) of a call it ran or decided."""
+        take), or (outcome, output, error kind, message) of a call it ran or decided."""
         if done is None:
             if type(tensor) is torch.Tensor or not self.accepts(tensor, max_bytes=max_bytes):
                 return None
             return self.all_reduce(tensor)  # a tensor subclass: the Python path
-        outcome, out, sampled, kind, message = done
+        outcome, out, kind, message = done
         if outcome == _FAILED:
             raise self._errors.of_lane(_native.error(kind, message))
-        return self._after_lane(outcome, tensor, out, sampled, False)  # a switch, or NCCL or the service path
+        return self._after_lane(outcome, tensor, out, False)  # a switch, or the service path
 
     def _submitted(self, submit, *args) -> Work:
         with self._lock:

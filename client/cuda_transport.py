@@ -1,8 +1,8 @@
 """CudaTransport: a CUDA group's collectives, enqueued on the caller's current stream.
 
 The kernels and copies live in nodecomm._native (CudaGroup, which also cuts payloads larger than
-one slot into slot-sized pieces); this side sends the NCCL path to the engine's own process
-group and times its samples with CUDA events. Nothing here synchronises the host except barrier(), so every
+one slot into slot-sized pieces); the lane runs the NCCL path through the engine's own process
+group (nodecomm._c10d.NcclRunner). Nothing here synchronises the host except barrier(), so every
 collective can be captured in a CUDA graph; a captured graph keeps the path it was captured with.
 """
 
@@ -18,12 +18,12 @@ from nodecomm.capabilities import CAPABILITIES, DeviceKind
 from nodecomm.errors import GroupMismatchError
 from nodecomm.thresholds import PEER_PATHS, Path, Wire
 
+from . import c10d_module
 from .dtypes import DTYPE_CODES
 from .mapping import MappedFrom, SegmentMapping
 from .transport import rms_norm_arguments
 
 _RECORDS_WAIT_SECONDS = 0.5
-_NCCL = Path.NCCL.to_proto()
 
 
 def mismatch_error(control_address: int, world_size: int, **where) -> GroupMismatchError:
@@ -122,8 +122,13 @@ class CudaTransport:
     def lane(
         self, dispatch: _native.Dispatch, control: int, timeout: float, lock: _native.CallLock
     ) -> _native.CudaLane:
-        """The native all-reduce call on this group (native/cuda/lane.h)."""
-        return _native.CudaLane(self.group, dispatch, control, timeout, lock)
+        """The native all-reduce call on this group (native/cuda/lane.h), which runs the calls it
+        decides for NCCL through the engine's group where one was given."""
+        lane = _native.CudaLane(self.group, dispatch, control, timeout, lock)
+        if self._nccl_group is not None:
+            runner = c10d_module().NcclRunner(self._nccl_group, self._index)
+            lane.set_nccl(runner.api(), runner)
+        return lane
 
     def stream(self) -> int:
         """The caller's current stream on this group's device, as torch's launches would use it
@@ -131,13 +136,8 @@ class CudaTransport:
         return torch._C._cuda_getCurrentRawStream(self._index)
 
     def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
-        """path, wire: nodecomm.v1 codes. The communicator's CudaLane enqueues every path but NCCL
-        itself; this runs what it leaves (NCCL) and the self-test's calls."""
-        if path == _NCCL:  # the Dispatch gives it no compressed wire (wire_paths)
-            if out.data_ptr() != tensor.data_ptr():
-                out.copy_(tensor)
-            torch.distributed.all_reduce(out, group=self._nccl_group)
-            return
+        """path, wire: nodecomm.v1 codes of a peer path. The self-test's calls; the communicator's
+        go through its CudaLane."""
         with self._enqueueing():  # the native group runs a call larger than a slot in pieces
             self.group.all_reduce(
                 tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout,
@@ -165,18 +165,8 @@ class CudaTransport:
         code, _, _ = _native.error_record(self._control.address, self.rank)
         return code == _native.KernelError.NONE
 
-    # Timing samples of what the CudaLane leaves to Python (NCCL): CUDA events around the call,
-    # read once the end event has completed.
     def capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
-
-    def mark(self) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(self.device))
-        return event
-
-    def elapsed(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float | None:
-        return start.elapsed_time(end) / 1e3 if end.query() else None
 
     def topk_stage(
         self,

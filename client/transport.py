@@ -1,7 +1,7 @@
 """Transport: what a Communicator asks of its group's transport, the CPU one (host_transport.py)
 or the CUDA one (cuda_transport.py). Each runs its kind's paths through a native lane and the
-other collectives through its native group; what only one kind has (NCCL and its timing marks,
-top-k stages on CUDA; the top-k barrier on the CPU) is called only where that kind's dispatch or
+other collectives through its native group; what only one kind has (NCCL through the engine's
+group and top-k stages on CUDA; the top-k barrier on the CPU) is called only where that kind's dispatch or
 exchange leads."""
 
 from __future__ import annotations

@@ -13,15 +13,13 @@ namespace nodecomm::lane {
 
 template <typename Lane>
 int c_all_reduce(void* lane, void* in, void* out, std::size_t count, int dtype, int forced, int wire, void* stream,
-                 int* sampled, int* error_kind, char* message, std::size_t message_bytes) {
+                 int* error_kind, char* message, std::size_t message_bytes) {
   return run_reporting(
       [&] {
         Taken taken;
-        const Outcome outcome = static_cast<Lane*>(lane)->all_reduce(
-            reinterpret_cast<std::uintptr_t>(in), reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype),
-            forced, wire, reinterpret_cast<std::uintptr_t>(stream), &taken);
-        *sampled = taken.sampled;
-        return outcome;
+        return static_cast<Lane*>(lane)->all_reduce(reinterpret_cast<std::uintptr_t>(in),
+                                                    reinterpret_cast<std::uintptr_t>(out), count, dtype_of(dtype),
+                                                    forced, wire, reinterpret_cast<std::uintptr_t>(stream), &taken);
       },
       kFailed, error_kind, message, message_bytes);
 }

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "codes.h"
@@ -102,7 +103,17 @@ void bind_cuda_group(py::module_& m) {
       m, "CudaLane",
       "A CUDA rank's all-reduce as one call on the caller's stream: checks, capture check, decision, enqueue, timing "
       "sample, count (../cuda/lane.h). It holds the dispatch and lock it was made with; the group must outlive it "
-      "until close().");
+      "until close().")
+      .def(
+          "set_nccl",
+          [](nodecomm::lane::CudaLane& self, const py::capsule& api, const py::object& /*owner*/) {
+            NODECOMM_CHECK(std::string(api.name()) == nodecomm::lane::kNcclCapsule,
+                           std::string("set_nccl takes NcclRunner.api(), not a capsule named ") + api.name());
+            self.set_nccl(*api.get_pointer<const NodecommNccl>());
+          },
+          py::arg("api"), py::arg("owner"), py::keep_alive<1, 3>(),
+          "Run the calls decided for NCCL through `owner` (nodecomm._c10d.NcclRunner: the engine's NCCL group), "
+          "whose api() `api` is; before any call.");
 }
 
 }  // namespace nodecomm::bindings

@@ -17,10 +17,10 @@
 namespace nodecomm::bindings {
 
 template <typename Lane, typename Group>
-void bind_lane(pybind11::module_& m, const char* name, const char* doc) {
+pybind11::class_<Lane> bind_lane(pybind11::module_& m, const char* name, const char* doc) {
   namespace py = pybind11;
   namespace lane = nodecomm::lane;
-  py::class_<Lane>(m, name, doc)
+  return py::class_<Lane>(m, name, doc)
       .def(py::init<Group&, nodecomm::dispatch::Dispatch&, std::uintptr_t, double, std::mutex&>(), py::arg("group"),
            py::arg("dispatch"), py::arg("control"), py::arg("timeout_s"), py::arg("lock"), py::keep_alive<1, 3>(),
            py::keep_alive<1, 6>())
@@ -35,14 +35,14 @@ void bind_lane(pybind11::module_& m, const char* name, const char* doc) {
               py::gil_scoped_release release;
               outcome = self.all_reduce(in, out, count, type, forced, wire, stream, &taken);
             }
-            return py::make_tuple(int(outcome), taken.path, taken.wire, taken.sampled);
+            return py::make_tuple(int(outcome), taken.path, taken.wire);
           },
           py::arg("input"), py::arg("output"), py::arg("count"), py::arg("dtype"), py::arg("forced") = 0,
           py::arg("wire") = -1, py::arg("stream") = 0,
-          "(outcome, path, wire, sampled) of an all-reduce on the path and wire the dispatch decides (forced: a path "
+          "(outcome, path, wire) of an all-reduce on the path and wire the dispatch decides (forced: a path "
           "code, 0: the table's; wire: a wire code, -1: the table's), on `stream` (a CUDA lane's; 0 on the CPU). "
           "Outcomes (../lane_api.h): 0 done, 1 done and a table switch is due, 2 not run (closed or aborted), 3 not "
-          "run (decided for the service path), 5 not run (decided for the engine's NCCL group), 6 not run (a size "
+          "run (decided for the service path), 6 not run (a size "
           "to probe in graphs before it is captured: Communicator.capture()).")
       .def(
           "all_reduce_rms_norm",

@@ -4,7 +4,7 @@
 // An all-reduce SUM of one contiguous float32/float16/bfloat16 tensor runs through the rank's lane
 // with no Python (../lane_api.h: HostLane on the CPU; CudaLane on the tensor's current stream,
 // synchronous or not, an asynchronous one returning a StreamWork): checks, path decision,
-// collective, sample, count. Every other operation
+// collective, sample, count (the engine's NCCL group's calls too: nccl_runner.h). Every other operation
 // goes to the Python process group this backend composes (nodecomm.distributed.process_group), by
 // its Python name, and comes back as that group's Work.
 #include <c10/core/Event.h>
@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "../lane_api.h"
+#include "nccl_runner.h"
 #include "tensor_call.h"
 
 namespace py = pybind11;
@@ -225,17 +226,17 @@ class Backend : public ::c10d::Backend {
         const std::optional<c10::Stream> stream =
             tensor.is_cuda() ? std::optional(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()))
                              : std::nullopt;
-        int sampled = 0, kind = 0;
+        int kind = 0;
         char message[1024];
         message[0] = '\0';
         const int outcome = bound->api->all_reduce(bound->address, tensor.data_ptr(), tensor.data_ptr(),
                                                   tensor.numel(), dtype_code(tensor), 0, -1,
-                                                  stream ? stream->native_handle() : nullptr, &sampled, &kind,
-                                                  message, sizeof message);
+                                                  stream ? stream->native_handle() : nullptr, &kind, message,
+                                                  sizeof message);
         lane_calls_.fetch_add(1, std::memory_order_relaxed);
-        if (outcome != lane::kDone) {  // finished on the stream by Python (NCCL's Work is waited there)
+        if (outcome != lane::kDone) {  // a table switch, the service path or an error: Python's
           py::gil_scoped_acquire gil;
-          bound->communicator.attr("native_outcome")(outcome, tensor, sampled != 0, kind, std::string(message));
+          bound->communicator.attr("native_outcome")(outcome, tensor, kind, std::string(message));
         }
         if (stream && opts.asyncOp) {
           return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream, events_->take());
@@ -435,13 +436,23 @@ PYBIND11_MODULE(_c10d, m) {
            py::arg("address"), py::arg("lane"), py::arg("device"), py::arg("dtypes"))
       .def("__call__", &b::TensorCall::operator(), py::arg("tensor"), py::arg("out"), py::arg("forced") = 0,
            py::arg("wire") = -1,
-           "None: not taken; the output: done; else (outcome, output, sampled, error kind, message). forced: a "
+           "None: not taken; the output: done; else (outcome, output, error kind, message). forced: a "
            "path code (0: the table's); wire: a wire code (-1: the table's).")
       .def("accepts", &b::TensorCall::accepts, py::arg("tensor"), py::arg("max_bytes") = -1,
            "Whether all_reduce(tensor) runs here (at most max_bytes; -1: any size); None for a tensor subclass.")
       .def("slot", &b::TensorCall::slot, py::arg("tensor"), py::arg("max_bytes") = -1,
            "An engine slot's all-reduce: None (nothing run) where accepts() declines, the output where done, "
            "else as __call__.");
+  py::class_<b::NcclRunner>(m, "NcclRunner", "The engine's NCCL group as a CUDA lane's NCCL path (nccl_runner.h).")
+      .def(py::init<c10::intrusive_ptr<::c10d::ProcessGroup>, int>(), py::arg("group"), py::arg("device"),
+           "Run the lane's NCCL calls through `group` (a torch.distributed ProcessGroup over the lane's ranks) on "
+           "CUDA device `device`.")
+      .def(
+          "api",
+          [](const b::NcclRunner& self) {
+            return py::capsule(static_cast<const void*>(self.api()), nodecomm::lane::kNcclCapsule);
+          },
+          "The C ABI (../lane_api.h's NodecommNccl) for CudaLane.set_nccl, which keeps this object alive.");
   py::class_<b::EngineSlot>(m, "EngineSlot", "An engine's custom all-reduce slot's two calls (tensor_call.h).")
       .def(py::init<py::object, py::object, std::int64_t>(), py::arg("call"), py::arg("communicator"),
            py::arg("max_bytes"))

@@ -53,7 +53,7 @@ class TensorCall {
   }
 
   // None: not taken. The output (`out`, or a new tensor where it is None): done. Otherwise
-  // (outcome, output, sampled, error kind, message) for the Communicator to finish.
+  // (outcome, output, error kind, message) for the Communicator to finish.
   py::object operator()(py::handle tensor, py::handle out, int forced, int wire) const {
     return call(tensor, out, forced, wire, -1, false);
   }
@@ -92,19 +92,19 @@ class TensorCall {
     }
     void* stream =
         device_ >= 0 ? c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(in.device()).native_handle() : nullptr;
-    int sampled = 0, kind = 0;
+    int kind = 0;
     char message[1024];
     message[0] = '\0';
     int outcome;
     {
       py::gil_scoped_release release;
       outcome = api_->all_reduce(address_, in.data_ptr(), output.data_ptr(), in.numel(), dtype_code(in), forced, wire,
-                                 stream, &sampled, &kind, message, sizeof message);
+                                 stream, &kind, message, sizeof message);
     }
     py::object result = out.is_none() ? py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(output)))
                                       : py::reinterpret_borrow<py::object>(out);
     if (outcome == lane::kDone) return result;
-    return py::make_tuple(outcome, result, sampled != 0, kind, std::string(message));
+    return py::make_tuple(outcome, result, kind, std::string(message));
   }
 
   // accepts()' answer: a tensor this group reduces, of at most `max_bytes` (-1: any), of a size the

@@ -1,7 +1,8 @@
 // lane.h — one CUDA rank's all-reduce as one native call on the caller's stream: the usability
 // checks, the capture check, the path decision (../dispatch.h), the enqueue (group.h), the timing
-// sample (CUDA events, read back on a later call) and the count. The Python Communicator and the
-// C++ torch.distributed backend both call it (the backend through ../lane_api.h).
+// sample (CUDA events, read back on a later call) and the count, for the engine's NCCL group
+// (../lane_api.h's NodecommNccl) as for nodecomm's own paths. The Python Communicator and the C++
+// torch.distributed backend both call it (the backend through ../lane_api.h).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <string>
 
 #include "../codes.h"
 #include "../control.h"
@@ -46,6 +48,17 @@ class CudaLane {
     release();
   }
 
+  // The engine's NCCL group, which runs the calls decided for NCCL; set once, before any call, by a
+  // group connected with one (its owner outlives this lane).
+  void set_nccl(const NodecommNccl& nccl) {
+    NODECOMM_CHECK(nccl.version == kNcclApiVersion && nccl.all_reduce != nullptr,
+                   "an NCCL runner of NCCL ABI version " + std::to_string(nccl.version) + ", expected " +
+                       std::to_string(kNcclApiVersion) + ": nodecomm._native and nodecomm._c10d come from different "
+                       "builds; reinstall nodecomm");
+    std::lock_guard<std::mutex> hold(lock_);
+    nccl_ = nccl;
+  }
+
   // Whether the table gives an all-reduce of `nbytes` a path this lane runs, while it is open.
   // Without the call lock: callers hold the GIL, which a holder of the call lock may wait for.
   bool accepts(std::uint64_t nbytes) const {
@@ -72,13 +85,18 @@ class CudaLane {
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, capturing);
     *taken = {int(decision.path), int(decision.wire), decision.sampled && !capturing};
     if (decision.path == Path::kService) return kService;
-    if (decision.path == Path::kNccl) return kNccl;
+    NODECOMM_ASSERT(decision.path != Path::kNccl || nccl_.all_reduce != nullptr,
+                    "an all-reduce was decided for NCCL on a lane with no NCCL group");
     if (!capturing) read_timings();  // nothing is queried while a graph is being captured
     Timing* timing = decision.sampled && !capturing && pending_.size() < kTimings ? &timings_[next_] : nullptr;
     const auto on = reinterpret_cast<cudaStream_t>(stream);
     if (timing) NODECOMM_CUDA(cudaEventRecord(timing->start, on));
-    group_.all_reduce(in, out, count, dtype, kernel_path_of(int(decision.path)), int(decision.wire), timeout_s_,
-                      stream);
+    if (decision.path == Path::kNccl) {
+      run_nccl(in, out, count, dtype, stream);
+    } else {
+      group_.all_reduce(in, out, count, dtype, kernel_path_of(int(decision.path)), int(decision.wire), timeout_s_,
+                        stream);
+    }
     if (capturing) control::record_captured(control_, group_.rank());
     if (timing) {
       NODECOMM_CUDA(cudaEventRecord(timing->end, on));
@@ -144,6 +162,16 @@ class CudaLane {
     cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
   };
 
+  void run_nccl(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, std::uintptr_t stream) {
+    int kind = 0;
+    char message[1024];
+    message[0] = '\0';
+    if (nccl_.all_reduce(nccl_.context, reinterpret_cast<void*>(in), reinterpret_cast<void*>(out), count, int(dtype),
+                         reinterpret_cast<void*>(stream), &kind, message, sizeof message) != 0) {
+      throw Error(ErrorKind(kind), message);
+    }
+  }
+
   // The sampled calls that have finished, oldest first, to the dispatch's samples.
   void read_timings() {
     if (pending_.empty()) return;
@@ -181,6 +209,7 @@ class CudaLane {
   std::array<Timing, kTimings> timings_{};
   std::deque<std::size_t> pending_;  // indices into timings_, oldest first
   std::size_t next_ = 0;
+  NodecommNccl nccl_{};  // all_reduce null: no NCCL group
 };
 
 }  // namespace nodecomm::lane

@@ -233,24 +233,49 @@ def large_offsets(rank: int, world_size: int, socket: str, count: int) -> dict[s
     return wrong
 
 
-def nccl_fallback(rank: int, world_size: int, socket: str, port: int) -> dict:
-    """With an NCCL group, the table's NCCL range runs through it; the custom paths stay exact."""
+def nccl_fallback(rank: int, world_size: int, socket: str, port: int, backend: str, calls: int) -> dict:
+    """With an NCCL group (`backend` "nccl"; "gloo" where the ranks share one GPU, which NCCL
+    refuses: its group takes CUDA tensors through the same torch.distributed call), the table's
+    NCCL range runs through it from the native lane: a new output, in place, forced, bfloat16, and
+    `calls` more for the lane's samples. The Python functions entered during one such call are
+    recorded: the Communicator's all_reduce alone."""
+    import sys
+
     import torch.distributed as dist
 
     device = device_for(rank)
     torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         with nodecomm.connect(
             "with-nccl", rank, world_size, device=device, socket=socket, timeout=120, nccl_group=dist.group.WORLD
         ) as comm:
             table = [(lo, hi, p.value) for lo, hi, p in comm.thresholds().rows()]
-            x = torch.full((1 << 20,), float(rank + 1), device=device)  # 4 MiB: the NCCL range
-            y = comm.all_reduce(x)
-            z = comm.all_reduce(x, path="nccl")
-            torch.cuda.synchronize()
             total = float(world_size * (world_size + 1) // 2)
-            return {"table": table, "default": bool((y == total).all()), "forced": bool((z == total).all())}
+            x = torch.full((1 << 20,), float(rank + 1), device=device)  # 4 MiB: the NCCL range
+            new = comm.all_reduce(x)
+            forced = comm.all_reduce(x, path="nccl")
+            half = torch.full((1 << 21,), float(rank + 1), device=device, dtype=torch.bfloat16)
+            comm.all_reduce(half, out=half)
+            entered: list[str] = []
+
+            def profile(frame, event, _):
+                if event == "call":
+                    entered.append(f"{frame.f_code.co_filename.rsplit('/', 1)[-1]}:{frame.f_code.co_name}")
+
+            sys.setprofile(profile)
+            try:
+                profiled = comm.all_reduce(x.clone())
+            finally:
+                sys.setprofile(None)
+            for _ in range(calls):
+                comm.all_reduce(x)
+            torch.cuda.synchronize()
+            return {
+                "table": table,
+                "exact": [bool((t == total).all()) for t in (new, forced, half, profiled)],
+                "python": entered,
+            }
     finally:
         dist.destroy_process_group()
 

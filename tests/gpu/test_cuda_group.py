@@ -87,15 +87,29 @@ def test_offsets_past_two_gib(make_daemon, spawn_ranks):
     assert results == {r: {"oneshot": 0, "twoshot": 0, "dma": 0} for r in range(2)}
 
 
-def test_nccl_fallback(cuda_daemon, spawn_ranks):
+def test_the_nccl_range_runs_natively_through_the_engines_group(cuda_daemon, spawn_ranks):
+    """The table's NCCL sizes go through the group given as nccl_group from the lane, with no
+    Python: exact, counted on the nccl path, and timed (the daemon gets samples of it). On one GPU,
+    which NCCL refuses to two ranks, a gloo group stands in: the same torch.distributed call."""
+    import os
+
     import torch
 
-    if torch.cuda.device_count() < 2:
-        pytest.skip("NCCL refuses two ranks on one GPU; needs 2 GPUs")
-    results = spawn_ranks(cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), timeout=300).values()
+    from waiting import wait_until
+
+    backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
+    calls = 70  # past one timing_sample_period (64): a second sample
+    results = spawn_ranks(
+        cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), backend, calls, timeout=300
+    ).values()
     for value in results.values():
         assert value["table"][0][1] == 256 << 10 and any(path == "nccl" for _, _, path in value["table"])
-        assert value["default"] and value["forced"]
+        assert value["exact"] == [True] * 4
+        assert value["python"] == ["communicator.py:all_reduce"], value["python"]
+    counted = 'nodecomm_operations_total{group="with-nccl",op="all_reduce",path="nccl"}'
+    sampled = f'nodecomm_sampled_operations_total{{op="all_reduce",path="nccl",uid="{os.getuid()}"}}'
+    wait_until(lambda: cuda_daemon.metric(counted) >= 2 * (4 + calls), 15, f"{counted} >= {2 * (4 + calls)}")
+    assert cuda_daemon.metric(sampled) >= 2, cuda_daemon.metrics_text()
 
 
 @pytest.mark.parametrize("nccl", [False, True])

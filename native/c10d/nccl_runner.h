@@ -1,0 +1,85 @@
+// nccl_runner.h — the engine's NCCL group as a CUDA lane's NCCL path (../lane_api.h's
+// NodecommNccl): what the table gives NCCL, the lane decides, times with its events and counts
+// as it does its own paths, and this runs through the torch.distributed group the rank connected
+// with (connect(nccl_group=...)), torch's own backend for it enqueuing behind the caller's
+// current stream and making that stream wait. No Python on the way.
+#pragma once
+
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../errors.h"
+#include "../lane_api.h"
+
+namespace nodecomm::c10d_backend {
+
+class NcclRunner {
+ public:
+  // `group`: the engine's group over the same ranks; `device`: the CUDA index of the lane's group.
+  NcclRunner(c10::intrusive_ptr<::c10d::ProcessGroup> group, int device)
+      : group_(std::move(group)), device_(device), api_{lane::kNcclApiVersion, &NcclRunner::all_reduce, this} {}
+  NcclRunner(const NcclRunner&) = delete;
+  NcclRunner& operator=(const NcclRunner&) = delete;
+
+  const NodecommNccl* api() const { return &api_; }
+
+ private:
+  static int all_reduce(void* context, void* in, void* out, std::size_t count, int dtype, void* stream, int* error_kind,
+                        char* message, std::size_t message_bytes) {
+    auto* self = static_cast<NcclRunner*>(context);
+    try {
+      self->run(in, out, count, dtype, stream);
+      return 0;
+    } catch (const Error& error) {
+      *error_kind = int(error.kind);
+      std::snprintf(message, message_bytes, "%s", error.what());
+    } catch (const c10::DistBackendError& error) {  // a peer's NCCL failed or timed out
+      *error_kind = int(ErrorKind::kPeerLost);
+      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what_without_backtrace());
+    } catch (const c10::Error& error) {
+      *error_kind = int(ErrorKind::kInternal);
+      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what_without_backtrace());
+    } catch (const std::exception& error) {
+      *error_kind = int(ErrorKind::kInternal);
+      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what());
+    }
+    return 1;
+  }
+
+  void run(void* in, void* out, std::size_t count, int dtype, void* stream) const {
+    // torch's backend orders the call after the current stream's work and makes it wait, so the
+    // lane's stream must be the current one (every caller passes it: TensorCall, the backend,
+    // Transport.stream()).
+    const c10::Device device(c10::kCUDA, c10::DeviceIndex(device_));
+    NODECOMM_ASSERT(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(device).native_handle() == stream,
+                    "an NCCL all-reduce was asked for on a stream other than the current one");
+    const auto options = at::TensorOptions().dtype(scalar_type(dtype)).device(device);
+    const std::vector<std::int64_t> shape{std::int64_t(count)};
+    std::vector<at::Tensor> tensors{at::from_blob(out, shape, options)};
+    if (in != out) tensors[0].copy_(at::from_blob(in, shape, options));
+    group_->allreduce(tensors)->wait();
+  }
+
+  static at::ScalarType scalar_type(int dtype) {  // nodecomm.v1.DType codes
+    switch (dtype) {
+      case 1: return at::kFloat;
+      case 2: return at::kHalf;
+      case 3: return at::kBFloat16;
+      default: NODECOMM_RAISE(kInvalidArgument, "dtype code " + std::to_string(dtype) + " on the NCCL path");
+    }
+  }
+
+  c10::intrusive_ptr<::c10d::ProcessGroup> group_;
+  int device_;
+  NodecommNccl api_;
+};
+
+}  // namespace nodecomm::c10d_backend
