@@ -107,9 +107,12 @@ void bind_cuda_group(py::module_& m) {
       .def(
           "set_nccl",
           [](nodecomm::lane::CudaLane& self, const py::capsule& api, const py::object& /*owner*/) {
-            NODECOMM_CHECK(std::string(api.name()) == nodecomm::lane::kNcclCapsule,
-                           std::string("set_nccl takes NcclRunner.api(), not a capsule named ") + api.name());
-            self.set_nccl(*api.get_pointer<const NodecommNccl>());
+            const std::string name = api.name() ? api.name() : "";
+            NODECOMM_CHECK(name == nodecomm::lane::kNcclCapsule,
+                           "set_nccl takes NcclRunner.api(), not a capsule named '" + name + "'");
+            const NodecommNccl nccl = *api.get_pointer<const NodecommNccl>();
+            py::gil_scoped_release release;  // the call lock is never waited for holding the GIL
+            self.set_nccl(nccl);
           },
           py::arg("api"), py::arg("owner"), py::keep_alive<1, 3>(),
           "Run the calls decided for NCCL through `owner` (nodecomm._c10d.NcclRunner: the engine's NCCL group), "

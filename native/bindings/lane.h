@@ -64,7 +64,8 @@ pybind11::class_<Lane> bind_lane(pybind11::module_& m, const char* name, const c
           py::arg("stream") = 0,
           "(outcome, path) of an all-reduce of input into output followed by residual_out = output + residual and "
           "output = rms_norm(residual_out) * weight (../rms_norm.h), on the forced path (a code, 0: the table's), "
-          "untimed; outcomes as all_reduce's.")
+          "untimed; outcomes as all_reduce's, and 5: not run (decided for the engine's NCCL group: the caller "
+          "runs the all-reduce, then the norm).")
       .def("close", &Lane::close, "No call runs after this one (call it holding the lock).")
       .def(
           "api",

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <pybind11/pybind11.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cstddef>
@@ -28,6 +29,14 @@ class NcclRunner {
       : group_(std::move(group)), device_(device), api_{lane::kNcclApiVersion, &NcclRunner::all_reduce, this} {}
   NcclRunner(const NcclRunner&) = delete;
   NcclRunner& operator=(const NcclRunner&) = delete;
+  // The group may go with the last reference (gloo joins its threads): never under the GIL, as
+  // torch's own holders of process groups make sure.
+  ~NcclRunner() {
+    if (PyGILState_Check()) {
+      pybind11::gil_scoped_release release;
+      group_.reset();
+    }
+  }
 
   const NodecommNccl* api() const { return &api_; }
 
@@ -50,6 +59,9 @@ class NcclRunner {
     } catch (const std::exception& error) {
       *error_kind = int(ErrorKind::kInternal);
       std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what());
+    } catch (...) {
+      *error_kind = int(ErrorKind::kInternal);
+      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed with an unknown exception");
     }
     return 1;
   }
@@ -63,9 +75,15 @@ class NcclRunner {
                     "an NCCL all-reduce was asked for on a stream other than the current one");
     const auto options = at::TensorOptions().dtype(scalar_type(dtype)).device(device);
     const std::vector<std::int64_t> shape{std::int64_t(count)};
-    std::vector<at::Tensor> tensors{at::from_blob(out, shape, options)};
-    if (in != out) tensors[0].copy_(at::from_blob(in, shape, options));
-    group_->allreduce(tensors)->wait();
+    // target_device: no pointer query per call to find the device.
+    const auto wrap = [&](void* data) {
+      return at::for_blob(data, shape).options(options).target_device(device).make_tensor();
+    };
+    std::vector<at::Tensor> tensors{wrap(out)};
+    if (in != out) tensors[0].copy_(wrap(in));
+    ::c10d::AllreduceOptions synchronous;  // as dist.all_reduce(async_op=False): ordered on the stream
+    synchronous.asyncOp = false;
+    group_->allreduce(tensors, synchronous)->wait();
   }
 
   static at::ScalarType scalar_type(int dtype) {  // nodecomm.v1.DType codes

@@ -113,7 +113,8 @@ class CudaLane {
 
   // Enqueue on `stream` an all_reduce_rms_norm of `rows` on the forced path (a code, 0: the
   // table's), neither explored nor timed (../dispatch.h's fixed_path); `taken` says the path. The
-  // service path, NCCL and a probe before capture are left to the caller, as for all_reduce.
+  // service path and NCCL (kService, kNccl: the caller runs the all-reduce, then the norm) and a
+  // probe before capture are left to the caller.
   Outcome all_reduce_rms_norm(const norm::Rows& rows, DType dtype, int forced, std::uintptr_t stream, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
     const std::uint64_t reason = control::abort_state(control_).first;

@@ -233,13 +233,19 @@ def large_offsets(rank: int, world_size: int, socket: str, count: int) -> dict[s
     return wrong
 
 
-def nccl_fallback(rank: int, world_size: int, socket: str, port: int, backend: str, calls: int) -> dict:
+def nccl_fallback(
+    rank: int, world_size: int, socket: str, port: int, backend: str, calls: int, metrics: dict[str, float], url: str
+) -> dict:
     """With an NCCL group (`backend` "nccl"; "gloo" where the ranks share one GPU, which NCCL
     refuses: its group takes CUDA tensors through the same torch.distributed call), the table's
-    NCCL range runs through it from the native lane: a new output, in place, forced, bfloat16, and
+    NCCL range runs through it from the native lane: a new output, forced, bfloat16 in place, and
     `calls` more for the lane's samples. The Python functions entered during one such call are
-    recorded: the Communicator's all_reduce alone."""
+    recorded: the Communicator's all_reduce alone. Rank 0 then reads the daemon's `metrics` (series
+    -> the value awaited) at `url` while the group is still there (its series go with it), for
+    at most 15 s."""
     import sys
+    import time
+    import urllib.request
 
     import torch.distributed as dist
 
@@ -271,10 +277,20 @@ def nccl_fallback(rank: int, world_size: int, socket: str, port: int, backend: s
             for _ in range(calls):
                 comm.all_reduce(x)
             torch.cuda.synchronize()
+            seen: dict[str, float] = {}
+            deadline = time.monotonic() + 15
+            while rank == 0 and time.monotonic() < deadline:
+                lines = urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
+                seen = {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+                if all(seen.get(series, 0.0) >= value for series, value in metrics.items()):
+                    break
+                time.sleep(0.2)
+            dist.barrier()  # rank 1 stays in the group until rank 0 has read
             return {
                 "table": table,
                 "exact": [bool((t == total).all()) for t in (new, forced, half, profiled)],
                 "python": entered,
+                "metrics": {series: seen.get(series, 0.0) for series in metrics},
             }
     finally:
         dist.destroy_process_group()

@@ -95,21 +95,22 @@ def test_the_nccl_range_runs_natively_through_the_engines_group(cuda_daemon, spa
 
     import torch
 
-    from waiting import wait_until
-
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
-    calls = 70  # past one timing_sample_period (64): a second sample
+    calls = 70  # each rank's lane calls 1 and 65 of its 74 are sampled (timing_sample_period 64)
+    metrics = {
+        'nodecomm_operations_total{group="with-nccl",op="all_reduce",path="nccl"}': 2 * (4 + calls),
+        f'nodecomm_sampled_operations_total{{op="all_reduce",path="nccl",uid="{os.getuid()}"}}': 4,
+    }
+    url = f"http://127.0.0.1:{cuda_daemon.metrics_port}/metrics"
     results = spawn_ranks(
-        cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), backend, calls, timeout=300
+        cuda_ranks.nccl_fallback, 2, 2, cuda_daemon.socket, free_port(), backend, calls, metrics, url, timeout=300
     ).values()
     for value in results.values():
         assert value["table"][0][1] == 256 << 10 and any(path == "nccl" for _, _, path in value["table"])
         assert value["exact"] == [True] * 4
         assert value["python"] == ["communicator.py:all_reduce"], value["python"]
-    counted = 'nodecomm_operations_total{group="with-nccl",op="all_reduce",path="nccl"}'
-    sampled = f'nodecomm_sampled_operations_total{{op="all_reduce",path="nccl",uid="{os.getuid()}"}}'
-    wait_until(lambda: cuda_daemon.metric(counted) >= 2 * (4 + calls), 15, f"{counted} >= {2 * (4 + calls)}")
-    assert cuda_daemon.metric(sampled) >= 2, cuda_daemon.metrics_text()
+    seen = results[0]["metrics"]
+    assert all(seen[series] >= value for series, value in metrics.items()), (seen, metrics)
 
 
 @pytest.mark.parametrize("nccl", [False, True])
