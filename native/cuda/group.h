@@ -103,7 +103,7 @@ class CudaGroup {
     refuse_if_stopped(Call{Collective::kAllGather, nbytes});
     DeviceScope scope(device_);
     const std::size_t share = view_.capacity_bytes / std::size_t(view_.world_size);
-    const std::size_t per_piece = share / 256 * 256 ? share / 256 * 256 : share;
+    const std::size_t per_piece = share >= 256 ? share / 256 * 256 : share;
     for (std::size_t offset = 0; offset < std::max<std::size_t>(nbytes, 1); offset += per_piece) {
       cuda::all_gather(view_, input + offset, output + offset, std::min(per_piece, nbytes - offset), nbytes, timeout_s,
                        reinterpret_cast<cudaStream_t>(stream));
