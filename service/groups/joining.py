@@ -180,10 +180,10 @@ def join_replies(
     return replies
 
 
-def retried(forming: FormingGroup, rank: int, join_timeout_seconds: float) -> FormingGroup | None:
-    """A rank's Join to a group whose forming failed: None where it starts a new attempt (it was
-    told of the failure already, or the failure is older than a join timeout); else the failure,
-    raised for it too."""
+def retried(forming: FormingGroup, rank: int, join_timeout_seconds: float) -> None:
+    """A rank's Join to a group whose forming failed: None, the forming group to replace, where it
+    starts a new attempt (it was told of the failure already, or the failure is older than a join
+    timeout); else the failure, raised for it too."""
     if rank in forming.failed_ranks or forming.failed_before(join_timeout_seconds):
         return None
     forming.failed_ranks.add(rank)
