@@ -44,26 +44,25 @@ class NcclRunner {
   static int all_reduce(void* context, void* in, void* out, std::size_t count, int dtype, void* stream, int* error_kind,
                         char* message, std::size_t message_bytes) {
     auto* self = static_cast<NcclRunner*>(context);
+    const auto failed = [&](ErrorKind kind, const char* what) {
+      *error_kind = int(kind);
+      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", what);
+      return 1;
+    };
     try {
       self->run(in, out, count, dtype, stream);
       return 0;
     } catch (const Error& error) {
-      *error_kind = int(error.kind);
-      std::snprintf(message, message_bytes, "%s", error.what());
+      return failed(error.kind, error.what());
     } catch (const c10::DistBackendError& error) {  // a peer's NCCL failed or timed out
-      *error_kind = int(ErrorKind::kPeerLost);
-      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what_without_backtrace());
+      return failed(ErrorKind::kPeerLost, error.what_without_backtrace());
     } catch (const c10::Error& error) {
-      *error_kind = int(ErrorKind::kInternal);
-      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what_without_backtrace());
+      return failed(ErrorKind::kInternal, error.what_without_backtrace());
     } catch (const std::exception& error) {
-      *error_kind = int(ErrorKind::kInternal);
-      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed: %s", error.what());
+      return failed(ErrorKind::kInternal, error.what());
     } catch (...) {
-      *error_kind = int(ErrorKind::kInternal);
-      std::snprintf(message, message_bytes, "the NCCL group's all-reduce failed with an unknown exception");
+      return failed(ErrorKind::kInternal, "an unknown exception");
     }
-    return 1;
   }
 
   void run(void* in, void* out, std::size_t count, int dtype, void* stream) const {
