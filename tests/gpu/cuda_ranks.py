@@ -281,7 +281,8 @@ def nccl_fallback(
             deadline = time.monotonic() + 15
             while rank == 0 and time.monotonic() < deadline:
                 lines = urllib.request.urlopen(url, timeout=5).read().decode().splitlines()
-                seen = {name: float(value) for name, _, value in (line.rpartition(" ") for line in lines)}
+                samples = (line.rpartition(" ") for line in lines if line and not line.startswith("#"))
+                seen = {name: float(value) for name, _, value in samples}
                 if all(seen.get(series, 0.0) >= value for series, value in metrics.items()):
                     break
                 time.sleep(0.2)
