@@ -86,8 +86,12 @@ class CudaTransport:
         pattern = torch.arange(1000, device=self.device, dtype=torch.float32) % 7
         expected = pattern * self.world_size + self.world_size * (self.world_size - 1) // 2
         for path in PEER_PATHS:
-            out = torch.empty_like(pattern)
-            self.all_reduce(pattern + self.rank, out, path.to_proto(), timeout)
+            mine, out = pattern + self.rank, torch.empty_like(pattern)
+            with self._enqueueing():
+                self.group.all_reduce(
+                    mine.data_ptr(), out.data_ptr(), mine.numel(), DTYPE_CODES[mine.dtype], path.to_proto(), timeout,
+                    self.stream(), 0,
+                )  # fmt: skip
             torch.cuda.synchronize(self.device)
             wrong = int((out != expected).sum())
             if wrong:
@@ -134,15 +138,6 @@ class CudaTransport:
         """The caller's current stream on this group's device, as torch's launches would use it
         (the raw handle: torch.cuda.current_stream() builds a Stream object per call)."""
         return torch._C._cuda_getCurrentRawStream(self._index)
-
-    def all_reduce(self, tensor: torch.Tensor, out: torch.Tensor, path: int, timeout: float, wire: int = 0) -> None:
-        """path, wire: nodecomm.v1 codes of a peer path. The self-test's calls; the communicator's
-        go through its CudaLane."""
-        with self._enqueueing():  # the native group runs a call larger than a slot in pieces
-            self.group.all_reduce(
-                tensor.data_ptr(), out.data_ptr(), tensor.numel(), DTYPE_CODES[tensor.dtype], path, timeout,
-                self.stream(), wire,
-            )  # fmt: skip
 
     def add_rms_norm(
         self, summed: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

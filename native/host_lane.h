@@ -48,7 +48,7 @@ class HostLane {
     if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, false);
-    *taken = {int(decision.path), int(decision.wire), decision.sampled};
+    *taken = {int(decision.path), int(decision.wire)};
     if (decision.path == Path::kService) return kService;
     const auto start = std::chrono::steady_clock::now();
     try {
@@ -75,7 +75,7 @@ class HostLane {
     if (closed_ || control::abort_state(control_).first != 0) return kUnusable;
     const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
     const Path path = dispatch_.fixed_path(nbytes, forced, false);
-    *taken = {int(path), int(wire::Wire::kLossless), false};
+    *taken = {int(path), int(wire::Wire::kLossless)};
     if (path == Path::kService) return kService;
     const Call call = rows.call(dtype, path);
     group_.all_reduce(rows.input, rows.out, rows.count(), dtype, kernel_path_of(int(path)), timeout_s_,

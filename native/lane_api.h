@@ -19,10 +19,9 @@ enum Outcome : int {
   kProbe = 6,       // not run nor counted: a size to time in graphs before it is captured; call again
 };
 
-// What a lane decided for a call (nodecomm.v1 codes), and whether the call is timed.
+// What a lane decided for a call (nodecomm.v1 codes).
 struct Taken {
   int path = 0, wire = 0;
-  bool sampled = false;
 };
 
 constexpr int kLaneApiVersion = 7;

@@ -79,11 +79,11 @@ class CudaLane {
     const bool capturing = capture != cudaStreamCaptureStatusNone;
     const std::uint64_t nbytes = count * dtype_bytes(dtype);
     if (dispatch_.probe_due(nbytes, forced, forced_wire, capturing)) {
-      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless), false};
+      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless)};
       return kProbe;
     }
     const dispatch::Decision decision = dispatch_.decide(nbytes, forced, forced_wire, capturing);
-    *taken = {int(decision.path), int(decision.wire), decision.sampled && !capturing};
+    *taken = {int(decision.path), int(decision.wire)};
     if (decision.path == Path::kService) return kService;
     NODECOMM_ASSERT(decision.path != Path::kNccl || nccl_.all_reduce != nullptr,
                     "an all-reduce was decided for NCCL on a lane with no NCCL group");
@@ -124,11 +124,11 @@ class CudaLane {
     const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
     const bool capturing = capture != cudaStreamCaptureStatusNone;
     if (dispatch_.probe_due(nbytes, forced, -1, capturing)) {  // probed as an all-reduce of its size
-      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless), false};
+      *taken = {int(dispatch_.table().path_for(nbytes)), int(wire::Wire::kLossless)};
       return kProbe;
     }
     const Path path = dispatch_.fixed_path(nbytes, forced, capturing);
-    *taken = {int(path), int(wire::Wire::kLossless), false};
+    *taken = {int(path), int(wire::Wire::kLossless)};
     if (path == Path::kService) return kService;
     if (path == Path::kNccl) return kNccl;
     group_.all_reduce_rms_norm(rows, dtype, path, timeout_s_, stream);
