@@ -67,6 +67,14 @@ async def _calibrate_on_start(
 async def serve(config: DaemonConfig) -> int:
     # Every group, allocation and connection costs descriptors: take all the system allows.
     descriptor_limit = raise_descriptor_limit()
+    # gRPC listens where only this uid can connect: every client comes through the gate. The paths
+    # are checked first: a daemon started where another serves stops before it makes any state.
+    upstreams = {"unix": internal_socket(config.socket, "grpc")}
+    upstreams["tcp"] = upstreams["unix"]
+    if config.tcp_address and config.tls_cert:
+        upstreams["tcp"] = internal_socket(config.socket, "grpc-tls")  # TLS ends at gRPC: the gate passes bytes
+    for path in (config.socket, config.descriptor_socket, *set(upstreams.values())):
+        prepare_socket_path(path, config.socket_group)
     metrics = DaemonMetrics()
     claims = ClaimTable()
     gpus = _native.cuda_device_uuids() if _native.WITH_CUDA else []
@@ -95,13 +103,6 @@ async def serve(config: DaemonConfig) -> int:
             extra={"state_dir": config.state_dir, "device_kinds": uncalibrated},
         )
 
-    # gRPC listens where only this uid can connect: every client comes through the gate.
-    upstreams = {"unix": internal_socket(config.socket, "grpc")}
-    upstreams["tcp"] = upstreams["unix"]
-    if config.tcp_address and config.tls_cert:
-        upstreams["tcp"] = internal_socket(config.socket, "grpc-tls")  # TLS ends at gRPC: the gate passes bytes
-    for path in (config.socket, config.descriptor_socket, *set(upstreams.values())):
-        prepare_socket_path(path, config.socket_group)
     identities = IdentityTable()
     admission = Admission(
         parse_ids("allowed_uids", config.allowed_uids),

@@ -55,9 +55,10 @@ def test_join_timeout_is_capped_by_the_daemon(make_daemon):
     assert "rank 0 waited 1.0 s" in raised.value.details(), raised.value.details()  # the daemon's cap, not inf
 
 
-def test_a_live_socket_is_not_taken_over(daemon):
+def test_a_live_socket_is_not_taken_over(daemon, tmp_path):
+    state = tmp_path / "second-state"
     second = subprocess.run(
-        daemon_command(daemon.socket, "--metrics-address", "off"),
+        daemon_command(daemon.socket, "--metrics-address", "off", "--state-dir", str(state)),
         capture_output=True,
         text=True,
         timeout=60,
@@ -65,6 +66,7 @@ def test_a_live_socket_is_not_taken_over(daemon):
     assert second.returncode == 2
     assert "another process is serving on this socket" in second.stderr
     assert daemon.healthy()
+    assert not state.exists(), "a daemon that did not serve made its state directory (and adoption key)"
 
 
 def test_a_silent_descriptor_client_delays_nobody(daemon, spawn_ranks):
