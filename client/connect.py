@@ -266,7 +266,9 @@ def _join(
                 os.close(fd)  # the mappings keep the memory
         table = reply.thresholds
         switch_period = reply.table_switch_period if spec.table_switching else 0
-        explore_period = reply.explore_period
+        # A group that keeps its table could never take what exploring finds: it does not pay for it
+        # (every explore_period-th call on a rival path and timed, since its rivals never settle).
+        explore_period = reply.explore_period if switch_period else 0
         if device_index is None:
             transport = HostTransport(rank, world_size, buffers, control, capacity_bytes)
         else:

@@ -297,8 +297,8 @@ class DaemonConfig:
     # bucket runs on another lossless path (the same bits) and is timed, the least timed of those
     # live recalibration has not yet found slower there by live_margin, and the next call is timed
     # on the table's own path; once none is left, one in 256 times as many does (native/dispatch.h).
-    # Never into or out of NCCL, never while capturing; 0 switches it off, as does
-    # live_recalibration = false.
+    # Never into or out of NCCL, never while capturing, never in a group that keeps its table
+    # (table_switching=False); 0 switches it off, as does live_recalibration = false.
     explore_period: int = setting(
         LivePolicy.explore_period,
         area="live thresholds",

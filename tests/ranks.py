@@ -341,9 +341,9 @@ def live_switch(rank: int, world_size: int, socket: str, synthetic: list, calls:
         return {"switched_at": switched_at, "rows": rows, "boundary": boundaries[0], "boundaries": boundaries}
 
 
-def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int) -> bool:
+def reduce_many(rank: int, world_size: int, socket: str, count: int, calls: int, table_switching: bool = True) -> bool:
     """`calls` default-dispatched all-reduces of `count` float32; True when every result is exact."""
-    with nodecomm.connect("many", rank, world_size, socket=socket, timeout=30) as comm:
+    with nodecomm.connect("many", rank, world_size, socket=socket, timeout=30, table_switching=table_switching) as comm:
         exact = True
         for seed in range(calls):
             x = rank_input(rank, count, torch.float32, seed)

@@ -73,6 +73,21 @@ def test_exploration_times_the_other_path_beside_the_tables_and_keeps_the_bits(m
     assert sampled == {"oneshot": 40.0, "twoshot": 40.0}
 
 
+def test_a_group_that_keeps_its_table_does_not_explore(make_daemon, spawn_ranks):
+    """As above, with the table switches off (the engine slot's default): what exploring finds could
+    never reach the group, so no call runs a rival (each would be timed) and only the sample
+    period's first call is timed."""
+    daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-margin", "0.95")
+    done = spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 40, False, timeout=120).values()
+    assert done == {0: True, 1: True}
+    sampled = {
+        line.split('path="')[1].split('"')[0]: float(line.split()[-1])
+        for line in daemon.metrics_text().splitlines()
+        if line.startswith("nodecomm_sampled_operations_total{")
+    }
+    assert sampled == {"oneshot": 2.0}
+
+
 # Calls for a wrong table to move and the ranks to take it up: the daemon's move comes from
 # exploration's evidence, and the ranks switch a switch period or two after it is offered (on a
 # loaded CI machine a move at call ~1,900 came too late for 2,000 calls).
