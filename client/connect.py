@@ -109,7 +109,7 @@ def connect(
     NCCL for the sizes the table gives NCCL (an engine's custom all-reduce slot): the table keeps
     its NCCL ranges, `comm.accepts()` is False for them, and all_reduce refuses them; instead of
     an nccl_group. table_switching: False keeps the table this group formed with (no
-    switch to a live one every table_switch_period-th all-reduce).
+    switch to a live one every table_switch_period-th all-reduce, and no exploration).
     daemon: "node" (the default, or $NODECOMM_DAEMON), "private" or "auto" (client/daemon_choice.py):
     a private daemon is the job's own, found by `job` (default: the group name), started by the
     first rank to claim it; `socket` is then where it listens (private) or the node daemon to try

@@ -58,8 +58,9 @@ class NodecommAllreduce:
     GPU ("cpu" works too, over host shared memory, which is how CI drives this class).
     max_size: the largest all-reduce taken, in bytes. table_switching: True lets the group switch
     to the tables live recalibration makes (agreed on the group's control page every 256th call,
-    with no wait for the GPU); off by default, so the table the group formed with stays. symm_mem_enabled and
-    register_graph_buffers are vLLM's arguments: accepted, and they change nothing here.
+    with no wait for the GPU) and explore; off by default, so the table the group formed with
+    stays and no call leaves it. symm_mem_enabled and register_graph_buffers are vLLM's
+    arguments: accepted, and they change nothing here.
 
     Construction never raises into the engine: a group that spans nodes, a daemon that cannot be
     reached, or any other failure leaves the object disabled (every size goes to the engine's
