@@ -15,6 +15,15 @@ def _stream(oneshot_seconds: float, twoshot_seconds: float, count: int = 6) -> l
     return [("oneshot", SIXTEEN_KIB, oneshot_seconds)] * count + [("twoshot", SIXTEEN_KIB, twoshot_seconds)] * count
 
 
+def _sampled_by_path(daemon) -> dict[str, float]:
+    """The daemon's nodecomm_sampled_operations_total now, by path."""
+    return {
+        line.split('path="')[1].split('"')[0]: float(line.split()[-1])
+        for line in daemon.metrics_text().splitlines()
+        if line.startswith("nodecomm_sampled_operations_total{")
+    }
+
+
 def test_a_faster_path_moves_the_boundary_for_every_rank_at_once(make_daemon, spawn_ranks):
     daemon = make_daemon(*SYNTHETIC, "--table-switch-period", "16", "--live-min-samples", "4")
     # The 16 KiB bucket (4097..16384 bytes) goes to oneshot by default (up to 32 KiB); twoshot is
@@ -65,11 +74,7 @@ def test_exploration_times_the_other_path_beside_the_tables_and_keeps_the_bits(m
     settled twoshot."""
     daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-margin", "0.95")
     assert spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 40, timeout=120).values() == {0: True, 1: True}
-    sampled = {
-        line.split('path="')[1].split('"')[0]: float(line.split()[-1])
-        for line in daemon.metrics_text().splitlines()
-        if line.startswith("nodecomm_sampled_operations_total{")
-    }
+    sampled = _sampled_by_path(daemon)
     assert sampled == {"oneshot": 40.0, "twoshot": 40.0}
 
 
@@ -80,11 +85,7 @@ def test_a_group_that_keeps_its_table_does_not_explore(make_daemon, spawn_ranks)
     daemon = make_daemon("--explore-period", "2", "--timing-sample-period", "100000", "--live-margin", "0.95")
     done = spawn_ranks(ranks.reduce_many, 2, 2, daemon.socket, 4096, 40, False, timeout=120).values()
     assert done == {0: True, 1: True}
-    sampled = {
-        line.split('path="')[1].split('"')[0]: float(line.split()[-1])
-        for line in daemon.metrics_text().splitlines()
-        if line.startswith("nodecomm_sampled_operations_total{")
-    }
+    sampled = _sampled_by_path(daemon)
     assert sampled == {"oneshot": 2.0}
 
 
