@@ -63,7 +63,9 @@ def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
         "comm.all_reduce out=x": lambda: comm.all_reduce(x, out=x),
         "comm.all_reduce new out": lambda: comm.all_reduce(x),  # what the slot returns: a new tensor
     }
-    if slot is not None:  # as vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot
+    # As vLLM's CudaCommunicator.all_reduce calls its custom all-reduce slot; not at sizes its table
+    # leaves to the engine's NCCL (the slot's Communicator refuses those).
+    if slot is not None and slot.should_custom_ar(x):
         rows["vLLM slot call"] = lambda: not slot.disabled and slot.should_custom_ar(x) and slot.custom_all_reduce(x)
         # Its parts, and its group's Communicator called as above: where the slot's time goes.
         rows["slot should_custom_ar"] = lambda: slot.should_custom_ar(x)

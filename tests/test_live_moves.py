@@ -292,3 +292,48 @@ def test_a_private_daemon_keeps_no_live_move_while_it_calibrates(tmp_path):
     keeper.follow_evidence("g", "cpu", before, evidence(*twoshot_wins), nccl_fallback=False)
     assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).path_for(8 * KIB) is Path.TWOSHOT
     assert len(list((tmp_path / "cache").glob("calibration-*.json"))) == 1
+
+
+def test_the_moves_a_private_daemon_keeps_start_only_groups_with_the_same_fallback(tmp_path):
+    """Boundaries placed with twoshot as the fallback say where oneshot stops beating twoshot; read
+    with NCCL as the fallback they would hand NCCL every size above that, where nothing timed it.
+    So a kept move starts only the next groups whose fallback is the mover's, in this daemon and in
+    the user's next one; NCCL groups are on the built-in defaults until something times NCCL."""
+    from nodecomm.capabilities import DeviceKind
+    from nodecomm.service.calibration.fingerprint import cuda_fingerprint
+    from nodecomm.service.calibration.stored import CalibrationStore
+    from nodecomm.service.calibration.tables import TableKeeper
+    from nodecomm.service.config import DaemonConfig
+    from nodecomm.service.metrics.families import DaemonMetrics
+
+    gpu = {"name": "NVIDIA H100 80GB HBM3", "pci_bus_id": "00000000:19:00.0", "uuid": "GPU-0"}
+
+    def private_daemons_keeper() -> TableKeeper:
+        keeper = TableKeeper(DaemonConfig(state_dir=str(tmp_path / "state")), DaemonMetrics(), 8)
+        keeper.fingerprints[DeviceKind.CUDA] = cuda_fingerprint([gpu], [[(True, True, 0)]])
+        keeper.live_store = CalibrationStore(str(tmp_path / "cache"), private=True)
+        keeper.reuse_stored([CalibrationStore(str(tmp_path / "state"), writable=False), keeper.live_store])
+        return keeper
+
+    def new_table(keeper: TableKeeper, nccl: bool):
+        return keeper.for_new_group("cuda", nccl, {}, Wire.LOSSLESS)
+
+    first = private_daemons_keeper()
+    twoshot_wins = evidence(("oneshot", 16 * KIB, 9e-6), ("twoshot", 16 * KIB, 6e-6))
+    job = first.follow_evidence("job", "cuda", new_table(first, nccl=False), twoshot_wins, nccl_fallback=False)
+    assert job.path_for(16 * KIB) is Path.TWOSHOT
+    for keeper in (first, private_daemons_keeper()):  # this daemon's next groups, the next daemon's
+        assert new_table(keeper, nccl=False).path_for(16 * KIB) is Path.TWOSHOT
+        engines = new_table(keeper, nccl=True)
+        assert [engines.path_for(n) for n in (16 * KIB, 256 * KIB, 256 * KIB + 1)] == [
+            Path.ONESHOT, Path.ONESHOT, Path.NCCL,
+        ]  # fmt: skip
+        assert engines.origin.startswith("built-in defaults: nothing on this machine timed NCCL (")
+    # An NCCL group's own move starts the next NCCL groups, and leaves the others as they were.
+    dma_wins = evidence(("nccl", 2 * MIB, 60e-6), ("dma", 2 * MIB, 40e-6))
+    assert first.follow_evidence("slot", "cuda", new_table(first, nccl=True), dma_wins, nccl_fallback=True)
+    for keeper in (first, private_daemons_keeper()):
+        engines, job = new_table(keeper, nccl=True), new_table(keeper, nccl=False)
+        assert [engines.path_for(n) for n in (16 * KIB, 512 * KIB, MIB + 1)] == [Path.ONESHOT, Path.NCCL, Path.DMA]
+        assert [job.path_for(n) for n in (16 * KIB, MIB + 1, 6 * MIB)] == [Path.TWOSHOT, Path.TWOSHOT, Path.DMA]
+        assert "nothing on this machine timed NCCL" not in engines.origin

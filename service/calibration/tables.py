@@ -50,8 +50,8 @@ class TableKeeper:
         if gpu_count:
             self.fingerprints[DeviceKind.CUDA] = cuda_fingerprint(_native.cuda_devices(), self.links)
         self._epoch = 0
-        # Boundaries measured on this machine, per device kind (see service.calibration), and for
-        # CUDA groups whose fallback is NCCL where the probe timed it.
+        # Boundaries measured on this machine, per device kind (see service.calibration), for groups
+        # whose fallback is twoshot.
         self.calibrated: dict[str, dict[str, int | None]] = {}
         # The calibration in force per device kind, and why the boundaries are what they are (for
         # the log and every table's origin).
@@ -60,6 +60,8 @@ class TableKeeper:
         # Where a private daemon keeps its groups' live moves for the user's next one (None: a node
         # daemon, whose groups' timings are each their own user's to make up).
         self.live_store: CalibrationStore | None = None
+        # For CUDA groups whose fallback is NCCL: where a probe timed NCCL, or such a group's live
+        # timings moved them; else they get the built-in defaults.
         self.calibrated_nccl: dict[str, dict[str, int | None]] = {}
         # compressed_min_bytes per device kind and compressed wire, where the probe timed it.
         self.calibrated_wires: dict[str, dict[str, int | None]] = {}
@@ -77,7 +79,9 @@ class TableKeeper:
         which asked for `wire`): the group's own override > the daemon's override > calibrated >
         built-in default. CPU groups have no DMA path, so oneshot_max_bytes and service_min_bytes
         apply to them; compressed_min_bytes is calibrated per wire."""
-        calibrated = (nccl and self.calibrated_nccl.get(device_kind)) or self.calibrated.get(device_kind, {})
+        # Boundaries placed with twoshot as the fallback say where our paths beat twoshot, not NCCL:
+        # an NCCL group takes only those placed (or moved live) with NCCL as its fallback.
+        calibrated = (self.calibrated_nccl if nccl else self.calibrated).get(device_kind, {})
         wires = self.calibrated_wires.get(device_kind, {})
         if wire is not Wire.LOSSLESS and wire.value in wires:
             calibrated = {**calibrated, "compressed_min_bytes": wires[wire.value]}
@@ -301,6 +305,10 @@ class TableKeeper:
     ) -> DispatchTable:
         boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback, wire)
         origin = self.origin(device_kind)
+        if nccl_fallback and device_kind in self.calibrations and device_kind not in self.calibrated_nccl:
+            origin = (
+                f"built-in defaults: nothing on this machine timed NCCL ({origin}, for groups without an NCCL group)"
+            )
         if topology is not None:
             changed, why = topology
             for name, value in changed.items():
@@ -403,10 +411,7 @@ class TableKeeper:
         it, as this machine's calibration, for the user's next private daemon."""
         lossless = {name: value for name, value in values.items() if name != "compressed_min_bytes"}
         if lossless and nccl_fallback:
-            self.calibrated_nccl[kind] = {
-                **(self.calibrated_nccl.get(kind) or self.calibrated.get(kind, {})),
-                **lossless,
-            }
+            self.calibrated_nccl[kind] = {**self.calibrated_nccl.get(kind, {}), **lossless}
         elif lossless:
             self.calibrated[kind] = {**self.calibrated.get(kind, {}), **lossless}
         if "compressed_min_bytes" in values:
