@@ -4,7 +4,9 @@ CPU: dist.all_reduce on the "nodecomm" group (synchronous, asynchronous and wait
 functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
 on torch's "fake" backend, which moves nothing and returns a completed Work: torch.distributed's
-own cost per call, which every backend pays (CPU and CUDA alike).
+own cost per call, which every backend pays (CPU and CUDA alike), and, as rows of their own, the
+fake backend's calls each followed by comm.all_reduce in the same iteration: the sums issue 59
+bounds the nodecomm rows by.
 CUDA (ranks sharing a GPU under MPS have no NCCL): the same nodecomm rows, the vLLM slot's call
 (NodecommAllreduce as vLLM's CudaCommunicator calls it) and, each timed alone,
 the stream lookups, an event record (what the bench adds per call) and one torch kernel
@@ -81,6 +83,18 @@ def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
         rows["dist.all_reduce fake"] = lambda: dist.all_reduce(x, group=fake)
         rows["async_op=True .wait() fake"] = lambda: dist.all_reduce(x, group=fake, async_op=True).wait()
         rows["funcol waited fake"] = lambda: funcol.wait_tensor(funcol.all_reduce(x, "sum", fake))
+        # The bounds' sums (the fake backend's call + comm.all_reduce) as one row: the two in one
+        # iteration, where a call amid torch's front end costs what it does there, not in a tight
+        # loop of its own (on the CPU, where ranks meet, the peers' skew grows with the work between).
+        rows["fake dist + comm"] = lambda: (dist.all_reduce(x, group=fake), comm.all_reduce(x, out=x))
+        rows["fake async + comm"] = lambda: (
+            dist.all_reduce(x, group=fake, async_op=True).wait(),
+            comm.all_reduce(x, out=x),
+        )
+        rows["fake funcol + comm"] = lambda: (
+            funcol.wait_tensor(funcol.all_reduce(x, "sum", fake)),
+            comm.all_reduce(x, out=x),
+        )
     if hasattr(comm, "_lane"):  # trees from before the native hot path have no lane
         lane, stream = comm._lane, comm._transport.stream()
         args = (x.data_ptr(), x.data_ptr(), x.numel(), DTYPE_CODES[x.dtype], 0, -1, stream)
