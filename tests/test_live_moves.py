@@ -118,6 +118,21 @@ def test_a_winner_two_boundaries_away_moves_both():
     assert rows == [(0, 262144, "oneshot"), (262145, None, "nccl")]
 
 
+def test_nccl_takes_no_size_it_did_not_win():
+    """NCCL is never explored, and a move drops the evidence of the buckets it reroutes: a size
+    handed to NCCL as a side effect of another path's win would stay there. Twoshot, faster at
+    16 KiB in a group whose fallback is NCCL, takes oneshot's range above the bucket (twoshot's
+    edge where oneshot's is now), as it does where twoshot is the fallback; the fewest boundaries
+    moved would have given NCCL 16 KiB..6 MiB, which nothing timed it at."""
+    live = evidence(("oneshot", 16 * KIB, 9e-6), ("twoshot", 16 * KIB, 6e-6))
+    move, rows = moved(live, table(Path.NCCL, **CUDA_DEFAULT), Path.NCCL)
+    assert move.values == {"oneshot_max_bytes": 4 * KIB, "twoshot_max_bytes": 256 * KIB}
+    assert rows == [(0, 4096, "oneshot"), (4097, 262144, "twoshot"), (262145, 6291455, "nccl"), (6291456, None, "dma")]
+    live = evidence(("oneshot", 16 * KIB, 9e-6), ("twoshot", 16 * KIB, 6e-6))  # the move dropped it
+    move, rows = moved(live, table(Path.TWOSHOT, **CUDA_DEFAULT), Path.TWOSHOT)
+    assert rows == [(0, 4096, "oneshot"), (4097, 6291455, "twoshot"), (6291456, None, "dma")]
+
+
 def test_a_table_of_one_path_gives_a_bucket_to_a_path_it_never_had():
     """Every size to dma (a wrong stored table): oneshot, faster at 16 MiB, takes every size up to
     the bucket's top, the one move that hands it the bucket."""

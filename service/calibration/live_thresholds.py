@@ -15,7 +15,8 @@ left on the best table they can describe rather than moved back and forth. The e
 bucket whose routing changed is dropped, so it has to build up again before anything moves back.
 The movable boundaries are oneshot_max_bytes, twoshot_max_bytes and dma_min_bytes; overrides and
 the service path never move. NCCL, the fallback of GPU groups that have it, is timed where it
-carries sizes (or a call forces it), never explored into.
+carries sizes (or a call forces it), never explored into: so a move gives NCCL no size it did not
+win, which nothing could move back.
 
 A group that asked for a compressed wire also times it (its compressed ranges, and exploration
 across compressed_min_bytes): where a bucket's path is faster on the other wire by the margin,
@@ -83,6 +84,8 @@ class LiveEstimates:
                         rivals.append((theirs, path))
                 for theirs, winner in sorted(rivals):  # the fastest first
                     for values, moved in _moves(table, winner, fallback, fixed, low, high):
+                        if winner is not Path.NCCL and _hands_nccl(table, moved):
+                            continue
                         if not self._slows(table, moved):
                             self._forget_changed(table, moved)
                             return BoundaryMove(values, moved, (low, high), winner, theirs, mine)
@@ -183,6 +186,17 @@ def _route(table: DispatchTable, low: int, high: int) -> list[tuple[int, int, Pa
     return [(lo, hi, table.range_paths[index]) for lo, hi, index in _cells(table, low, high)]
 
 
+def _hands_nccl(old: DispatchTable, new: DispatchTable) -> bool:
+    """Whether `new` sends NCCL a size `old` gave another path. NCCL is never explored, and a
+    move drops the evidence of the buckets it reroutes, so a size NCCL took without winning it
+    could never come back: only NCCL's own win moves sizes to it."""
+    everything = (0, bucket_range(len(SIZE_BUCKETS))[1])
+    return any(
+        path is Path.NCCL and any(was is not Path.NCCL for _, _, was in _route(old, low, high))
+        for low, high, path in _route(new, *everything)
+    )
+
+
 def _range_of(table: DispatchTable, low: int, high: int) -> int | None:
     """The index of the one range holding all of [low, high], or None if a boundary splits it."""
     index = bisect.bisect_left(table.range_max, low)
@@ -196,15 +210,20 @@ def _moves(
     [low, high], as (the boundaries that change -> new value, the table they build), the fewest
     changes first, then the fewest buckets rerouted. Each boundary either stays, or has its edge
     at the cell: a path's range ends with the cell's top or just below its bottom, DMA's starts at
-    either."""
+    either; or, for oneshot and twoshot, where the other's range ends now: a winner may take over
+    its neighbour's whole range."""
     current = {b.name: b for b in table.boundaries}
     top = high >= bucket_range(len(SIZE_BUCKETS))[1]  # the unbounded end: nothing lies above it
     below = low - 1 if low > 0 else None
+    neighbour = {"oneshot_max_bytes": "twoshot_max_bytes", "twoshot_max_bytes": "oneshot_max_bytes"}
     edges = {
         "oneshot_max_bytes": (high, below),
         "twoshot_max_bytes": (high, below),
         "dma_min_bytes": (low, None if top else high + 1),
     }
+    for name, other in neighbour.items():
+        if other in current and current[other].value_bytes is not None:
+            edges[name] = tuple(dict.fromkeys((*edges[name], current[other].value_bytes)))
     choices = [
         [(name, value) for value in values if value != current[name].value_bytes]
         for name, values in edges.items()
