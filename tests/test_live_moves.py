@@ -133,6 +133,18 @@ def test_nccl_takes_no_size_it_did_not_win():
     assert rows == [(0, 4096, "oneshot"), (4097, 6291455, "twoshot"), (6291456, None, "dma")]
 
 
+def test_only_the_winner_takes_over_a_neighbours_range():
+    """NCCL, faster than dma at 5 MiB, cannot take 4..16 MiB without sending 512 KiB to oneshot,
+    which is timed 2x slower than dma there; lowering oneshot's edge to where twoshot's ends (a
+    neighbour's range, for oneshot or twoshot to take over when they win) would hand NCCL
+    64 KiB..4 MiB, which nothing timed it at. So nothing moves."""
+    before = table(Path.NCCL, oneshot_max_bytes=MIB, twoshot_max_bytes=64 * KIB, dma_min_bytes=4 * KIB + 1)
+    live = evidence(
+        ("dma", 5 * MIB, 60e-6), ("nccl", 5 * MIB, 30e-6), ("dma", 512 * KIB, 30e-6), ("oneshot", 512 * KIB, 60e-6)
+    )
+    assert moved(live, before, Path.NCCL) is None
+
+
 def test_a_table_of_one_path_gives_a_bucket_to_a_path_it_never_had():
     """Every size to dma (a wrong stored table): oneshot, faster at 16 MiB, takes every size up to
     the bucket's top, the one move that hands it the bucket."""
@@ -352,3 +364,6 @@ def test_the_moves_a_private_daemon_keeps_start_only_groups_with_the_same_fallba
         assert [engines.path_for(n) for n in (16 * KIB, 512 * KIB, MIB + 1)] == [Path.ONESHOT, Path.NCCL, Path.DMA]
         assert [job.path_for(n) for n in (16 * KIB, MIB + 1, 6 * MIB)] == [Path.TWOSHOT, Path.TWOSHOT, Path.DMA]
         assert "nothing on this machine timed NCCL" not in engines.origin
+        assert "'slot'" not in job.origin  # each kind of group says where its own boundaries come from
+    assert new_table(first, nccl=True).origin.startswith("live timings of group 'slot'")
+    assert new_table(first, nccl=False).origin.startswith("live timings of group 'job'")

@@ -210,20 +210,24 @@ def _moves(
     [low, high], as (the boundaries that change -> new value, the table they build), the fewest
     changes first, then the fewest buckets rerouted. Each boundary either stays, or has its edge
     at the cell: a path's range ends with the cell's top or just below its bottom, DMA's starts at
-    either; or, for oneshot and twoshot, where the other's range ends now: a winner may take over
-    its neighbour's whole range."""
+    either; or, where oneshot or twoshot wins, its boundary where the other's range ends now: it
+    may take over its neighbour's whole range."""
     current = {b.name: b for b in table.boundaries}
     top = high >= bucket_range(len(SIZE_BUCKETS))[1]  # the unbounded end: nothing lies above it
     below = low - 1 if low > 0 else None
-    neighbour = {"oneshot_max_bytes": "twoshot_max_bytes", "twoshot_max_bytes": "oneshot_max_bytes"}
     edges = {
         "oneshot_max_bytes": (high, below),
         "twoshot_max_bytes": (high, below),
         "dma_min_bytes": (low, None if top else high + 1),
     }
-    for name, other in neighbour.items():
-        if other in current and current[other].value_bytes is not None:
-            edges[name] = tuple(dict.fromkeys((*edges[name], current[other].value_bytes)))
+    neighbour = {
+        Path.ONESHOT: ("oneshot_max_bytes", "twoshot_max_bytes"),
+        Path.TWOSHOT: ("twoshot_max_bytes", "oneshot_max_bytes"),
+    }
+    if winner in neighbour:
+        own, other = neighbour[winner]
+        if own in current and other in current and current[other].value_bytes is not None:
+            edges[own] = tuple(dict.fromkeys((*edges[own], current[other].value_bytes)))
     choices = [
         [(name, value) for value in values if value != current[name].value_bytes]
         for name, values in edges.items()

@@ -57,6 +57,7 @@ class TableKeeper:
         # the log and every table's origin).
         self.calibrations: dict[str, Calibration] = {}
         self.origins: dict[str, str] = {}
+        self.nccl_origins: dict[str, str] = {}  # the same for calibrated_nccl, where there is one
         # Where a private daemon keeps its groups' live moves for the user's next one (None: a node
         # daemon, whose groups' timings are each their own user's to make up).
         self.live_store: CalibrationStore | None = None
@@ -113,8 +114,10 @@ class TableKeeper:
         self.calibrated[kind] = dict(calibration.boundaries)
         if calibration.nccl_boundaries is not None:
             self.calibrated_nccl[kind] = dict(calibration.nccl_boundaries)
+            self.nccl_origins[kind] = origin
         else:
             self.calibrated_nccl.pop(kind, None)
+            self.nccl_origins.pop(kind, None)
         self.calibrated_wires[kind] = dict(calibration.wire_boundaries)
         self._publish_thresholds()
         log.info(
@@ -140,7 +143,12 @@ class TableKeeper:
             self.use_calibration(stored, f"{store.path_for(stored.key)}, measured {_when(stored.measured_at)}")
         return missing
 
-    def origin(self, kind: str) -> str:
+    def origin(self, kind: str, nccl: bool = False) -> str:
+        """Why new groups of `kind` (whose fallback is NCCL if `nccl`) get the boundaries they do."""
+        if nccl and kind in self.nccl_origins:
+            return self.nccl_origins[kind]
+        if nccl and kind in self.origins:
+            return f"built-in defaults: nothing on this machine timed NCCL ({self.origins[kind]}, for groups without an NCCL group)"
         return self.origins.get(kind, "built-in defaults (no calibration of this machine)")
 
     def _probe_world_size(self, kind: str, asked: int) -> int:
@@ -304,11 +312,7 @@ class TableKeeper:
         topology: tuple[dict[str, int | None], str] | None = None,
     ) -> DispatchTable:
         boundaries = self.default_boundaries(device_kind, group_overrides, nccl_fallback, wire)
-        origin = self.origin(device_kind)
-        if nccl_fallback and device_kind in self.calibrations and device_kind not in self.calibrated_nccl:
-            origin = (
-                f"built-in defaults: nothing on this machine timed NCCL ({origin}, for groups without an NCCL group)"
-            )
+        origin = self.origin(device_kind, nccl_fallback)
         if topology is not None:
             changed, why = topology
             for name, value in changed.items():
@@ -429,7 +433,8 @@ class TableKeeper:
             log.error("keeping a live move failed", extra={"device_kind": kind, "error": str(error)})
             where = f"nowhere: {error}"
         self.calibrations[kind] = calibration
-        self.origins[kind] = f"live timings of group {shown(group)}, kept in {where}"
+        origin = f"live timings of group {shown(group)}, kept in {where}"
+        (self.nccl_origins if lossless and nccl_fallback else self.origins)[kind] = origin
         self._publish_thresholds()
 
 
