@@ -9,6 +9,7 @@ import multiprocessing as mp
 import resource
 import signal
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -129,7 +130,8 @@ def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
         baseline = daemon_resources(pid)
         # Room for a few more descriptors (each connection holds three: the gate's two and gRPC's):
         # a group of 8 (9 memfds) fails part of the way through, a group of 2 forms.
-        resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + 24, baseline["fds"] + 24))
+        limit = limit_leaving(pid, 24)
+        resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit, limit))
         channel, stub = stub_for(daemon)
         with channel:
             futures = [
@@ -156,6 +158,20 @@ def test_an_allocation_that_fails_half_way(tmp_path, spawn_ranks):
     _survived("allocation failing half-way")
 
 
+def limit_leaving(pid: int, spare: int) -> int:
+    """The RLIMIT_NOFILE that leaves `pid` exactly `spare` free descriptor numbers. The limit bounds
+    numbers, not counts: a hole left by a closed descriptor is room too, so counting open ones
+    (what this once did) could leave a process more room than the test meant."""
+    taken = {int(fd.name) for fd in Path(f"/proc/{pid}/fd").iterdir()}
+    number, free = 0, 0
+    while True:
+        if number not in taken:
+            free += 1
+            if free == spare:
+                return number + 1
+        number += 1
+
+
 def test_a_service_allocation_short_of_descriptors_leaves_nothing(tmp_path):
     """Whether the daemon runs out of descriptors creating the memory or handing it out, the rank
     gets RESOURCE_EXHAUSTED and nothing stays allocated; with room again, the same call works."""
@@ -169,7 +185,7 @@ def test_a_service_allocation_short_of_descriptors_leaves_nothing(tmp_path):
             outcomes = []
             # From one spare: with none, not even the metrics endpoint this test reads can accept.
             for spare in range(1, 7):
-                resource.prlimit(pid, resource.RLIMIT_NOFILE, (baseline["fds"] + spare, hard))
+                resource.prlimit(pid, resource.RLIMIT_NOFILE, (limit_leaving(pid, spare), hard))
                 try:
                     buffer = comm.service_buffer(4096)
                 except ResourceExhaustedError as error:
