@@ -2,10 +2,12 @@
 # under MPS: `device-eager.sh TREE...` (TREE as in device-ab.sh, which may have built it already
 # in /tmp/nc-NAME). Per tree: .ci/ab-percall.py on CUDA and on the CPU (world 2), and the eager
 # bench of oneshot, auto, dist.all_reduce (torch) and inplace at 1 KiB .. 4 MiB (CUDA) and to
-# 256 KiB with gloo's row (CPU); into $OUT/eager-NAME.txt.
+# 256 KiB with gloo's row (CPU); into $OUT/eager-NAME.txt. Each tree's private daemons keep their
+# calibration and live moves in a cache directory of that tree's own: a run on a warm machine starts
+# from nothing another run kept.
 . "$(dirname "$0")/device-trees.sh" "$@"
 for name in "${names[@]}"; do
-  export PYTHONPATH=/tmp/nc-$name:/tmp/site
+  export PYTHONPATH=/tmp/nc-$name:/tmp/site XDG_CACHE_HOME=/tmp/cache-$name-$$
   [ "$name" = after ] && unset NC_BEFORE || export NC_BEFORE=1
   for device in cuda cpu; do
     echo "== $name, per call, $device" | tee -a "$OUT/eager-$name.txt"
