@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import platform
 import secrets
 import shutil
 import statistics
@@ -62,6 +63,17 @@ class Row:
     @property
     def label(self) -> str:
         return f"{self.path}/{self.variant}" if self.variant else self.path
+
+
+def describe_machine(device: str) -> str:
+    """The machine a bench ran on, for its header: host, cores, Python; on CUDA the GPU, how many,
+    and torch."""
+    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
+    if device == "cuda":
+        import torch
+
+        machine += f" gpu={torch.cuda.get_device_name(0)!r} gpus={torch.cuda.device_count()} torch={torch.__version__}"
+    return machine
 
 
 def sizes_between(low: int, high: int) -> list[int]:

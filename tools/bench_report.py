@@ -12,18 +12,13 @@ from dataclasses import asdict
 
 from nodecomm.byte_size import format_byte_size
 
-from .bench import BACKEND_ROW, BASELINES, DIRECT_ROW, NODECOMM_PATHS, BenchSetup, Row
+from .bench import BACKEND_ROW, BASELINES, DIRECT_ROW, NODECOMM_PATHS, BenchSetup, Row, describe_machine
 
 
 def format_header(setup: BenchSetup) -> list[str]:
     name = setup.baseline or BASELINES[setup.device]
-    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
-    if setup.device == "cuda":
-        import torch
-
-        machine += f" gpu={torch.cuda.get_device_name(0)!r} torch={torch.__version__}"
     lines = [
-        f"# nodecomm bench: {setup.describe()} {machine}",
+        f"# nodecomm bench: {setup.describe()} {describe_machine(setup.device)}",
         f"# time: slowest rank per iteration; busbw = algbw * 2(n-1)/n; vs {name}: p50 latency ratio and busbw ratio",
         "#",
         f"# {'size':>9} {'count':>10} {'type':>8} {'path':>12} {'p50(us)':>10} {'p99(us)':>10} "

@@ -8,11 +8,9 @@ stated reference (nodecomm.rms_norm) on every rank."""
 from __future__ import annotations
 
 import functools
-import os
-import platform
 import statistics
 
-from .bench import cuda_times, host_times, run_ranks, slowest_rank, start_rank
+from .bench import cuda_times, describe_machine, host_times, run_ranks, slowest_rank, start_rank
 
 EPS = 1e-6
 
@@ -108,11 +106,7 @@ def run_rms_norm_bench(
     wrong = {(hidden, rows) for hidden, rows, name, _, flaws in raw if flaws}
     names = sorted({name for _, _, name, _, _ in raw} - {"fused"})
     mode = "graph" if args["graph"] else "eager"
-    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
-    if device == "cuda":
-        import torch
-
-        machine += f" gpu={torch.cuda.get_device_name(0)!r} gpus={gpus} torch={torch.__version__}"
+    machine = describe_machine(device)
     header = f"# {'hidden':>6} {'rows':>6} {'fused(us)':>10} " + " ".join(
         f"{name + '(us)':>10} {name + '/fused':>12}" for name in names
     )

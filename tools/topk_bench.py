@@ -9,11 +9,9 @@ back to back between CUDA events."""
 from __future__ import annotations
 
 import functools
-import os
-import platform
 import statistics
 
-from .bench import cuda_times, host_times, run_ranks, slowest_rank, start_rank
+from .bench import cuda_times, describe_machine, host_times, run_ranks, slowest_rank, start_rank
 
 
 def _gather_then_slice(idx, scores, span: range, world_size: int, group=None, via_host: bool = False):
@@ -98,11 +96,7 @@ def run_topk_bench(
     raw = run_ranks(_rank_main, world_size, args, socket, flags)
     p50 = {(rows, kind): statistics.median(times) * 1e6 for rows, kind, times, _ in raw}
     differ = {rows for rows, _, _, bad in raw if bad}
-    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
-    if device == "cuda":
-        import torch
-
-        machine += f" gpu={torch.cuda.get_device_name(0)!r} gpus={gpus}"
+    machine = describe_machine(device)
     lines = [
         f"# nodecomm bench --op topk: device={device} world_size={world_size} topk={topk} iterations={iterations} {machine}",
         f"# time: slowest rank per iteration, p50; {name} = all_gather of indices and scores, then each owner slices",

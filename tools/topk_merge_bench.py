@@ -9,11 +9,9 @@ call, p50, calls back to back between CUDA events (or after a barrier on the CPU
 from __future__ import annotations
 
 import functools
-import os
-import platform
 import statistics
 
-from .bench import run_ranks, start_rank
+from .bench import describe_machine, run_ranks, start_rank
 from .topk_bench import slowest_times
 
 SCORE_BITS, ID_BITS = 16, 20  # bf16 logits; positions below 2^20
@@ -93,11 +91,7 @@ def run_topk_merge_bench(
     raw = run_ranks(_rank_main, world_size, args, socket, flags)
     p50 = {(rows, kind): statistics.median(times) * 1e6 for rows, kind, times, _ in raw}
     differ = {rows for rows, _, _, bad in raw if bad}
-    machine = f"host={platform.node()} cpus={os.cpu_count()} python={platform.python_version()}"
-    if device == "cuda":
-        import torch
-
-        machine += f" gpu={torch.cuda.get_device_name(0)!r} gpus={gpus}"
+    machine = describe_machine(device)
     lines = [
         f"# nodecomm bench --op topk-merge: device={device} world_size={world_size} topk={topk} "
         f"iterations={iterations} {machine}",
