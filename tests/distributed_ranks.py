@@ -729,6 +729,32 @@ def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: i
         return f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}"
 
 
+def aborted_during_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:
+    """As unanswered_all_reduce, with the backend's abort() called on another thread a second into
+    rank 0's native all-reduce (as a watchdog does): what that call raises, and what the next one
+    raises once the group is aborted."""
+    import threading
+
+    _join_job(rank, world_size, socket, port, seconds)
+    dist.all_reduce(torch.ones(4))
+    dist.all_reduce(torch.ones(4))  # the backend's lane is bound after the first
+    if rank == 1:
+        time.sleep(3 * seconds)  # never comes; the job ends when rank 0 reports
+        return []
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    aborting = threading.Timer(1.0, backend.abort)
+    aborting.start()
+    seen = []
+    for _ in range(2):
+        try:
+            dist.all_reduce(torch.ones(4))
+            seen.append("no error")
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
+    aborting.join()
+    return seen
+
+
 def unanswered_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
     """Both ranks all-reduce once (their group joins); then rank 0 all-reduces alone, natively in
     the C++ backend: what dist.all_reduce raises there, under a group whose timeout is `seconds`."""

@@ -106,6 +106,19 @@ def test_an_all_reduce_nobody_joins_fails_with_the_groups_timeout(daemon, spawn_
     print(message)
 
 
+def test_an_abort_on_another_thread_during_a_native_all_reduce_leaves_an_error_not_a_crash(daemon, spawn_ranks):
+    """The backend's abort() on another thread while a native all-reduce waits for a peer: the call
+    ends with its own error (the group's timeout, 3 s) and the next says the group is gone. (The
+    backend once dropped the lane's binding under the call, whose error then crashed the process.)"""
+    first, after = spawn_ranks(
+        distributed_ranks.aborted_during_all_reduce, 2, 2, daemon.socket, free_port(), 3.0, timeout=120
+    ).values()[0]
+    assert first.startswith("DeadlineExceededError: [group 'torch."), first
+    assert "rank 0] waited 3." in first and "s for rank 1" in first, first
+    assert after.startswith("InvalidArgumentError: ") and "was shut down" in after, after
+    print(first, after, sep="\n")
+
+
 def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_ranks):
     """init_process_group(timeout=5 s): a dist.send whose receive never comes raises
     DeadlineExceededError naming who never came, bounded by the group's timeout (not the

@@ -206,7 +206,10 @@ class Backend : public ::c10d::Backend {
   Backend(py::object composed, int rank, int size, std::chrono::milliseconds timeout)
       : ::c10d::Backend(rank, size), composed_(std::move(composed)), timeout_(timeout) {}
 
-  ~Backend() override { drop(composed_, cpu_.object, cpu_.communicator, cuda_.object, cuda_.communicator); }
+  ~Backend() override {
+    for (auto& made : bindings_) drop(made->object, made->communicator);
+    drop(composed_);
+  }
 
   const std::string getBackendName() const override { return "nodecomm"; }
 
@@ -221,7 +224,7 @@ class Backend : public ::c10d::Backend {
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
       at::Tensor& tensor = tensors[0];
-      Binding* bound = binding_for(tensor);
+      const Binding* bound = binding_for(tensor);
       if (bound != nullptr) {
         const std::optional<c10::Stream> stream =
             tensor.is_cuda() ? std::optional(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()))
@@ -350,12 +353,11 @@ class Backend : public ::c10d::Backend {
   }
 
   // How this backend reaches a rank's lane (the native all-reduce) for one device type, once the
-  // Python group's node group of that type has joined.
+  // Python group's node group of that type has joined. Published once made and never changed.
   struct Binding {
     const NodecommLaneApi* api = nullptr;
     void* address = nullptr;
     int device = -1;           // the CUDA device index it enqueues on
-    bool none = false;         // the communicator has no lane (a group across nodes): never bound
     py::object object;         // the lane (kept alive here)
     py::object communicator;   // its Communicator, for what the lane leaves to Python
   };
@@ -363,46 +365,52 @@ class Backend : public ::c10d::Backend {
   // The binding whose lane runs this all-reduce natively, or null: the Python group takes it. A CPU call
   // waits for nothing the Python group runs in the background (the ranks' calls keep one order);
   // a CUDA one is ordered by its stream.
-  Binding* binding_for(const at::Tensor& tensor) {
+  const Binding* binding_for(const at::Tensor& tensor) {
     if (dtype_code(tensor) == 0 || tensor.layout() != at::kStrided || !tensor.is_contiguous() || tensor.numel() == 0)
       return nullptr;
     if (tensor.is_cpu()) {
-      if (cpu_.api == nullptr) return nullptr;
+      const Binding* bound = cpu_.load(std::memory_order_acquire);
+      if (bound == nullptr) return nullptr;
       while (!outstanding_.empty()) {
         if (!outstanding_.back()->isCompleted()) return nullptr;
         outstanding_.pop_back();
       }
-      return &cpu_;
+      return bound;
     }
-    if (tensor.is_cuda() && cuda_.api != nullptr && cuda_.device == tensor.device().index()) return &cuda_;
-    return nullptr;
+    const Binding* bound = tensor.is_cuda() ? cuda_.load(std::memory_order_acquire) : nullptr;
+    return bound != nullptr && bound->device == tensor.device().index() ? bound : nullptr;
   }
 
   // After a call the Python group ran: bind the lane of the tensor's device type, if joined now.
   void bind(const at::Tensor& tensor) {
     if (!(tensor.is_cpu() || tensor.is_cuda())) return;
-    Binding& slot = tensor.is_cpu() ? cpu_ : cuda_;
-    if (slot.api != nullptr || slot.none) return;
-    py::gil_scoped_acquire gil;
+    std::atomic<const Binding*>& slot = tensor.is_cpu() ? cpu_ : cuda_;
+    if (slot.load(std::memory_order_acquire) != nullptr) return;
+    py::gil_scoped_acquire gil;  // bindings are made under the GIL
+    bool& none = tensor.is_cpu() ? cpu_none_ : cuda_none_;
+    if (slot.load(std::memory_order_relaxed) != nullptr || none) return;
     py::object communicator = composed_.attr("connected_communicator")(tensor.is_cpu() ? "cpu" : "cuda");
     if (communicator.is_none()) return;
     py::object lane = communicator.attr("native_lane")();
     if (lane.is_none()) {
-      slot.none = true;
+      none = true;
       return;
     }
     auto parts = lane.cast<py::tuple>();
     const NodecommLaneApi* api = lane_api_of(parts[0].cast<py::capsule>());
     py::object device = communicator.attr("device").attr("index");
-    slot = Binding{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
-                device.is_none() ? -1 : device.cast<int>(), false, parts[2], std::move(communicator)};
+    bindings_.push_back(std::make_unique<Binding>(Binding{api, reinterpret_cast<void*>(parts[1].cast<std::uintptr_t>()),
+                                                          device.is_none() ? -1 : device.cast<int>(), parts[2],
+                                                          std::move(communicator)}));
+    slot.store(bindings_.back().get(), std::memory_order_release);
   }
 
+  // The lanes close below; a later call takes the Python path, which says so. A call another
+  // thread is making on a lane still holds its Binding, which lives as long as this backend.
   void unbind_and_call(const char* name) {
     py::gil_scoped_acquire gil;
-    // The lanes close below; a later call takes the Python path, which says so.
-    cpu_ = Binding{};
-    cuda_ = Binding{};
+    cpu_.store(nullptr, std::memory_order_release);
+    cuda_.store(nullptr, std::memory_order_release);
     composed_.attr(name)();
   }
 
@@ -411,7 +419,11 @@ class Backend : public ::c10d::Backend {
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
   std::atomic<std::uint64_t> lane_calls_{0};
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>(c10::kCUDA);
-  Binding cpu_, cuda_;
+  // The lanes' bindings, once joined: null before, and after shutdown() or abort(). Every Binding
+  // made stays in bindings_ until the backend goes, so that one read here stays valid for the call.
+  std::atomic<const Binding*> cpu_{nullptr}, cuda_{nullptr};
+  std::vector<std::unique_ptr<Binding>> bindings_;  // under the GIL
+  bool cpu_none_ = false, cuda_none_ = false;       // the communicator has no lane (across nodes); under the GIL
 };
 
 }  // namespace nodecomm::c10d_backend
