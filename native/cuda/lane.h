@@ -72,8 +72,9 @@ class CudaLane {
   Outcome all_reduce(std::uintptr_t in, std::uintptr_t out, std::size_t count, DType dtype, int forced,
                      int forced_wire, std::uintptr_t stream, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
+    if (closed_) return kUnusable;  // before the control page is read: a closed lane's is unmapped
     const std::uint64_t reason = control::abort_state(control_).first;
-    if (closed_ || (reason != 0 && reason != control::kMismatch)) return kUnusable;
+    if (reason != 0 && reason != control::kMismatch) return kUnusable;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     const bool capturing = capture != cudaStreamCaptureStatusNone;
@@ -117,8 +118,9 @@ class CudaLane {
   // probe before capture are left to the caller.
   Outcome all_reduce_rms_norm(const norm::Rows& rows, DType dtype, int forced, std::uintptr_t stream, Taken* taken) {
     std::lock_guard<std::mutex> hold(lock_);
+    if (closed_) return kUnusable;  // before the control page is read: a closed lane's is unmapped
     const std::uint64_t reason = control::abort_state(control_).first;
-    if (closed_ || (reason != 0 && reason != control::kMismatch)) return kUnusable;
+    if (reason != 0 && reason != control::kMismatch) return kUnusable;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     NODECOMM_CUDA(cudaStreamIsCapturing(reinterpret_cast<cudaStream_t>(stream), &capture));
     const std::uint64_t nbytes = rows.count() * dtype_bytes(dtype);
