@@ -293,7 +293,7 @@ class Communicator:
     def _reattach(self, calls_without_daemon: int) -> pb_grpc.ControlStub:
         """Hand this rank's group to the daemon serving the socket now (client/daemon_link.py)."""
         return self._link.reattach(
-            lambda: self._dispatcher.table, calls_without_daemon, self._lock, lambda: self._closed, self._service.use
+            lambda: self._dispatcher.table, calls_without_daemon, lambda: self._closed, self._service.use
         )
 
     def native_outcome(self, outcome: int, tensor: torch.Tensor, kind: int, message: str) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 
 import grpc
 
-from nodecomm import _native
 from nodecomm.daemon_channel import open_channel
 from nodecomm.errors import DaemonUnavailableError, from_rpc_error
 from nodecomm.thresholds import DispatchTable, Path
@@ -49,6 +49,11 @@ class DaemonLink:
         self._lease = lease
         self._control_fd = control_fd
         self._retired: list[grpc.Channel] = []  # those of daemons the group was handed on from
+        # Held to hand the channel on and to close it; never across a call: a collective in flight
+        # (up to the operation timeout) must not keep the next daemon's session from opening
+        # within its grace, or the next daemon aborts the group.
+        self._swap = threading.Lock()
+        self._closed = False
 
     @property
     def adoptable(self) -> bool:
@@ -70,15 +75,15 @@ class DaemonLink:
         self,
         table: Callable[[], DispatchTable],
         calls_without_daemon: int,
-        lock: _native.CallLock,
         closed: Callable[[], bool],
         use: Callable[[pb_grpc.ControlStub], None],
     ) -> pb_grpc.ControlStub:
         """Hand the group to the daemon serving the socket now: it must prove who it is as at
         connect() (nodecomm.daemon_channel), then takes the control page, the ticket and the table in force
-        (`table()`, read as the request is made). Under
-        `lock`, unless `closed()`, its stub replaces the old one and `use(stub)` is called;
-        returns the stub. Raises DaemonUnavailableError while nothing serves."""
+        (`table()`, read as the request is made). Unless `closed()` or this link is closed, its stub
+        replaces the old one and `use(stub)` is called, whatever collective runs meanwhile (a call
+        may still hold the old stub); returns the stub. Raises DaemonUnavailableError while nothing
+        serves."""
         where = self._membership.where
         lease = None
         if self.daemon.kind is DaemonMode.PRIVATE:
@@ -111,8 +116,8 @@ class DaemonLink:
             "group handed to the daemon serving now",
             extra={**where, "adopted_here": reply.adopted, "calls_without_daemon": calls_without_daemon},
         )
-        with lock:
-            if closed():  # close() ran meanwhile: this channel is nobody's
+        with self._swap:
+            if closed() or self._closed:  # close() ran meanwhile: this channel is nobody's
                 channel.close()
                 if lease is not None:
                     lease.release()
@@ -140,6 +145,8 @@ class DaemonLink:
             log.info("leave failed", extra={**membership.where, "error": str(from_rpc_error(error))})
 
     def close(self) -> None:
+        with self._swap:
+            self._closed = True
         if self._control_fd >= 0:
             os.close(self._control_fd)
         for channel in (*self._retired, self.channel):

@@ -185,6 +185,24 @@ def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
             return {**outcome, "error": f"{type(error).__name__}: {error}", "took": time.monotonic() - killed}
 
 
+def waiting_in_a_barrier(rank: int, world_size: int, socket: str, report, commands) -> dict:
+    """Rank 0 stays away (the test says for how long) while the other ranks wait in a barrier,
+    through which the test restarts the daemon; then every rank meets there and all-reduces."""
+    with nodecomm.connect("barrier", rank, world_size, socket=socket, timeout=60, operation_timeout=30) as comm:
+        comm.all_reduce(torch.ones(4))
+        report.put(("running", rank))
+        if rank == 0:
+            away = commands[rank].get(timeout=60)
+            time.sleep(away)  # not a wait: rank 0's long host step (loading, compiling)
+        else:
+            assert commands[rank].get(timeout=60) == "wait"
+            report.put(("in the barrier", rank))
+        started = time.monotonic()
+        comm.barrier()
+        summed = comm.all_reduce(torch.ones(4)).tolist()
+        return {"sum": summed, "adoptions": comm._session.adoptions, "took": time.monotonic() - started}
+
+
 def ride_through_on_cuda(rank: int, world_size: int, socket: str, report, commands) -> dict:
     """On the GPU (ranks sharing it): a CUDA graph of one all-reduce captured before any restart,
     then, until the test says "stop", steps of an eager all-reduce of new inputs and a replay of

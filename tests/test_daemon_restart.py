@@ -184,6 +184,26 @@ def test_the_next_daemon_adopts_the_running_group(make_daemon, spawn_ranks, tmp_
     assert {name for name in set(os.listdir("/dev/shm")) - shm if "nodecomm" in name} == set()
 
 
+def test_a_rank_waiting_in_a_collective_still_hands_its_group_on_within_the_grace(make_daemon, spawn_ranks):
+    """Rank 1 waits in a barrier for rank 0, which stays away past the next daemon's session grace
+    (2 s) while the daemon restarts: rank 1 hands the group on and opens its session while it waits
+    (it once did so only after its call ended, and the next daemon aborted the group), and both
+    meet in the barrier and all-reduce on the adopted group."""
+    daemon = make_daemon("--session-grace-seconds", "2")
+    group, report, commands = _running(spawn_ranks, restart_ranks.waiting_in_a_barrier, 2, daemon.socket)
+    commands[1].put("wait")
+    assert report.get(timeout=60) == ("in the barrier", 1)
+    commands[0].put(6.0)
+    time.sleep(0.5)  # not a wait: rank 1 is in its barrier by now, which no event tells
+    assert daemon.stop(signal.SIGTERM) == 0
+    daemon.start()
+    outcomes = group.values()
+    print(outcomes)
+    for outcome in outcomes.values():
+        assert outcome["sum"] == [2.0] * 4 and outcome["adoptions"] == 1, outcome
+    assert "did not reattach" not in daemon.log()
+
+
 def test_a_peer_lost_after_adoption_fails_its_group_at_once(make_daemon, spawn_ranks, tmp_path):
     """The adopting daemon holds the ranks' sessions and the group's abort word: a rank killed
     afterwards fails its peer's next call with PeerLostError long before the operation timeout."""
