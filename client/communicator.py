@@ -444,7 +444,9 @@ class Communicator:
     def _agree_on_table(self) -> None:
         """Every rank switches to the same new table at the same call (client/table_offers.py)."""
         self._session.flush_if_full()
-        self._offers.agree(self._dispatcher, self._session.offered, self._lock, self._check_usable)
+        self._offers.agree(
+            self._dispatcher, self._session.offered, self._session.withheld, self._lock, self._check_usable
+        )
 
     @property
     def operation_timeout(self) -> float:

@@ -9,11 +9,11 @@ calls in the same order, so every rank decides the same; it needs no group to te
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from nodecomm import _native
-from nodecomm.errors import InvalidArgumentError
+from nodecomm.errors import InternalError, InvalidArgumentError
 from nodecomm.thresholds import DispatchTable, Path, Wire
 
 # nodecomm.v1 codes, looked up once: the native side takes and returns codes.
@@ -157,17 +157,31 @@ class Dispatcher:
         dispatched by), and never inside a graph capture."""
         return self.native.switch_due(capturing)
 
-    def agree(self, offered: dict[int, DispatchTable], lowest_of_ranks: Callable[[int], int]) -> int | None:
+    def agree(
+        self,
+        offered: dict[int, DispatchTable],
+        lowest_of_ranks: Callable[[int], int],
+        withheld: Collection[int] = (),
+    ) -> int | None:
         """Every rank offers the newest table epoch it holds; all switch to the lowest epoch
         offered, which every rank holds, so all dispatch the next call by the same table.
         `lowest_of_ranks(epoch)` offers `epoch` and returns the lowest epoch the ranks agreed on
-        (Communicator._agree_on_table: the lowest of the previous switch point's offers). Returns
-        the epoch switched to, or None. Offers up to it are dropped from `offered`."""
-        newest = max(offered, default=self.table.epoch)
+        (Communicator._agree_on_table: the lowest of the previous switch point's offers). Epochs in
+        `withheld` are not offered (a lost daemon's: a peer may never have received them), though
+        the ranks may still agree on one all offered before. Returns the epoch switched to, or
+        None. Offers up to it are dropped from `offered`; InternalError if the ranks agreed on an
+        epoch this rank does not hold."""
+        newest = max((epoch for epoch in list(offered) if epoch not in withheld), default=self.table.epoch)
         agreed = lowest_of_ranks(max(newest, self.table.epoch))
         if agreed <= self.table.epoch:
             return None
-        self.table = offered[agreed]
+        table = offered.get(agreed)
+        if table is None:
+            raise InternalError(
+                f"the ranks agreed on dispatch table epoch {agreed}, which this rank never received (it holds "
+                f"{sorted(offered) or 'none newer than ' + str(self.table.epoch)}); it stays on epoch {self.table.epoch}"
+            )
+        self.table = table
         for epoch in list(offered):  # the session thread may add offers meanwhile
             if epoch <= agreed:
                 offered.pop(epoch, None)

@@ -90,6 +90,10 @@ class Session:
         self.refusal: NodecommError | None = None  # the daemon's answer if it refused the session
         self.event_message: str | None = None  # the last group event's message
         self.offered: dict[int, DispatchTable] = {}  # tables the daemon pushed, by epoch
+        # Those a lost daemon pushed: the ranks may still switch to one every rank offered before
+        # the loss, but none is offered again, since a peer may never have received it and the
+        # next daemon numbers its own tables past them (service/calibration/tables.py).
+        self.withheld: set[int] = set()
         self._call = None
         self._thread = threading.Thread(target=self._run, name=f"nodecomm-session-{membership.rank}", daemon=True)
 
@@ -194,6 +198,7 @@ class Session:
                 self.lost_reason = f"the daemon's session message could not be read: {error!r}"
         finally:
             if not self._closing and self.refusal is None:
+                self.withheld.update(list(self.offered))
                 # The group runs on where it can: its ranks hold its memory, and its peer paths need
                 # no daemon. A daemon that wants a group gone aborts it (its abort word) before it
                 # ends a session. Where it cannot, this rank aborts it, for every rank (the word is

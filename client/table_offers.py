@@ -6,7 +6,7 @@ call waits for a GPU, nor for a peer unless its host is a whole table_switch_per
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 from nodecomm import _native
@@ -15,6 +15,8 @@ from nodecomm.errors import DeadlineExceededError, InternalError
 from .membership import Membership
 
 if TYPE_CHECKING:
+    from nodecomm.thresholds import DispatchTable
+
     from .dispatch import Dispatcher
 
 log = logging.getLogger("nodecomm.client")
@@ -55,11 +57,17 @@ class TableOffers:
         return lowest
 
     def agree(
-        self, dispatcher: Dispatcher, offered: int, lock: _native.CallLock, check_usable: Callable[[], None]
+        self,
+        dispatcher: Dispatcher,
+        offered: dict[int, DispatchTable],
+        withheld: Collection[int],
+        lock: _native.CallLock,
+        check_usable: Callable[[], None],
     ) -> None:
         """At a switch point: switch `dispatcher` to the table the ranks agreed on, if a newer one
-        (`offered`: the newest epoch this rank holds). Under `lock`, on a group `check_usable()`
-        finds usable; an abort raises its own error."""
+        (`offered`: the tables this rank holds, by epoch; `withheld`: epochs it holds but offers no
+        more, Session.withheld). Under `lock`, on a group `check_usable()` finds usable; an abort
+        raises its own error."""
 
         def lowest_of_ranks(newest: int) -> int:
             with lock:
@@ -70,6 +78,9 @@ class TableOffers:
                     check_usable()  # the abort's own error
                     raise
 
-        agreed = dispatcher.agree(offered, lowest_of_ranks)
+        try:
+            agreed = dispatcher.agree(offered, lowest_of_ranks, withheld)
+        except InternalError as error:
+            raise error.located(**self._membership.where) from None
         if agreed is not None:
             log.info("dispatch table switched", extra={**self._membership.where, "epoch": agreed})

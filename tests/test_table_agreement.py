@@ -3,6 +3,7 @@ at each switch point a rank reads every rank's offer of the point before and off
 no collective, so no call waits for a GPU. Whole groups switching together at the same call:
 tests/test_live_thresholds.py."""
 
+import functools
 import threading
 
 import pytest
@@ -63,3 +64,83 @@ def test_each_rank_keeps_two_points_and_the_third_takes_the_first_slot(control):
     assert _native.lowest_offer(control, 1, 3, 1.0) == (COMPLETE, 8, -1)
     assert _native.lowest_offer(control, 1, 1, 0.01) == (TIMED_OUT, 0, 0)
     assert _native.lowest_offer(control, 1, 2, 1.0) == (COMPLETE, 6, -1)
+
+
+def _table(epoch: int):
+    from nodecomm.thresholds import DispatchTable, Path
+
+    return DispatchTable(epoch=epoch, range_max=(), range_paths=(Path.TWOSHOT,))
+
+
+def _two_ranks_after_a_daemon_loss(control, withheld: bool) -> list:
+    """Two ranks on epoch 7. The daemon that offered epoch 8 died after rank 0 received it and
+    before rank 1 did (rank 0's session withholds it, unless `withheld` is False); the next daemon
+    numbers its tables from the next block (TableKeeper.adopt_epoch) and its first reaches rank 1
+    before rank 0's next switch point. Each rank's switch points, in turn: what each ended on, or
+    what it raised."""
+    from nodecomm.client.dispatch import Dispatcher
+    from nodecomm.client.membership import Membership
+    from nodecomm.client.table_offers import TableOffers
+    from nodecomm.service.calibration.tables import EPOCH_BLOCK
+    from nodecomm.thresholds import Path
+
+    ranks = []
+    for rank in range(2):
+        dispatcher = Dispatcher(_table(7), frozenset({Path.ONESHOT, Path.TWOSHOT}), "cpu")
+        offers = TableOffers(control, Membership("g", 1, rank, 2), 1.0)
+        ranks.append((dispatcher, offers, {}, set()))
+    ranks[0][2][8] = _table(8)
+    if withheld:
+        ranks[0][3].add(8)
+    ranks[1][2][EPOCH_BLOCK] = _table(EPOCH_BLOCK)
+    ended = [None, None]
+    for point in range(3):
+        for rank, (dispatcher, offers, offered, withholding) in enumerate(ranks):
+            if ended[rank] is not None:
+                continue
+            try:
+                lowest = functools.partial(lambda e, o, d: o.lowest_of_ranks(e, d.table.epoch), o=offers, d=dispatcher)
+                dispatcher.agree(offered, lowest, withholding)
+            except Exception as error:
+                ended[rank] = f"{type(error).__name__}: {error}"
+        if point == 0:
+            ranks[0][2][EPOCH_BLOCK] = _table(EPOCH_BLOCK)  # the next daemon's table reaches rank 0 too
+    return [ended[rank] or dispatcher.table.epoch for rank, (dispatcher, *_) in enumerate(ranks)]
+
+
+def test_after_a_daemon_loss_no_rank_offers_a_table_a_peer_never_received(control):
+    """A table the lost daemon offered is withheld (client/session.py): the ranks agree on the next
+    daemon's first table instead. Offered, it would be agreed on, and rank 1, which never received
+    it, says so (it once raised KeyError and stayed behind)."""
+    from nodecomm.service.calibration.tables import EPOCH_BLOCK
+
+    assert _two_ranks_after_a_daemon_loss(control, withheld=True) == [EPOCH_BLOCK, EPOCH_BLOCK]
+
+
+def test_a_table_a_rank_never_received_is_named_when_the_ranks_agree_on_it(control):
+    from nodecomm.service.calibration.tables import EPOCH_BLOCK
+
+    ended = _two_ranks_after_a_daemon_loss(control, withheld=False)
+    assert ended[0] == EPOCH_BLOCK, ended  # by way of 8, which rank 1 could not take
+    assert ended[1].startswith("InternalError: the ranks agreed on dispatch table epoch 8, which this rank never"), (
+        ended
+    )
+    assert f"(it holds [{EPOCH_BLOCK}]); it stays on epoch 7" in ended[1], ended
+
+
+def test_an_adopting_daemon_numbers_its_tables_past_every_epoch_the_one_before_could_offer():
+    """The daemon before may have offered epochs past the adopted group's table that some of its
+    ranks hold: the next daemon's tables start at the next block of epochs, for every group."""
+    from nodecomm.service.calibration.tables import EPOCH_BLOCK, TableKeeper
+    from nodecomm.service.config import DaemonConfig
+    from nodecomm.service.metrics.families import DaemonMetrics
+    from nodecomm.thresholds import Wire
+
+    keeper = TableKeeper(DaemonConfig(), DaemonMetrics(), 8)
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).epoch == 1
+    keeper.adopt_epoch(7)
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).epoch == EPOCH_BLOCK
+    keeper.adopt_epoch(5)  # another group, adopted from the same daemon before: no new block
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).epoch == EPOCH_BLOCK + 1
+    keeper.adopt_epoch(EPOCH_BLOCK + 3)  # a group adopted twice
+    assert keeper.for_new_group("cpu", False, {}, Wire.LOSSLESS).epoch == 2 * EPOCH_BLOCK

@@ -31,6 +31,11 @@ from nodecomm.v1 import control_pb2 as pb
 
 log = logging.getLogger("nodecomm.tables")
 
+# A daemon numbers its tables past those of the group it adopts by a block of epochs: more than one
+# daemon's life could offer (a table per group formed or moved), so that no table it makes has the
+# epoch of one the daemon before offered and some ranks may hold (client/session.py's withheld).
+EPOCH_BLOCK = 1 << 32
+
 
 def fallback_path(nccl_fallback: bool) -> Path:
     """The path of the sizes no other range takes: NCCL where the ranks passed a group for it."""
@@ -323,8 +328,10 @@ class TableKeeper:
         return dataclasses.replace(table, origin=origin)
 
     def adopt_epoch(self, epoch: int) -> None:
-        """An adopted group dispatches by `epoch`: tables made from now on come after it."""
-        self._epoch = max(self._epoch, epoch)
+        """An adopted group dispatches by `epoch`: tables made from now on come after it, and after
+        every epoch the daemon before could have offered it beyond (which its ranks may hold, not
+        all of them): in the next block of EPOCH_BLOCK epochs."""
+        self._epoch = max(self._epoch, (epoch // EPOCH_BLOCK + 1) * EPOCH_BLOCK - 1)
 
     def _next_epoch(self) -> int:
         self._epoch += 1
