@@ -367,11 +367,12 @@ class NodecommProcessGroup:
         return self._run([output, *sources], operation, outputs, _async(opts))
 
     def barrier(self, opts=None) -> Work:
-        """On the CPU group, or on the CUDA one when that is the only one joined (every rank has
-        joined the same node groups by now: they join at the same collectives)."""
+        """On the CPU group, or on the CUDA one when no CPU group was made (every rank has made the
+        same node groups by now, on the calling thread, at the same collectives; a CPU group joins
+        in the background, so whether it has joined yet differs between ranks)."""
         cuda = self._collective_groups.get("cuda")
         cpu = self._collective_groups.get("cpu")
-        if cuda is not None and cuda.connected and (cpu is None or not cpu.connected):
+        if cuda is not None and cuda.connected and cpu is None:
             device = cuda.communicator(torch.device("cuda")).device
             return cuda.run(lambda comm: comm.barrier(), [], device, _async(opts))
         return self.node_group("cpu").run(lambda comm: comm.barrier(), [], torch.device("cpu"), _async(opts))

@@ -566,6 +566,25 @@ def bound_device() -> list[str]:
     served = type(mixed._get_backend(device)).__name__
     if served != "Backend":
         problems.append(f"the mixed group's cuda backend is {served}")
+    # A barrier right after a group's first CPU collective, which joins its CPU node group in the
+    # background: rank 0 comes a second later, when its CPU group has joined and rank 1's may not
+    # have. Both take the CPU group's barrier (they once took different ones and waited out the
+    # timeout).
+    fresh = dist.new_group(backend="nodecomm")
+    dist.all_reduce(torch.ones(4, device=device), group=fresh)
+    gathered = torch.zeros(2 * world)
+    pending = dist.all_gather_into_tensor(
+        gathered, torch.full((2,), float(dist.get_rank())), group=fresh, async_op=True
+    )
+    if dist.get_rank() == 0:
+        time.sleep(1.0)  # not a wait: rank 0's own work before the barrier
+    started = time.monotonic()
+    dist.barrier(group=fresh)
+    pending.wait()
+    if time.monotonic() - started > 20 or gathered.tolist() != [float(r) for r in range(world) for _ in range(2)]:
+        problems.append(
+            f"barrier after a first CPU collective: {time.monotonic() - started:.1f} s, {gathered.tolist()}"
+        )
     dist.destroy_process_group()
     return problems
 
