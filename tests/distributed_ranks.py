@@ -578,13 +578,10 @@ def bound_device() -> list[str]:
     )
     if dist.get_rank() == 0:
         time.sleep(1.0)  # not a wait: rank 0's own work before the barrier
-    started = time.monotonic()
-    dist.barrier(group=fresh)
+    dist.barrier(group=fresh)  # different barriers raise after the group's timeout
     pending.wait()
-    if time.monotonic() - started > 20 or gathered.tolist() != [float(r) for r in range(world) for _ in range(2)]:
-        problems.append(
-            f"barrier after a first CPU collective: {time.monotonic() - started:.1f} s, {gathered.tolist()}"
-        )
+    if gathered.tolist() != [float(r) for r in range(world) for _ in range(2)]:
+        problems.append(f"all-gather before a barrier: {gathered.tolist()}")
     dist.destroy_process_group()
     return problems
 
