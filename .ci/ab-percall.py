@@ -1,5 +1,5 @@
-"""Per-call host time of all-reduces at world 2, back to back (median of 5 rounds, the rows taking turns
-in each), in one run.
+"""Per-call host time of all-reduces at world 2, back to back (median of 15 rounds, the rows taking
+turns in each), in one run, then issue 59's bounds as the median of each round's margin.
 CPU: dist.all_reduce on the "nodecomm" group (synchronous, asynchronous and waited, and torch's
 functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
@@ -51,6 +51,33 @@ def per_call_us(call, calls: int, cuda: bool) -> float:
         if cuda:
             torch.cuda.synchronize()
     return took / calls * 1e6
+
+
+ROUNDS = 15
+
+# Issue 59's bounds: each call, at most its sum + 1 us (the fake backend's call and comm.all_reduce
+# timed in one row; the slot's call against comm.all_reduce into a new tensor, as the slot returns).
+BOUNDS = {
+    "dist.all_reduce nodecomm": "fake dist + comm",
+    "async_op=True .wait()": "fake async + comm",
+    "funcol.all_reduce waited": "fake funcol + comm",
+    "vLLM slot call": "comm.all_reduce new out",
+}
+
+
+def print_bounds(runs: dict[str, list[float]], nbytes: int) -> None:
+    """Each bound's margin, call - (sum + 1 us), as the median of its rounds' differences: the two
+    rows of one round ran within milliseconds of each other, so a slow stretch of the host moves
+    both, where the difference of two medians would carry it."""
+    for call, total in BOUNDS.items():
+        if call in runs and total in runs:
+            margins = [a - b - 1.0 for a, b in zip(runs[call], runs[total], strict=True)]
+            under = sum(m <= 0 for m in margins)
+            print(f"bound {call:26s} {nbytes:8d} {statistics.median(margins):+9.2f}  under in {under}/{len(margins)}")
+    kernel = "x.mul_(1) (one torch kernel)"
+    if kernel in runs:
+        ratios = [a / b for a, b in zip(runs["comm.all_reduce out=x"], runs[kernel], strict=True)]
+        print(f"bound comm / one kernel           {nbytes:8d} {statistics.median(ratios):9.2f}x (at most 1.30x)")
 
 
 def rows_for(x: torch.Tensor, comm, gloo, fake, slot) -> dict:
@@ -142,17 +169,18 @@ def main() -> None:
         runs: dict[str, list[float]] = {name: [] for name in rows}
         for call in rows.values():
             call()
-        # The rows take turns within each of the 5 rounds: a host that slows down for a while
-        # slows every row alike, and the rows compare.
-        for _ in range(5):
-            for name, call in rows.items():
-                calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale
+        # The rows take turns within each round, in reverse order every other round: a host that
+        # slows down for a while slows every row alike, and no row always runs first.
+        for turn in range(ROUNDS):
+            for name, call in rows.items() if turn % 2 == 0 else reversed(rows.items()):
+                calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale // 3
                 runs[name].append(per_call_us(call, calls, cuda))
         if cuda:
             torch.cuda.synchronize()
         if rank == 0:
             for name, times in runs.items():
                 print(f"{name:28s} {nbytes:8d} {statistics.median(times):9.2f}")
+            print_bounds(runs, nbytes)
     dist.destroy_process_group()
 
 
