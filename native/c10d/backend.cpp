@@ -115,18 +115,18 @@ class EventPool : public std::enable_shared_from_this<EventPool> {
 };
 
 // An asynchronous CUDA operation enqueued on `stream`, as ProcessGroupNCCL's Work is seen by its
-// callers: wait() makes the caller's current stream wait on it (the host does not), isCompleted()
-// queries it, and getFuture() is a CUDA-aware future, completed on the operation's stream (it
-// records events of its own there), that DDP's comm hooks and then() callbacks can chain on. Its
-// event is recorded the first time one is needed (a wait on another stream, a query): a wait on the
-// operation's own stream, what most callers and funcol's wait_tensor do, needs none, and an event
-// recorded later on that stream marks a point after the operation, so it is never early. The event
-// and the device guard are reached through c10's device-generic interfaces: no CUDA library here.
+// callers: an event recorded after it; wait() makes the caller's current stream wait on it (the
+// host does not), isCompleted() queries it, and getFuture() is a CUDA-aware future, completed on
+// the operation's stream (it records events of its own there), that DDP's comm hooks and then()
+// callbacks can chain on. The event and the device guard are reached through c10's
+// device-generic interfaces: no CUDA library here.
 class StreamWork : public Work {
  public:
-  StreamWork(std::vector<at::Tensor> result, OpType type, c10::Stream stream, std::shared_ptr<EventPool> events)
-      : Work(-1, type), result_(std::move(result)), stream_(stream), events_(std::move(events)) {}
-  bool isCompleted() override { return done().query(); }
+  StreamWork(std::vector<at::Tensor> result, OpType type, c10::Stream stream, std::shared_ptr<c10::Event> done)
+      : Work(-1, type), result_(std::move(result)), stream_(stream), done_(std::move(done)) {
+    done_->record(stream_);
+  }
+  bool isCompleted() override { return done_->query(); }
   // Enqueued without an error: a kernel that gives up sets the group's abort word, which the next
   // call raises (as ProcessGroupNCCL's Work, this answers for errors, not for completion).
   bool isSuccess() const override { return true; }
@@ -138,7 +138,7 @@ class StreamWork : public Work {
   // Most callers wait on the stream they called on, where stream order already holds.
   void synchronize() override {
     const c10::Stream current = c10::impl::VirtualGuardImpl(stream_.device_type()).getStream(stream_.device());
-    if (current != stream_) done().block(current);
+    if (current != stream_) done_->block(current);
   }
   std::vector<at::Tensor> result() override { return result_; }
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
@@ -155,19 +155,9 @@ class StreamWork : public Work {
   }
 
  private:
-  c10::Event& done() {
-    std::call_once(recorded_, [this] {
-      done_ = events_->take();
-      done_->record(stream_);
-    });
-    return *done_;
-  }
-
   std::vector<at::Tensor> result_;
   c10::Stream stream_;
-  std::shared_ptr<EventPool> events_;  // the backend's
-  std::once_flag recorded_;
-  std::shared_ptr<c10::Event> done_;
+  std::shared_ptr<c10::Event> done_;  // from the backend's EventPool
   std::once_flag made_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;
 };
@@ -252,7 +242,7 @@ class Backend : public ::c10d::Backend {
           bound->communicator.attr("native_outcome")(outcome, tensor, kind, std::string(message));
         }
         if (stream && opts.asyncOp) {
-          return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream, events_);
+          return c10::make_intrusive<StreamWork>(tensors, OpType::ALLREDUCE, *stream, events_->take());
         }
         return c10::make_intrusive<CompletedWork>(tensors, OpType::ALLREDUCE);
       }
