@@ -22,6 +22,8 @@ import grpc
 from nodecomm import _native
 from nodecomm.errors import (
     AlreadyExistsError,
+    DaemonUnavailableError,
+    DeadlineExceededError,
     InternalError,
     NodecommError,
     NotFoundError,
@@ -48,10 +50,14 @@ _MAX_TIMINGS_PER_MESSAGE = 128
 # Batches waiting to be sent past which new ones are dropped: the daemon reads a session at a
 # bounded pace, and a rank that samples faster loses samples rather than memory.
 _MAX_QUEUED_BATCHES = 256
-# How often a rank whose daemon is gone tries to hand its group to the next one, and the answers
-# after which it stops trying (the daemon serving there will not take this group).
+# How often a rank whose daemon is gone tries to hand its group to the next one while none
+# answers; the answers after which it stops trying (the daemon serving there will not take this
+# group); and, after any other answer (a limit this daemon sets, a request it will not take as
+# it is), the longest wait between tries: each such answer doubles the wait up to it, well under
+# the daemons' session grace (10 s by default) that its peers' hand-over starts.
 _RETRY_SECONDS = 0.1
 _REFUSALS = (PermissionDeniedError, UnsupportedError, AlreadyExistsError, NotFoundError)
+_MAX_RETRY_SECONDS = 2.0
 
 
 class Session:
@@ -146,11 +152,13 @@ class Session:
 
     def _reattached(self) -> pb_grpc.ControlStub | None:
         """The stub of the next daemon once it has taken the group, trying every _RETRY_SECONDS
-        (the calls go on meanwhile); None when the communicator closes, the group aborts, or a
-        daemon refuses it for good (logged: the group runs on without one)."""
+        while none answers and less often after a daemon's "not now" (the calls go on meanwhile);
+        None when the communicator closes, the group aborts, or a daemon refuses it for good
+        (logged: the group runs on without one)."""
         calls_at_loss = self._counts.calls
         where = {"group": self._group, "rank": self._rank}
-        while not self._closed.wait(_RETRY_SECONDS):
+        wait, answered = _RETRY_SECONDS, ""
+        while not self._closed.wait(wait):
             if self._control_aborted():
                 return None
             try:
@@ -162,9 +170,22 @@ class Session:
                     extra={**where, "error": str(error)},
                 )
                 return None
-            except (NodecommError, ConnectionError, OSError) as error:
-                # Nothing serves yet, a daemon that is leaving, one that is full for now: try again.
+            except (DaemonUnavailableError, DeadlineExceededError, ConnectionError, OSError) as error:
+                # Nothing serves yet, or a daemon starting or leaving: try again soon.
+                wait = _RETRY_SECONDS
                 log.debug("no daemon took the group yet", extra={**where, "error": str(error)})
+            except NodecommError as error:
+                # A daemon serves and said no for now: ask it again less and less often, and say why
+                # once (until the answer changes): an operator may lift the limit, or start another.
+                wait = min(wait * 2, _MAX_RETRY_SECONDS)
+                if str(error) != answered:
+                    answered = str(error)
+                    log.warning(
+                        f"[group {shown(self._group)}, rank {self._rank}] the daemon serving now turned the group "
+                        f"away: {error}; it runs on without one and asks again every {_MAX_RETRY_SECONDS:g} s "
+                        "at most",
+                        extra={**where, "error": answered},
+                    )
         return None
 
     def _stream(self) -> None:

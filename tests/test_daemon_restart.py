@@ -204,6 +204,43 @@ def test_a_rank_waiting_in_a_collective_still_hands_its_group_on_within_the_grac
     assert "did not reattach" not in daemon.log()
 
 
+def test_a_daemon_that_turns_the_group_away_is_asked_again_less_often(make_daemon, spawn_ranks, capfd):
+    """A next daemon whose limits turn the group away (max_ranks_per_group 1 against a world of 2:
+    RESOURCE_EXHAUSTED at every Adopt) is asked again at doubling intervals up to 2 s, not every
+    0.1 s, and each rank says why once; the ranks call on without a daemon meanwhile, and the
+    daemon after it, whose limits fit, takes the group."""
+    daemon = make_daemon()
+    group, _, commands = _running(
+        spawn_ranks, restart_ranks.ride_through, 2, daemon.socket, free_port(), "connect", timeout=300
+    )
+    limits = daemon.extra_args
+    assert daemon.stop(signal.SIGTERM) == 0
+    daemon.extra_args = [*limits, "--max-ranks-per-group", "1"]
+    daemon.start()
+    time.sleep(8)  # not a wait: how often the ranks ask in this long is what is measured
+    turned_away = daemon.metric('nodecomm_rpc_errors_total{code="RESOURCE_EXHAUSTED",method="Adopt"}')
+    assert daemon.stop(signal.SIGTERM) == 0
+    daemon.extra_args = limits
+    daemon.start()
+    wait_until(
+        lambda: {"nodecomm_adopted_groups_total 1.0", "nodecomm_ranks 2.0"} <= set(daemon.metrics_text().splitlines()),
+        30,
+        daemon.log,
+    )
+    for queue in commands:
+        queue.put("stop")
+    outcomes = group.values()
+    print(turned_away, outcomes)
+    # A rank asks about 6 times in those 8 s (0.2, 0.4, 0.8, 1.6 s apart, then every 2 s); every
+    # 0.1 s, it asked about 70 times.
+    assert 2 <= turned_away <= 2 * 10, turned_away
+    for outcome in outcomes.values():
+        assert outcome["failed"] == 0 and outcome["wrong"] == 0 and outcome["adoptions"] == 1, outcome
+    said = capfd.readouterr().err
+    assert said.count("the daemon serving now turned the group away: ") == 2, said
+    assert said.count("exceeds this daemon's max_ranks_per_group 1") == 2, said
+
+
 def test_a_peer_lost_after_adoption_fails_its_group_at_once(make_daemon, spawn_ranks, tmp_path):
     """The adopting daemon holds the ranks' sessions and the group's abort word: a rank killed
     afterwards fails its peer's next call with PeerLostError long before the operation timeout."""
