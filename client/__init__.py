@@ -21,8 +21,10 @@ def needs_torch(error: ImportError) -> ImportError:
     else:
         return error
     return ImportError(
-        f"nodecomm's client needs torch: {what}; install torch first, then nodecomm "
-        "(python3 -m pip install torch, then python3 -m pip install --force-reinstall --no-deps --no-cache-dir nodecomm)"
+        f"nodecomm's client needs torch: {what}; install torch, then nodecomm again so that it is built "
+        "against it: python3 -m pip install torch (on a machine without a GPU, its CPU build: --index-url "
+        "https://download.pytorch.org/whl/cpu), then, in nodecomm's source tree, python3 -m pip install "
+        "--force-reinstall --no-deps --no-cache-dir . (NODECOMM_CPU_ONLY=1 in front skips the CUDA build)"
     )
 
 

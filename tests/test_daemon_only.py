@@ -54,7 +54,8 @@ def test_the_daemon_installs_without_torch_and_says_what_needs_it(daemon_env):
     assert "No module named 'nodecomm._c10d'" in missing, missing
     client = run_in(daemon_env, "import nodecomm; nodecomm.connect").stderr
     assert "nodecomm's client needs torch: torch is not installed in this environment" in client, client
-    assert "pip install torch, then" in client, client
+    assert "pip install torch (on a machine without a GPU" in client, client
+    assert "pip install --force-reinstall --no-deps --no-cache-dir ." in client, client
 
 
 def test_a_daemon_without_torch_serves_a_cpu_group_to_ranks_with_torch(daemon_env, tmp_path, spawn_ranks):
