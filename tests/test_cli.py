@@ -217,6 +217,7 @@ def test_a_bench_without_its_baseline_says_why():
     result = nodecomm_cli("bench", "--sizes", "1KiB", "--paths", "oneshot", "--no-baseline")
     assert result.returncode == 0, result.stderr
     assert "# no gloo baseline in this run (--no-baseline)" in result.stdout.splitlines(), result.stdout
+    assert "# through a private daemon of its own (--socket S for another)" in result.stdout.splitlines()
 
 
 def test_topk_merge_bench_compares_sets_with_the_gathered_merge():
@@ -473,5 +474,5 @@ def test_the_bench_says_when_its_figures_are_noise():
     assert not any("NOISE" in line for line in format_trailer(quiet, device="cpu"))
     busy = [row("oneshot", 205.1, share=0.1), row("auto", 1.4), row("gloo", 400.0)]
     trailer = format_trailer(busy, device="cpu")
-    assert "# NOISE: 1 point(s) measured while the machine was busy" in "\n".join(trailer), trailer
+    assert "# NOISE: 1 point(s) whose timings varied too much to compare paths" in "\n".join(trailer), trailer
     assert any("oneshot at 1KiB: the probe's ranks had 10% of a core each" in line for line in trailer), trailer

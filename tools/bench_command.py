@@ -140,14 +140,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if setup.graph and setup.device != "cuda":
         print("nodecomm bench: --graph applies to --device cuda", file=sys.stderr)
         return 2
-    print("\n".join(format_header(setup)), flush=True)
+    print("\n".join(format_header(setup, args.socket)), flush=True)
     rows, notes = run_bench(
         setup, args.socket, lambda size_rows: print("\n".join(format_rows(size_rows, setup)), flush=True)
     )
     trailer = format_trailer(rows, notes, args.device)
     print("\n".join(trailer))
     if any(line.startswith("# NOISE") for line in trailer):
-        print("nodecomm bench: the figures are noise (see the table's trailer): the machine was busy", file=sys.stderr)
+        print(
+            "nodecomm bench: the figures are noise (see the table's trailer): their timings varied too much to "
+            "compare paths",
+            file=sys.stderr,
+        )
     if args.json:
         write_json(args.json, rows, setup, notes)
     return 1 if any(r.wrong for r in rows) else 0

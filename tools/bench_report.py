@@ -15,10 +15,14 @@ from nodecomm.byte_size import format_byte_size
 from .bench import BACKEND_ROW, BASELINES, DIRECT_ROW, NODECOMM_PATHS, BenchSetup, Row, describe_machine
 
 
-def format_header(setup: BenchSetup) -> list[str]:
+def format_header(setup: BenchSetup, socket: str | None) -> list[str]:
+    """The table's first lines: what ran, on what machine, through which daemon (`socket`, or the
+    private one the bench starts without it)."""
     name = setup.baseline or BASELINES[setup.device]
+    daemon = f"the daemon at {socket}" if socket else "a private daemon of its own (--socket S for another)"
     lines = [
         f"# nodecomm bench: {setup.describe()} {describe_machine(setup.device)}",
+        f"# through {daemon}",
         f"# time: slowest rank per iteration; busbw = algbw * 2(n-1)/n; vs {name}: p50 latency ratio and busbw ratio",
         "#",
         f"# {'size':>9} {'count':>10} {'type':>8} {'path':>12} {'p50(us)':>10} {'p99(us)':>10} "
@@ -27,7 +31,7 @@ def format_header(setup: BenchSetup) -> list[str]:
     if setup.baseline is None:
         shared = setup.device == "cuda" and setup.world_size > setup.gpus
         why = "NCCL refuses ranks that share a GPU" if shared else "--no-baseline"
-        lines.insert(2, f"# no {name} baseline in this run ({why})")
+        lines.insert(3, f"# no {name} baseline in this run ({why})")
     return lines
 
 
@@ -73,8 +77,9 @@ def noise_lines(rows: list[Row], device: str) -> list[str]:
     if not noise:
         return []
     return [
-        f"# NOISE: {len(noise)} point(s) measured while the machine was busy; these figures do not compare "
-        "paths (calibrate refuses such points): run again on a quiet machine",
+        f"# NOISE: {len(noise)} point(s) whose timings varied too much to compare paths (another load on the "
+        "machine, or more spinning ranks than free cores; calibrate refuses such points): run again on a quieter "
+        "machine or with fewer ranks",
         *(f"#   {text}" for text in noise[:8]),
         *([f"#   and {len(noise) - 8} more"] if len(noise) > 8 else []),
     ]

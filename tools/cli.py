@@ -39,7 +39,11 @@ def cmd_topo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nodecomm", description="Inspect and measure the node's nodecomm daemon.")
-    parser.add_argument("--socket", help="daemon socket (default: $NODECOMM_SOCKET or the daemon's default path)")
+    parser.add_argument(
+        "--socket",
+        help="daemon socket (default: $NODECOMM_SOCKET or the daemon's default path; bench starts a private "
+        "daemon of its own unless --socket is given)",
+    )
     parser.add_argument(
         "--timeout", type=positive_seconds, default=5.0, help="seconds to wait for the daemon (default: 5)"
     )
