@@ -200,6 +200,15 @@ def _join(
     # Only a daemon that proved who it is (nodecomm.daemon_channel) gets this rank's data.
     try:
         channel, target = open_channel(chosen.socket, chosen.daemon_uids, timeout, [("grpc.enable_retries", 0)])
+    except DaemonUnavailableError as error:
+        if chosen.kind is daemon_choice.DaemonMode.NODE and "nothing serves at" in error.detail:
+            raise DaemonUnavailableError(
+                f"{error.detail}: start nodecommd there, set {daemon_choice.ENVIRONMENT_SOCKET} to the socket of "
+                f"one that runs, or pass daemon='auto' ({daemon_choice.ENVIRONMENT_VARIABLE}=auto) for a daemon "
+                "private to the job where no node daemon answers",
+                **where,
+            ) from None
+        raise error.located(**where) from None
     except NodecommError as error:
         raise error.located(**where) from None
     # Binds the Join to this process's pid (the daemon reads its uid from the connection), and a

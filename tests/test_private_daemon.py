@@ -138,6 +138,15 @@ def test_connect_takes_a_private_daemon_when_asked_and_refuses_an_unknown_mode(r
     assert set(results.values()) == {"private [3.0, 3.0, 3.0, 3.0]"}
     with pytest.raises(nodecomm.InvalidArgumentError, match="daemon 'anywhere': expected one of auto, node, private"):
         nodecomm.connect("g", 0, 1, daemon="anywhere")
+    # The node daemon, where none answers: what to do about it.
+    nowhere = os.path.join(runtime_directory, "no-daemon.sock")
+    with pytest.raises(nodecomm.DaemonUnavailableError) as raised:
+        nodecomm.connect("g", 0, 1, socket=nowhere, daemon="node", timeout=5)
+    assert str(raised.value) == (
+        f"[group 'g', rank 0] daemon unavailable: nothing serves at {nowhere} (No such file or directory): start "
+        "nodecommd there, set NODECOMM_SOCKET to the socket of one that runs, or pass daemon='auto' "
+        "(NODECOMM_DAEMON=auto) for a daemon private to the job where no node daemon answers"
+    )
 
 
 def test_a_private_daemon_whose_directory_was_removed_still_leaves_with_its_job(no_node_daemon, spawn_ranks):
