@@ -115,10 +115,15 @@ class Session:
             raise ConnectionError(self.lost_reason)
 
     def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.SessionUp]:
+        """What goes up one stream (gRPC reads it on a thread of its own): `outbox`'s messages until
+        its None, and, while the rank is quiet, a batch about once a second. Ends once its stream
+        is over (a lost stream's outbox is replaced), so that no batch goes to a dead stream."""
         while True:
             try:
                 message = outbox.get(timeout=_FLUSH_SECONDS)
             except queue.Empty:
+                if outbox is not self._outbox:
+                    return
                 # A rank gone quiet still reports what it did, about once a second.
                 batch = self._take_batch()
                 if batch is not None:
@@ -189,8 +194,9 @@ class Session:
         return None
 
     def _stream(self) -> None:
+        outbox = self._outbox
         try:
-            self._call = self._stub.Session(self._requests(self._outbox), metadata=self._metadata)
+            self._call = self._stub.Session(self._requests(outbox), metadata=self._metadata)
             for message in self._call:
                 if message.WhichOneof("kind") == "thresholds":
                     # Offered, not used: the ranks switch together (Communicator._agree_on_table).
@@ -237,6 +243,7 @@ class Session:
                     f"[group {shown(self._group)}, rank {self._rank}] session lost: {self.lost_reason}; {outcome}",
                     extra={"group": self._group, "rank": self._rank, "reason": self.lost_reason},
                 )
+            outbox.put(None)  # this stream's request thread ends (gRPC's, waiting on its outbox)
             self._ready.set()
 
     def report(self, path: int, nbytes: int, seconds: float, wire: int = 0) -> None:

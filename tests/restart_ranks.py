@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import sys
 import time
 
 import torch
@@ -173,7 +175,11 @@ def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
         outcome = {"adoptions": comm._session.adoptions, "calls": calls, "staged": staged, "sum": summed}
         command = commands[rank].get(timeout=120)
         if command == "leave":
-            return outcome
+            comm.close()
+            # Every stream's request thread ends with it: the lost one's too.
+            with contextlib.suppress(AssertionError):
+                wait_until(lambda: _request_threads() == 0, 10, "the request threads ending")
+            return {**outcome, "request_threads": _request_threads()}
         if rank != 0:
             report.put(("dying", rank))
             time.sleep(120)  # killed here by the test
@@ -183,6 +189,19 @@ def adopted(rank: int, world_size: int, socket: str, report, commands) -> dict:
                 comm.all_reduce(torch.ones(8))
         except nodecomm.NodecommError as error:
             return {**outcome, "error": f"{type(error).__name__}: {error}", "took": time.monotonic() - killed}
+
+
+def _request_threads() -> int:
+    """Threads still reading a Session's requests (client/session.py's _requests), for gRPC."""
+
+    def reading(frame) -> bool:
+        while frame is not None:
+            if frame.f_code.co_name == "_requests" and frame.f_code.co_filename.endswith("session.py"):
+                return True
+            frame = frame.f_back
+        return False
+
+    return sum(reading(frame) for frame in sys._current_frames().values())
 
 
 def waiting_in_a_barrier(rank: int, world_size: int, socket: str, report, commands) -> dict:

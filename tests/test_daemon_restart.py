@@ -174,6 +174,7 @@ def test_the_next_daemon_adopts_the_running_group(make_daemon, spawn_ranks, tmp_
     outcomes = group.values()
     for outcome in outcomes.values():
         assert outcome["adoptions"] == 1 and outcome["staged"] and outcome["sum"] == [2.0] * 4, outcome
+        assert outcome["request_threads"] == 0, outcome  # the lost stream's ended with it
     print(outcomes, without)
     # Calls each rank made while no daemon served (from when its session saw the loss), at most
     # those it made until its session was back.
@@ -219,6 +220,7 @@ def test_a_daemon_that_turns_the_group_away_is_asked_again_less_often(make_daemo
     daemon.start()
     time.sleep(8)  # not a wait: how often the ranks ask in this long is what is measured
     turned_away = daemon.metric('nodecomm_rpc_errors_total{code="RESOURCE_EXHAUSTED",method="Adopt"}')
+    counted_there = daemon.metric("nodecomm_calls_without_daemon_total")
     assert daemon.stop(signal.SIGTERM) == 0
     daemon.extra_args = limits
     daemon.start()
@@ -236,6 +238,10 @@ def test_a_daemon_that_turns_the_group_away_is_asked_again_less_often(make_daemo
     assert 2 <= turned_away <= 2 * 10, turned_away
     for outcome in outcomes.values():
         assert outcome["failed"] == 0 and outcome["wrong"] == 0 and outcome["adoptions"] == 1, outcome
+    # The calls made without a daemon are counted by the daemon that took them, once per rank.
+    assert counted_there == 0, counted_there
+    counted = daemon.metric("nodecomm_calls_without_daemon_total")
+    assert 0 < counted <= sum(outcome["steps"] for outcome in outcomes.values()), (counted, outcomes)
     said = capfd.readouterr().err
     assert said.count("the daemon serving now turned the group away: ") == 2, said
     assert said.count("exceeds this daemon's max_ranks_per_group 1") == 2, said
