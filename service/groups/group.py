@@ -63,6 +63,7 @@ class Group:
     captured: dict[int, Path] = field(default_factory=dict)  # sizes its ranks captured -> the path taken
     ticket: pb.AdoptionTicket = field(default_factory=pb.AdoptionTicket)  # JoinReply.adoption
     adopted: bool = False  # taken over from an earlier daemon (service/groups/adoption.py)
+    handed_over: set[int] = field(default_factory=set)  # of an adopted group: ranks whose Adopt it took
 
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's

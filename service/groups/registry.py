@@ -264,11 +264,11 @@ class GroupRegistry:
             if self._draining or self._stopping:  # the rank tries the next daemon
                 raise DaemonUnavailableError("the daemon is shutting down and adopts no groups", **where)
             check_rank_proof(self.adoption_key, record, request.rank, secret, caller, handback, where)
-            self.metrics.calls_without_daemon.inc(request.calls_without_daemon)
             known = self._groups.get(record.group_id)
             if known is not None:
                 if known.state != GroupState.ACTIVE:
                     raise NotFoundError(f"the group is {known.state}", **where)
+                self._count_hand_over(known, request)
                 return pb.AdoptReply(group_id=record.group_id, adopted=False)
             group = adopted_group(
                 record, request.thresholds, handback.fd, request.ticket, where, self.adoption_key, self.config,
@@ -283,6 +283,7 @@ class GroupRegistry:
         for placed in group.placement():
             self.metrics.reserve(*placed)
         self.metrics.adoptions.inc()
+        self._count_hand_over(group, request)
         self._update_gauges()
         asyncio.get_running_loop().call_later(
             self.config.session_grace_seconds, self._check_sessions, group.group_id, "reattach to this daemon"
@@ -293,6 +294,13 @@ class GroupRegistry:
                    "by_rank": request.rank, "table_epoch": group.table.epoch},
         )  # fmt: skip
         return pb.AdoptReply(group_id=group.group_id, adopted=True)
+
+    def _count_hand_over(self, group: Group, request: pb.AdoptRequest) -> None:
+        """The calls a rank made without a daemon, counted once, when this daemon takes its Adopt:
+        a refused Adopt counts none, and a rank that asks again sends its total since the loss."""
+        if request.rank not in group.handed_over:
+            group.handed_over.add(request.rank)
+            self.metrics.calls_without_daemon.inc(request.calls_without_daemon)
 
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
