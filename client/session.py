@@ -231,7 +231,9 @@ class Session:
                 # ends a session. Where it cannot, this rank aborts it, for every rank (the word is
                 # shared). The message names everything: under Python's default logging only it is printed.
                 why = self._needs_daemon()
-                if why is not None:
+                if self._control_aborted():  # a peer left or was lost meanwhile: nothing to hand on
+                    outcome = "the group was aborted"
+                elif why is not None:
                     _native.abort_group(self._control, _native.AbortReason.DAEMON_LOST, self._rank)
                     outcome = f"the group is aborted: {why}"
                 else:
