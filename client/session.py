@@ -199,9 +199,7 @@ class Session:
             self._call = self._stub.Session(self._requests(outbox), metadata=self._metadata)
             for message in self._call:
                 if message.WhichOneof("kind") == "thresholds":
-                    # Offered, not used: the ranks switch together (Communicator._agree_on_table).
-                    table = DispatchTable.from_proto(message.thresholds)
-                    self.offered[table.epoch] = table
+                    self.take_offer(DispatchTable.from_proto(message.thresholds))
                     continue
                 if message.event.kind == pb.READY:
                     self._ready.set()
@@ -247,6 +245,18 @@ class Session:
                 )
             outbox.put(None)  # this stream's request thread ends (gRPC's, waiting on its outbox)
             self._ready.set()
+
+    def take_offer(self, table: DispatchTable) -> None:
+        """Keep a table the daemon pushed as an offer, not used: the ranks switch together
+        (Communicator._agree_on_table). Not in place of one this rank holds under its epoch: a
+        lost daemon's, which the ranks may still agree on, as a peer holds it (a daemon that
+        adopted the group from a rank that never received it can number a table of its own so)."""
+        held = self.offered.setdefault(table.epoch, table)
+        if held is not table and held != table:
+            log.info(
+                "a table pushed under an epoch this rank holds another table under is not taken",
+                extra={"group": self._group, "rank": self._rank, "epoch": table.epoch},
+            )
 
     def report(self, path: int, nbytes: int, seconds: float, wire: int = 0) -> None:
         """One timed call on `path` over `wire` (nodecomm.v1 codes); a CPU group's all-reduces keep

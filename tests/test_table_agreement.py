@@ -128,6 +128,39 @@ def test_a_table_a_rank_never_received_is_named_when_the_ranks_agree_on_it(contr
     assert f"(it holds [{EPOCH_BLOCK}]); it stays on epoch 7" in ended[1], ended
 
 
+def test_a_table_pushed_under_an_epoch_a_rank_holds_does_not_replace_it(control):
+    """Two adoptions in a row: the second daemon pushed epoch 2^32 and both ranks offered it before
+    that daemon died; the third, adopting the group from a rank whose table in force was still
+    epoch 7, numbered its own first table 2^32 too and pushed it to rank 0 first. Both ranks switch
+    to the table they offered under that epoch: rank 0 keeps the one it holds (it once took the
+    new one in its place, and the ranks ran different tables under one epoch)."""
+    from nodecomm.client.dispatch import Dispatcher
+    from nodecomm.client.membership import Membership
+    from nodecomm.client.session import Session
+    from nodecomm.client.table_offers import TableOffers
+    from nodecomm.service.calibration.tables import EPOCH_BLOCK
+    from nodecomm.thresholds import DispatchTable, Path
+
+    def table(path: Path) -> DispatchTable:
+        return DispatchTable(epoch=EPOCH_BLOCK, range_max=(), range_paths=(path,))
+
+    ranks = []
+    for rank in range(2):
+        membership = Membership("g", 1, rank, 2)
+        session = Session(None, membership, control, None)
+        session.take_offer(table(Path.TWOSHOT))
+        dispatcher = Dispatcher(_table(7), frozenset({Path.ONESHOT, Path.TWOSHOT}), "cpu")
+        ranks.append((session, dispatcher, TableOffers(control, membership, 1.0)))
+    for _, dispatcher, offers in ranks:  # the point before the loss: both offer 2^32
+        assert offers.lowest_of_ranks(EPOCH_BLOCK, dispatcher.table.epoch) == 7
+    for session, _, _ in ranks:
+        session.withheld.update(session.offered)  # the stream is lost (Session._stream)
+    ranks[0][0].take_offer(table(Path.ONESHOT))  # the third daemon's, under the same epoch
+    for session, dispatcher, offers in ranks:
+        assert dispatcher.agree(session.offered, functools.partial(offers.lowest_of_ranks, current=7), session.withheld)
+    assert [dispatcher.table.range_paths for _, dispatcher, _ in ranks] == [(Path.TWOSHOT,)] * 2
+
+
 def test_an_adopting_daemon_numbers_its_tables_past_every_epoch_the_one_before_could_offer():
     """The daemon before may have offered epochs past the adopted group's table that some of its
     ranks hold: the next daemon's tables start at the next block of epochs, for every group."""
