@@ -23,6 +23,8 @@ from .membership import Membership
 
 log = logging.getLogger("nodecomm.client")
 
+_PRIVATE_START_SECONDS = 10.0  # the most a rank waits for the job's next private daemon to serve
+
 
 class DaemonLink:
     """The channel and stub of the daemon serving the group now, and what hands the group on:
@@ -88,8 +90,10 @@ class DaemonLink:
         lease = None
         if self.daemon.kind is DaemonMode.PRIVATE:
             # The job's own daemon: one of its ranks starts the next (under the job directory's
-            # lock, so one does), and each takes a lease on it as at connect().
-            _, lease = attach_private(self.daemon.socket, 2.0, where)
+            # lock, so one does), and each takes a lease on it as at connect(). A daemon that does
+            # not serve in time is killed: long enough for a loaded node (0.3 s on an idle one),
+            # or every try would kill the one the try before started.
+            _, lease = attach_private(self.daemon.socket, _PRIVATE_START_SECONDS, where)
         try:
             # Short waits: close() waits for the session thread that runs this.
             channel, _ = open_channel(self.daemon.socket, self.daemon.daemon_uids, 1.0, [("grpc.enable_retries", 0)])
