@@ -77,7 +77,7 @@ class Work(dist.Work):
     def exception(self) -> BaseException | None:
         if self._done is None or not self._done.done():
             return None
-        return self._done.exception()
+        return _error_of(self._done)
 
     def result(self) -> list[torch.Tensor]:
         self._host_result(None)
@@ -90,24 +90,41 @@ class Work(dist.Work):
             self._event.synchronize()
 
     def get_future(self) -> torch.futures.Future:
-        """A torch Future completed with the operation's outputs (or its error). On CUDA it is a
-        device-aware future: waiting on it makes the current stream wait for the operation."""
+        """A torch Future completed with the operation's outputs, or failed with its error. On CUDA
+        it is a device-aware future: waiting on it makes the current stream wait for the operation.
+        A failure is the error of a then() callback, the one kind torch's C++ future holds as an
+        error: set_exception() only keeps it as the value (with a Python unwrap that the C++
+        backend's callers, such as DDP's comm hooks, never see)."""
         if self._future is None:
             devices = [self._stream.device] if self._stream is not None else []
-            self._future = torch.futures.Future(devices=devices)
             if self._done is None:
-                self._complete(self._future, None)
-            else:
-                self._done.add_done_callback(lambda done: self._complete(self._future, done))
+                self._future = torch.futures.Future(devices=devices)
+                self._complete(self._future)
+            else:  # a CPU operation on a worker thread
+                outcome: torch.futures.Future = torch.futures.Future()
+                self._future = outcome.then(_result_or_raise)
+                self._done.add_done_callback(lambda done: outcome.set_result(_error_of(done) or self._result))
         return self._future
 
-    def _complete(self, future: torch.futures.Future, done: concurrent.futures.Future | None) -> None:
-        error = done.exception() if done is not None else None
-        if error is not None:
-            future.set_exception(error)
-        elif self._stream is not None:
+    def _complete(self, future: torch.futures.Future) -> None:
+        if self._stream is not None:
             # The future records its events on the current stream: make that the operation's.
             with torch.cuda.stream(self._stream):
                 future.set_result(self._result)
         else:
             future.set_result(self._result)
+
+
+def _error_of(done: concurrent.futures.Future) -> BaseException | None:
+    try:
+        return done.exception()
+    except concurrent.futures.CancelledError as cancelled:  # dropped at a shutdown before it ran
+        return cancelled
+
+
+def _result_or_raise(outcome: torch.futures.Future) -> list[torch.Tensor]:
+    """A CPU operation's outputs, or, where it failed, its error raised."""
+    value = outcome.value()
+    if isinstance(value, BaseException):
+        raise value
+    return value

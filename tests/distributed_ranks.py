@@ -162,6 +162,14 @@ def check_collectives(group, ranks: list[int], device: torch.device, problems: l
     inputs = [rank_input(r, 6, torch.bfloat16, 300).view(2, 3).to(device) for r in range(n)]
     dist.all_gather(gathered, inputs[me], group=group)
     expect("all_gather", torch.stack(gathered), torch.stack(inputs))
+    # An asynchronous all_gather's result and future hold the gathered tensors, as gloo's do.
+    gathered = [torch.empty(2, 3, dtype=torch.bfloat16, device=device) for _ in range(n)]
+    work = dist.all_gather(gathered, inputs[me], group=group, async_op=True)
+    for name, value in (("future", work.get_future().wait()), ("result", work.result())):
+        if not (isinstance(value, list) and len(value) == n and all(isinstance(t, torch.Tensor) for t in value)):
+            problems.append(f"{label} async all_gather {name}: {type(value).__name__} {value!r:.80}")
+        else:
+            expect(f"async all_gather {name}", torch.stack(value), torch.stack(inputs))
     flat = torch.empty(n * 6, dtype=torch.bfloat16, device=device)
     work = dist.all_gather_into_tensor(flat, inputs[me].flatten(), group=group, async_op=True)
     work.wait()
@@ -768,6 +776,25 @@ def aborted_during_all_reduce(rank: int, world_size: int, socket: str, port: int
         except Exception as error:
             seen.append(f"{type(error).__name__}: {error}")
     aborting.join()
+    return seen
+
+
+def failed_future(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:
+    """Rank 0's asynchronous all_gather that rank 1 never joins, under a group timeout of
+    `seconds`: what its future's wait() and a then() chained on it (a DDP comm hook's way) give."""
+    _join_job(rank, world_size, socket, port, seconds)
+    dist.all_reduce(torch.ones(4))
+    if rank == 1:
+        time.sleep(3 * seconds)  # never comes; the job ends when rank 0 reports
+        return []
+    work = dist.all_gather([torch.empty(2) for _ in range(world_size)], torch.ones(2), async_op=True)
+    future = work.get_future()
+    seen = []
+    for waited in (future, future.then(lambda done: done.value())):
+        try:
+            seen.append(f"value {waited.wait()!r:.60}")
+        except Exception as error:
+            seen.append(f"{type(error).__name__}: {error}")
     return seen
 
 

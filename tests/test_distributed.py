@@ -119,6 +119,17 @@ def test_an_abort_on_another_thread_during_a_native_all_reduce_leaves_an_error_n
     print(first, after, sep="\n")
 
 
+def test_an_asynchronous_operation_that_fails_fails_its_future(daemon, spawn_ranks):
+    """Its future, and a then() chained on it, raise the operation's error (the group's timeout)
+    through torch's C++ future, as DDP's comm hooks see it: they once returned the error as the
+    value, a failed all_gather read as a successful one."""
+    seen = spawn_ranks(distributed_ranks.failed_future, 2, 2, daemon.socket, free_port(), 3.0, timeout=120)
+    waited, chained = seen.values()[0]
+    print(waited, chained, sep="\n")
+    for outcome in (waited, chained):
+        assert outcome.startswith("RuntimeError: ") and "DeadlineExceededError: [group 'torch." in outcome, outcome
+
+
 def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_ranks):
     """init_process_group(timeout=5 s): a dist.send whose receive never comes raises
     DeadlineExceededError naming who never came, bounded by the group's timeout (not the
