@@ -211,7 +211,7 @@ class NodecommProcessGroup:
         def operation(comm) -> None:
             _copy_into(outputs, collectives.gather_rows(comm, tensor))
 
-        return self._run([tensor, *outputs], operation, output_lists, _async(opts))
+        return self._run([tensor, *outputs], operation, outputs, _async(opts))
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
         if output.numel() != source.numel() * self._size:
@@ -249,8 +249,8 @@ class NodecommProcessGroup:
                     output.copy_(row[offset : offset + nbytes].view(tensor.dtype).view(output.shape))
                     offset += nbytes
 
-        everything = list(inputs) + [t for outputs in output_lists for t in outputs]
-        return self._run(everything, operation, output_lists, _async(opts))
+        received = [t for outputs in output_lists for t in outputs]
+        return self._run([*inputs, *received], operation, received, _async(opts))
 
     def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts=None) -> Work:
         def operation(comm) -> None:
@@ -344,7 +344,7 @@ class NodecommProcessGroup:
             if outputs:
                 _copy_into(outputs, rows)
 
-        return self._run([tensor, *outputs], operation, output_lists, _async(opts))
+        return self._run([tensor, *outputs], operation, outputs, _async(opts))
 
     def scatter(self, outputs: list[torch.Tensor], input_lists: list[list[torch.Tensor]], opts=None) -> Work:
         output = _one(outputs, "scatter")
