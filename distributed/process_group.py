@@ -47,6 +47,17 @@ def _check_dense(tensors: list[torch.Tensor]) -> None:
             raise UnsupportedError(f"nodecomm reduces dense (strided) tensors, got a {tensor.layout} one")
 
 
+def _like(what: str, tensors: list[torch.Tensor], like: torch.Tensor, named: str) -> None:
+    """Raise unless every tensor holds as many elements as `like`, of its dtype (checked before any
+    data moves, as gloo does)."""
+    for index, tensor in enumerate(tensors):
+        if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
+            raise InvalidArgumentError(
+                f"{what}: tensor {index} holds {tensor.numel()} {tensor.dtype}; expected {like.numel()} "
+                f"{like.dtype}, as {named}"
+            )
+
+
 def _one(tensors: list, what: str):
     if len(tensors) != 1:
         raise InvalidArgumentError(f"{what}: expected one tensor per process, got {len(tensors)}")
@@ -207,6 +218,7 @@ class NodecommProcessGroup:
     def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts=None) -> Work:
         tensor = _one(inputs, "all_gather")
         outputs = self._per_rank(_one(output_lists, "all_gather"), "all_gather's output list")
+        _like("all_gather's output list", outputs, tensor, "the input")
 
         def operation(comm) -> None:
             _copy_into(outputs, collectives.gather_rows(comm, tensor))
@@ -214,10 +226,10 @@ class NodecommProcessGroup:
         return self._run([tensor, *outputs], operation, outputs, _async(opts))
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
-        if output.numel() != source.numel() * self._size:
+        if output.numel() != source.numel() * self._size or output.dtype != source.dtype:
             raise InvalidArgumentError(
-                f"all_gather_into_tensor: the output holds {output.numel()} elements; expected world_size "
-                f"({self._size}) times the input's {source.numel()}"
+                f"all_gather_into_tensor: the output holds {output.numel()} {output.dtype}; expected world_size "
+                f"({self._size}) times the input's {source.numel()}, of its dtype {source.dtype}"
             )
 
         def operation(comm) -> None:
@@ -283,6 +295,7 @@ class NodecommProcessGroup:
     def reduce_scatter_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
         op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
         _check_dense([output, source])
+        self._scattered_from("reduce_scatter_tensor", output, source)
         check_reducible(output.dtype, op)
         operation = lambda comm: collectives.reduce_scatter(comm, output, source, op)  # noqa: E731
         return self._run([output, source], operation, [output], _async(opts))
@@ -294,6 +307,13 @@ class NodecommProcessGroup:
     ) -> Work:
         op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
         _check_dense([*outputs, *inputs])
+        if len(outputs) != len(inputs):
+            raise InvalidArgumentError(
+                f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs; expected one each"
+            )
+        for output, source in zip(outputs, inputs, strict=True):
+            self._scattered_from("reduce_scatter_tensor_coalesced", output, source)
+            check_reducible(output.dtype, op)
 
         def operation(comm) -> None:
             for output, source in zip(outputs, inputs, strict=True):
@@ -336,6 +356,7 @@ class NodecommProcessGroup:
         outputs = []
         if self._rank == root:
             outputs = self._per_rank(_one(output_lists, "gather"), "gather's output list")
+            _like("gather's output list", outputs, tensor, "the input")
         elif output_lists and output_lists[0]:
             raise InvalidArgumentError(f"gather: only the destination rank {root} passes an output list")
 
@@ -352,6 +373,7 @@ class NodecommProcessGroup:
         sources = []
         if self._rank == root:
             sources = self._per_rank(_one(input_lists, "scatter"), "scatter's input list")
+            _like("scatter's input list", sources, output, "the output")
         elif input_lists and input_lists[0]:
             raise InvalidArgumentError(f"scatter: only the source rank {root} passes an input list")
 
@@ -454,6 +476,14 @@ class NodecommProcessGroup:
         if not 0 <= peer < self._size or peer == self._rank:
             raise InvalidArgumentError(
                 f"cannot {what} rank {peer}: expected another rank of this group's 0..{self._size - 1}"
+            )
+
+    def _scattered_from(self, what: str, output: torch.Tensor, source: torch.Tensor) -> None:
+        """Raise unless `source` holds world_size times `output`'s elements, of its dtype."""
+        if source.numel() != output.numel() * self._size or source.dtype != output.dtype:
+            raise InvalidArgumentError(
+                f"{what}: the input holds {source.numel()} {source.dtype}; expected world_size ({self._size}) "
+                f"times the output's {output.numel()}, of its dtype {output.dtype}"
             )
 
     def _per_rank(self, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:

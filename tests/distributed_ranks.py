@@ -463,6 +463,14 @@ def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]
         "sparse": lambda: dist.all_reduce(torch.ones(4).to_sparse()),
         "uneven_all_to_all": lambda: dist.all_to_all_single(torch.empty(3), torch.ones(3)),
         "pg_options": lambda: dist.new_group([0, 1], backend="nodecomm", pg_options={"socket": "x"}),
+        # What gloo refuses before any data moves (nodecomm once moved it, truncated or misplaced).
+        "gather_into_other_dtype": lambda: dist.all_gather_into_tensor(
+            torch.empty(4, dtype=torch.int32), torch.ones(2)
+        ),
+        "reduce_scatter_into_other_dtype": lambda: dist.reduce_scatter_tensor(
+            torch.empty(2, dtype=torch.int64), torch.ones(4)
+        ),
+        "all_gather_wrong_size": lambda: dist.all_gather([torch.empty(3), torch.empty(3)], torch.ones(2)),
     }
     for name, call in calls.items():
         try:

@@ -84,6 +84,18 @@ def test_bad_calls_get_clear_errors_and_change_nothing(daemon, spawn_ranks):
     assert seen["sparse"].startswith("UnsupportedError") and "dense" in seen["sparse"]
     assert "3 rows do not split equally over 2 ranks" in seen["uneven_all_to_all"]
     assert "expected nodecomm.distributed.Options, got dict" in seen["pg_options"]
+    assert seen["gather_into_other_dtype"] == (
+        "InvalidArgumentError: all_gather_into_tensor: the output holds 4 torch.int32; expected world_size (2) "
+        "times the input's 2, of its dtype torch.float32"
+    )
+    assert seen["reduce_scatter_into_other_dtype"] == (
+        "InvalidArgumentError: reduce_scatter_tensor: the input holds 4 torch.float32; expected world_size (2) "
+        "times the output's 2, of its dtype torch.int64"
+    )
+    assert seen["all_gather_wrong_size"] == (
+        "InvalidArgumentError: all_gather's output list: tensor 0 holds 3 torch.float32; expected 2 "
+        "torch.float32, as the input"
+    )
     assert seen["still_works"] == "[2.0, 2.0, 2.0, 2.0]"
     assert "was shut down" in seen["after_destroy"]
 
