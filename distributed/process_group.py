@@ -107,7 +107,10 @@ class NodecommProcessGroup:
         self._pair_groups: dict[tuple[str, int, int, int], NodeGroup] = {}
         self._pair_lock = threading.Lock()  # receives from any source make pair groups on their own thread
         self._sends = SendLedger(store, f"nodecomm/{name}", rank, size, seconds)
-        self._any_source: concurrent.futures.ThreadPoolExecutor | None = None  # receives from any source, in order
+        # Receives from any source, one worker per tag: in issue order within a tag, and a receive
+        # waiting for one tag's message never holds up another's (a sender may send them in any order).
+        self._any_source: dict[int, concurrent.futures.ThreadPoolExecutor] = {}
+        self._any_source_lock = threading.Lock()
         self._shut_down = False
 
     def __repr__(self) -> str:
@@ -449,9 +452,14 @@ class NodecommProcessGroup:
             else:
                 done.set_result(None)
 
-        if self._any_source is None:
-            self._any_source = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nodecomm-recv-any")
-        self._any_source.submit(job)
+        with self._any_source_lock:
+            self._check_open()
+            worker = self._any_source.get(tag)
+            if worker is None:
+                worker = self._any_source[tag] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"nodecomm-recv-any-{tag}"
+                )
+            worker.submit(job)
         return work
 
     def _receive(self, tensor: torch.Tensor, source: int, tag: int) -> Work:
@@ -501,9 +509,12 @@ class NodecommProcessGroup:
 
     def shutdown(self) -> None:
         """Leave every nodecomm group of this process group (what destroy_process_group calls)."""
-        self._shut_down = True
-        if self._any_source is not None:
-            self._any_source.shutdown(wait=True)  # each receive is bounded by the group's timeout
+        with self._any_source_lock:
+            self._shut_down = True
+            workers, self._any_source = list(self._any_source.values()), {}
+        self._sends.close()  # receives from any source still waiting for a sender end now
+        for worker in workers:
+            worker.shutdown(wait=True)  # a receive under way is bounded by the group's timeout
         with self._pair_lock:
             node_groups = [*self._pair_groups.values(), *self._collective_groups.values()]
             self._pair_groups, self._collective_groups = {}, {}

@@ -16,7 +16,7 @@ import time
 
 import torch.distributed as dist
 
-from nodecomm.errors import DeadlineExceededError
+from nodecomm.errors import DeadlineExceededError, InvalidArgumentError
 
 # How long a receive from any source sleeps between looks at the store, at first and at most.
 _FIRST_LOOK_S = 0.0005
@@ -32,6 +32,7 @@ class SendLedger:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()  # guards _taken: receives are issued from any thread
         self._taken: dict[tuple[int, int], int] = {}  # (source, tag) -> receives issued
+        self._closed = threading.Event()  # the process group is shut down: claims end
 
     def _key(self, source: int, destination: int, tag: int) -> str:
         return f"{self._prefix}/sent/{source}/{destination}/{tag}"
@@ -45,9 +46,14 @@ class SendLedger:
         with self._lock:
             self._taken[(source, tag)] = self._taken.get((source, tag), 0) + 1
 
+    def close(self) -> None:
+        """End every claim waiting for a sender, now and later (the process group is shut down)."""
+        self._closed.set()
+
     def claim(self, tag: int) -> int:
         """The rank whose send (with `tag`) the next receive from any source takes, counted as
-        taken; waits for one up to the group's timeout (then DeadlineExceededError)."""
+        taken; waits for one up to the group's timeout (then DeadlineExceededError), or until
+        close() (then InvalidArgumentError)."""
         deadline = time.monotonic() + self._timeout_s
         pause = _FIRST_LOOK_S
         while True:
@@ -65,5 +71,9 @@ class SendLedger:
                     f"rank {self._rank}: no rank sent it a message with tag {tag} within the group's "
                     f"timeout ({self._timeout_s:g} s) for a receive from any source"
                 )
-            time.sleep(pause)
+            if self._closed.wait(pause):
+                raise InvalidArgumentError(
+                    f"rank {self._rank}: the process group was shut down (destroy_process_group or abort) while "
+                    f"a receive from any source waited for a message with tag {tag}"
+                )
             pause = min(pause * 2, _LONGEST_LOOK_S)

@@ -761,6 +761,42 @@ def unanswered_receive_from_any(rank: int, world_size: int, socket: str, port: i
         return f"{type(error).__name__} after {time.monotonic() - started:.1f} s: {error}"
 
 
+def receives_from_any_of_two_tags(rank: int, world_size: int, socket: str, port: int, seconds: float) -> dict:
+    """Rank 0 receives from any source with tag 1, then with tag 2; rank 1 sends tag 2 first: what
+    rank 0 received, from whom, and how long it took. Then rank 0 leaves three receives from any
+    source that nobody answers and destroys the group: how long that took, and what they raised."""
+    _join_job(rank, world_size, socket, port, seconds)
+    dist.barrier()
+    if rank == 1:
+        dist.send(torch.full((2,), 2.0), 0, tag=2)
+        dist.send(torch.full((2,), 1.0), 0, tag=1)
+        dist.barrier()
+        return {}
+    started = time.monotonic()
+    first, second = torch.zeros(2), torch.zeros(2)
+    works = [dist.irecv(first, tag=1), dist.irecv(second, tag=2)]
+    for work in works:
+        work.wait()
+    received = {
+        "values": [first.tolist(), second.tolist()],
+        "sources": [work._source_rank() for work in works],
+        "took": time.monotonic() - started,
+    }
+    dist.barrier()
+    pending = [dist.irecv(torch.zeros(2), tag=7) for _ in range(3)]
+    started = time.monotonic()
+    dist.destroy_process_group()
+    left = time.monotonic() - started
+    errors = []
+    for work in pending:
+        try:
+            work.wait()
+            errors.append("no error")
+        except Exception as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    return {**received, "left": left, "errors": errors}
+
+
 def aborted_during_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:
     """As unanswered_all_reduce, with the backend's abort() called on another thread a second into
     rank 0's native all-reduce (as a watchdog does): what that call raises, and what the next one

@@ -196,6 +196,24 @@ def test_a_receive_from_any_source_nobody_sends_to_fails_with_the_groups_timeout
     assert "rank 0: no rank sent it a message with tag 0 within the group's timeout (3 s)" in message, message
 
 
+def test_receives_from_any_source_of_different_tags_wait_for_none_but_their_own(daemon, spawn_ranks):
+    """A receive waiting for tag 1's message does not hold up one for tag 2's, which its sender
+    sends first (they once took turns on one worker, and both ranks waited out the timeout), and a
+    group destroyed under receives nobody answers leaves at once, each raising why (it once waited
+    out the group's timeout for each in turn)."""
+    seen = spawn_ranks(
+        distributed_ranks.receives_from_any_of_two_tags, 2, 2, daemon.socket, free_port(), 20.0, timeout=180
+    ).values()[0]
+    print(seen)
+    assert seen["values"] == [[1.0, 1.0], [2.0, 2.0]] and seen["sources"] == [1, 1], seen
+    assert seen["took"] < 20.0 and seen["left"] < 20.0, seen  # neither waited out the group's timeout
+    for error in seen["errors"]:
+        assert error.startswith(
+            "InvalidArgumentError: rank 0: the process group was shut down (destroy_process_group "
+            "or abort) while a receive from any source waited for a message with tag 7"
+        ), seen
+
+
 def test_asynchronous_works_are_kept_only_while_they_run(daemon, spawn_ranks):
     """The C++ backend keeps the Python group's running CPU Works so that no native all-reduce
     overtakes them; finished ones leave as the next call comes, so the list stays as long as what
