@@ -105,7 +105,9 @@ class NodecommProcessGroup:
         self._node_names = node_names
         self._collective_groups: dict[str, NodeGroup] = {}
         self._pair_groups: dict[tuple[str, int, int, int], NodeGroup] = {}
-        self._pair_lock = threading.Lock()  # receives from any source make pair groups on their own thread
+        # Node groups are made from any thread: receives from any source make pair groups on their
+        # own, and a caller may run collectives from several.
+        self._groups_lock = threading.Lock()
         self._sends = SendLedger(store, f"nodecomm/{name}", rank, size, seconds)
         # Receives from any source, one worker per tag: in issue order within a tag, and a receive
         # waiting for one tag's message never holds up another's (a sender may send them in any order).
@@ -120,14 +122,18 @@ class NodecommProcessGroup:
 
     def node_group(self, device_type: str) -> NodeGroup:
         node_group = self._collective_groups.get(device_type)
-        if node_group is None:
-            self._check_open()
-            node_group = NodeGroup(
-                f"{self.nodecomm_name}/{device_type}", self._rank, self._size,
-                self._options | self._watched({r: r for r in range(self._size)}), self._joiner(self._rank),
-                ranks=tuple(self._global_ranks), what=f"the process group's {device_type} collectives",
-            )  # fmt: skip
-            self._collective_groups[device_type] = node_group
+        if node_group is not None:
+            return node_group
+        with self._groups_lock:
+            node_group = self._collective_groups.get(device_type)
+            if node_group is None:
+                self._check_open()
+                node_group = NodeGroup(
+                    f"{self.nodecomm_name}/{device_type}", self._rank, self._size,
+                    self._options | self._watched({r: r for r in range(self._size)}), self._joiner(self._rank),
+                    ranks=tuple(self._global_ranks), what=f"the process group's {device_type} collectives",
+                )  # fmt: skip
+                self._collective_groups[device_type] = node_group
         return node_group
 
     def connected_communicator(self, device_type: str):
@@ -138,7 +144,7 @@ class NodecommProcessGroup:
 
     def _pair_group(self, device_type: str, source: int, destination: int, tag: int) -> NodeGroup:
         key = (device_type, source, destination, tag)
-        with self._pair_lock:
+        with self._groups_lock:
             node_group = self._pair_groups.get(key)
             if node_group is None:
                 self._check_open()
@@ -515,7 +521,7 @@ class NodecommProcessGroup:
         self._sends.close()  # receives from any source still waiting for a sender end now
         for worker in workers:
             worker.shutdown(wait=True)  # a receive under way is bounded by the group's timeout
-        with self._pair_lock:
+        with self._groups_lock:
             node_groups = [*self._pair_groups.values(), *self._collective_groups.values()]
             self._pair_groups, self._collective_groups = {}, {}
         try:
