@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import warnings
 
 import grpc
@@ -95,6 +96,7 @@ class Communicator:
             channel, membership, self._metadata, descriptor_socket, daemon, daemon_lease, control_fd, ticket
         )
         self._control = control
+        self._teardown = threading.Lock()  # abort() sets the control page's word, close() unmaps it
         self._transport = transport
         self.device = transport.device
         self._tensors = TensorChecks(dtypes, transport, membership.where)
@@ -471,13 +473,11 @@ class Communicator:
         return self._dispatcher.table
 
     def check(self) -> None:
-        """Raise what this communicator's next call would raise: the group aborted (a peer lost or
-        left, a mismatch, a timeout, a drain of the daemon) or the communicator closed; return if it is
-        usable. Cheap: it reads the group's control page in this process, with no device
-        synchronisation and no call to the daemon. An engine that replays captured graphs and
-        keeps its process under the "log" policy (nodecomm.captured_abort) calls it after a step:
-        a replay after an abort returns at once and leaves its outputs as they were, and a step
-        whose check raises must not be used."""
+        """Raise what this communicator's next call would raise (the group aborted: a peer lost or
+        left, a mismatch, a timeout, a drain; or closed). Cheap: it reads the control page, with no
+        device synchronisation or daemon call. An engine replaying captured graphs under the "log"
+        policy (nodecomm.captured_abort) calls it after a step: a replay after an abort returns at
+        once, leaving its outputs as they were, and a step whose check raises must not be used."""
         self._check_usable()
 
     # -- checks ----------------------------------------------------------------------------------
@@ -492,6 +492,15 @@ class Communicator:
             raise self._errors.located(error) from None
 
     # -- teardown --------------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        """End the group now for every rank (torch's ProcessGroup.abort()), then close(): the calls
+        under way end at once, this rank's saying it aborted, its peers' as if it had left."""
+        with self._teardown:
+            if not self._closed:
+                self._errors.aborted_here = True
+                _native.abort_group(self._control.address, _native.AbortReason.PEER_LEFT, self.rank)
+        self.close()
 
     def close(self) -> None:
         """Leave the group, end the session and unmap the buffers. Calling it again does nothing."""
@@ -518,7 +527,8 @@ class Communicator:
             if self._session.lost_reason is None and self._session.refusal is None:
                 self._link.leave()
             self._session.close()
-            self._control.unmap()
+            with self._teardown:  # not while abort() sets its abort word
+                self._control.unmap()
             self._errors.close()
             self._link.close()
 
@@ -530,12 +540,8 @@ class Communicator:
 
     def __del__(self) -> None:
         if getattr(self, "_closed", True) is False:
-            warnings.warn(
-                f"nodecomm Communicator for group {self.group!r} rank {self.rank} was not closed; "
-                "call close() or use it as a context manager",
-                ResourceWarning,
-                stacklevel=1,
-            )
+            unclosed = f"nodecomm Communicator for group {self.group!r} rank {self.rank} was not closed"
+            warnings.warn(f"{unclosed}; call close() or use it as a context manager", ResourceWarning, stacklevel=1)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

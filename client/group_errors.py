@@ -35,6 +35,7 @@ class GroupErrors:
         self._kind = kind
         self._session = session
         self.liveness = liveness  # tells a peer that is gone from one that is slow, with or without a daemon
+        self.aborted_here = False  # this rank set the abort word (Communicator.abort): its calls say so
 
     def check(self, closed: bool, call_follows: bool = False) -> None:
         """Raise why the communicator cannot be used. With `call_follows`, a group that a mismatch
@@ -51,6 +52,8 @@ class GroupErrors:
 
     def located(self, error: NodecommError) -> NodecommError:
         """`error`, naming this group and rank; a wait that ran out names a peer that has ended."""
+        if self.aborted_here and isinstance(error, PeerLostError):  # the abort word this rank set
+            return self._own_abort()
         if isinstance(error, DeadlineExceededError):
             error = self._lost_peer() or error
         return error.located(**self._membership.where)
@@ -68,11 +71,18 @@ class GroupErrors:
             return mismatch_error(self._control_address, self._membership.world_size, **where)
         if reason == _native.AbortReason.PEER_LOST and self._session.event_message:
             return PeerLostError(f"group aborted: {self._session.event_message}", **where)
+        if self.aborted_here:
+            return self._own_abort()
         if reason == _native.AbortReason.STALLED:
             lost = self._lost_peer()
             if lost is not None:
                 return self.located(lost)
         return self.located(_native.error(*_native.abort_error(self._control_address, reason, detail)))
+
+    def _own_abort(self) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            "this rank aborted the group (abort()): its calls under way end here", **self._membership.where
+        )
 
     def _lost_peer(self) -> PeerLostError | None:
         """For a wait that ran out: PeerLostError where a peer's process has ended (peer_liveness.py)."""

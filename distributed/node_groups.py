@@ -170,6 +170,14 @@ class NodeGroup:
 
         return Work(result, done=self._submit(job), stream=stream, event=done)
 
+    def abort(self) -> None:
+        """End the group now for every rank (Communicator.abort), so that the operation under way
+        and those queued end at once, then close."""
+        comm = self._comm
+        if comm is not None:
+            comm.abort()
+        self.close()
+
     def close(self) -> None:
         """Let queued operations finish (each is bounded by the operation timeout), then leave."""
         with self._lock:

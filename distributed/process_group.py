@@ -510,29 +510,38 @@ class NodecommProcessGroup:
     def _check_open(self) -> None:
         if self._shut_down:
             raise InvalidArgumentError(
-                f"process group {self.nodecomm_name!r} was shut down (destroy_process_group); create a new one"
+                f"process group {self.nodecomm_name!r} was shut down (destroy_process_group or abort); create a new one"
             )
 
     def shutdown(self) -> None:
-        """Leave every nodecomm group of this process group (what destroy_process_group calls)."""
+        """Leave every nodecomm group of this process group (what destroy_process_group calls),
+        once the operations under way have finished (each is bounded by the group's timeout)."""
+        self._leave(aborting=False)
+
+    def abort(self) -> None:
+        """Leave every nodecomm group of this process group now: the operations under way end at
+        once on every rank (Communicator.abort), where shutdown() lets them finish."""
+        self._leave(aborting=True)
+
+    def _leave(self, aborting: bool) -> None:
         with self._any_source_lock:
             self._shut_down = True
             workers, self._any_source = list(self._any_source.values()), {}
         self._sends.close()  # receives from any source still waiting for a sender end now
-        for worker in workers:
-            worker.shutdown(wait=True)  # a receive under way is bounded by the group's timeout
         with self._groups_lock:
             node_groups = [*self._pair_groups.values(), *self._collective_groups.values()]
             self._pair_groups, self._collective_groups = {}, {}
         try:
+            if aborting:
+                for node_group in node_groups:
+                    node_group.abort()
+            for worker in workers:
+                worker.shutdown(wait=True)  # a receive under way is bounded by the group's timeout
             for node_group in node_groups:
                 node_group.close()
         finally:
             if self._daemon_lease is not None:
                 self._daemon_lease.release()
-
-    def abort(self) -> None:
-        self.shutdown()
 
 
 def _async(opts) -> bool:

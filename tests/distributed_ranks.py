@@ -797,30 +797,46 @@ def receives_from_any_of_two_tags(rank: int, world_size: int, socket: str, port:
     return {**received, "left": left, "errors": errors}
 
 
-def aborted_during_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:
+def aborted_during_all_reduce(
+    rank: int, world_size: int, socket: str, port: int, seconds: float, dtype_name: str
+) -> dict[str, object]:
     """As unanswered_all_reduce, with the backend's abort() called on another thread a second into
-    rank 0's native all-reduce (as a watchdog does): what that call raises, and what the next one
-    raises once the group is aborted."""
+    rank 0's all-reduce of `dtype_name` (float32: the native lane; int64: the Python group), as a
+    watchdog does: what that call raises and after how long, how long abort() took, and what the
+    next call raises once the group is aborted."""
+    import datetime
     import threading
 
     _join_job(rank, world_size, socket, port, seconds)
-    dist.all_reduce(torch.ones(4))
-    dist.all_reduce(torch.ones(4))  # the backend's lane is bound after the first
+    store = dist.distributed_c10d._get_default_store()
+    dtype = getattr(torch, dtype_name)
+    dist.all_reduce(torch.ones(4, dtype=dtype))
+    dist.all_reduce(torch.ones(4, dtype=dtype))  # the backend's lane is bound after the first
     if rank == 1:
-        time.sleep(3 * seconds)  # never comes; the job ends when rank 0 reports
-        return []
+        store.wait(["aborted"], datetime.timedelta(seconds=6 * seconds))  # never comes to the third
+        return {}
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-    aborting = threading.Timer(1.0, backend.abort)
+    took = {}
+
+    def abort() -> None:
+        started = time.monotonic()
+        backend.abort()
+        took["abort"] = time.monotonic() - started
+
+    aborting = threading.Timer(1.0, abort)
     aborting.start()
-    seen = []
-    for _ in range(2):
+    seen: dict[str, object] = {}
+    for call in ("first", "next"):
+        started = time.monotonic()
         try:
-            dist.all_reduce(torch.ones(4))
-            seen.append("no error")
+            dist.all_reduce(torch.ones(4, dtype=dtype))
+            seen[call] = "no error"
         except Exception as error:
-            seen.append(f"{type(error).__name__}: {error}")
+            seen[call] = f"{type(error).__name__}: {error}"
+        seen[f"{call} took"] = time.monotonic() - started
     aborting.join()
-    return seen
+    store.set("aborted", "1")
+    return {**seen, "abort took": took.get("abort")}
 
 
 def failed_future(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:

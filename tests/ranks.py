@@ -201,6 +201,26 @@ def stall_peer(rank: int, world_size: int, socket: str) -> tuple[str, str, float
         return "no error", "", time.monotonic() - started
 
 
+def abort_under_a_call(rank: int, world_size: int, socket: str) -> tuple[str, float]:
+    """Rank 0 all-reduces while rank 1 stays away, and aborts the group from another thread a
+    second later; rank 1 then calls. Each rank's error, and on rank 0 how long its call took."""
+    import threading
+
+    with nodecomm.connect("abort", rank, world_size, socket=socket, timeout=30, operation_timeout=20) as comm:
+        comm.barrier()
+        if rank == 1:
+            time.sleep(3)  # not a wait: away until rank 0 has aborted the group
+            started = time.monotonic()
+        else:
+            threading.Timer(1.0, comm.abort).start()
+            started = time.monotonic()
+        try:
+            comm.all_reduce(torch.ones(16))
+        except nodecomm.NodecommError as error:
+            return f"{type(error).__name__}: {error}", time.monotonic() - started
+        return "no error", time.monotonic() - started
+
+
 class _Marked(torch.Tensor):
     """A tensor subclass (which may redefine any operation): left to the Python checks."""
 

@@ -74,6 +74,21 @@ def test_stalled_peer_times_out_with_who_and_where(make_daemon, spawn_ranks):
     assert waited > 1.4  # the group's operation timeout, waited out
 
 
+def test_an_abort_ends_the_call_under_way_at_once_on_every_rank(daemon, spawn_ranks):
+    """Communicator.abort() on another thread while rank 0's all-reduce waits for rank 1: the call
+    ends at once saying this rank aborted the group, and rank 1's next call says rank 0 left."""
+    (aborted, took), (peer, _) = (
+        spawn_ranks(ranks.abort_under_a_call, 2, 2, daemon.socket, timeout=60).values().values()
+    )
+    print(aborted, took, peer, sep="\n")
+    assert (
+        aborted
+        == "InvalidArgumentError: [group 'abort', rank 0] this rank aborted the group (abort()): its calls under way end here"
+    )
+    assert took < 10.0  # not the operation timeout (20 s)
+    assert peer == "PeerLostError: [group 'abort', rank 1] group closed: peer rank 0 left", peer
+
+
 def test_a_running_group_outlives_its_daemon_and_the_next_one_serves_new_groups(daemon, spawn_ranks):
     context = mp.get_context("spawn")
     report, commands = context.Queue(), [context.Queue() for _ in range(2)]
