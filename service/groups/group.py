@@ -65,6 +65,13 @@ class Group:
     adopted: bool = False  # taken over from an earlier daemon (service/groups/adoption.py)
     handed_over: set[int] = field(default_factory=set)  # of an adopted group: ranks whose Adopt it took
 
+    def handed_over_by(self, rank: int, calls_without_daemon: int) -> int:
+        """The calls `rank` made without a daemon to count at its hand-over of the adopted group:
+        all at its first, none after (a rank asking again sends its total since the loss)."""
+        first = rank not in self.handed_over
+        self.handed_over.add(rank)
+        return calls_without_daemon if first else 0
+
     def placement(self, slabs: list[TopkSlabs] | None = None) -> list[tuple[str, str, str, int]]:
         """(kind, device, use, bytes) of the group's memory: the control page and each rank's
         buffer, then each owner's slab of every top-k exchange (of `slabs` when given, and then

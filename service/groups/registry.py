@@ -250,9 +250,8 @@ class GroupRegistry:
     # -- adoption (service/groups/adoption.py) --------------------------------------------------------
 
     def adopt(self, request: pb.AdoptRequest, secret: bytes, caller: Caller) -> pb.AdoptReply:
-        """A rank of a group an earlier daemon formed hands it over: the first such call adopts the
-        group (its record from the ticket, its control page from the handback, its table from the
-        rank), the others find it adopted. Each rank then opens its session as after a Join."""
+        """A rank hands over a group an earlier daemon formed: the first such call adopts it (record from
+        the ticket, control page from the handback, table from the rank); each then opens its session."""
         handback = self.handbacks.take(request.control_token)
         try:
             record = record_of(self.adoption_key, request.ticket)
@@ -268,7 +267,7 @@ class GroupRegistry:
             if known is not None:
                 if known.state != GroupState.ACTIVE:
                     raise NotFoundError(f"the group is {known.state}", **where)
-                self._count_hand_over(known, request)
+                self.metrics.calls_without_daemon.inc(known.handed_over_by(request.rank, request.calls_without_daemon))
                 return pb.AdoptReply(group_id=record.group_id, adopted=False)
             group = adopted_group(
                 record, request.thresholds, handback.fd, request.ticket, where, self.adoption_key, self.config,
@@ -283,7 +282,7 @@ class GroupRegistry:
         for placed in group.placement():
             self.metrics.reserve(*placed)
         self.metrics.adoptions.inc()
-        self._count_hand_over(group, request)
+        self.metrics.calls_without_daemon.inc(group.handed_over_by(request.rank, request.calls_without_daemon))
         self._update_gauges()
         asyncio.get_running_loop().call_later(
             self.config.session_grace_seconds, self._check_sessions, group.group_id, "reattach to this daemon"
@@ -294,13 +293,6 @@ class GroupRegistry:
                    "by_rank": request.rank, "table_epoch": group.table.epoch},
         )  # fmt: skip
         return pb.AdoptReply(group_id=group.group_id, adopted=True)
-
-    def _count_hand_over(self, group: Group, request: pb.AdoptRequest) -> None:
-        """The calls a rank made without a daemon, counted once, when this daemon takes its Adopt:
-        a refused Adopt counts none, and a rank that asks again sends its total since the loss."""
-        if request.rank not in group.handed_over:
-            group.handed_over.add(request.rank)
-            self.metrics.calls_without_daemon.inc(request.calls_without_daemon)
 
     # -- peer checks (CUDA groups) ---------------------------------------------------------------
 
