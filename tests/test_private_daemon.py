@@ -178,8 +178,9 @@ def test_a_private_daemon_that_cannot_start_says_why_and_leaves_nothing(runtime_
 
 def learn_privately(rank: int, world_size: int, runtime: str, nbytes: int, synthetic: list, calls: int) -> dict:
     """Through the job's private daemon: report `synthetic` timings (what sampled all-reduces
-    send), then all-reduce `nbytes` `calls` times; the table's path for nbytes and its origin,
-    first and last."""
+    send), then all-reduce `nbytes` `calls` times, 5 ms apart (a busy daemon may take a while to
+    move the table: the calls give it time); the table's path for nbytes and its origin, first
+    and last."""
     os.environ["XDG_RUNTIME_DIR"] = runtime
     import torch
 
@@ -193,6 +194,7 @@ def learn_privately(rank: int, world_size: int, runtime: str, nbytes: int, synth
         x, out = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
         for _ in range(calls):
             comm.all_reduce(x, out=out)
+            time.sleep(0.005)  # not a wait: calls a few milliseconds apart, as a job's steps
         last = comm.thresholds()
         return {
             "socket": comm.daemon.socket,
@@ -223,7 +225,7 @@ def test_the_next_private_daemon_starts_from_what_the_last_one_learned(
         monkeypatch.setenv("NODECOMM_" + name, value)
     monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
     synthetic = [("oneshot", mib, 1e-3)] * 6 + [("twoshot", mib, 1e-4)] * 6
-    first = spawn_ranks(learn_privately, 2, 2, runtime_directory, mib, synthetic, 64, timeout=300).values()
+    first = spawn_ranks(learn_privately, 2, 2, runtime_directory, mib, synthetic, 400, timeout=300).values()
     assert first[0]["first"] == ("oneshot", f"{stored}, measured " + first[0]["first"][1].split(", measured ")[1])
     assert first[0]["last"][0] == "twoshot", first
     wait_gone(first[0]["socket"], 10)
