@@ -195,6 +195,8 @@ def learn_privately(rank: int, world_size: int, runtime: str, nbytes: int, synth
         for _ in range(calls):
             comm.all_reduce(x, out=out)
             time.sleep(0.005)  # not a wait: calls a few milliseconds apart, as a job's steps
+        # A rank that left straight after a switch-point call could abort its peer's agreement there.
+        comm.barrier()
         last = comm.thresholds()
         return {
             "socket": comm.daemon.socket,
