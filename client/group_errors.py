@@ -35,7 +35,9 @@ class GroupErrors:
         self._kind = kind
         self._session = session
         self.liveness = liveness  # tells a peer that is gone from one that is slow, with or without a daemon
-        self.aborted_here = False  # this rank set the abort word (Communicator.abort): its calls say so
+        # This rank set the abort word (Communicator.abort): its lanes' errors, read after the
+        # control page may be gone, say so.
+        self.aborted_here = False
 
     def check(self, closed: bool, call_follows: bool = False) -> None:
         """Raise why the communicator cannot be used. With `call_follows`, a group that a mismatch
@@ -71,7 +73,7 @@ class GroupErrors:
             return mismatch_error(self._control_address, self._membership.world_size, **where)
         if reason == _native.AbortReason.PEER_LOST and self._session.event_message:
             return PeerLostError(f"group aborted: {self._session.event_message}", **where)
-        if self.aborted_here:
+        if reason == _native.AbortReason.PEER_LEFT and detail == self._membership.rank:  # its abort()
             return self._own_abort()
         if reason == _native.AbortReason.STALLED:
             lost = self._lost_peer()

@@ -116,14 +116,12 @@ class Session:
 
     def _requests(self, outbox: queue.SimpleQueue) -> Iterator[pb.SessionUp]:
         """What goes up one stream (gRPC reads it on a thread of its own): `outbox`'s messages until
-        its None, and, while the rank is quiet, a batch about once a second. Ends once its stream
-        is over (a lost stream's outbox is replaced), so that no batch goes to a dead stream."""
+        its None, which _stream puts there once the stream is over, and, while the rank is quiet, a
+        batch about once a second."""
         while True:
             try:
                 message = outbox.get(timeout=_FLUSH_SECONDS)
             except queue.Empty:
-                if outbox is not self._outbox:
-                    return
                 # A rank gone quiet still reports what it did, about once a second.
                 batch = self._take_batch()
                 if batch is not None:
@@ -252,7 +250,7 @@ class Session:
         lost daemon's, which the ranks may still agree on, as a peer holds it (a daemon that
         adopted the group from a rank that never received it can number a table of its own so)."""
         held = self.offered.setdefault(table.epoch, table)
-        if held is not table and held != table:
+        if held != table:
             log.info(
                 "a table pushed under an epoch this rank holds another table under is not taken",
                 extra={"group": self._group, "rank": self._rank, "epoch": table.epoch},

@@ -235,11 +235,7 @@ class NodecommProcessGroup:
         return self._run([tensor, *outputs], operation, outputs, _async(opts))
 
     def all_gather_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
-        if output.numel() != source.numel() * self._size or output.dtype != source.dtype:
-            raise InvalidArgumentError(
-                f"all_gather_into_tensor: the output holds {output.numel()} {output.dtype}; expected world_size "
-                f"({self._size}) times the input's {source.numel()}, of its dtype {source.dtype}"
-            )
+        self._world_times("all_gather_into_tensor", output, "output", source, "input")
 
         def operation(comm) -> None:
             output.copy_(collectives.gather_rows(comm, source).view(output.shape))
@@ -288,12 +284,7 @@ class NodecommProcessGroup:
         op = reduce_op_type(opts.reduceOp)
         _check_dense([output, *sources])
         check_reducible(output.dtype, op)
-        for source in sources:
-            if source.numel() != output.numel() or source.dtype != output.dtype:
-                raise InvalidArgumentError(
-                    f"reduce_scatter: every input must match the output ({output.numel()} {output.dtype}), got "
-                    f"{source.numel()} {source.dtype}"
-                )
+        _like("reduce_scatter's input list", sources, output, "the output")
 
         def operation(comm) -> None:
             stacked = torch.cat([collectives.flat(t) for t in sources])
@@ -304,7 +295,7 @@ class NodecommProcessGroup:
     def reduce_scatter_single(self, output: torch.Tensor, source: torch.Tensor, opts=None) -> Work:
         op = reduce_op_type(opts.reduceOp if opts is not None else RedOp.SUM)
         _check_dense([output, source])
-        self._scattered_from("reduce_scatter_tensor", output, source)
+        self._world_times("reduce_scatter_tensor", source, "input", output, "output")
         check_reducible(output.dtype, op)
         operation = lambda comm: collectives.reduce_scatter(comm, output, source, op)  # noqa: E731
         return self._run([output, source], operation, [output], _async(opts))
@@ -321,7 +312,7 @@ class NodecommProcessGroup:
                 f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs for {len(inputs)} inputs; expected one each"
             )
         for output, source in zip(outputs, inputs, strict=True):
-            self._scattered_from("reduce_scatter_tensor_coalesced", output, source)
+            self._world_times("reduce_scatter_tensor_coalesced", source, "input", output, "output")
             check_reducible(output.dtype, op)
 
         def operation(comm) -> None:
@@ -492,12 +483,13 @@ class NodecommProcessGroup:
                 f"cannot {what} rank {peer}: expected another rank of this group's 0..{self._size - 1}"
             )
 
-    def _scattered_from(self, what: str, output: torch.Tensor, source: torch.Tensor) -> None:
-        """Raise unless `source` holds world_size times `output`'s elements, of its dtype."""
-        if source.numel() != output.numel() * self._size or source.dtype != output.dtype:
+    def _world_times(self, what: str, whole: torch.Tensor, whole_is: str, part: torch.Tensor, part_is: str) -> None:
+        """Raise unless `whole` holds world_size times `part`'s elements, of its dtype (an all-gather's
+        output and input, a reduce-scatter's input and output)."""
+        if whole.numel() != part.numel() * self._size or whole.dtype != part.dtype:
             raise InvalidArgumentError(
-                f"{what}: the input holds {source.numel()} {source.dtype}; expected world_size ({self._size}) "
-                f"times the output's {output.numel()}, of its dtype {output.dtype}"
+                f"{what}: the {whole_is} holds {whole.numel()} {whole.dtype}; expected world_size ({self._size}) "
+                f"times the {part_is}'s {part.numel()}, of its dtype {part.dtype}"
             )
 
     def _per_rank(self, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:

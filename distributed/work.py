@@ -97,14 +97,20 @@ class Work(dist.Work):
         backend's callers, such as DDP's comm hooks, never see)."""
         if self._future is None:
             devices = [self._stream.device] if self._stream is not None else []
+            done = torch.futures.Future(devices=devices)
             if self._done is None:
-                self._future = torch.futures.Future(devices=devices)
-                self._complete(self._future)
-            else:  # a CPU operation on a worker thread
-                outcome: torch.futures.Future = torch.futures.Future()
-                self._future = outcome.then(_result_or_raise)
-                self._done.add_done_callback(lambda done: outcome.set_result(_error_of(done) or self._result))
+                self._future = done
+                self._complete(done)
+            else:  # on a node group's worker: its outputs once it ends, or its error raised
+                self._future = done.then(self._outputs)
+                self._done.add_done_callback(lambda _: self._complete(done))
         return self._future
+
+    def _outputs(self, done: torch.futures.Future) -> list[torch.Tensor]:
+        error = _error_of(self._done)
+        if error is not None:
+            raise error
+        return done.value()
 
     def _complete(self, future: torch.futures.Future) -> None:
         if self._stream is not None:
@@ -120,11 +126,3 @@ def _error_of(done: concurrent.futures.Future) -> BaseException | None:
         return done.exception()
     except concurrent.futures.CancelledError as cancelled:  # dropped at a shutdown before it ran
         return cancelled
-
-
-def _result_or_raise(outcome: torch.futures.Future) -> list[torch.Tensor]:
-    """A CPU operation's outputs, or, where it failed, its error raised."""
-    value = outcome.value()
-    if isinstance(value, BaseException):
-        raise value
-    return value
