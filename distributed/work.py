@@ -12,6 +12,7 @@ An operation finishes in one of three ways, and the Work records which:
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from datetime import timedelta
 
 import torch
@@ -45,11 +46,23 @@ class Work(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Return once the operation is complete as seen from the current stream (CUDA: the
-        current stream waits on the operation; the host does not), or raise its error."""
+        current stream waits on the operation; the host does not, unless given a timeout: then it
+        waits at most that long for the operation, as NCCL's Work does), or raise its error."""
         self._host_result(timeout)
         if self._event is not None:
+            if timeout:
+                self._event_within(timeout)
             torch.cuda.current_stream(self._event.device).wait_event(self._event)
         return True
+
+    def _event_within(self, timeout: timedelta) -> None:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not self._event.query():
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(
+                    f"the operation did not finish within wait()'s {timeout.total_seconds():.3f} s"
+                )
+            time.sleep(0.0001)
 
     def _host_result(self, timeout: timedelta | None) -> None:
         """Wait for the operation (at most `timeout`), then raise its error, if it had one."""

@@ -7,6 +7,7 @@ import datetime
 import json
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -335,6 +336,23 @@ def check_cuda_semantics(device: torch.device, problems: list[str]) -> None:
     if not same_bits(result, expected) or not work.is_completed():
         problems.append("async CUDA all_reduce read on another stream after wait() differs")
 
+    # wait(timeout) waits on the host, at most that long, as NCCL's Work does: the native Work
+    # (a SUM) and the Python group's (a MAX), each behind ~0.5 s of GPU work.
+    for op in (Op.SUM, Op.MAX):
+        y = x.clone()
+        torch.cuda._sleep(1_000_000_000)
+        work = dist.all_reduce(y, op=op, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(milliseconds=20))
+            problems.append(f"{op} wait(timeout=20 ms) returned before the stream reached the all-reduce")
+        except Exception as error:
+            if "did not finish within wait()'s" not in str(error):
+                problems.append(f"{op} wait(timeout=20 ms) raised {type(error).__name__}: {error}")
+        if not work.wait(timeout=datetime.timedelta(seconds=30)) or not work.is_completed():
+            problems.append(f"{op} wait(timeout=30 s) returned before the all-reduce completed")
+        if op == Op.SUM and not same_bits(y, expected):
+            problems.append("async CUDA all_reduce waited with a timeout differs")
+
     static = x.clone()
     graph = torch.cuda.CUDAGraph()
     capture = torch.cuda.Stream(device)
@@ -414,7 +432,8 @@ def reduce_until_error(rank: int, world_size: int, socket: str, port: int, repor
 
 def outstanding_async_works(rank: int, world_size: int, socket: str, port: int, calls: int) -> dict:
     """`calls` asynchronous CPU all-gathers (the Python group runs them on its worker), each waited
-    and dropped, then `calls` more, waited only at the end, then one all-reduce: how many the
+    and dropped, then `calls` more, waited only at the end, then `calls` more from two threads at
+    once, each waited, then one all-reduce: how many the
     backend kept outstanding at most, and after each part; and whether every result was right."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
@@ -437,6 +456,21 @@ def outstanding_async_works(rank: int, world_size: int, socket: str, port: int, 
     for work, out in pending:
         work.wait()
         right &= torch.equal(out, want)
+
+    # Two threads calling at once keep the list whole (it is kept under the GIL).
+    def gather_in_turn(count: int) -> None:  # the same data on both threads: either pairing is right
+        nonlocal right
+        for _ in range(count):
+            out = torch.empty(4 * world_size)
+            dist.all_gather_into_tensor(out, mine, async_op=True).wait()
+            right &= torch.equal(out, want)
+
+    threads = [threading.Thread(target=gather_in_turn, args=(calls // 2,)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seen["after_two_threads"] = backend.outstanding
     x = torch.ones(8)
     dist.all_reduce(x)  # native: it waits behind the outstanding ones, then drops them
     seen["after_all_reduce"] = backend.outstanding
@@ -688,8 +722,6 @@ if __name__ == "__main__":
 
 def _join_job(rank: int, world_size: int, socket: str, port: int, seconds: float) -> None:
     """This rank's default "nodecomm" group, whose timeout is `seconds`."""
-    import datetime
-
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         NODECOMM_SOCKET=socket,
@@ -804,9 +836,6 @@ def aborted_during_all_reduce(
     rank 0's all-reduce of `dtype_name` (float32: the native lane; int64: the Python group), as a
     watchdog does: what that call raises and after how long, how long abort() took, and what the
     next call raises once the group is aborted."""
-    import datetime
-    import threading
-
     _join_job(rank, world_size, socket, port, seconds)
     store = dist.distributed_c10d._get_default_store()
     dtype = getattr(torch, dtype_name)
@@ -855,6 +884,8 @@ def failed_future(rank: int, world_size: int, socket: str, port: int, seconds: f
             seen.append(f"value {waited.wait()!r:.60}")
         except Exception as error:
             seen.append(f"{type(error).__name__}: {error}")
+    error = work.exception()
+    seen.append(f"is_success {work.is_success()}, exception {type(error).__name__}: {error}")
     return seen
 
 

@@ -139,10 +139,12 @@ def test_an_asynchronous_operation_that_fails_fails_its_future(daemon, spawn_ran
     through torch's C++ future, as DDP's comm hooks see it: they once returned the error as the
     value, a failed all_gather read as a successful one."""
     seen = spawn_ranks(distributed_ranks.failed_future, 2, 2, daemon.socket, free_port(), 3.0, timeout=120)
-    waited, chained = seen.values()[0]
-    print(waited, chained, sep="\n")
+    waited, chained, asked = seen.values()[0]
+    print(waited, chained, asked, sep="\n")
     for outcome in (waited, chained):
         assert outcome.startswith("RuntimeError: ") and "DeadlineExceededError: [group 'torch." in outcome, outcome
+    # The Work itself, through the C++ backend, says so too (its exception() was once None).
+    assert asked.startswith("is_success False, exception ") and "DeadlineExceededError: [group 'torch." in asked, asked
 
 
 def test_a_send_nobody_receives_fails_with_the_groups_timeout(daemon, spawn_ranks):
@@ -228,6 +230,7 @@ def test_asynchronous_works_are_kept_only_while_they_run(daemon, spawn_ranks):
     for seen in results.values():
         assert seen["right"], seen
         assert seen["after_waited"] <= 1 and seen["after_all_reduce"] == 0, seen
+        assert seen["after_two_threads"] <= 2, seen
         assert seen["most"] <= 1024, seen  # past it, a new call waits for the oldest
 
 

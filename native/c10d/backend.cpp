@@ -19,10 +19,13 @@
 #include <atomic>
 #include <chrono>
 #include <deque>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -130,8 +133,20 @@ class StreamWork : public Work {
   // Enqueued without an error: a kernel that gives up sets the group's abort word, which the next
   // call raises (as ProcessGroupNCCL's Work, this answers for errors, not for completion).
   bool isSuccess() const override { return true; }
-  // Both make the caller's current stream wait, as ProcessGroupNCCL's do; the host never waits.
-  bool wait(std::chrono::milliseconds /*timeout: kernels give up by their own*/) override {
+  // Both make the caller's current stream wait, as ProcessGroupNCCL's do. With a timeout the host
+  // also waits, at most that long, and raises if the operation has not finished by then (as
+  // ProcessGroupNCCL's wait(timeout) does); its kernels give up by their own at the group's timeout.
+  bool wait(std::chrono::milliseconds timeout) override {
+    if (timeout != ::kNoTimeout) {
+      const auto deadline = std::chrono::steady_clock::now() + timeout;
+      while (!done_->query()) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          C10_THROW_ERROR(DistBackendError, "nodecomm: the operation did not finish within wait()'s " +
+                                                std::to_string(timeout.count()) + " ms");
+        }
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
     synchronize();
     return true;
   }
@@ -180,6 +195,14 @@ class PythonWork : public Work {
     py::gil_scoped_acquire gil;
     return object_.attr("is_success")().cast<bool>();
   }
+  // The Python Work's error, with its type's name, as an exception torch's callers can rethrow.
+  std::exception_ptr exception() const override {
+    py::gil_scoped_acquire gil;
+    const py::object error = object_.attr("exception")();
+    if (error.is_none()) return nullptr;
+    const std::string kind = py::str(py::type::of(error).attr("__name__"));
+    return std::make_exception_ptr(std::runtime_error(kind + ": " + std::string(py::str(error))));
+  }
   std::vector<at::Tensor> result() override {
     py::gil_scoped_acquire gil;
     return object_.attr("result")().cast<std::vector<at::Tensor>>();
@@ -218,7 +241,7 @@ class Backend : public ::c10d::Backend {
   }
 
   py::object composed() const { return composed_; }
-  std::size_t outstanding() const { return outstanding_.size(); }
+  std::size_t outstanding() const { return outstanding_count_.load(std::memory_order_acquire); }
   std::uint64_t lane_calls() const { return lane_calls_.load(std::memory_order_relaxed); }
 
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
@@ -329,6 +352,7 @@ class Backend : public ::c10d::Backend {
   template <typename... Args>
   WorkPtr collective(const char* name, Args&&... args) {
     auto work = c10::static_intrusive_pointer_cast<PythonWork>(python(name, std::forward<Args>(args)...));
+    const std::unique_lock<std::mutex> hold = hold_outstanding();
     while (!outstanding_.empty() && outstanding_.front()->isCompleted()) outstanding_.pop_front();
     if (!work->isCompleted() && !work->on_stream()) {
       if (outstanding_.size() >= kMaxOutstanding) {
@@ -341,7 +365,32 @@ class Backend : public ::c10d::Backend {
       }
       outstanding_.push_back(work);
     }
+    outstanding_count_.store(outstanding_.size(), std::memory_order_release);
     return work;
+  }
+
+  // Whether no CPU collective of the Python group is still running (forgetting those that ended).
+  bool drained() {
+    if (outstanding_count_.load(std::memory_order_acquire) == 0) return true;
+    const std::unique_lock<std::mutex> hold = hold_outstanding();
+    if (!outstanding_.empty() && !outstanding_.back()->isCompleted()) return false;
+    outstanding_.clear();  // they run in order: the newest done, all are
+    outstanding_count_.store(0, std::memory_order_release);
+    return true;
+  }
+
+  // The list's lock, for a caller that may hold the GIL: taken without it, since its holder calls
+  // Python (a Work's isCompleted()), which needs the GIL; the GIL alone would not do, as Python
+  // code lets other threads run between its bytecodes.
+  std::unique_lock<std::mutex> hold_outstanding() {
+    std::unique_lock<std::mutex> hold(outstanding_lock_, std::defer_lock);
+    if (PyGILState_Check()) {
+      const py::gil_scoped_release unlocked;
+      hold.lock();
+    } else {
+      hold.lock();
+    }
+    return hold;
   }
 
   static constexpr std::size_t kMaxOutstanding = 1024;
@@ -370,12 +419,7 @@ class Backend : public ::c10d::Backend {
       return nullptr;
     if (tensor.is_cpu()) {
       const Binding* bound = cpu_.load(std::memory_order_acquire);
-      if (bound == nullptr) return nullptr;
-      while (!outstanding_.empty()) {
-        if (!outstanding_.back()->isCompleted()) return nullptr;
-        outstanding_.pop_back();
-      }
-      return bound;
+      return bound != nullptr && drained() ? bound : nullptr;
     }
     const Binding* bound = tensor.is_cuda() ? cuda_.load(std::memory_order_acquire) : nullptr;
     return bound != nullptr && bound->device == tensor.device().index() ? bound : nullptr;
@@ -416,7 +460,9 @@ class Backend : public ::c10d::Backend {
 
   py::object composed_;
   std::chrono::milliseconds timeout_;
+  std::mutex outstanding_lock_;
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
+  std::atomic<std::size_t> outstanding_count_{0};  // its size, read without the lock
   std::atomic<std::uint64_t> lane_calls_{0};
   std::shared_ptr<EventPool> events_ = std::make_shared<EventPool>(c10::kCUDA);
   // The lanes' bindings, once joined: null before, and after shutdown() or abort(). Every Binding
