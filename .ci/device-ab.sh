@@ -14,8 +14,9 @@ while [ $# -gt 0 ] && [ "$1" != -- ]; do
   shift
 done
 shift
+# A build device-trees.sh left in /tmp/nc-NAME (an earlier call on this machine) is kept.
 for i in "${!trees[@]}"; do
-  (cd "${trees[$i]}" && NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
+  [ -d "/tmp/nc-${names[$i]}" ] || (cd "${trees[$i]}" && NODECOMM_CUDA_ARCHS=90 python3 -m pip install -q --no-build-isolation --no-deps --no-compile \
     --target "/tmp/nc-${names[$i]}" . 2>&1 | tail -3) &
 done
 wait
