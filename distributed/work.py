@@ -85,7 +85,8 @@ class Work(dist.Work):
         return self._event is None or self._event.query()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self.exception() is None
+        """False once the operation failed (as torch's Works: true while it runs)."""
+        return self.exception() is None
 
     def exception(self) -> BaseException | None:
         if self._done is None or not self._done.done():

@@ -12,8 +12,10 @@ import re
 import grpc
 
 
-class NodecommError(Exception):
-    """Base of every nodecomm error. `group` and `rank` say whose operation failed, when known."""
+class NodecommError(RuntimeError):
+    """Base of every nodecomm error. `group` and `rank` say whose operation failed, when known.
+    A RuntimeError, as torch.distributed's backends' errors are, so that a caller that catches
+    those catches these."""
 
     def __init__(self, message: str, *, group: str | None = None, rank: int | None = None):
         self.group = group

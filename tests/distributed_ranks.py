@@ -889,6 +889,28 @@ def failed_future(rank: int, world_size: int, socket: str, port: int, seconds: f
     return seen
 
 
+def all_reduce_beside_a_send(rank: int, world_size: int, socket: str, port: int, seconds: float) -> tuple:
+    """After one all-reduce (which binds the native lane), rank 0 all-reduces asynchronously and
+    sends before waiting; rank 1 receives, then all-reduces: how long rank 0's asynchronous call
+    took to return, the sum, and what rank 1 received (rank 0: its own buffer, [7, 7])."""
+    _join_job(rank, world_size, socket, port, seconds)
+    x = torch.ones(4)
+    dist.all_reduce(x)
+    received = torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)
+    start = time.monotonic()
+    if rank == 0:
+        work = dist.all_reduce(x, async_op=True)
+        returned_after = time.monotonic() - start
+        dist.send(received, 1)
+        work.wait()
+    else:
+        dist.recv(received, 0)
+        dist.all_reduce(x, async_op=True).wait()
+        returned_after = time.monotonic() - start
+    dist.destroy_process_group()
+    return returned_after, x.tolist(), received.tolist()
+
+
 def unanswered_all_reduce(rank: int, world_size: int, socket: str, port: int, seconds: float) -> str:
     """Both ranks all-reduce once (their group joins); then rank 0 all-reduces alone, natively in
     the C++ backend: what dist.all_reduce raises there, under a group whose timeout is `seconds`."""

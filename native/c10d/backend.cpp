@@ -23,7 +23,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <stdexcept>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -195,13 +194,14 @@ class PythonWork : public Work {
     py::gil_scoped_acquire gil;
     return object_.attr("is_success")().cast<bool>();
   }
-  // The Python Work's error, with its type's name, as an exception torch's callers can rethrow.
+  // The Python Work's error, as the Python exception itself: rethrown to Python, it is that
+  // error again (its class and its group and rank).
   std::exception_ptr exception() const override {
     py::gil_scoped_acquire gil;
     const py::object error = object_.attr("exception")();
     if (error.is_none()) return nullptr;
-    const std::string kind = py::str(py::type::of(error).attr("__name__"));
-    return std::make_exception_ptr(std::runtime_error(kind + ": " + std::string(py::str(error))));
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    return std::make_exception_ptr(py::error_already_set());
   }
   std::vector<at::Tensor> result() override {
     py::gil_scoped_acquire gil;
@@ -247,7 +247,7 @@ class Backend : public ::c10d::Backend {
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const ::c10d::AllreduceOptions& opts) override {
     if (tensors.size() == 1 && opts.reduceOp == ::c10d::ReduceOp::SUM) {
       at::Tensor& tensor = tensors[0];
-      const Binding* bound = binding_for(tensor);
+      const Binding* bound = binding_for(tensor, opts.asyncOp);
       if (bound != nullptr) {
         const std::optional<c10::Stream> stream =
             tensor.is_cuda() ? std::optional(c10::impl::getDeviceGuardImpl(c10::kCUDA)->getStream(tensor.device()))
@@ -413,12 +413,14 @@ class Backend : public ::c10d::Backend {
 
   // The binding whose lane runs this all-reduce natively, or null: the Python group takes it. A CPU call
   // waits for nothing the Python group runs in the background (the ranks' calls keep one order);
-  // a CUDA one is ordered by its stream.
-  const Binding* binding_for(const at::Tensor& tensor) {
+  // an asynchronous one is the Python group's, whose worker runs it in the background as gloo's
+  // does (the host lane's call returns only once every rank has come). A CUDA one is ordered by
+  // its stream.
+  const Binding* binding_for(const at::Tensor& tensor, bool asynchronous) {
     if (dtype_code(tensor) == 0 || tensor.layout() != at::kStrided || !tensor.is_contiguous() || tensor.numel() == 0)
       return nullptr;
     if (tensor.is_cpu()) {
-      const Binding* bound = cpu_.load(std::memory_order_acquire);
+      const Binding* bound = asynchronous ? nullptr : cpu_.load(std::memory_order_acquire);
       return bound != nullptr && drained() ? bound : nullptr;
     }
     const Binding* bound = tensor.is_cuda() ? cuda_.load(std::memory_order_acquire) : nullptr;
