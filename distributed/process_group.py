@@ -427,6 +427,7 @@ class NodecommProcessGroup:
         self._check_open()
         done: concurrent.futures.Future = concurrent.futures.Future()
         work = Work(tensors, done=done)
+        work.source = -1  # no sender yet, as gloo says until the receive completes
         # CUDA: the receive runs after what the caller's stream holds now, as a named one does;
         # the Work completes once the data is on the device.
         issued = None

@@ -39,7 +39,7 @@ class Work(dist.Work):
         self.source: int | None = None  # a receive's sender, once known
 
     def source_rank(self) -> int:
-        """The rank a receive took its data from (for a receive from any source: once complete)."""
+        """The rank a receive took its data from (a receive from any source: -1 until it completes)."""
         if self.source is None:
             raise InvalidArgumentError("source_rank(): this Work is not a completed receive")
         return self.source

@@ -816,6 +816,7 @@ def receives_from_any_of_two_tags(rank: int, world_size: int, socket: str, port:
     }
     dist.barrier()
     pending = [dist.irecv(torch.zeros(2), tag=7) for _ in range(3)]
+    received["pending source"] = pending[0]._source_rank()  # none yet: -1, as gloo says
     started = time.monotonic()
     dist.destroy_process_group()
     left = time.monotonic() - started

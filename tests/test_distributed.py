@@ -221,6 +221,7 @@ def test_receives_from_any_source_of_different_tags_wait_for_none_but_their_own(
     ).values()[0]
     print(seen)
     assert seen["values"] == [[1.0, 1.0], [2.0, 2.0]] and seen["sources"] == [1, 1], seen
+    assert seen["pending source"] == -1, seen  # a receive from any source not yet complete
     assert seen["took"] < 20.0 and seen["left"] < 20.0, seen  # neither waited out the group's timeout
     for error in seen["errors"]:
         assert error.startswith(
