@@ -72,7 +72,9 @@ def describe_machine(device: str) -> str:
     if device == "cuda":
         import torch
 
-        machine += f" gpu={torch.cuda.get_device_name(0)!r} visible_gpus={torch.cuda.device_count()} torch={torch.__version__}"
+        machine += (
+            f" gpu={torch.cuda.get_device_name(0)!r} visible_gpus={torch.cuda.device_count()} torch={torch.__version__}"
+        )
     return machine
 
 
