@@ -92,7 +92,10 @@ class CudaTransport:
                     mine.data_ptr(), out.data_ptr(), mine.numel(), DTYPE_CODES[mine.dtype], path.to_proto(), timeout,
                     self.stream(), 0,
                 )  # fmt: skip
-            torch.cuda.synchronize(self.device)
+            # This stream only: a device-wide wait would also wait for other groups' kernels (two
+            # pair groups join at once on one rank), which wait for their own peers, while this
+            # group's peer waits for this rank's next self-test kernel, with the self-test's timeout.
+            torch.cuda.current_stream(self.device).synchronize()
             wrong = int((out != expected).sum())
             if wrong:
                 return f"a {path.value} all-reduce of 1000 float32 gave {wrong} wrong elements"
