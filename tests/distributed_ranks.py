@@ -481,6 +481,42 @@ def outstanding_async_works(rank: int, world_size: int, socket: str, port: int, 
     return seen
 
 
+def two_threads_then_a_native_call(rank: int, world_size: int, socket: str, port: int, rounds: int) -> list[str]:
+    """Each round two threads issue an asynchronous CPU all-reduce (the Python group's worker runs
+    them) at once, then this thread waits for the first one's Work only and all-reduces another
+    tensor synchronously (the native lane, once nothing is running): the rounds whose sums are
+    wrong (a native call that overtook the second thread's on one rank pairs with it)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NODECOMM_SOCKET=socket)  # fmt: skip
+    dist.init_process_group("nodecomm")
+    x = torch.ones(4)
+    dist.all_reduce(x)  # binds the native lane
+    wrong = []
+
+    def issue(meet: threading.Barrier, works: list, tensors: list[torch.Tensor], index: int) -> None:
+        meet.wait()
+        works[index] = dist.all_reduce(tensors[index], async_op=True)
+
+    for round_ in range(rounds):
+        tensors = [torch.full((64,), 10.0 * (rank + 1)) for _ in range(2)]
+        works: list = [None, None]
+        meet = threading.Barrier(2)
+        threads = [threading.Thread(target=issue, args=(meet, works, tensors, index)) for index in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        works[0].wait()
+        y = torch.full((64,), float(rank + 1))
+        dist.all_reduce(y)
+        works[1].wait()
+        sums = [float(y[0]), float(tensors[0][0]), float(tensors[1][0])]
+        if sums != [3.0, 30.0, 30.0]:
+            wrong.append(f"round {round_}: {sums}")
+    dist.destroy_process_group()
+    return wrong
+
+
 def misuse(rank: int, world_size: int, socket: str, port: int) -> dict[str, str]:
     """Calls the backend must refuse, each with the error class and message it raises."""
     os.environ.update(

@@ -200,7 +200,11 @@ class PythonWork : public Work {
     py::gil_scoped_acquire gil;
     const py::object error = object_.attr("exception")();
     if (error.is_none()) return nullptr;
-    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    // Restored as it is (PyErr_SetObject would chain an error being handled here as its context).
+    PyObject* value = error.ptr();
+    Py_INCREF(Py_TYPE(value));
+    Py_INCREF(value);
+    PyErr_Restore(reinterpret_cast<PyObject*>(Py_TYPE(value)), value, PyException_GetTraceback(value));
     return std::make_exception_ptr(py::error_already_set());
   }
   std::vector<at::Tensor> result() override {
@@ -347,13 +351,17 @@ class Backend : public ::c10d::Backend {
  private:
   // A collective of the Python group. A CPU one it runs in the background stays outstanding until
   // it completes: no native all-reduce may overtake it (the ranks' calls must stay in one order).
-  // The worker runs them in order, so the finished ones leave from the front; past kMaxOutstanding
-  // running, the caller waits for the oldest. Stream-ordered (CUDA) Works are never kept.
+  // It is issued under the list's lock, so that the list keeps the worker's order when threads
+  // call at once: the worker runs them in that order, so the finished ones leave from the front,
+  // and the newest done means all are. Past kMaxOutstanding running, the caller waits for the
+  // oldest. Stream-ordered (CUDA) Works are never kept. Works that leave are dropped after the
+  // lock is (dropping one runs Python, which may call in here).
   template <typename... Args>
   WorkPtr collective(const char* name, Args&&... args) {
+    std::vector<WorkPtr> finished;
+    const std::unique_lock<std::recursive_mutex> hold = hold_outstanding();
     auto work = c10::static_intrusive_pointer_cast<PythonWork>(python(name, std::forward<Args>(args)...));
-    const std::unique_lock<std::mutex> hold = hold_outstanding();
-    while (!outstanding_.empty() && outstanding_.front()->isCompleted()) outstanding_.pop_front();
+    while (!outstanding_.empty() && outstanding_.front()->isCompleted()) leave_front(finished);
     if (!work->isCompleted() && !work->on_stream()) {
       if (outstanding_.size() >= kMaxOutstanding) {
         try {
@@ -361,7 +369,7 @@ class Backend : public ::c10d::Backend {
         } catch (...) {
           // Its error stays with its Work, for whoever waits on it.
         }
-        outstanding_.pop_front();
+        leave_front(finished);
       }
       outstanding_.push_back(work);
     }
@@ -369,22 +377,29 @@ class Backend : public ::c10d::Backend {
     return work;
   }
 
+  void leave_front(std::vector<WorkPtr>& finished) {
+    finished.push_back(std::move(outstanding_.front()));
+    outstanding_.pop_front();
+  }
+
   // Whether no CPU collective of the Python group is still running (forgetting those that ended).
   bool drained() {
     if (outstanding_count_.load(std::memory_order_acquire) == 0) return true;
-    const std::unique_lock<std::mutex> hold = hold_outstanding();
+    std::deque<WorkPtr> finished;
+    const std::unique_lock<std::recursive_mutex> hold = hold_outstanding();
     if (!outstanding_.empty() && !outstanding_.back()->isCompleted()) return false;
-    outstanding_.clear();  // they run in order: the newest done, all are
+    finished.swap(outstanding_);
     outstanding_count_.store(0, std::memory_order_release);
     return true;
   }
 
   // The list's lock, for a caller that may hold the GIL: taken without it, since its holder calls
-  // Python (a Work's isCompleted()), which needs the GIL; the GIL alone would not do, as Python
-  // code lets other threads run between its bytecodes.
-  std::unique_lock<std::mutex> hold_outstanding() {
-    std::unique_lock<std::mutex> hold(outstanding_lock_, std::defer_lock);
-    if (PyGILState_Check()) {
+  // Python (issuing a collective, a Work's isCompleted()), which needs the GIL; the GIL alone
+  // would not do, as Python code lets other threads run between its bytecodes. Recursive: Python
+  // run under it (a signal handler, a finalizer) may call a collective on this thread.
+  std::unique_lock<std::recursive_mutex> hold_outstanding() {
+    std::unique_lock<std::recursive_mutex> hold(outstanding_lock_, std::defer_lock);
+    if (Py_IsInitialized() && PyGILState_Check()) {
       const py::gil_scoped_release unlocked;
       hold.lock();
     } else {
@@ -462,7 +477,7 @@ class Backend : public ::c10d::Backend {
 
   py::object composed_;
   std::chrono::milliseconds timeout_;
-  std::mutex outstanding_lock_;
+  std::recursive_mutex outstanding_lock_;
   std::deque<WorkPtr> outstanding_;  // the Python group's CPU collectives running, oldest first
   std::atomic<std::size_t> outstanding_count_{0};  // its size, read without the lock
   std::atomic<std::uint64_t> lane_calls_{0};
