@@ -48,28 +48,24 @@ class Work(dist.Work):
         """Return once the operation is complete as seen from the current stream (CUDA: the
         current stream waits on the operation; the host does not, unless given a timeout: then it
         waits at most that long for the operation, as NCCL's Work does), or raise its error."""
-        self._host_result(timeout)
+        seconds = timeout.total_seconds() if timeout else None
+        deadline = None if seconds is None else time.monotonic() + seconds
+        self._host_result(deadline, seconds)
         if self._event is not None:
-            if timeout:
-                self._event_within(timeout)
+            while deadline is not None and not self._event.query():
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceededError(f"the operation did not finish within wait()'s {seconds:.3f} s")
+                time.sleep(0.0001)
             torch.cuda.current_stream(self._event.device).wait_event(self._event)
         return True
 
-    def _event_within(self, timeout: timedelta) -> None:
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not self._event.query():
-            if time.monotonic() >= deadline:
-                raise DeadlineExceededError(
-                    f"the operation did not finish within wait()'s {timeout.total_seconds():.3f} s"
-                )
-            time.sleep(0.0001)
-
-    def _host_result(self, timeout: timedelta | None) -> None:
-        """Wait for the operation (at most `timeout`), then raise its error, if it had one."""
+    def _host_result(self, deadline: float | None = None, seconds: float | None = None) -> None:
+        """Wait for the operation (until `deadline`, a time.monotonic(), if one is given), then
+        raise its error, if it had one."""
         if self._done is None:
             return
-        seconds = timeout.total_seconds() if timeout else None
-        finished, _ = concurrent.futures.wait([self._done], timeout=seconds or None)
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        finished, _ = concurrent.futures.wait([self._done], timeout=left)
         if not finished:
             raise DeadlineExceededError(f"the operation did not finish within wait()'s {seconds:.3f} s")
         self._done.result()
@@ -94,12 +90,12 @@ class Work(dist.Work):
         return _error_of(self._done)
 
     def result(self) -> list[torch.Tensor]:
-        self._host_result(None)
+        self._host_result()
         return self._result
 
     def synchronize(self) -> None:
         """Block the host until the operation is complete, on the device too."""
-        self._host_result(None)
+        self._host_result()
         if self._event is not None:
             self._event.synchronize()
 

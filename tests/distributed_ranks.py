@@ -909,15 +909,21 @@ def aborted_during_all_reduce(
 
 def failed_future(rank: int, world_size: int, socket: str, port: int, seconds: float) -> list[str]:
     """Rank 0's asynchronous all_gather that rank 1 never joins, under a group timeout of
-    `seconds`: what its future's wait() and a then() chained on it (a DDP comm hook's way) give."""
+    `seconds`: what its wait(timeout=200 ms) raises, what its future's wait() and a then() chained
+    on it (a DDP comm hook's way) give, and what the Work says of itself after."""
     _join_job(rank, world_size, socket, port, seconds)
     dist.all_reduce(torch.ones(4))
     if rank == 1:
         time.sleep(3 * seconds)  # never comes; the job ends when rank 0 reports
         return []
     work = dist.all_gather([torch.empty(2) for _ in range(world_size)], torch.ones(2), async_op=True)
-    future = work.get_future()
     seen = []
+    try:  # long before the group's timeout
+        work.wait(timeout=datetime.timedelta(milliseconds=200))
+        seen.append("wait(timeout=200 ms) returned")
+    except Exception as error:
+        seen.append(f"{type(error).__name__}: {error}")
+    future = work.get_future()
     for waited in (future, future.then(lambda done: done.value())):
         try:
             seen.append(f"value {waited.wait()!r:.60}")

@@ -139,8 +139,9 @@ def test_an_asynchronous_operation_that_fails_fails_its_future(daemon, spawn_ran
     through torch's C++ future, as DDP's comm hooks see it: they once returned the error as the
     value, a failed all_gather read as a successful one."""
     seen = spawn_ranks(distributed_ranks.failed_future, 2, 2, daemon.socket, free_port(), 3.0, timeout=120)
-    waited, chained, asked = seen.values()[0]
-    print(waited, chained, asked, sep="\n")
+    early, waited, chained, asked = seen.values()[0]
+    print(early, waited, chained, asked, sep="\n")
+    assert early == "DeadlineExceededError: the operation did not finish within wait()'s 0.200 s", early
     for outcome in (waited, chained):
         assert outcome.startswith("RuntimeError: ") and "DeadlineExceededError: [group 'torch." in outcome, outcome
     # The Work itself, through the C++ backend, says so too (its exception() was once None).
