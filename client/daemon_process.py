@@ -61,8 +61,9 @@ def start_daemon(
     """Start nodecommd on `socket` and return once it serves. Its output goes to `log_path`
     (appended; else this process's), its environment is `env` (else this one's); `own_session`
     keeps signals to this process group from reaching it; `daemon_uids` are who the daemon that
-    answers may run as (answers()). Raises DaemonUnavailableError, with the
-    end of the log, when it exits first or does not serve within `timeout` (it is killed then)."""
+    answers may run as (answers()). Raises DaemonUnavailableError, with the end of the log, when
+    it exits first or does not serve within `timeout`; on that or any interruption (Ctrl-C) while
+    it starts, it is killed and reaped first."""
     where = dict(where or {})
     command = daemon_command(socket, *flags)
     if log_path is None:
@@ -73,18 +74,24 @@ def start_daemon(
                 command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=own_session
             )
     deadline = time.monotonic() + timeout
-    while not answers(socket, timeout=0.5, daemon_uids=daemon_uids):
-        if process.poll() is not None:
-            raise DaemonUnavailableError(
-                f"nodecommd exited with {process.returncode} before serving on {socket}: {log_tail(log_path)}", **where
-            )
-        if time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise DaemonUnavailableError(
-                f"nodecommd did not serve on {socket} within {timeout:.0f} s: {log_tail(log_path)}", **where
-            )
-        time.sleep(0.05)
+    try:
+        while not answers(socket, timeout=0.5, daemon_uids=daemon_uids):
+            if process.poll() is not None:
+                raise DaemonUnavailableError(
+                    f"nodecommd exited with {process.returncode} before serving on {socket}: {log_tail(log_path)}",
+                    **where,
+                )
+            if time.monotonic() > deadline:
+                raise DaemonUnavailableError(
+                    f"nodecommd did not serve on {socket} within {timeout:.0f} s: {log_tail(log_path)}", **where
+                )
+            time.sleep(0.05)
+    except BaseException:
+        # Ctrl-C included: a daemon left starting (in a session of its own) would serve on with
+        # nobody to stop it, and fill the directory its caller removes.
+        process.kill()
+        process.wait()
+        raise
     return process
 
 

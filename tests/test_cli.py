@@ -9,7 +9,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -375,25 +377,33 @@ def test_bad_arguments_are_usage_errors_before_anything_starts(argv):
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before  # no private daemon was started
 
 
-def _interrupted(command: list[str], wait_for: str) -> subprocess.CompletedProcess:
-    """`command` in a process group of its own, sent Ctrl-C's SIGINT (to the whole group, as a
-    terminal does) once it printed a line holding `wait_for`."""
+def _interrupted(
+    command: list[str], wait_for: str | Callable[[], object], env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """`command` (in this environment and `env`) in a process group of its own, sent Ctrl-C's
+    SIGINT (to the whole group, as a terminal does) once it printed a line holding `wait_for`, or
+    once `wait_for()` is true."""
     # As a terminal runs it: a test run started in the background of a script (`&`) ignores
     # SIGINT, and a child inherits an ignored signal, which Python then leaves ignored.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )  # fmt: skip
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
-        while (line := process.stdout.readline()) and wait_for not in line:
-            pass
-        if line:  # else it ended before printing `wait_for`: the caller sees how
+        if callable(wait_for):
+            ready = wait_until(lambda: wait_for() or process.poll() is not None, 60, "the moment to interrupt")
+        else:
+            while (ready := process.stdout.readline()) and wait_for not in ready:
+                pass
+        if ready and process.poll() is None:  # else it ended first: the caller sees how
             os.killpg(process.pid, signal.SIGINT)
-        out, err = process.communicate(timeout=120)
+        process.wait(timeout=120)
+        # Its pipes close with it, unless a process it started lives on holding them.
+        out, err = process.communicate(timeout=10)
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
@@ -407,13 +417,36 @@ def _interrupted_calibration(command: list[str], moment: str) -> subprocess.Comp
     return None if "a calibration is already running" in calibrate.stderr else calibrate
 
 
-def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon):
+def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon, tmp_path):
     """Ctrl-C in the middle of a bench (its ranks and its private daemon in the same group) and of
     a calibration: exit 130, one line on stderr, no traceback, no bench directory left."""
     cli = [sys.executable, "-m", "nodecomm.tools.cli"]
     before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
     bench = _interrupted([*cli, "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot,twoshot"], "#wrong")
     assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
+    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
+    # Ctrl-C while its private daemon starts (here held in its first import for a minute): the
+    # daemon ran on in its session of its own, and refilled the directory the bench had removed.
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(
+        "import time\nif b'nodecomm.service' in open('/proc/self/cmdline', 'rb').read():\n    time.sleep(60)\n"
+    )
+    started: list[Path] = []
+
+    def daemon_started() -> bool:
+        new = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) - before
+        started[:] = [d for d in new if _processes_naming(d)]
+        if not started:
+            return False
+        time.sleep(0.5)  # past its start: the bench is waiting for it to serve
+        return True
+
+    bench = _interrupted(
+        [*cli, "bench", "--sizes", "1KiB", "--paths", "oneshot"], daemon_started, {"PYTHONPATH": str(slow)}
+    )
+    assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
+    assert len(started) == 1 and not _processes_naming(started[0])
     assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
     # As the call is set up and while it streams: both hung now and then when Ctrl-C landed inside
     # gRPC, or when the kernel handed SIGINT to one of gRPC's threads.

@@ -346,9 +346,10 @@ class PrivateDaemon:
                 self.socket, "--state-dir", state, "--cache-dir", cache, *flags, own_session=True
             )
             self.lease = JobLeaseHandle.take(lease_socket_path(self.socket), {})
-        except BaseException:
+        except BaseException:  # Ctrl-C included (start_daemon has reaped a daemon it started)
             if getattr(self, "process", None) is not None:
                 self.process.kill()
+                self.process.wait()  # before the removal: a daemon still running refills the directory
             shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
