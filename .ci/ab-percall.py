@@ -1,5 +1,6 @@
 """Per-call host time of all-reduces at world 2, back to back (median of 15 rounds, the rows taking
-turns in each), in one run, then issue 59's bounds as the median of each round's margin.
+turns in each), in one run, then issue 59's bounds, each from its call and its sum timed in
+pairs of runs of 100 calls back to back: the median of the pairs' margins.
 CPU: dist.all_reduce on the "nodecomm" group (synchronous, asynchronous and waited, and torch's
 functional all_reduce waited), comm.all_reduce in place, the native lane's call
 beneath it (what the Communicator wraps), dist.all_reduce on a gloo group of the same ranks, and
@@ -38,22 +39,40 @@ import nodecomm.distributed  # noqa: E402
 CUDA_RUN = 100
 
 
+def run_us(call, count: int, cuda: bool) -> float:
+    """The host time of `count` calls back to back, in us per call; the GPU drained after, not timed."""
+    start = time.perf_counter()
+    for _ in range(count):
+        call()
+    took = time.perf_counter() - start
+    if cuda:
+        torch.cuda.synchronize()
+    return took / count * 1e6
+
+
 def per_call_us(call, calls: int, cuda: bool) -> float:
     dist.barrier()
-    took, done = 0.0, 0
-    while done < calls:
-        count = min(calls - done, CUDA_RUN) if cuda else calls
-        start = time.perf_counter()
-        for _ in range(count):
-            call()
-        took += time.perf_counter() - start
-        done += count
-        if cuda:
-            torch.cuda.synchronize()
-    return took / calls * 1e6
+    if not cuda:
+        return run_us(call, calls, cuda)
+    runs = [min(CUDA_RUN, calls - done) for done in range(0, calls, CUDA_RUN)]
+    return sum(run_us(call, count, cuda) * count for count in runs) / calls
+
+
+def margins_us(call, total, calls: int, cuda: bool) -> list[float]:
+    """call - (total + 1 us), per pair of runs of PAIR_RUN calls each, the two runs back to back and
+    taking turns at going first: a slow stretch of the host lasts longer than a pair, so it moves
+    both runs of one pair alike and shows as an outlier among the pairs, not as a shifted median."""
+    dist.barrier()
+    margins = []
+    for pair in range(max(1, calls // PAIR_RUN)):
+        first, second = (call, total) if pair % 2 == 0 else (total, call)
+        a, b = run_us(first, PAIR_RUN, cuda), run_us(second, PAIR_RUN, cuda)
+        margins.append((a - b if pair % 2 == 0 else b - a) - 1.0)
+    return margins
 
 
 ROUNDS = 15
+PAIR_RUN = 100  # calls per run of a bound's pair
 
 # Issue 59's bounds: each call, at most its sum + 1 us (the fake backend's call and comm.all_reduce
 # timed in one row; the slot's call against comm.all_reduce into a new tensor, as the slot returns).
@@ -65,15 +84,12 @@ BOUNDS = {
 }
 
 
-def print_bounds(runs: dict[str, list[float]], nbytes: int) -> None:
-    """Each bound's margin, call - (sum + 1 us), as the median of its rounds' differences: the two
-    rows of one round ran within milliseconds of each other, so a slow stretch of the host moves
-    both, where the difference of two medians would carry it."""
-    for call, total in BOUNDS.items():
-        if call in runs and total in runs:
-            margins = [a - b - 1.0 for a, b in zip(runs[call], runs[total], strict=True)]
-            under = sum(m <= 0 for m in margins)
-            print(f"bound {call:26s} {nbytes:8d} {statistics.median(margins):+9.2f}  under in {under}/{len(margins)}")
+def print_bounds(margins: dict[str, list[float]], runs: dict[str, list[float]], nbytes: int) -> None:
+    """Each bound's margin, call - (sum + 1 us), as the median of its pairs' (margins_us), with how
+    many pairs were under."""
+    for call, pairs in margins.items():
+        under = sum(m <= 0 for m in pairs)
+        print(f"bound {call:26s} {nbytes:8d} {statistics.median(pairs):+9.2f}  under in {under}/{len(pairs)}")
     kernel = "x.mul_(1) (one torch kernel)"
     if kernel in runs:
         ratios = [a / b for a, b in zip(runs["comm.all_reduce out=x"], runs[kernel], strict=True)]
@@ -171,16 +187,19 @@ def main() -> None:
             call()
         # The rows take turns within each round, in reverse order every other round: a host that
         # slows down for a while slows every row alike, and no row always runs first.
+        calls = 10000 // (4 if nbytes > 16384 else 1) // scale // 3
         for turn in range(ROUNDS):
             for name, call in rows.items() if turn % 2 == 0 else reversed(rows.items()):
-                calls = (2000 if "gloo" in name else 10000) // (4 if nbytes > 16384 else 1) // scale // 3
-                runs[name].append(per_call_us(call, calls, cuda))
-        if cuda:
-            torch.cuda.synchronize()
+                runs[name].append(per_call_us(call, calls // 5 if "gloo" in name else calls, cuda))
+        # Each bound's call and its sum again, in alternating runs: the margins printed.
+        margins = {call: [] for call, total in BOUNDS.items() if call in rows and total in rows}
+        for _ in range(ROUNDS):
+            for call in margins:
+                margins[call] += margins_us(rows[call], rows[BOUNDS[call]], calls, cuda)
         if rank == 0:
             for name, times in runs.items():
                 print(f"{name:28s} {nbytes:8d} {statistics.median(times):9.2f}")
-            print_bounds(runs, nbytes)
+            print_bounds(margins, runs, nbytes)
     dist.destroy_process_group()
 
 
