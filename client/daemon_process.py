@@ -7,11 +7,14 @@ DaemonUnavailableError with the end of its log.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -66,15 +69,19 @@ def start_daemon(
     it starts, it is killed and reaped first."""
     where = dict(where or {})
     command = daemon_command(socket, *flags)
-    if log_path is None:
-        process = subprocess.Popen(command, env=env, start_new_session=own_session)
-    else:
-        with open(log_path, "ab") as output:
-            process = subprocess.Popen(
-                command, stdout=output, stderr=subprocess.STDOUT, env=env, start_new_session=own_session
-            )
     deadline = time.monotonic() + timeout
+    process: subprocess.Popen | None = None
     try:
+        with contextlib.ExitStack() as stack:
+            output = None if log_path is None else stack.enter_context(open(log_path, "ab"))
+            with interrupts_held():  # a daemon forked but not yet ours to kill would be lost
+                process = subprocess.Popen(
+                    command,
+                    stdout=output,
+                    stderr=None if output is None else subprocess.STDOUT,
+                    env=env,
+                    start_new_session=own_session,
+                )
         while not answers(socket, timeout=0.5, daemon_uids=daemon_uids):
             if process.poll() is not None:
                 raise DaemonUnavailableError(
@@ -89,10 +96,32 @@ def start_daemon(
     except BaseException:
         # Ctrl-C included: a daemon left starting (in a session of its own) would serve on with
         # nobody to stop it, and fill the directory its caller removes.
-        process.kill()
-        process.wait()
+        if process is not None:
+            process.kill()
+            process.wait()
         raise
     return process
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """Ctrl-C held back for the block and raised as KeyboardInterrupt at its end: for steps that
+    must not be cut in two (a process started, and its handle kept). Only where Python raises
+    KeyboardInterrupt for SIGINT (its default handler), and only on the main thread, which alone
+    runs signal handlers; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def log_tail(path: str | None, limit: int = 1500) -> str:

@@ -1,17 +1,19 @@
 """The nodecomm command against a running daemon, and timings reaching its metrics."""
 
+import contextlib
 import itertools
 import json
 import multiprocessing as mp
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -421,33 +423,31 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon, tmp_
     """Ctrl-C in the middle of a bench (its ranks and its private daemon in the same group) and of
     a calibration: exit 130, one line on stderr, no traceback, no bench directory left."""
     cli = [sys.executable, "-m", "nodecomm.tools.cli"]
-    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
-    bench = _interrupted([*cli, "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot,twoshot"], "#wrong")
-    assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
-    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
-    # Ctrl-C while its private daemon starts (here held in its first import for a minute): the
-    # daemon ran on in its session of its own, and refilled the directory the bench had removed.
+    # While its daemon starts, held in its first import for a minute: the daemon, in a session of
+    # its own, ran on, refilled the directory the bench had removed and held the bench's pipes.
     slow = tmp_path / "slow"
     slow.mkdir()
     (slow / "sitecustomize.py").write_text(
         "import time\nif b'nodecomm.service' in open('/proc/self/cmdline', 'rb').read():\n    time.sleep(60)\n"
     )
-    started: list[Path] = []
+    with _bench_temporary() as temporary:
 
-    def daemon_started() -> bool:
-        new = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) - before
-        started[:] = [d for d in new if _processes_naming(d)]
-        if not started:
-            return False
-        time.sleep(0.5)  # past its start: the bench is waiting for it to serve
-        return True
+        def daemon_started() -> bool:
+            if not _processes_naming(temporary):
+                return False
+            time.sleep(0.5)  # past its start: the bench is waiting for it to serve
+            return True
 
-    bench = _interrupted(
-        [*cli, "bench", "--sizes", "1KiB", "--paths", "oneshot"], daemon_started, {"PYTHONPATH": str(slow)}
-    )
-    assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), bench.stderr
-    assert len(started) == 1 and not _processes_naming(started[0])
-    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before
+        for sizes, moment, env in (
+            ("1KiB,64MiB", "#wrong", {}),  # at once: making its directory, starting its daemon
+            ("1KiB", daemon_started, {"PYTHONPATH": str(slow)}),
+            ("1KiB,64MiB", "1KiB", {}),  # the first row: its ranks run (its daemon logged to stderr)
+        ):
+            bench = _interrupted(
+                [*cli, "bench", "--sizes", sizes, "--paths", "oneshot,twoshot"], moment, {"TMPDIR": temporary, **env}
+            )
+            assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), (moment, bench.stderr)
+            assert not _processes_naming(temporary) and not os.listdir(temporary), moment
     # As the call is set up and while it streams: both hung now and then when Ctrl-C landed inside
     # gRPC, or when the kernel handed SIGINT to one of gRPC's threads.
     calibrate_command = [*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"]
@@ -458,29 +458,69 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon, tmp_
     assert daemon.healthy()
 
 
+def test_ctrl_c_inside_a_step_that_must_not_be_cut_comes_after_it():
+    """interrupts_held (a daemon's Popen, the bench's directory made): SIGINT inside the block is
+    KeyboardInterrupt at its end, on the main thread; on another thread the block runs as it is."""
+    script = """
+import os, signal, threading
+from nodecomm.client.daemon_process import interrupts_held
+done = []
+try:
+    with interrupts_held():
+        os.kill(os.getpid(), signal.SIGINT)
+        done.append("block")
+except KeyboardInterrupt:
+    done.append("KeyboardInterrupt")
+def off_main():
+    with interrupts_held():
+        done.append("thread")
+thread = threading.Thread(target=off_main)
+thread.start()
+thread.join()
+print(done)
+"""
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert ran.stdout.strip() == "['block', 'KeyboardInterrupt', 'thread']", ran.stdout + ran.stderr
+
+
 def test_a_killed_bench_leaves_no_daemon_and_no_directory():
     """SIGKILL to a running bench (and to its ranks): its private daemon, whose lease the bench
     held, leaves within seconds and takes its directory with it."""
-    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
     command = [sys.executable, "-m", "nodecomm.tools.cli", "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot"]
-    bench = subprocess.Popen(
-        command, stdout=subprocess.PIPE, text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    with _bench_temporary() as temporary:
+        bench = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": temporary},
+        )
+        try:
+            while "1KiB" not in bench.stdout.readline():  # the first row: the daemon and the ranks run
+                assert bench.poll() is None
+            (directory,) = Path(temporary).iterdir()
+        finally:
+            os.killpg(bench.pid, signal.SIGKILL)
+            bench.wait()
+        wait_until(
+            lambda: not directory.exists() and not _processes_naming(directory),
+            30,
+            lambda: f"the bench's daemon and directory gone ({directory.exists()=}, {_processes_naming(directory)=})",
+        )
+
+
+@contextlib.contextmanager
+def _bench_temporary() -> Iterator[str]:
+    """A temporary directory of the test's own for the benches it starts (their TMPDIR), short
+    enough for a socket path: other benches on the machine do not show in it."""
+    temporary = tempfile.mkdtemp(dir="/tmp", prefix="nc-test-")
     try:
-        while "1KiB" not in bench.stdout.readline():  # the first row: the daemon and the ranks run
-            assert bench.poll() is None
-        (directory,) = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) - before
+        yield temporary
     finally:
-        os.killpg(bench.pid, signal.SIGKILL)
-        bench.wait()
-    wait_until(
-        lambda: not directory.exists() and not _processes_naming(directory),
-        30,
-        lambda: f"the bench's daemon and directory gone ({directory.exists()=}, {_processes_naming(directory)=})",
-    )
+        shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _processes_naming(directory: Path) -> list[str]:
+def _processes_naming(directory: Path | str) -> list[str]:
     """The command lines of the processes whose arguments name `directory` (its daemon's)."""
     found = []
     for path in Path("/proc").glob("[0-9]*/cmdline"):

@@ -20,15 +20,16 @@ import platform
 import secrets
 import shutil
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from nodecomm.socket_path import lease_socket_path
+from nodecomm.socket_path import PRIVATE_LOG_NAME, lease_socket_path
 
 from ..client.daemon_choice import JobLeaseHandle
-from ..client.daemon_process import start_daemon
+from ..client.daemon_process import interrupts_held, start_daemon
 from .ranks import RankProcesses, free_port
 
 if TYPE_CHECKING:
@@ -328,29 +329,42 @@ class PrivateDaemon:
     process ends, SIGKILL included, the daemon leaves within its grace and takes its directory."""
 
     def __init__(self, *flags: str, stored: Calibration | None = None) -> None:
-        # Its sockets' paths must fit a Unix socket's (108 bytes): a long TMPDIR gives way to /tmp.
-        base = tempfile.gettempdir()
-        self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-", dir=base if len(base) < 60 else "/tmp")
-        self.socket = os.path.join(self.directory, "nodecomm.sock")
-        # A state directory and a cache of its own, empty but for `stored`: the machine's stored
-        # calibration, or the user's cache, would make "auto" the calibrated table on one machine
-        # and the built-in one on another.
-        state, cache = os.path.join(self.directory, "state"), os.path.join(self.directory, "cache")
-        flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
+        self.directory: str | None = None
+        self.process: subprocess.Popen | None = None
         try:
+            # Held: a directory made but not yet named here would be left, as would the file with
+            # which Python's first gettempdir() tries the directory. Its sockets' paths must fit a
+            # Unix socket's (108 bytes): a long TMPDIR gives way to /tmp.
+            with interrupts_held():
+                base = tempfile.gettempdir()
+                self.directory = tempfile.mkdtemp(prefix="nodecomm-bench-", dir=base if len(base) < 60 else "/tmp")
+            self.socket = os.path.join(self.directory, "nodecomm.sock")
+            # A state directory and a cache of its own, empty but for `stored`: the machine's stored
+            # calibration, or the user's cache, would make "auto" the calibrated table on one machine
+            # and the built-in one on another. Its log goes there too: the bench's stderr is the user's.
+            state, cache = os.path.join(self.directory, "state"), os.path.join(self.directory, "cache")
+            flags = ("--private", "true", "--metrics-address", "off", "--log-level", "WARNING", *flags)
             if stored is not None:
                 from nodecomm.service.calibration.stored import CalibrationStore
 
                 CalibrationStore(state).save(stored)
             self.process = start_daemon(
-                self.socket, "--state-dir", state, "--cache-dir", cache, *flags, own_session=True
+                self.socket,
+                "--state-dir",
+                state,
+                "--cache-dir",
+                cache,
+                *flags,
+                own_session=True,
+                log_path=os.path.join(self.directory, PRIVATE_LOG_NAME),
             )
             self.lease = JobLeaseHandle.take(lease_socket_path(self.socket), {})
         except BaseException:  # Ctrl-C included (start_daemon has reaped a daemon it started)
-            if getattr(self, "process", None) is not None:
+            if self.process is not None:
                 self.process.kill()
                 self.process.wait()  # before the removal: a daemon still running refills the directory
-            shutil.rmtree(self.directory, ignore_errors=True)
+            if self.directory is not None:
+                shutil.rmtree(self.directory, ignore_errors=True)
             raise
 
     def __enter__(self) -> PrivateDaemon:
@@ -360,10 +374,13 @@ class PrivateDaemon:
         self.stop()
 
     def stop(self) -> None:
-        self.process.terminate()
         try:
+            self.process.terminate()
             self.process.wait(timeout=30)
-        finally:
+        finally:  # also when it would not stop, or a second Ctrl-C came: killed, then removed
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
             self.lease.release()
             shutil.rmtree(self.directory, ignore_errors=True)
 
