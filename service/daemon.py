@@ -192,7 +192,11 @@ async def serve(config: DaemonConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    lease = JobLease(config.socket, config.private_grace_seconds, stop.set) if config.private else None
+    lease = (
+        JobLease(config.socket, config.private_grace_seconds, stop.set, (config.state_dir, config.cache_dir))
+        if config.private
+        else None
+    )
     if lease is not None:
         await lease.start()
 

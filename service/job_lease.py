@@ -5,9 +5,10 @@ long as it does; the kernel closes it when the process ends, SIGKILL included. O
 open for the grace period the daemon stops. It decides under the lock file of the job's
 directory, which a rank holds while it looks for the daemon, starts one and takes its lease
 (client/daemon_choice.py): so no rank attaches to a daemon that is leaving, and no two ranks
-start two. On the way out the daemon removes the lock file and the directory, still holding the
-lock; a rank that was waiting on it sees the file gone and starts over. It removes only names in
-the very directory it started in (held open, compared by inode), never through a link.
+start two. On the way out the daemon removes the lock file, its state and cache directories
+where they are in the job's directory, and the directory, still holding the lock; a rank that
+was waiting on it sees the file gone and starts over. It removes only names in the very
+directory it started in (held open, compared by inode), never through a link.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import contextlib
 import fcntl
 import logging
 import os
-from collections.abc import Callable
+import shutil
+from collections.abc import Callable, Iterable
 
 from nodecomm.service.groups.adoption import KEY_FILE
 from nodecomm.socket_path import PRIVATE_LOCK_NAME, PRIVATE_LOG_NAME, lease_socket_path
@@ -26,9 +28,15 @@ log = logging.getLogger("nodecomm.server")
 
 
 class JobLease:
-    def __init__(self, socket_path: str, grace_seconds: float, on_idle: Callable[[], None]):
+    def __init__(self, socket_path: str, grace_seconds: float, on_idle: Callable[[], None], kept: Iterable[str] = ()):
         self.path = lease_socket_path(socket_path)
         self.directory = os.path.dirname(socket_path) or "."
+        # Of the directories the daemon keeps things in (its state and cache), those its job put in
+        # the job's directory (the bench does): they go with it.
+        here = os.path.abspath(self.directory)
+        self._kept_here = sorted(
+            {os.path.basename(d) for d in kept if d and os.path.dirname(os.path.abspath(d)) == here}
+        )
         self.lock_path = os.path.join(self.directory, PRIVATE_LOCK_NAME)
         self._grace = grace_seconds
         self._on_idle = on_idle
@@ -107,6 +115,9 @@ class JobLease:
             for name in (PRIVATE_LOG_NAME, PRIVATE_LOCK_NAME, KEY_FILE):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self._directory)
+            for name in self._kept_here:  # through the held directory; rmtree refuses a link
+                with contextlib.suppress(OSError):
+                    shutil.rmtree(f"/proc/self/fd/{self._directory}/{name}")
             with contextlib.suppress(OSError):
                 os.rmdir(self.directory)  # only if nothing else was put there
         os.close(self._lock)

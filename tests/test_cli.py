@@ -485,7 +485,8 @@ print(done)
 
 def test_a_killed_bench_leaves_no_daemon_and_no_directory():
     """SIGKILL to a running bench (and to its ranks): its private daemon, whose lease the bench
-    held, leaves within seconds and takes its directory with it."""
+    held, leaves within seconds and takes its directory with it, and the state and cache the
+    bench keeps there (a table learned from live timings goes to the cache)."""
     command = [sys.executable, "-m", "nodecomm.tools.cli", "bench", "--sizes", "1KiB,64MiB", "--paths", "oneshot"]
     with _bench_temporary() as temporary:
         bench = subprocess.Popen(
@@ -499,6 +500,8 @@ def test_a_killed_bench_leaves_no_daemon_and_no_directory():
             while "1KiB" not in bench.stdout.readline():  # the first row: the daemon and the ranks run
                 assert bench.poll() is None
             (directory,) = Path(temporary).iterdir()
+            (directory / "cache").mkdir(exist_ok=True)
+            (directory / "cache" / "calibration-learned.json").write_text("{}")
         finally:
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
