@@ -433,7 +433,7 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon, tmp_
     with _bench_temporary() as temporary:
 
         def daemon_started() -> bool:
-            if not _processes_naming(temporary):
+            if not processes_naming(temporary):
                 return False
             time.sleep(0.5)  # past its start: the bench is waiting for it to serve
             return True
@@ -447,7 +447,7 @@ def test_ctrl_c_ends_bench_and_calibrate_with_one_line_and_exit_130(daemon, tmp_
                 [*cli, "bench", "--sizes", sizes, "--paths", "oneshot,twoshot"], moment, {"TMPDIR": temporary, **env}
             )
             assert (bench.returncode, bench.stderr) == (130, "nodecomm bench: interrupted\n"), (moment, bench.stderr)
-            assert not _processes_naming(temporary) and not os.listdir(temporary), moment
+            assert not processes_naming(temporary) and not os.listdir(temporary), moment
     # As the call is set up and while it streams: both hung now and then when Ctrl-C landed inside
     # gRPC, or when the kernel handed SIGINT to one of gRPC's threads.
     calibrate_command = [*cli, "--socket", daemon.socket, "calibrate", "--max-bytes", "64MiB"]
@@ -506,9 +506,9 @@ def test_a_killed_bench_leaves_no_daemon_and_no_directory():
             os.killpg(bench.pid, signal.SIGKILL)
             bench.wait()
         wait_until(
-            lambda: not directory.exists() and not _processes_naming(directory),
+            lambda: not directory.exists() and not processes_naming(directory),
             30,
-            lambda: f"the bench's daemon and directory gone ({directory.exists()=}, {_processes_naming(directory)=})",
+            lambda: f"the bench's daemon and directory gone ({directory.exists()=}, {processes_naming(directory)=})",
         )
 
 
@@ -523,7 +523,7 @@ def _bench_temporary() -> Iterator[str]:
         shutil.rmtree(temporary, ignore_errors=True)
 
 
-def _processes_naming(directory: Path | str) -> list[str]:
+def processes_naming(directory: Path | str) -> list[str]:
     """The command lines of the processes whose arguments name `directory` (its daemon's)."""
     found = []
     for path in Path("/proc").glob("[0-9]*/cmdline"):
