@@ -24,12 +24,14 @@ from nodecomm.tools.convergence_bench import converged_at
 from waiting import wait_until
 
 
-def nodecomm_cli(*args: str) -> subprocess.CompletedProcess:
+def nodecomm_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The CLI with `args`, in this environment and `env`."""
     return subprocess.run(
         [sys.executable, "-c", "import sys; from nodecomm.tools.cli import main; sys.exit(main())", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=None if env is None else {**os.environ, **env},
     )
 
 
@@ -372,11 +374,11 @@ BAD_ARGUMENTS = {
 
 @pytest.mark.parametrize("argv", list(BAD_ARGUMENTS), ids=" ".join)
 def test_bad_arguments_are_usage_errors_before_anything_starts(argv):
-    before = set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*"))
-    refused = nodecomm_cli(*argv)
-    assert refused.returncode == 2 and BAD_ARGUMENTS[argv] in refused.stderr, refused.stderr
-    assert "Traceback" not in refused.stderr
-    assert set(Path(tempfile.gettempdir()).glob("nodecomm-bench-*")) == before  # no private daemon was started
+    with _bench_temporary() as temporary:
+        refused = nodecomm_cli(*argv, env={"TMPDIR": temporary})
+        assert refused.returncode == 2 and BAD_ARGUMENTS[argv] in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert not os.listdir(temporary)  # no private daemon was started
 
 
 def _interrupted(
