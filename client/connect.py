@@ -14,7 +14,14 @@ from nodecomm import _native
 from nodecomm.captured_abort import policy_in_force
 from nodecomm.credentials import rank_metadata
 from nodecomm.daemon_channel import open_channel
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NodecommError, PeerLostError, from_rpc_error
+from nodecomm.errors import (
+    DaemonUnavailableError,
+    InvalidArgumentError,
+    NoDaemonError,
+    NodecommError,
+    PeerLostError,
+    from_rpc_error,
+)
 from nodecomm.socket_path import descriptor_socket_path
 from nodecomm.thresholds import DispatchTable, Path
 from nodecomm.v1 import control_pb2 as pb
@@ -201,8 +208,8 @@ def _join(
     try:
         channel, target = open_channel(chosen.socket, chosen.daemon_uids, timeout, [("grpc.enable_retries", 0)])
     except DaemonUnavailableError as error:
-        if chosen.kind is daemon_choice.DaemonMode.NODE and "nothing serves at" in error.detail:
-            raise DaemonUnavailableError(
+        if chosen.kind is daemon_choice.DaemonMode.NODE and isinstance(error, NoDaemonError):
+            raise NoDaemonError(
                 f"{error.detail}: start nodecommd there, set {daemon_choice.ENVIRONMENT_SOCKET} to the socket of "
                 f"one that runs, or pass daemon='auto' ({daemon_choice.ENVIRONMENT_VARIABLE}=auto) for a daemon "
                 "private to the job where no node daemon answers",

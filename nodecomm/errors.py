@@ -62,6 +62,10 @@ class DaemonUnavailableError(NodecommError, ConnectionError):
     """The daemon cannot be reached, restarted under this rank, or is shutting down."""
 
 
+class NoDaemonError(DaemonUnavailableError):
+    """Nothing serves at the daemon's socket: its file is absent or refuses connections."""
+
+
 class ResourceExhaustedError(NodecommError):
     """An allocation or a quota failed; nothing was kept."""
 

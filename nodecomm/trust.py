@@ -30,7 +30,7 @@ import struct
 from dataclasses import dataclass
 
 from nodecomm import tcp_owners
-from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, PermissionDeniedError
+from nodecomm.errors import DaemonUnavailableError, InvalidArgumentError, NoDaemonError, PermissionDeniedError
 from nodecomm.socket_path import TCP_SCHEMES
 
 DAEMON_USER_VARIABLE = "NODECOMM_DAEMON_USER"
@@ -213,7 +213,7 @@ def _connect_to(real: str, daemon_uids: frozenset[int], timeout: float) -> socke
 
 def checked_target(target: str, daemon_uids: frozenset[int], timeout: float = 5.0) -> str:
     """A gRPC target for the daemon at `target` (a socket path or unix:PATH), its socket checked
-    and its process asked who it is first. DaemonUnavailableError where nothing serves there.
+    and its process asked who it is first. NoDaemonError where nothing serves there.
     (TCP targets: nodecomm.daemon_channel.)"""
     if target.startswith("unix-abstract:"):
         raise InvalidArgumentError(
@@ -224,7 +224,7 @@ def checked_target(target: str, daemon_uids: frozenset[int], timeout: float = 5.
         real = check_socket(path, daemon_uids)
         _connect_to(real, daemon_uids, timeout).close()
     except (FileNotFoundError, ConnectionRefusedError) as error:
-        raise DaemonUnavailableError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
+        raise NoDaemonError(f"daemon unavailable: nothing serves at {path} ({error.strerror})") from None
     return f"unix:{real}"
 
 

@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import socket as unix_sockets
 import tempfile
 import time
 from pathlib import Path
@@ -147,6 +148,16 @@ def test_connect_takes_a_private_daemon_when_asked_and_refuses_an_unknown_mode(r
         "nodecommd there, set NODECOMM_SOCKET to the socket of one that runs, or pass daemon='auto' "
         "(NODECOMM_DAEMON=auto) for a daemon private to the job where no node daemon answers"
     )
+    assert isinstance(raised.value, nodecomm.errors.NoDaemonError)
+    # A socket nothing listens on (its daemon gone without removing it): the same advice.
+    refusing = os.path.join(runtime_directory, "gone-daemon.sock")
+    with unix_sockets.socket(unix_sockets.AF_UNIX) as gone:
+        gone.bind(refusing)
+        with pytest.raises(nodecomm.DaemonUnavailableError) as raised:
+            nodecomm.connect("g", 0, 1, socket=refusing, daemon="node", timeout=5)
+    assert str(raised.value).startswith(
+        f"[group 'g', rank 0] daemon unavailable: nothing serves at {refusing} (Connection refused): start nodecommd "
+    ), raised.value
 
 
 def test_a_private_daemon_whose_directory_was_removed_still_leaves_with_its_job(no_node_daemon, spawn_ranks):
