@@ -80,15 +80,11 @@ struct PeerElsewhere {
   }
 };
 
-// Threads of the push kernel's blocks: a thread per line, so the grid's lines spread over
-// ceil(lines / kPushThreads) SMs, each warp polling its own.
-constexpr int kPushThreads = kThreads;
-
 // Part r of a push slot holds rank r's lines. Thread t of the grid sends line t to every peer and
 // sums line t of every rank (the launcher gives every line a thread), so block b only waits for
 // what block b of each peer sends, and this rank's own line is loaded once, before any wait.
 template <typename T, int N>
-__global__ void __launch_bounds__(kPushThreads)
+__global__ void __launch_bounds__(kThreads)
     push_kernel(__grid_constant__ const Signal<N> signal, const T* input, T* output, std::size_t count,
                 TaggedCall call) {
   constexpr int kPerLine = 8 / sizeof(T);
@@ -214,7 +210,7 @@ void oneshot_all_reduce_rms_norm(const GroupView& group, const norm::Rows& rows,
 // constants in the kernels").
 bool oneshot_pushes(const GroupView& group, std::size_t nbytes) {
   const std::size_t lines = (nbytes + 7) / 8;
-  return lines * sizeof(PushLine) <= push_part_bytes(group) && lines <= std::size_t(group.max_blocks) * kPushThreads;
+  return lines * sizeof(PushLine) <= push_part_bytes(group) && lines <= std::size_t(group.max_blocks) * kThreads;
 }
 
 void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintptr_t output, std::size_t count,
@@ -237,8 +233,8 @@ void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
     } else if (pushed) {
       // A thread per line: oneshot_pushes holds the lines to what max_blocks grids carry.
       const std::size_t lines = (count * sizeof(T) + 7) / 8;
-      const int blocks = int(std::max<std::size_t>((lines + kPushThreads - 1) / kPushThreads, 1));
-      push_kernel<T, N><<<blocks, kPushThreads, 0, stream>>>(signal, in, out, count, call);
+      const int blocks = int(std::max<std::size_t>((lines + kThreads - 1) / kThreads, 1));
+      push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, in, out, count, call);
     } else {
       const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
       const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));
@@ -254,7 +250,7 @@ int oneshot_blocks_per_sm() {
   for_every_instance<DeviceElements>([&](auto world, auto element) {
     constexpr int N = decltype(world)::value;
     using T = typename decltype(element)::type;
-    per_sm = std::min({per_sm, blocks_per_sm(push_kernel<T, N>, kPushThreads), blocks_per_sm(pull_kernel<T, N, true>, kThreads),
+    per_sm = std::min({per_sm, blocks_per_sm(push_kernel<T, N>, kThreads), blocks_per_sm(pull_kernel<T, N, true>, kThreads),
                        blocks_per_sm(pull_kernel<T, N, false>, kThreads), blocks_per_sm(wire_pull_kernel<T, N>, kThreads),
                        blocks_per_sm(norm_pull_kernel<T, N>, kThreads)});
   });
