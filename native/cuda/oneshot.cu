@@ -35,26 +35,25 @@ __device__ __forceinline__ std::uint32_t push_flag(std::uint64_t launch, TaggedC
   return (call.digest + std::uint32_t(launch) * 0x9E3779B9u) | 1;
 }
 
-// Line `line` of the input: elements [line * per_line, ...) as they are, bit for bit, zero past count.
+// Line `line` of the input, its two 4-byte words: elements [line * per_line, ...) as they are, bit
+// for bit, zero past count.
 template <typename T>
-__device__ __forceinline__ PushLine line_of(const T* input, std::size_t line, std::size_t count, std::uint32_t flag,
-                                            bool whole_words) {
+__device__ __forceinline__ uint2 words_of(const T* input, std::size_t line, std::size_t count, bool whole_words) {
   constexpr int kPerLine = 8 / sizeof(T);
+  if (whole_words && (line + 1) * kPerLine <= count) return reinterpret_cast<const uint2*>(input)[line];
   std::uint32_t words[2] = {0, 0};
-  if (whole_words && (line + 1) * kPerLine <= count) {
-    const uint2 both = reinterpret_cast<const uint2*>(input)[line];
-    words[0] = both.x, words[1] = both.y;
-  } else {
-    using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
-    const Bits* bits = reinterpret_cast<const Bits*>(input);
+  using Bits = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint16_t>;
+  const Bits* bits = reinterpret_cast<const Bits*>(input);
 #pragma unroll
-    for (int j = 0; j < kPerLine; ++j) {
-      const std::size_t i = line * kPerLine + j;
-      if (i < count) words[j * sizeof(T) / 4] |= std::uint32_t(bits[i]) << ((8 * sizeof(T) * j) % 32);
-    }
+  for (int j = 0; j < kPerLine; ++j) {
+    const std::size_t i = line * kPerLine + j;
+    if (i < count) words[j * sizeof(T) / 4] |= std::uint32_t(bits[i]) << ((8 * sizeof(T) * j) % 32);
   }
-  return PushLine{words[0], flag, words[1], flag};
+  return make_uint2(words[0], words[1]);
 }
+
+// Threads per block of a push grid while max_blocks of them carry the payload: fewer lines per SM.
+constexpr int kPushThreads = kThreads;
 
 // Element j of a line, widened.
 template <typename T>
@@ -88,19 +87,23 @@ __global__ void __launch_bounds__(kThreads)
     push_kernel(__grid_constant__ const Signal<N> signal, const T* input, T* output, std::size_t count,
                 TaggedCall call) {
   constexpr int kPerLine = 8 / sizeof(T);
-  const bool stopped = signal.stopped();  // loaded while the launch is counted
+  const std::size_t line = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const bool carries = line < (count + kPerLine - 1) / kPerLine;
+  // The input, the stop words and the launch counter are loaded together, not one after the other.
+  const uint2 words =
+      carries ? words_of(input, line, count, reinterpret_cast<std::uintptr_t>(input) % 8 == 0) : make_uint2(0, 0);
+  const bool stopped = signal.stopped();
   const std::uint64_t launch = signal.next_launch();
   if (stopped) {  // as at a barrier: nothing of this launch reaches the peers
     if (blockIdx.x == 0 && threadIdx.x == 0) signal.note_asked(launch, call.call);
     return;
   }
-  const std::size_t line = std::size_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (line >= (count + kPerLine - 1) / kPerLine) return;
+  if (!carries) return;
   const std::uint32_t flag = push_flag(launch, call);
   const auto part_of = [&](int owner, int source) {
     return pushed_lines(signal.peers.at(owner), signal.push, launch, source);
   };
-  const PushLine mine = line_of(input, line, count, flag, reinterpret_cast<std::uintptr_t>(input) % 8 == 0);
+  const PushLine mine{words.x, flag, words.y, flag};
 #pragma unroll
   for (int p = 0; p < N; ++p) {
     if (p != signal.rank) store_line(part_of(p, signal.rank) + line, mine);
@@ -233,8 +236,9 @@ void oneshot_all_reduce(const GroupView& group, std::uintptr_t input, std::uintp
     } else if (pushed) {
       // A thread per line: oneshot_pushes holds the lines to what max_blocks grids carry.
       const std::size_t lines = (count * sizeof(T) + 7) / 8;
-      const int blocks = int(std::max<std::size_t>((lines + kThreads - 1) / kThreads, 1));
-      push_kernel<T, N><<<blocks, kThreads, 0, stream>>>(signal, in, out, count, call);
+      const int threads = lines <= std::size_t(group.max_blocks) * kPushThreads ? kPushThreads : kThreads;
+      const int blocks = int(std::max<std::size_t>((lines + threads - 1) / threads, 1));
+      push_kernel<T, N><<<blocks, threads, 0, stream>>>(signal, in, out, count, call);
     } else {
       const std::size_t wanted = (count + kThreads * 4 - 1) / (kThreads * 4);
       const int blocks = int(std::clamp<std::size_t>(wanted, 1, std::size_t(group.max_blocks)));

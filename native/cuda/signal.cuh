@@ -122,11 +122,12 @@ struct Signal {
   // This launch's number, the same in every block: each block advances its own counter and block 0
   // those of the blocks this grid lacks, so every block of every launch picks the same slot
   // whatever the grids before it were (with per-block parities a block could overwrite a region
-  // that another block index of the previous launch still has peers reading). Every thread calls
-  // it; it syncs.
+  // that another block index of the previous launch still has peers reading). The block's own
+  // counter is the last thread's, a warp that advances no other: the first warp did both, one
+  // round trip to memory after the other. Every thread calls it; it syncs.
   __device__ __forceinline__ std::uint64_t next_launch() const {
     __shared__ std::uint64_t launch;
-    if (threadIdx.x == 0) {
+    if (threadIdx.x == blockDim.x - 1) {
       std::uint64_t* launches = word(mine(), kCounterOffset + std::size_t(blockIdx.x) * 16);
       launch = *launches + 1;
       *launches = launch;
