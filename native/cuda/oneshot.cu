@@ -53,7 +53,7 @@ __device__ __forceinline__ uint2 words_of(const T* input, std::size_t line, std:
 }
 
 // Threads per block of a push grid while max_blocks of them carry the payload: fewer lines per SM.
-constexpr int kPushThreads = kThreads;
+constexpr int kPushThreads = 256;
 
 // Element j of a line, widened.
 template <typename T>
