@@ -52,7 +52,8 @@ __device__ __forceinline__ uint2 words_of(const T* input, std::size_t line, std:
   return make_uint2(words[0], words[1]);
 }
 
-// Threads per block of a push grid while max_blocks of them carry the payload: fewer lines per SM.
+// Threads per block of a push grid while max_blocks of them carry its lines: twice the blocks of
+// kThreads, half the warps polling on each SM (docs/bench-gpu.md, "The constants in the kernels").
 constexpr int kPushThreads = 256;
 
 // Element j of a line, widened.
